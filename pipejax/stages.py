@@ -61,7 +61,8 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
     return variables.get("params", {})
 
   def apply(params, x, rng):
-    return module.apply({"params": params}, x, rngs={"dropout": rng}, **apply_kwargs)
+    rngs = None if rng is None else {"dropout": rng}
+    return module.apply({"params": params}, x, rngs=rngs, **apply_kwargs)
 
   return Stage(init=init, apply=apply, name=stage_name,
                input_shape=tuple(input_shape) if input_shape is not None else None)

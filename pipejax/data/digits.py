@@ -1,0 +1,31 @@
+"""scikit-learn's bundled handwritten digits (1797 8×8 images, 10 classes), for the smallest runs.
+
+No download: the data ships inside scikit-learn. Pixels are the dataset's integer counts 0..16,
+stored as uint8 ``(8, 8, 1)``. The train/test split is fixed (a permutation seeded with 0, the
+last 360 examples, 20%, for test), so accuracies are comparable between runs and machines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipejax.data.source import ArraySource, Normalization
+
+NUM_TEST = 360
+SPLIT_SEED = 0
+# Mean and std of all 1797 images (pixel counts 0..16).
+NORMALIZATION = Normalization(mean=(4.884,), std=(6.017,))
+
+
+def load_digits() -> tuple[ArraySource, ArraySource]:
+  """The fixed train (1437) and test (360) splits; examples are ``(8, 8, 1)`` uint8 in 0..16."""
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top  (slow import, rarely used)
+
+  digits = datasets.load_digits()
+  images = digits.images.astype(np.uint8)[..., None]
+  labels = digits.target.astype(np.int32)
+  order = np.random.default_rng(SPLIT_SEED).permutation(len(labels))
+  train, test = order[:-NUM_TEST], order[-NUM_TEST:]
+  return (ArraySource(images[train], labels[train], 10, "digits:train",
+                      normalization=NORMALIZATION),
+          ArraySource(images[test], labels[test], 10, "digits:test", normalization=NORMALIZATION))

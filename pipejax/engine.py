@@ -1,0 +1,420 @@
+"""The pipeline engine: fine-grained Pipelined Backpropagation as a pure function over a pytree.
+
+Timing (DESIGN.md §2). Sample n enters stage 0 at tick n; stage s forwards it at tick n + s and
+backwards it at tick n + 2(S-1) - s, so stage s applies D_s = 2(S-1-s) updates in between and keeps
+the inputs of D_s + 1 samples in its delay line. A tick reads only what the previous tick wrote:
+
+* stage s's input is the ``forward_out`` register of stage s-1 (stage 0's is the new micro-batch);
+* the cotangent of stage s's output is the ``backward_out`` register of stage s+1 (the last stage
+  meets the loss instead, in the same tick as its forward);
+* the micro-batch to backward is the oldest entry of stage s's own delay line.
+
+So every stage of a tick is independent of the others: the loop over stages below could run them
+in any order or on different devices (``pipejax.sharding`` does exactly that).
+
+Each stage, each tick: forward the new input with ``method.forward_weights``; write the input
+into slot ``t mod (D+1)`` of the delay line; read slot ``(t+1) mod (D+1)`` (written D ticks ago);
+recompute the stage on it with ``method.backward_weights`` and take the VJP; update with the
+stage's own optax transformation. Slots that hold no sample (fill, drain, synchronous bubbles) are
+marked invalid, and an invalid backward leaves weights and optimizer state untouched: until stage
+s has seen its first backward its updates are exactly zero, and its optimizer step count is the
+number of samples it has learned from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipejax import accounting
+from pipejax.methods import Method
+from pipejax.stages import Model
+
+PyTree = Any
+
+
+class PipelineError(ValueError):
+  """Bad input at the pipeline's boundary; the message says what is wrong and how to fix it."""
+
+
+class Packet(NamedTuple):
+  """A micro-batch in flight between stages: activations and what travels with them."""
+
+  x: PyTree
+  labels: PyTree
+  valid: jax.Array  # bool[]: False for the empty slots of fill, drain and synchronous bubbles.
+  index: jax.Array  # int32[]: tick at which the sample entered; seeds its per-stage randomness.
+
+
+class DelayLine(NamedTuple):
+  """A ring buffer of the D_s + 1 inputs (and, for PipeDream, weights) a stage holds in flight."""
+
+  x: PyTree  # leaves of shape (D_s + 1, b, ...)
+  valid: jax.Array  # (D_s + 1,) bool
+  index: jax.Array  # (D_s + 1,) int32
+  weights: PyTree  # (D_s + 1, ...) weight copies for weight stashing, else None
+
+
+class StageState(NamedTuple):
+  params: PyTree
+  opt_state: PyTree
+  delay_line: DelayLine
+  forward_out: Packet | None  # what this stage forwarded last tick (None for the last stage)
+  backward_out: PyTree | None  # d loss / d input from last tick (None for stage 0)
+
+
+class PipelineState(NamedTuple):
+  stages: tuple[StageState, ...]
+  tick: jax.Array  # int32: ticks done so far; the next micro-batch is sample number `tick`.
+  rng: jax.Array  # uint32 key; per-sample, per-stage keys are folded from it.
+
+
+class Batch(NamedTuple):
+  """One tick's micro-batch (or, with a leading time axis, many ticks' worth)."""
+
+  inputs: PyTree  # (b, ...) per tick
+  labels: PyTree  # (b, ...) per tick
+  valid: jax.Array  # bool per tick: False feeds an empty slot (drain, bubbles)
+
+
+def _tree_where(cond, new, old):
+  return optax.tree_utils.tree_where(cond, new, old)
+
+
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
+            if jnp.issubdtype(a.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _spec(tree):
+  # The array's own dtype, not JAX's canonical one: a float64 batch must not pass silently as the
+  # float32 the pipeline was built for.
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype
+                                                     if not hasattr(a, "dtype") else a.dtype),
+                      tree)
+
+
+def _canonical(spec):
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype)), spec)
+
+
+def _describe(tree) -> str:
+  return str(jax.tree.map(lambda a: f"{tuple(a.shape)} {jnp.dtype(a.dtype).name}", tree))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+  """A model, a method and the shape of one micro-batch: everything static about a pipeline.
+
+  Construction traces every stage abstractly, so a stage that does not fit the next one, S = 0 or
+  an empty micro-batch is an error here, before anything runs. ``init``, ``tick``, ``run`` and
+  ``drain`` are then pure functions of a :class:`PipelineState`.
+
+  Args:
+    model: the stages and the loss.
+    method: weight views and per-stage update rule (``pipejax.methods``).
+    example_inputs: one micro-batch of inputs, shape ``(b, ...)`` (arrays or ShapeDtypeStructs).
+    example_labels: the matching labels, shape ``(b, ...)``.
+  """
+
+  model: Model
+  method: Method
+  example_inputs: PyTree
+  example_labels: PyTree
+
+  def __post_init__(self):
+    inputs, labels = _canonical(_spec(self.example_inputs)), _canonical(_spec(self.example_labels))
+    batch_sizes = {a.shape[0] if a.shape else None for a in jax.tree.leaves((inputs, labels))}
+    if len(batch_sizes) != 1 or None in batch_sizes:
+      raise PipelineError(
+          f"Inputs {_describe(inputs)} and labels {_describe(labels)} must share one leading "
+          "micro-batch axis of size b >= 1. Give one micro-batch, e.g. inputs of shape (b, 784) "
+          "and labels of shape (b,).")
+    (b,) = batch_sizes
+    if b < 1:
+      raise PipelineError("The micro-batch size b must be at least 1 (got b = 0). PB trains with "
+                          "b = 1 and up; give example inputs with a non-empty leading axis.")
+    object.__setattr__(self, "example_inputs", inputs)
+    object.__setattr__(self, "example_labels", labels)
+    params, stage_inputs = self.model.trace_shapes(jax.random.PRNGKey(0), inputs)
+    object.__setattr__(self, "_params_shapes", params)
+    object.__setattr__(self, "_stage_inputs", stage_inputs)
+    self._check_loss()
+    jitted_run = jax.jit(self._run, donate_argnums=0)
+    object.__setattr__(self, "_jit_tick", jax.jit(self._tick))
+    object.__setattr__(self, "_jit_run", jitted_run)
+
+  # ------------------------------------------------------------------ static facts
+
+  @property
+  def num_stages(self) -> int:
+    return self.model.num_stages
+
+  @property
+  def micro_batch_size(self) -> int:
+    return jax.tree.leaves(self.example_inputs)[0].shape[0]
+
+  @property
+  def delays(self) -> list[int]:
+    return accounting.stage_delays(self.num_stages)
+
+  @property
+  def stage_input_shapes(self) -> list[PyTree]:
+    """ShapeDtypeStructs of each stage's input micro-batch."""
+    return list(self._stage_inputs)
+
+  def stash_bytes(self) -> int:
+    """Bytes of stashed activations by the formula sum_s (D_s + 1) |x_s|."""
+    return accounting.stash_bytes(self._stage_inputs)
+
+  @staticmethod
+  def held_stash_bytes(state: PipelineState) -> int:
+    """Bytes of stashed activations actually held in ``state``'s delay lines."""
+    return sum(accounting.tree_bytes(st.delay_line.x) for st in state.stages)
+
+  def _check_loss(self):
+    last_out = jax.eval_shape(self.model.stages[-1].apply, self._params_shapes[-1],
+                              self._stage_inputs[-1], jax.random.PRNGKey(0))
+    try:
+      loss, _ = jax.eval_shape(self.model.loss, last_out, self.example_labels)
+    except Exception as e:
+      raise PipelineError(
+          f"The loss cannot take the last stage's output {_describe(last_out)} with labels "
+          f"{_describe(self.example_labels)}: {str(e).strip().splitlines()[0]}. Check the "
+          "number of classes of the last stage and the labels' shape.") from None
+    if loss.shape != ():
+      raise PipelineError(f"The loss must return a scalar (mean over the micro-batch); it "
+                          f"returned shape {loss.shape}.")
+
+  # ------------------------------------------------------------------ state
+
+  def init(self, rng: jax.Array, fill_value: float = 0.0) -> PipelineState:
+    """A fresh pipeline: initial weights, optimizer states, empty delay lines and registers.
+
+    Empty slots hold ``fill_value`` (floating leaves; integer leaves hold 0) and are flagged
+    invalid. Tests fill them with NaN to prove that nothing empty ever reaches weights or metrics.
+    """
+    param_key, run_key = jax.random.split(rng)
+    keys = jax.random.split(param_key, self.num_stages)
+
+    def filled(spec, leading=()):
+      return jax.tree.map(
+          lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
+                             else 0, a.dtype), spec)
+
+    def empty_packet(x_spec):
+      return Packet(filled(x_spec), filled(self.example_labels), jnp.array(False),
+                    jnp.array(-1, jnp.int32))
+
+    stages = []
+    for s, stage in enumerate(self.model.stages):
+      x_spec = self._stage_inputs[s]
+      params = stage.init(keys[s], jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec))
+      tx = self.method.optimizer(self.delays[s])
+      slots = self.delays[s] + 1
+      weights = (jax.tree.map(lambda p: jnp.full((slots,) + p.shape, fill_value, p.dtype), params)
+                 if self.method.stash_forward_weights else None)
+      delay_line = DelayLine(filled(x_spec, (slots,)), jnp.zeros((slots,), bool),
+                             jnp.full((slots,), -1, jnp.int32), weights)
+      is_last = s == self.num_stages - 1
+      forward_out = None if is_last else empty_packet(self._stage_inputs[s + 1])
+      backward_out = None if s == 0 else filled(x_spec)
+      stages.append(StageState(params, tx.init(params), delay_line, forward_out, backward_out))
+    return PipelineState(tuple(stages), jnp.array(0, jnp.int32), run_key)
+
+  # ------------------------------------------------------------------ one tick
+
+  def _stage_key(self, rng, index, s):
+    return jax.random.fold_in(jax.random.fold_in(rng, index), s)
+
+  def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
+                    tick: jax.Array, rng: jax.Array):
+    """Stage s's work in one tick: forward, stash, backward, update.
+
+    Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
+    forwarded last tick; ``cotangent`` what stage s+1 sent back last tick (ignored for the last
+    stage, which meets the loss). This function is the whole algorithm; single- and multi-device
+    ticks only route registers between calls of it.
+    """
+    stage, method = self.model.stages[s], self.method
+    delay = self.delays[s]
+    slots = delay + 1
+    is_first, is_last = s == 0, s == self.num_stages - 1
+    metrics = {}
+
+    # Forward the new micro-batch (the last stage's forward happens inside its backward below).
+    forward_params = method.forward_weights(st.params, st.opt_state, delay)
+    forward_out, forward_ok = None, jnp.array(True)
+    if not is_last:
+      y = stage.apply(forward_params, inbound.x, self._stage_key(rng, inbound.index, s))
+      forward_out = Packet(y, inbound.labels, inbound.valid, inbound.index)
+      forward_ok = jnp.logical_or(~inbound.valid, _all_finite(y))
+
+    # Stash the input; read back the one written D ticks ago (the same slot when D = 0).
+    write, read = tick % slots, (tick + 1) % slots
+    put = lambda buf, v: jax.tree.map(lambda b, a: b.at[write].set(a), buf, v)
+    line = st.delay_line
+    line = DelayLine(put(line.x, inbound.x), line.valid.at[write].set(inbound.valid),
+                     line.index.at[write].set(inbound.index),
+                     put(line.weights, forward_params) if method.stash_forward_weights else None)
+    take = lambda buf: jax.tree.map(lambda b: b[read], buf)
+    x_old, valid, index = take(line.x), line.valid[read], line.index[read]
+    backward_params = (take(line.weights) if method.stash_forward_weights
+                       else method.backward_weights(st.params, st.opt_state, delay))
+    key = self._stage_key(rng, index, s)
+
+    # Backward: recompute the stage on the stashed input and take the VJP.
+    backward_out = None
+    if is_last:
+      def loss_of(w, x):
+        return self.model.loss(stage.apply(w, x, key), inbound.labels)
+      loss, vjp, aux = jax.vjp(loss_of, backward_params, x_old, has_aux=True)
+      grads, backward_out = vjp(jnp.ones_like(loss))
+      metrics["loss"] = jnp.where(valid, loss, 0.0)
+      metrics.update({k: jnp.where(valid, v, 0.0) for k, v in aux.items()})
+      metrics["valid"] = valid
+      metrics["sample"] = index
+      backward_ok = jnp.logical_or(~valid, jnp.isfinite(loss))
+    elif is_first:  # nobody needs d loss / d data: skip that product.
+      _, vjp = jax.vjp(lambda w: stage.apply(w, x_old, key), backward_params)
+      (grads,) = vjp(cotangent)
+      backward_ok = jnp.array(True)
+    else:
+      _, vjp = jax.vjp(lambda w, x: stage.apply(w, x, key), backward_params, x_old)
+      grads, backward_out = vjp(cotangent)
+      backward_ok = jnp.logical_or(~valid, _all_finite(backward_out))
+    if is_first:
+      backward_out = None
+
+    # Update with the stage's own transformation; an empty slot changes nothing.
+    tx = method.optimizer(delay)
+    grads = _tree_where(valid, grads, jax.tree.map(jnp.zeros_like, grads))
+    updates, new_opt_state = tx.update(grads, st.opt_state, st.params)
+    new_params = optax.apply_updates(st.params, updates)
+    params, opt_state = _tree_where(valid, (new_params, new_opt_state), (st.params, st.opt_state))
+
+    # A NaN weight shows in the stage's own output within a tick; checking activations instead of
+    # every weight keeps the tick's cost independent of the parameter count.
+    metrics["finite"] = jnp.logical_and(forward_ok, backward_ok)
+    return StageState(params, opt_state, line, forward_out, backward_out), metrics
+
+  def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
+                     cotangent: PyTree, tick, rng):
+    """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
+
+    ``inbound`` is the packet entering the group's first stage, ``cotangent`` the gradient entering
+    its last (None when the group ends with the model's last stage).
+    """
+    new_stages, stage_metrics = [], []
+    for i, st in enumerate(stages):
+      s = first + i
+      stage_in = inbound if i == 0 else stages[i - 1].forward_out
+      stage_cot = cotangent if i == len(stages) - 1 else stages[i + 1].backward_out
+      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng)
+      new_stages.append(new_st)
+      stage_metrics.append(m)
+    return tuple(new_stages), stage_metrics
+
+  def _tick(self, state: PipelineState, batch: Batch):
+    inbound = Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
+    stages, stage_metrics = self.advance_stages(0, state.stages, inbound, None, state.tick,
+                                                state.rng)
+    metrics = dict(stage_metrics[-1])
+    metrics["finite"] = jnp.stack([m["finite"] for m in stage_metrics])
+    return PipelineState(stages, state.tick + 1, state.rng), metrics
+
+  def _run(self, state: PipelineState, batches: Batch):
+    return jax.lax.scan(self._tick, state, batches)
+
+  # ------------------------------------------------------------------ public, checked entry points
+
+  def tick(self, state: PipelineState, inputs, labels, valid=True):
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
+
+    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
+    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
+    ``finite`` (one flag per stage).
+    """
+    batch = self._checked_batch(inputs, labels, valid, ticks=None)
+    return self._jit_tick(state, batch)
+
+  def run(self, state: PipelineState, inputs, labels, valid=None):
+    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
+
+    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
+    stacked along T.
+    """
+    batch = self._checked_batch(inputs, labels, valid, ticks=True)
+    return self._jit_run(state, batch)
+
+  def drain(self, state: PipelineState):
+    """Finishes every backward in flight by feeding 2(S-1) empty ticks."""
+    ticks = accounting.fill_ticks(self.num_stages)
+    if ticks == 0:
+      return state, None
+    empty = lambda spec: jnp.zeros((ticks,) + spec.shape, spec.dtype)
+    return self.run(state, jax.tree.map(empty, self.example_inputs),
+                    jax.tree.map(empty, self.example_labels), jnp.zeros((ticks,), bool))
+
+  def schedule(self, inputs, labels):
+    """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
+
+    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds groups of M
+    followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
+    """
+    leaves = jax.tree.leaves((inputs, labels))
+    count = leaves[0].shape[0]
+    m = self.method.micro_batches_per_step
+    if m is None:
+      return inputs, labels, np.ones((count,), bool)
+    if count % m:
+      raise PipelineError(f"The synchronous mode steps every M = {m} micro-batches; got {count}, "
+                          f"which is not a multiple of {m}. Feed whole groups.")
+    gap = accounting.bubble_ticks(self.num_stages, m)
+    groups = count // m
+
+    def spread(a):
+      a = np.asarray(a).reshape((groups, m) + a.shape[1:])
+      pad = np.zeros((groups, gap) + a.shape[2:], a.dtype)
+      return np.concatenate([a, pad], axis=1).reshape((groups * (m + gap),) + a.shape[2:])
+
+    valid = spread(np.ones((count,), bool))
+    return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
+
+  def _checked_batch(self, inputs, labels, valid, ticks):
+    lead = ()
+    if ticks:
+      leaves = jax.tree.leaves((inputs, labels))
+      if not leaves or any(np.ndim(a) == 0 for a in leaves):
+        raise PipelineError("run() takes inputs and labels with a leading time axis (ticks, b, "
+                            "...); use tick() for a single micro-batch.")
+      lead = (np.shape(leaves[0])[0],)
+    for what, got, want in (("inputs", inputs, self.example_inputs),
+                            ("labels", labels, self.example_labels)):
+      got_spec = _spec(got)
+      if jax.tree.structure(got_spec) != jax.tree.structure(want):
+        raise PipelineError(f"The {what} have structure {jax.tree.structure(got_spec)} but the "
+                            f"pipeline was built for {jax.tree.structure(want)}.")
+      for g, w in zip(jax.tree.leaves(got_spec), jax.tree.leaves(want)):
+        if tuple(g.shape) != lead + tuple(w.shape) or g.dtype != w.dtype:
+          expected = f"{lead + tuple(w.shape)} {jnp.dtype(w.dtype).name}"
+          raise PipelineError(
+              f"The {what} have shape {tuple(g.shape)} {jnp.dtype(g.dtype).name} but the pipeline "
+              f"was built for {expected}"
+              + (" (ticks, micro-batch, ...)" if ticks else " (micro-batch, ...)")
+              + ". Reshape or cast the batch (e.g. .astype(np.float32)), or build the pipeline "
+              "for this shape.")
+    if valid is None:
+      valid = np.ones(lead, bool)
+    valid = jnp.asarray(valid, bool)
+    if valid.shape != lead:
+      raise PipelineError(f"valid must have shape {lead} (one flag per tick); got {valid.shape}.")
+    return Batch(inputs, labels, valid)

@@ -1,0 +1,182 @@
+"""A deliberately naive reference for the pipeline (DESIGN.md §2): the ground truth of the tests.
+
+Python loops over ticks and stages; a dict per stage from sample index to stashed input; the full
+history of each stage's weights; no ring buffers, no scan, no optax. Update rules and weight views
+are written out in numpy from the formulas of DESIGN.md §3, so the engine and its optax
+transformations are checked against an independent statement of the same mathematics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ----------------------------------------------------------------------------- update rules
+
+
+@dataclasses.dataclass
+class Momentum:
+  """Heavy ball v <- m v + g, w <- w - lr * u with u = a v + b g (Spike Compensation when sc)."""
+
+  lr: float
+  momentum: float
+  delay: int = 0
+  spike_compensation: bool = False
+
+  def init(self, w):
+    self.v = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def step(self, w, g):
+    m, d = self.momentum, self.delay
+    a, b = (m ** d, (1 - m ** d) / (1 - m)) if self.spike_compensation else (1.0, 0.0)
+    self.v = [m * v + gi for v, gi in zip(self.v, g)]
+    self.count += 1
+    return [wi - self.lr * (a * v + b * gi) for wi, v, gi in zip(w, self.v, g)]
+
+
+@dataclasses.dataclass
+class PipeMareRule:
+  """Momentum with lr * tau^-(1 - min(k/K, 1)), tau = max(D, 1); tracks delta = EMA of updates."""
+
+  lr: float
+  momentum: float
+  delay: int
+  anneal_steps: int
+  gamma: float
+
+  def init(self, w):
+    self.v = [np.zeros_like(x) for x in w]
+    self.delta = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def step(self, w, g):
+    tau = max(self.delay, 1)
+    lr = self.lr * tau ** (-(1 - min(self.count / self.anneal_steps, 1.0)))
+    self.v = [self.momentum * v + gi for v, gi in zip(self.v, g)]
+    new_w = [wi - lr * v for wi, v in zip(w, self.v)]
+    self.delta = [self.gamma * d + (1 - self.gamma) * (nw - wi)
+                  for d, nw, wi in zip(self.delta, new_w, w)]
+    self.count += 1
+    return new_w
+
+
+@dataclasses.dataclass
+class Accumulate:
+  """Synchronous mode: average M gradients, then one step of the inner rule."""
+
+  inner: Momentum
+  micro_batches: int
+
+  def init(self, w):
+    self.inner.init(w)
+    self.pending = []
+
+  def step(self, w, g):
+    self.pending.append(g)
+    if len(self.pending) < self.micro_batches:
+      return w
+    mean = [np.mean(np.stack(parts), axis=0) for parts in zip(*self.pending)]
+    self.pending = []
+    return self.inner.step(w, mean)
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+@dataclasses.dataclass
+class OracleMethod:
+  """forward / backward: 'current', 'stashed' (PipeDream), 'predicted_update',
+  'predicted_velocity', 'pipemare'."""
+
+  make_rule: callable  # delay -> rule
+  forward: str = "current"
+  backward: str = "current"
+  horizon: int | None = None  # LWP horizon; None: the stage's delay
+
+
+def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=None):
+  """Runs the pipeline naively; returns (final params per stage, metrics per tick).
+
+  ``init_params``: per-stage param pytrees; ``inputs``/``labels``: per-tick arrays (T, b, ...).
+  """
+  num_stages = model.num_stages
+  num_ticks = len(inputs)
+  valid = np.ones(num_ticks, bool) if valid is None else np.asarray(valid)
+  treedefs = [jax.tree.structure(p) for p in init_params]
+  weights = [[np.asarray(x, np.float64) for x in jax.tree.leaves(p)] for p in init_params]
+  history = [[w] for w in weights]  # history[s][t]: weights at the start of tick t
+  applied = [[] for _ in range(num_stages)]  # the updates actually applied, in order
+  rules = []
+  for s in range(num_stages):
+    rule = method.make_rule(2 * (num_stages - 1 - s))
+    rule.init(weights[s])
+    rules.append(rule)
+  stashed = [dict() for _ in range(num_stages)]  # sample -> input
+  forward_weights_used = [dict() for _ in range(num_stages)]  # sample -> weights (PipeDream)
+  outputs = {}  # (stage, sample) -> output
+  cotangents = {}  # (stage, sample) -> d loss / d input of that stage
+  metrics = []
+
+  def as_tree(s, leaves):
+    return jax.tree.unflatten(treedefs[s], [jnp.asarray(x, jnp.float32) for x in leaves])
+
+  def view(s, kind, t):
+    w = history[s][t]
+    delay = 2 * (num_stages - 1 - s)
+    horizon = delay if method.horizon is None else method.horizon
+    if kind == "current":
+      return w
+    if kind == "predicted_update":
+      last = applied[s][-1] if applied[s] else [np.zeros_like(x) for x in w]
+      return [x + horizon * u for x, u in zip(w, last)]
+    if kind == "predicted_velocity":
+      rule = rules[s]
+      return [x - rule.lr * horizon * v for x, v in zip(w, rule.v)]
+    if kind == "pipemare":
+      return [x - delay * d for x, d in zip(w, rules[s].delta)]
+    raise ValueError(kind)
+
+  for t in range(num_ticks):
+    tick_metrics = {"valid": False, "loss": 0.0}
+    new_weights = list(weights)
+    for s in range(num_stages):
+      stage = model.stages[s]
+      delay = 2 * (num_stages - 1 - s)
+      key = lambda n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), n), s)
+      n = t - s  # forwarded this tick
+      if 0 <= n < num_ticks and valid[n]:
+        x = jnp.asarray(inputs[n]) if s == 0 else outputs[(s - 1, n)]
+        w_f = view(s, method.forward, t)
+        forward_weights_used[s][n] = w_f
+        stashed[s][n] = x
+        if s < num_stages - 1:
+          outputs[(s, n)] = stage.apply(as_tree(s, w_f), x, key(n))
+      m = t - 2 * (num_stages - 1) + s  # backwarded this tick
+      if 0 <= m < num_ticks and valid[m]:
+        x = stashed[s].pop(m)
+        w_b = forward_weights_used[s].pop(m) if method.backward == "stashed" else \
+            view(s, method.backward, t)
+        w_tree = as_tree(s, w_b)
+        if s == num_stages - 1:
+          f = lambda w, x: model.loss(stage.apply(w, x, key(m)), jnp.asarray(labels[m]))
+          (loss, aux), (g_w, g_x) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(w_tree, x)
+          tick_metrics = {"valid": True, "loss": float(loss), "sample": m,
+                          **{k: float(v) for k, v in aux.items()}}
+        else:
+          _, vjp = jax.vjp(lambda w, x: stage.apply(w, x, key(m)), w_tree, x)
+          g_w, g_x = vjp(cotangents.pop((s + 1, m)))
+        if s > 0:
+          cotangents[(s, m)] = g_x
+        g = [np.asarray(x, np.float64) for x in jax.tree.leaves(g_w)]
+        new_weights[s] = rules[s].step(weights[s], g)
+        applied[s].append([a - b for a, b in zip(new_weights[s], weights[s])])
+        del delay
+    weights = new_weights
+    for s in range(num_stages):
+      history[s].append(weights[s])
+    metrics.append(tick_metrics)
+  return [as_tree(s, w) for s, w in enumerate(weights)], metrics

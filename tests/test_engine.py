@@ -1,0 +1,242 @@
+"""The engine against the naive oracle, the two exact identities, NaN fill, and boundary errors."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pipejax
+from pipejax import accounting, methods
+from pipejax.engine import Pipeline, PipelineError
+from tests import oracle
+
+IN_DIM, NUM_CLASSES = 6, 4
+WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
+LR, MOMENTUM = 0.05, 0.9
+
+
+def make_model(widths=WIDTHS):
+  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
+            for w in widths]
+  return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
+
+
+def make_stream(num_ticks, b, seed=0):
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (num_ticks, b, IN_DIM))
+  y = jax.random.randint(ky, (num_ticks, b), 0, NUM_CLASSES)
+  return np.asarray(x), np.asarray(y)
+
+
+def stage_params(state):
+  """A host copy of every stage's weights (run() donates the state it is given)."""
+  return jax.tree.map(np.array, [st.params for st in state.stages])
+
+
+def assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+CASES = {
+    "pb": (lambda: methods.pb(optax.sgd(LR, momentum=MOMENTUM)),
+           oracle.OracleMethod(lambda d: oracle.Momentum(LR, MOMENTUM))),
+    "pipedream": (lambda: methods.pipedream(optax.sgd(LR, momentum=MOMENTUM)),
+                  oracle.OracleMethod(lambda d: oracle.Momentum(LR, MOMENTUM),
+                                      backward="stashed")),
+    "sync": (lambda: methods.sync(optax.sgd(LR, momentum=MOMENTUM), micro_batches=2),
+             oracle.OracleMethod(lambda d: oracle.Accumulate(oracle.Momentum(LR, MOMENTUM), 2))),
+}
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_engine_matches_naive_oracle(name, b):
+  make_method, oracle_method = CASES[name]
+  model = make_model()
+  num_stages = model.num_stages
+  x, y = make_stream(3 * num_stages + 2, b)
+  pipe = Pipeline(model, make_method(), x[0], y[0])
+  x, y, valid = pipe.schedule(x, y)
+  assert len(valid) >= 3 * num_stages
+  state = pipe.init(jax.random.PRNGKey(42))
+  init_params = stage_params(state)
+  expected_params, expected_metrics = oracle.run_oracle(model, oracle_method, init_params, x, y,
+                                                        valid)
+  state, metrics = pipe.run(state, x, y, valid)
+  assert_trees_close(stage_params(state), expected_params)
+  expected_valid = np.array([m["valid"] for m in expected_metrics])
+  np.testing.assert_array_equal(np.asarray(metrics["valid"]), expected_valid)
+  assert expected_valid.sum() >= 2 * num_stages  # many samples met the loss, not just one
+  np.testing.assert_allclose(np.asarray(metrics["loss"]),
+                             [m["loss"] for m in expected_metrics], rtol=2e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(metrics["accuracy"]),
+                             [m.get("accuracy", 0.0) for m in expected_metrics])
+  # The weights did move: the comparison above is not between two untouched initialisations.
+  moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
+           for a, b in zip(jax.tree.leaves(stage_params(state)), jax.tree.leaves(init_params))]
+  assert min(moved) > 1e-4
+
+
+def test_drain_finishes_every_backward_in_flight():
+  model = make_model()
+  x, y = make_stream(5, 2)
+  pipe = Pipeline(model, methods.pb(optax.sgd(LR, momentum=MOMENTUM)), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  init_params = stage_params(state)
+  state, run_metrics = pipe.run(state, x, y)
+  state, drain_metrics = pipe.drain(state)
+  pad = accounting.fill_ticks(model.num_stages)
+  x_all = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+  y_all = np.concatenate([y, np.zeros((pad,) + y.shape[1:], y.dtype)])
+  valid = np.arange(len(x_all)) < len(x)
+  expected_params, expected_metrics = oracle.run_oracle(
+      model, CASES["pb"][1], init_params, x_all, y_all, valid)
+  assert_trees_close(stage_params(state), expected_params)
+  # After draining, every one of the 5 samples has met the loss exactly once.
+  met = np.concatenate([run_metrics["sample"][run_metrics["valid"]],
+                        drain_metrics["sample"][drain_metrics["valid"]]])
+  np.testing.assert_array_equal(met, np.arange(5))
+  assert sum(m["valid"] for m in expected_metrics) == 5
+
+
+@pytest.mark.parametrize("name", ["pb", "pipedream"])
+def test_nan_in_empty_slots_never_reaches_weights_or_metrics(name):
+  model = make_model()
+  x, y = make_stream(3 * model.num_stages, 1)
+  pipe = Pipeline(model, CASES[name][0](), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0), fill_value=jnp.nan)
+  # The delay lines and registers really start out poisoned.
+  assert np.isnan(np.asarray(state.stages[1].delay_line.x)).all()
+  state, metrics = pipe.run(state, x, y)
+  for leaf in jax.tree.leaves((stage_params(state), [st.opt_state for st in state.stages])):
+    assert np.isfinite(np.asarray(leaf)).all()
+  for key, value in metrics.items():
+    assert np.isfinite(np.asarray(value, np.float64)).all(), key
+  assert np.asarray(metrics["finite"]).all()
+  # Poison stays only in slots flagged empty (stage 0's line is 7 slots, 12 ticks: all real now).
+  assert np.isfinite(np.asarray(state.stages[0].delay_line.x)).all()
+
+
+def test_single_stage_is_plain_optax_training():
+  model = pipejax.Model([pipejax.from_flax(nn.Dense(NUM_CLASSES))])
+  x, y = make_stream(10, 3)
+  tx = optax.sgd(LR, momentum=MOMENTUM)
+  pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  params = stage_params(state)[0]
+  state, metrics = pipe.run(state, x, y)
+
+  def loss_fn(p, xb, yb):
+    return model.loss(model.stages[0].apply(p, xb, None), yb)[0]
+
+  def step(carry, batch):
+    p, opt = carry
+    loss, g = jax.value_and_grad(loss_fn)(p, *batch)
+    u, opt = tx.update(g, opt, p)
+    return (optax.apply_updates(p, u), opt), loss
+
+  (params, _), losses = jax.lax.scan(step, (params, tx.init(params)), (x, y))
+  assert_trees_close(state.stages[0].params, params, rtol=1e-7, atol=0)
+  np.testing.assert_allclose(metrics["loss"], losses, rtol=1e-7)
+
+
+def test_synchronous_mode_is_minibatch_sgd_at_batch_m_times_b():
+  model = make_model()
+  m, b, steps = 3, 2, 4
+  x, y = make_stream(m * steps, b)
+  tx = optax.sgd(LR, momentum=MOMENTUM)
+  pipe = Pipeline(model, methods.sync(tx, micro_batches=m), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  params = stage_params(state)
+  state, _ = pipe.run(state, *pipe.schedule(x, y))
+
+  def loss_fn(ps, xb, yb):
+    h = xb
+    for stage, p in zip(model.stages, ps):
+      h = stage.apply(p, h, None)
+    return model.loss(h, yb)[0]
+
+  opt = tx.init(params)
+  for k in range(steps):
+    xb = x[k * m:(k + 1) * m].reshape((m * b, IN_DIM))
+    yb = y[k * m:(k + 1) * m].reshape((m * b,))
+    g = jax.grad(loss_fn)(params, xb, yb)
+    u, opt = tx.update(g, opt, params)
+    params = optax.apply_updates(params, u)
+  assert_trees_close(stage_params(state), params, rtol=1e-5, atol=1e-6)
+
+
+def test_held_stash_bytes_equal_the_formula():
+  model = make_model()
+  b = 3
+  x, y = make_stream(1, b)
+  pipe = Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  # By hand: inputs of widths 6, 5, 7, 3 held D_s + 1 = 7, 5, 3, 1 times, float32, b = 3.
+  by_hand = 4 * b * (7 * IN_DIM + 5 * 5 + 3 * 7 + 1 * 3)
+  assert pipe.stash_bytes() == by_hand
+  assert Pipeline.held_stash_bytes(state) == by_hand
+  assert [st.delay_line.valid.shape[0] for st in state.stages] == [7, 5, 3, 1]
+
+
+def test_misfitting_stage_names_both_stages_and_shapes():
+  stages = [pipejax.from_flax(nn.Dense(5), name="wide"),
+            pipejax.from_flax(nn.Dense(3), name="picky", input_shape=(7,)),
+            pipejax.from_flax(nn.Dense(NUM_CLASSES))]
+  x, y = make_stream(1, 2)
+  with pytest.raises(pipejax.ModelError, match=r"stage 0 \('wide'\).*\(2, 5\).*stage 1 "
+                     r"\('picky'\).*\(7,\)"):
+    Pipeline(pipejax.Model(stages), methods.pb(optax.sgd(LR)), x[0], y[0])
+
+
+def test_conv_stage_fed_a_vector_is_a_clear_error():
+  stages = [pipejax.from_flax(nn.Dense(5), name="dense"),
+            pipejax.from_flax(nn.Conv(4, (3, 3)), name="conv")]
+  x, y = make_stream(1, 2)
+  with pytest.raises(pipejax.ModelError, match=r"stage 0 \('dense'\) produces \(2, 5\).*"
+                     r"stage 1 \('conv'\) cannot take"):
+    Pipeline(pipejax.Model(stages), methods.pb(optax.sgd(LR)), x[0], y[0])
+
+
+def test_no_stages_is_a_clear_error():
+  with pytest.raises(pipejax.ModelError, match="at least one stage"):
+    pipejax.Model([])
+
+
+def test_empty_micro_batch_is_a_clear_error():
+  with pytest.raises(PipelineError, match="b must be at least 1"):
+    Pipeline(make_model(), methods.pb(optax.sgd(LR)), np.zeros((0, IN_DIM), np.float32),
+             np.zeros((0,), np.int32))
+
+
+def test_wrong_batch_shape_or_dtype_is_a_clear_error():
+  x, y = make_stream(4, 2)
+  pipe = Pipeline(make_model(), methods.pb(optax.sgd(LR)), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  with pytest.raises(PipelineError, match=r"inputs have shape \(4, 3, 6\).*built for \(4, 2, 6\)"):
+    pipe.run(state, np.zeros((4, 3, IN_DIM), np.float32), y)
+  with pytest.raises(PipelineError, match=r"inputs have shape \(4, 2, 6\) float64"):
+    pipe.run(state, x.astype(np.float64), y)
+  with pytest.raises(PipelineError, match=r"labels have shape \(2,\) float32"):
+    pipe.tick(state, x[0], y[0].astype(np.float32))
+  with pytest.raises(PipelineError, match="leading time axis"):
+    pipe.run(state, np.float32(1.0), np.int32(0))
+
+
+def test_wrong_number_of_classes_is_a_clear_error():
+  x, y = make_stream(1, 2)
+  model = pipejax.Model([pipejax.from_flax(nn.Dense(3))])
+  y = np.zeros((2, 5), np.int32)  # labels of the wrong rank for cross-entropy
+  with pytest.raises(PipelineError, match="loss cannot take"):
+    Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y)
+
+
+def test_batchnorm_stage_is_refused():
+  stage = pipejax.from_flax(nn.BatchNorm(use_running_average=False), name="bn")
+  x, y = make_stream(1, 1)
+  with pytest.raises(pipejax.ModelError, match="batch_stats.*GroupNorm or LayerNorm"):
+    Pipeline(pipejax.Model([stage, pipejax.from_flax(nn.Dense(4))]),
+             methods.pb(optax.sgd(LR)), x[0], y[0])
