@@ -295,8 +295,10 @@ class Pipeline:
       backward_out = None
 
     # Update with the stage's own transformation; an empty slot changes nothing.
+    # A select, not lax.cond: XLA fuses it into the update's own elementwise loops, while a cond
+    # copies every weight and optimizer slot through its branches. NaN gradients from empty slots
+    # are never selected, so they need no scrubbing.
     tx = method.optimizer(delay)
-    grads = _tree_where(valid, grads, jax.tree.map(jnp.zeros_like, grads))
     updates, new_opt_state = tx.update(grads, st.opt_state, st.params)
     new_params = optax.apply_updates(st.params, updates)
     params, opt_state = _tree_where(valid, (new_params, new_opt_state), (st.params, st.opt_state))

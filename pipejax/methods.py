@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import optax
 
+from pipejax import optim
+
 PyTree = Any
 WeightView = Callable[[PyTree, PyTree, int], PyTree]
 
@@ -93,3 +95,83 @@ def sync(optimizer, micro_batches: int) -> Method:
     return optax.MultiSteps(per_stage(delay), every_k_schedule=micro_batches).gradient_transformation()
 
   return Method("sync", accumulate, micro_batches_per_step=micro_batches)
+
+
+# ----------------------------------------------------------------------------- presets by name
+
+
+def _predicted(params, opt_state, delay):
+  del delay  # the horizon lives in the transformation's state
+  return optim.predicted_params(params, opt_state)
+
+
+def _pipemare_past(params, opt_state, delay):
+  return optim.pipemare_backward_params(params, opt_state, delay)
+
+
+def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay: float = 0.0,
+                micro_batches: int = 1, horizon: int | None = None,
+                anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA) -> Method:
+  """The methods of DESIGN.md §3 by name, with heavy-ball momentum SGD as the base optimizer.
+
+  Args:
+    name: one of :data:`METHODS`.
+    learning_rate: float or optax schedule (in optimizer steps).
+    momentum: heavy-ball momentum ``m`` in ``[0, 1)``.
+    weight_decay: coupled L2 weight decay, added to the gradient.
+    micro_batches: M of the synchronous mode (``sync``); ignored otherwise.
+    horizon: Linear Weight Prediction horizon T; None predicts each stage's own delay D_s.
+    anneal_steps: PipeMare's learning-rate annealing length K, in steps.
+    gamma: PipeMare's discrepancy-correction EMA decay.
+  """
+  if name not in METHODS:
+    raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
+  if not 0 <= momentum < 1:
+    raise MethodError(f"momentum must be in [0, 1); got {momentum}.")
+  if horizon is not None and horizon < 0:
+    raise MethodError(f"The prediction horizon must be >= 0 (or None for the stage's delay); "
+                      f"got {horizon}.")
+
+  def decayed(tx):
+    return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+
+  def momentum_sgd(delay):
+    del delay
+    return decayed(optax.sgd(learning_rate, momentum=momentum))
+
+  def spike_compensated(delay):
+    return optim.sgd_sc(learning_rate, delay, momentum, weight_decay=weight_decay)
+
+  def predicting(base, form="update"):
+    def factory(delay):
+      return optim.linear_weight_prediction(
+          base(delay), delay if horizon is None else horizon, form=form,
+          learning_rate=learning_rate if form == "velocity" else None)
+    return factory
+
+  if name == "sgd":
+    return dataclasses.replace(sync(momentum_sgd, micro_batches=1), name="sgd")
+  if name == "sync":
+    return sync(momentum_sgd, micro_batches=micro_batches)
+  if name == "pb":
+    return Method("pb", momentum_sgd)
+  if name == "pb_sc":
+    return Method("pb_sc", spike_compensated)
+  if name == "pb_lwp":
+    return Method("pb_lwp", predicting(momentum_sgd), forward_weights=_predicted)
+  if name == "pb_sc_lwp":
+    return Method("pb_sc_lwp", predicting(spike_compensated), forward_weights=_predicted)
+  if name == "pipedream":
+    return Method("pipedream", momentum_sgd, stash_forward_weights=True)
+  if name == "spectrain":
+    return Method("spectrain", predicting(momentum_sgd, form="velocity"),
+                  forward_weights=_predicted)
+  # pipemare
+  return Method("pipemare",
+                lambda delay: decayed(optim.pipemare(learning_rate, delay, momentum,
+                                                     anneal_steps, gamma)),
+                backward_weights=_pipemare_past)
+
+
+METHODS = ("sgd", "sync", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain",
+           "pipemare")

@@ -1,0 +1,40 @@
+"""optax transformations for pipelined training: delays, their compensation, and scaling rules.
+
+Every transformation is an ``optax.GradientTransformationExtraArgs`` usable in any JAX code, and
+works under ``optax.inject_hyperparams``; helpers beside them derive the weights a forward or
+backward pass should use (as optax's ``schedule_free_eval_params`` does).
+"""
+
+from pipejax.optim.delay import DelayGradientsState, delay_gradients
+from pipejax.optim.pipemare import (DEFAULT_GAMMA, PipeMareState, pipemare,
+                                    pipemare_backward_params, pipemare_discrepancy,
+                                    pipemare_learning_rate)
+from pipejax.optim.prediction import (WeightPredictionState, linear_weight_prediction,
+                                      predicted_params)
+from pipejax.optim.scaling import Recipe, scale_recipe, steps_for_samples
+from pipejax.optim.spike import (ScaleByAdamSCState, SpikeCompensationState, adam_sc, sgd_sc,
+                                 scale_by_adam_sc, spike_coefficients, spike_compensation)
+
+__all__ = [
+    'DEFAULT_GAMMA',
+    'DelayGradientsState',
+    'PipeMareState',
+    'Recipe',
+    'ScaleByAdamSCState',
+    'SpikeCompensationState',
+    'WeightPredictionState',
+    'adam_sc',
+    'delay_gradients',
+    'linear_weight_prediction',
+    'pipemare',
+    'pipemare_backward_params',
+    'pipemare_discrepancy',
+    'pipemare_learning_rate',
+    'predicted_params',
+    'scale_by_adam_sc',
+    'scale_recipe',
+    'sgd_sc',
+    'spike_coefficients',
+    'spike_compensation',
+    'steps_for_samples',
+]

@@ -1,0 +1,81 @@
+"""A gradient delay line: staleness without a pipeline.
+
+Putting :func:`delay_gradients` in front of any optimizer makes every gradient arrive ``delay``
+steps late, the staleness a pipeline stage with delay ``D`` sees (but not its weight
+inconsistency: the gradient is still computed on one set of weights). It lets any ordinary
+training loop study stale gradients and the methods that compensate them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pipejax.optim import _checks
+
+
+class DelayGradientsState(NamedTuple):
+  """State of :func:`delay_gradients`."""
+
+  count: jax.Array  # shape=(), dtype=int32: calls so far; ``count % delay`` is the ring slot.
+  buffer: optax.Updates  # leaves of shape (delay, *leaf.shape): the gradients in flight.
+
+
+def delay_gradients(delay: int) -> optax.GradientTransformationExtraArgs:
+  r"""Emits the gradient received ``delay`` calls ago (zeros for the first ``delay`` calls).
+
+  .. math::
+
+    u_t = \begin{cases} g_{t-D} & t \ge D \\ 0 & t < D \end{cases}
+
+  The gradients in flight live in a ring buffer of ``delay`` slots per leaf: call ``t`` reads slot
+  ``t % delay`` (the gradient of call ``t - delay``) and writes ``g_t`` in its place. With
+  ``delay=0`` it is the identity.
+
+  ``delay`` sets the buffer's shape, so it must be a concrete Python int known when the state is
+  built; it cannot be a jax array. Under ``optax.inject_hyperparams`` mark it static:
+  ``optax.inject_hyperparams(delay_gradients, static_args='delay')(delay=3)``.
+
+  Args:
+    delay: number of calls each gradient waits, a Python int ``>= 0``.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` whose state is a :class:`DelayGradientsState`.
+
+  Raises:
+    ValueError: if ``delay`` is not a Python int or is negative.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim import delay_gradients, spike_compensation
+    >>> # Momentum SGD on gradients 3 steps stale, with Spike Compensation for them.
+    >>> opt = optax.chain(delay_gradients(3), spike_compensation(3, momentum=0.9),
+    ...                   optax.scale_by_learning_rate(0.01))
+    >>> state = opt.init(jnp.zeros(4))
+
+  References:
+    Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
+    <https://arxiv.org/abs/2003.11666>`_, MLSys 2021.
+  """
+  delay = _checks.check_static_int(delay, 'delay', 'delay_gradients')
+
+  def init_fn(params):
+    buffer = jax.tree.map(lambda p: jnp.zeros((delay, *jnp.shape(p)), jnp.result_type(p)), params)
+    return DelayGradientsState(count=jnp.zeros([], jnp.int32), buffer=buffer)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    count = optax.safe_increment(state.count)
+    if delay == 0:
+      return updates, DelayGradientsState(count=count, buffer=state.buffer)
+    slot = state.count % delay
+    delayed = jax.tree.map(lambda ring: ring[slot], state.buffer)
+    buffer = jax.tree.map(lambda ring, g: ring.at[slot].set(g.astype(ring.dtype)),
+                          state.buffer, updates)
+    return delayed, DelayGradientsState(count=count, buffer=buffer)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

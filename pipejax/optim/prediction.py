@@ -1,0 +1,160 @@
+"""Linear Weight Prediction: run the forward pass on the weights the backward pass will see.
+
+A gradient that arrives ``D`` updates after its forward pass was computed on weights ``D`` updates
+old. Linear Weight Prediction (Kosson et al., 2021) extrapolates the recent motion of the weights
+``T`` steps ahead (``T = D`` by default) and runs the forward pass on that prediction instead, so
+the forward and the backward see nearly the same weights. The transformation leaves the update
+alone; it stores the offset from the updated weights to the prediction, and
+:func:`predicted_params` adds it, as optax's ``schedule_free_eval_params`` derives the weights to
+evaluate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pipejax.optim import _checks
+
+_FORMS = ('update', 'velocity')
+
+
+class WeightPredictionState(NamedTuple):
+  """State of :func:`linear_weight_prediction`."""
+
+  count: jax.Array  # shape=(), dtype=int32: updates so far (the learning-rate schedule's step).
+  inner_state: optax.OptState
+  prediction_offset: optax.Updates  # predicted forward weights minus the updated weights.
+
+
+def _find_velocity(inner_state: optax.OptState) -> optax.Updates:
+  return _checks.get_unique(
+      inner_state, 'trace', helper="linear_weight_prediction(form='velocity')",
+      provider='a momentum trace (optax.trace, optax.sgd(momentum=...), spike_compensation)',
+      hint="For other inner transformations use form='update'.")
+
+
+def linear_weight_prediction(
+    inner: optax.GradientTransformation,
+    horizon: Any,
+    form: str = 'update',
+    learning_rate: optax.ScalarOrSchedule | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Wraps ``inner`` and records where its weights are predicted to be ``horizon`` steps ahead.
+
+  The updates of ``inner`` pass through unchanged. After the update :math:`u_t = w_{t+1} - w_t`
+  the state holds ``prediction_offset`` :math:`o_t` with
+
+  .. math::
+
+    \text{update form:}\quad o_t = T\,u_t, \qquad\qquad
+    \text{velocity form:}\quad o_t = -\eta_t\,T\,v_t
+
+  and the forward pass of the next step runs on :math:`\hat w_{t+1} = w_{t+1} + o_t` (see
+  :func:`predicted_params`). :math:`v_t` is the momentum trace of ``inner`` (its state field named
+  ``trace``) and :math:`\eta_t` the learning rate of the update just taken, so for plain momentum
+  SGD (:math:`u_t = -\eta_t v_t`) both forms agree, even under a learning-rate schedule. Under
+  Spike Compensation they differ: the update form carries the spike, the velocity form (SpecTrain)
+  does not; the paper recommends the update form with SC.
+
+  Args:
+    inner: the update rule, e.g. ``sgd_sc(lr, D, m)`` or ``optax.sgd(lr, momentum=m)``.
+    horizon: prediction horizon ``T >= 0`` in steps, usually the stage's delay ``D``. May be a jax
+      array (``optax.inject_hyperparams``).
+    form: ``'update'`` (any inner) or ``'velocity'`` (inner must keep a ``trace``).
+    learning_rate: the learning rate of ``inner``, a float or schedule of the step count; required
+      by the velocity form, ignored by the update form.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` whose state is a :class:`WeightPredictionState`.
+
+  Raises:
+    ValueError: for an unknown form, a negative horizon, a velocity form without a learning rate,
+      or (at ``init``) a velocity form whose inner state has no ``trace``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim import linear_weight_prediction, predicted_params, sgd_sc
+    >>> opt = linear_weight_prediction(sgd_sc(0.1, delay=2, momentum=0.9), horizon=2)
+    >>> params = jnp.array([1.0])
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(jnp.array([1.0]), state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> forward_params = predicted_params(params, state)  # params + 2 * updates
+
+  References:
+    Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
+    <https://arxiv.org/abs/2003.11666>`_, MLSys 2021;
+    Chen et al., `Efficient and Robust Parallel DNN Training through Model Parallelism on
+    Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_ (SpecTrain, the velocity form), 2018.
+  """
+  owner = 'linear_weight_prediction'
+  if form not in _FORMS:
+    raise ValueError(f'{owner}: form must be one of {_FORMS}, got {form!r}.')
+  _checks.check_range(horizon, 'horizon', owner, low=0)
+  if form == 'velocity':
+    if learning_rate is None:
+      raise ValueError(f"{owner}: form='velocity' needs the inner learning_rate (a float or "
+                       'schedule) to turn the momentum trace into a step.')
+    if not callable(learning_rate):
+      _checks.check_range(learning_rate, 'learning_rate', owner, low=0)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    inner_state = inner.init(params)
+    if form == 'velocity':
+      _find_velocity(inner_state)  # Fails here rather than on the first update.
+    return WeightPredictionState(count=jnp.zeros([], jnp.int32), inner_state=inner_state,
+                                 prediction_offset=optax.tree_utils.tree_zeros_like(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    if form == 'update':
+      offset = jax.tree.map(lambda u: jnp.asarray(horizon, u.dtype) * u, updates)
+    else:
+      eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
+      step_scale = -_checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
+      offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v,
+                            _find_velocity(inner_state))
+    offset = optax.tree_utils.tree_cast_like(offset, state.prediction_offset)
+    return updates, WeightPredictionState(count=optax.safe_increment(state.count),
+                                          inner_state=inner_state, prediction_offset=offset)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def predicted_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
+  """The weights the forward pass should use: ``params + prediction_offset``.
+
+  ``opt_state`` is the state of an optimizer that contains :func:`linear_weight_prediction`
+  anywhere (alone, in ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...);
+  ``params`` are the weights after the update that produced it. The result has the dtypes of
+  ``params``.
+
+  Args:
+    params: current (updated) weights.
+    opt_state: the optimizer state after that update.
+
+  Returns:
+    The predicted weights, a tree like ``params``.
+
+  Raises:
+    ValueError: if the state holds no prediction, or several.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim import linear_weight_prediction, predicted_params
+    >>> opt = optax.chain(optax.clip(1.0), linear_weight_prediction(optax.sgd(0.1), horizon=3))
+    >>> params = jnp.zeros(2)
+    >>> state = opt.init(params)
+    >>> predicted_params(params, state)  # no update yet: no offset
+    Array([0., 0.], dtype=float32)
+  """
+  offset = _checks.get_unique(opt_state, 'prediction_offset', helper='predicted_params',
+                              provider='linear_weight_prediction')
+  return jax.tree.map(lambda p, o: (p + o).astype(p.dtype), params, offset)

@@ -1,0 +1,81 @@
+"""Every method preset through the engine against the naive oracle (DESIGN.md §2, §3)."""
+
+import jax
+import numpy as np
+import pytest
+
+from pipejax import methods
+from pipejax.engine import Pipeline
+from tests import oracle
+from tests.test_engine import assert_trees_close, make_model, make_stream, stage_params
+
+LR, M = 0.05, 0.9
+ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K
+
+ORACLES = {
+    "sgd": oracle.OracleMethod(lambda d: oracle.Accumulate(oracle.Momentum(LR, M), 1)),
+    "sync": oracle.OracleMethod(lambda d: oracle.Accumulate(oracle.Momentum(LR, M), 2)),
+    "pb": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M)),
+    "pb_sc": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M, d, spike_compensation=True)),
+    "pb_lwp": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M), forward="predicted_update"),
+    "pb_sc_lwp": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M, d, spike_compensation=True),
+                                     forward="predicted_update"),
+    "pipedream": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M), backward="stashed"),
+    "spectrain": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M),
+                                     forward="predicted_velocity"),
+    "pipemare": oracle.OracleMethod(lambda d: oracle.PipeMareRule(LR, M, d, ANNEAL, GAMMA),
+                                    backward="pipemare"),
+}
+
+
+def test_every_preset_has_an_oracle():
+  assert sorted(ORACLES) == sorted(methods.METHODS)
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_preset_matches_naive_oracle(name):
+  method = methods.make_method(name, learning_rate=LR, momentum=M, micro_batches=2,
+                               anneal_steps=ANNEAL, gamma=GAMMA)
+  model = make_model()
+  num_stages = model.num_stages
+  x, y = make_stream(3 * num_stages + 2, 2)
+  pipe = Pipeline(model, method, x[0], y[0])
+  x, y, valid = pipe.schedule(x, y)
+  state = pipe.init(jax.random.PRNGKey(7))
+  init_params = stage_params(state)
+  expected, expected_metrics = oracle.run_oracle(model, ORACLES[name], init_params, x, y, valid)
+  state, metrics = pipe.run(state, x, y, valid)
+  assert_trees_close(stage_params(state), expected, rtol=1e-5, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(metrics["loss"]), [m["loss"] for m in expected_metrics],
+                             rtol=1e-5, atol=2e-6)
+
+
+def test_methods_differ_from_each_other():
+  """The oracle comparison would pass vacuously if every preset did the same thing."""
+  model = make_model()
+  x, y = make_stream(3 * model.num_stages, 1)
+  finals = {}
+  for name in ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "pipemare"):
+    pipe = Pipeline(model, methods.make_method(name, learning_rate=LR, momentum=M), x[0], y[0])
+    state, _ = pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
+    finals[name] = np.concatenate([np.ravel(a) for a in jax.tree.leaves(stage_params(state))])
+  names = sorted(finals)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      assert np.abs(finals[a] - finals[b]).max() > 1e-6, (a, b)
+
+
+def test_unknown_method_lists_the_known_ones():
+  with pytest.raises(methods.MethodError, match="Unknown method 'pb_magic'.*pb_sc_lwp.*pipemare"):
+    methods.make_method("pb_magic", learning_rate=0.1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
+    ({"horizon": -1}, "horizon must be >= 0"),
+    ({"micro_batches": 0}, "micro_batches >= 1"),
+])
+def test_bad_hyperparameters_are_clear_errors(kwargs, message):
+  name = "sync" if "micro_batches" in kwargs else "pb_lwp"
+  with pytest.raises(methods.MethodError, match=message):
+    methods.make_method(name, learning_rate=0.1, **kwargs)

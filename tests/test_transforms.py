@@ -1,0 +1,782 @@
+"""Tests of the optax transformations in :mod:`pipejax.optim`.
+
+The first half is one shared suite that runs every transformation through the same checks (jit
+without recompiling, convergence on a parabola and on Rosenbrock's function,
+optax.inject_hyperparams, dtypes, extra arguments); the second half checks each method's own
+identities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import importlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from pipejax import optim
+from pipejax.optim import (Recipe, adam_sc, delay_gradients, linear_weight_prediction, pipemare,
+                           pipemare_backward_params, pipemare_discrepancy, pipemare_learning_rate,
+                           predicted_params, scale_by_adam_sc, scale_recipe, sgd_sc,
+                           spike_coefficients, spike_compensation, steps_for_samples)
+
+# ------------------------------------------------------------------------------------------------
+# Problems and helpers.
+
+
+def parabola(w):
+  curvatures = jnp.array([1.0, 0.3])
+  return 0.5 * jnp.sum(curvatures * (w - jnp.array([1.0, -2.0]))**2)
+
+
+def rosenbrock(w):
+  return (1.0 - w[0])**2 + 100.0 * (w[1] - w[0]**2)**2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  loss: Callable[[jax.Array], jax.Array]
+  start: tuple[float, float]
+  optimum: tuple[float, float]
+  steps: int
+  tolerance: float  # on the distance to the optimum at the end
+
+
+PROBLEMS = {
+    'parabola': Problem(parabola, (3.0, 1.0), (1.0, -2.0), steps=300, tolerance=1e-3),
+    # Delayed momentum must keep lr * lambda_max / (1 - m) below about 1 / D, and the valley's
+    # curvature is 2500 times smaller than lambda_max ~ 1000, hence the small rate and many steps
+    # (a scan of 20k steps of a 2-vector takes well under a second).
+    'rosenbrock': Problem(rosenbrock, (0.0, 0.0), (1.0, 1.0), steps=20_000, tolerance=1e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """Hyperparameters of a convergence run: the delay is the gradients' staleness."""
+
+  learning_rate: float
+  delay: int
+  momentum: float
+
+
+DEFAULT_SETTINGS = {
+    'parabola': Setting(learning_rate=0.05, delay=2, momentum=0.9),
+    'rosenbrock': Setting(learning_rate=1e-4, delay=2, momentum=0.9),
+}
+
+
+def _delay_line(setting: Setting) -> list[optax.GradientTransformation]:
+  return [delay_gradients(setting.delay)] if setting.delay else []
+
+
+def _nothing(setting: Setting) -> list[optax.GradientTransformation]:
+  del setting
+  return []
+
+
+def _current_weights(params, opt_state):
+  del opt_state
+  return params
+
+
+def _predicted_weights(params, opt_state):
+  return predicted_params(params, opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One transformation under the shared checks.
+
+  The convergence runs use ``chain(*head(setting), factory(**kwargs(setting)), *tail(setting))``
+  and take each gradient at ``view(params, opt_state)``; the other checks use the factory alone.
+  """
+
+  factory: Callable[..., optax.GradientTransformation]
+  kwargs: Callable[[Setting], dict[str, Any]]
+  # A numeric hyperparameter to inject and a new value for it (None: it has none).
+  injected: tuple[str, Any] | None
+  head: Callable[[Setting], list] = _delay_line
+  tail: Callable[[Setting], list] = _nothing
+  view: Callable[[Any, Any], Any] = _current_weights
+  settings: dict[str, Setting] = dataclasses.field(default_factory=lambda: DEFAULT_SETTINGS)
+  static_args: tuple[str, ...] = ()
+
+  def optimizer(self, setting: Setting) -> optax.GradientTransformation:
+    return optax.chain(*self.head(setting), self.factory(**self.kwargs(setting)),
+                       *self.tail(setting))
+
+
+def _learning_rate_after(setting):
+  return [optax.scale_by_learning_rate(setting.learning_rate)]
+
+
+CASES = {
+    'spike_compensation': Case(
+        spike_compensation,
+        lambda s: dict(delay=s.delay, momentum=s.momentum),
+        injected=('momentum', 0.5),
+        tail=_learning_rate_after),
+    'sgd_sc': Case(
+        sgd_sc,
+        lambda s: dict(learning_rate=s.learning_rate, delay=s.delay, momentum=s.momentum),
+        injected=('learning_rate', 0.01)),
+    'scale_by_adam_sc': Case(
+        scale_by_adam_sc,
+        lambda s: dict(delay=s.delay, b1=s.momentum),
+        injected=('b1', 0.5),
+        tail=_learning_rate_after,
+        settings={'parabola': Setting(0.05, 2, 0.9), 'rosenbrock': Setting(1e-3, 2, 0.9)}),
+    'adam_sc': Case(
+        adam_sc,
+        lambda s: dict(learning_rate=s.learning_rate, delay=s.delay, b1=s.momentum,
+                       weight_decay=0.0),
+        injected=('delay', 5),
+        settings={'parabola': Setting(0.05, 2, 0.9), 'rosenbrock': Setting(1e-3, 2, 0.9)}),
+    'lwp_update': Case(
+        linear_weight_prediction,
+        lambda s: dict(inner=sgd_sc(s.learning_rate, s.delay, s.momentum), horizon=s.delay,
+                       form='update'),
+        injected=('horizon', 5),
+        view=_predicted_weights),
+    'lwp_velocity': Case(
+        linear_weight_prediction,
+        lambda s: dict(inner=optax.sgd(s.learning_rate, momentum=s.momentum), horizon=s.delay,
+                       form='velocity', learning_rate=s.learning_rate),
+        injected=('learning_rate', 1.0),
+        view=_predicted_weights),
+    'delay_gradients': Case(
+        delay_gradients,
+        lambda s: dict(delay=s.delay),
+        injected=None,
+        head=_nothing,  # It is the delay line.
+        tail=lambda s: [optax.sgd(s.learning_rate, momentum=s.momentum)],
+        settings={'parabola': Setting(0.05, 2, 0.5), 'rosenbrock': Setting(5e-4, 1, 0.5)},
+        static_args=('delay',)),
+    'pipemare': Case(
+        pipemare,
+        lambda s: dict(learning_rate=s.learning_rate, delay=s.delay, momentum=s.momentum,
+                       anneal_steps=100),
+        injected=('learning_rate', 0.01),
+        # After annealing PipeMare is plain delayed momentum, stable only for smaller lr * D.
+        settings={'parabola': Setting(0.02, 2, 0.9), 'rosenbrock': Setting(1e-4, 1, 0.9)}),
+    'pipemare_discrepancy': Case(
+        pipemare_discrepancy,
+        lambda s: dict(gamma=0.9),
+        injected=('gamma', 0.5),
+        head=lambda s: [optax.sgd(s.learning_rate, momentum=s.momentum)],  # Must come last.
+        settings={'parabola': Setting(0.05, 0, 0.9), 'rosenbrock': Setting(5e-4, 0, 0.9)}),
+}
+
+CASE_NAMES = sorted(CASES)
+
+_RNG = np.random.default_rng(0)
+PARAMS = {'w': _RNG.normal(size=(2, 3)).astype(np.float32),
+          'b': _RNG.normal(size=(3,)).astype(np.float32)}
+GRADS = [jax.tree.map(lambda p: _RNG.normal(size=p.shape).astype(np.float32), PARAMS)
+         for _ in range(4)]
+
+
+def _tree(tree, dtype=jnp.float32):
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def _bare(case: Case) -> optax.GradientTransformationExtraArgs:
+  return optax.with_extra_args_support(case.factory(**case.kwargs(case.settings['parabola'])))
+
+
+def _injected(case: Case) -> optax.GradientTransformationExtraArgs:
+  return optax.inject_hyperparams(case.factory, static_args=case.static_args)(
+      **case.kwargs(case.settings['parabola']))
+
+
+def _assert_trees_close(actual, expected, rtol=1e-6, atol=1e-7):
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol),
+               actual, expected)
+
+
+def _trees_differ(first, second) -> bool:
+  return any(not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+             for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
+
+
+def _trajectory(opt, gradient_fn, start, steps, view=_current_weights):
+  """Weights after 0, 1, ..., steps updates, the gradient of update t taken by gradient_fn(t, w)."""
+
+  @jax.jit
+  def run(start):
+    def body(carry, t):
+      params, state = carry
+      grads = gradient_fn(t, view(params, state))
+      updates, state = opt.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, state), params
+
+    _, history = jax.lax.scan(body, (start, opt.init(start)), jnp.arange(steps))
+    return jnp.concatenate([start[None], history])
+
+  return run(start)
+
+
+# ------------------------------------------------------------------------------------------------
+# The shared suite.
+
+
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_jit_matches_eager_and_does_not_recompile(name):
+  opt = _bare(CASES[name])
+  traces = []
+
+  @jax.jit
+  def step(params, state, grads):
+    traces.append(None)  # Runs once per trace, not per call.
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = _tree(PARAMS), opt.init(_tree(PARAMS))
+  eager_params, eager_state = params, state
+  for grads in GRADS[:3]:
+    params, state = step(params, state, _tree(grads))
+    updates, eager_state = opt.update(_tree(grads), eager_state, eager_params)
+    eager_params = optax.apply_updates(eager_params, updates)
+  assert len(traces) == 1
+  _assert_trees_close(params, eager_params, rtol=1e-5, atol=1e-6)
+  _assert_trees_close(state, eager_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('problem_name', sorted(PROBLEMS))
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_converges(name, problem_name):
+  case, problem = CASES[name], PROBLEMS[problem_name]
+  opt = case.optimizer(case.settings[problem_name])
+  gradient = jax.grad(problem.loss)
+  history = _trajectory(opt, lambda t, w: gradient(w), jnp.array(problem.start), problem.steps,
+                        view=case.view)
+  distance = float(jnp.linalg.norm(history[-1] - jnp.array(problem.optimum)))
+  assert distance < problem.tolerance, (
+      f'{name} ended {distance:.3g} from the optimum of {problem_name}')
+
+
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_inject_hyperparams(name):
+  case = CASES[name]
+  opt, reference = _injected(case), _bare(case)
+  traces = []
+
+  @jax.jit
+  def step(params, state, grads):
+    traces.append(None)
+    return opt.update(grads, state, params)
+
+  params = _tree(PARAMS)
+  state, reference_state = opt.init(params), reference.init(params)
+  changed_state = state
+  for i, grads in enumerate(GRADS[:3]):
+    updates, state = step(params, state, _tree(grads))
+    reference_updates, reference_state = reference.update(_tree(grads), reference_state, params)
+    # Injected arrays and plain Python numbers give the same updates.
+    _assert_trees_close(updates, reference_updates, rtol=1e-5, atol=1e-6)
+    if case.injected is not None:
+      changed_updates, changed_state = step(params, changed_state, _tree(grads))
+      if i == 0:
+        hyperparam, new_value = case.injected
+        old = changed_state.hyperparams[hyperparam]
+        # jit's cache keys on weak types too (inject_hyperparams leaves ints weakly typed), so
+        # the new value keeps the old one's dtype and weak type: zeros_like + value does both.
+        changed_state = changed_state._replace(hyperparams={
+            **changed_state.hyperparams, hyperparam: jnp.zeros_like(old) + new_value})
+  assert len(traces) == 1  # Changing a hyperparameter's value does not retrace.
+  if case.injected is not None:
+    assert _trees_differ((changed_updates, changed_state.inner_state),
+                         (updates, state.inner_state)), f'changing {case.injected} had no effect'
+
+
+@pytest.mark.parametrize('injected', [False, True], ids=['plain', 'injected'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['float32', 'bfloat16'])
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_keeps_dtypes(name, dtype, injected):
+  case = CASES[name]
+  opt = _injected(case) if injected else _bare(case)
+  params = _tree(PARAMS, dtype)
+  step = jax.jit(opt.update)
+  state = opt.init(params)
+  for grads in GRADS[:2]:
+    updates, state = step(_tree(grads, dtype), state, params)
+    params = optax.apply_updates(params, updates)
+  for leaf in jax.tree.leaves(updates) + jax.tree.leaves(params):
+    assert leaf.dtype == dtype
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert leaf.dtype == dtype, jax.tree_util.keystr(path)
+    else:
+      assert leaf.dtype == jnp.int32, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_accepts_extra_arguments(name):
+  opt = _bare(CASES[name])
+  params = _tree(PARAMS)
+  state = opt.init(params)
+  updates, new_state = opt.update(_tree(GRADS[0]), state, params, value=jnp.ones([]), key='x')
+  expected_updates, expected_state = opt.update(_tree(GRADS[0]), state, params)
+  _assert_trees_close((updates, new_state), (expected_updates, expected_state), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Spike Compensation.
+
+
+def _random_gradients(steps, shape=(5,), seed=1):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(steps)]
+
+
+def test_spike_coefficients():
+  assert spike_coefficients(0, 0.9) == (1.0, 0.0)
+  a, b = spike_coefficients(3, 0.5)
+  assert (a, b) == (0.125, 1.75)  # b = 1 + 0.5 + 0.25
+  a, b = spike_coefficients(jnp.asarray(3), jnp.asarray(0.5))
+  np.testing.assert_allclose([a, b], [0.125, 1.75])
+
+
+def test_spike_compensation_without_delay_is_optax_sgd_bit_for_bit():
+  lr, momentum = 0.1, 0.9
+  candidates = {
+      'chain': optax.chain(spike_compensation(0, momentum), optax.scale_by_learning_rate(lr)),
+      'sgd_sc': sgd_sc(lr, 0, momentum),
+  }
+  reference = optax.sgd(lr, momentum=momentum)
+  params = jnp.zeros(5)
+  reference_state = reference.init(params)
+  states = {name: opt.init(params) for name, opt in candidates.items()}
+  trace_state = optax.trace(momentum).init(params)
+  sc_state = spike_compensation(0, momentum).init(params)
+  for grads in _random_gradients(40):
+    expected, reference_state = reference.update(grads, reference_state, params)
+    for name, opt in candidates.items():
+      updates, states[name] = opt.update(grads, states[name], params)
+      np.testing.assert_array_equal(updates, expected, err_msg=name)
+    trace_updates, trace_state = optax.trace(momentum).update(grads, trace_state)
+    sc_updates, sc_state = spike_compensation(0, momentum).update(grads, sc_state)
+    np.testing.assert_array_equal(sc_updates, trace_updates)
+    params = optax.apply_updates(params, expected)
+  assert int(sc_state.count) == 40
+
+
+def test_sgd_sc_weight_decay_is_coupled():
+  params = jnp.linspace(-1.0, 1.0, 5)
+  opt = sgd_sc(0.1, 0, 0.9, weight_decay=0.01)
+  reference = optax.chain(optax.add_decayed_weights(0.01), optax.sgd(0.1, momentum=0.9))
+  state, reference_state = opt.init(params), reference.init(params)
+  for grads in _random_gradients(5):
+    updates, state = opt.update(grads, state, params)
+    expected, reference_state = reference.update(grads, reference_state, params)
+    np.testing.assert_array_equal(updates, expected)
+    params = optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize('weight_decay', [0.0, 0.01])
+def test_adam_sc_without_delay_is_optax_adam(weight_decay):
+  lr = optax.linear_schedule(1e-2, 1e-3, 20)
+  opt = adam_sc(lr, 0, b1=0.8, b2=0.99, eps=1e-6, weight_decay=weight_decay)
+  reference = optax.adamw(lr, b1=0.8, b2=0.99, eps=1e-6, weight_decay=weight_decay)
+  params = jnp.linspace(-1.0, 1.0, 5)
+  state, reference_state = opt.init(params), reference.init(params)
+  for grads in _random_gradients(30):
+    updates, state = opt.update(grads, state, params)
+    expected, reference_state = reference.update(grads, reference_state, params)
+    np.testing.assert_allclose(updates, expected, rtol=1e-6, atol=1e-9)
+    params = optax.apply_updates(params, updates)
+
+
+def test_adam_sc_compensates_the_first_moment_after_bias_correction():
+  delay, b1 = 3, 0.9
+  opt = scale_by_adam_sc(delay, b1=b1, b2=0.99, eps=0.0)
+  state = opt.init(jnp.zeros(5))
+  mu = nu = jnp.zeros(5)
+  for t, g in enumerate(_random_gradients(4), start=1):
+    updates, state = opt.update(g, state)
+    mu, nu = b1 * mu + (1 - b1) * g, 0.99 * nu + 0.01 * g**2
+    mu_hat, nu_hat = mu / (1 - b1**t), nu / (1 - 0.99**t)
+    expected = (b1**delay * mu_hat + (1 - b1**delay) * g) / jnp.sqrt(nu_hat)
+    np.testing.assert_allclose(updates, expected, rtol=2e-5)
+  # The first step is a normalised average of one gradient, not a spike D + 1 times too large.
+  first, _ = opt.update(jnp.ones(5), opt.init(jnp.zeros(5)))
+  np.testing.assert_allclose(first, jnp.ones(5), rtol=1e-6)
+
+
+@pytest.mark.parametrize('delay', [1, 3])
+def test_spike_compensation_follows_undelayed_momentum_once_a_gradient_arrives(delay):
+  """One gradient ``g``, computed at update ``t0`` and applied at update ``t0 + D``.
+
+  Undelayed momentum moves the weights by ``-lr m**k g`` at update ``t0 + k``. With SC the weights
+  stay put until the gradient arrives; update ``t0 + D`` applies ``-lr (a + b) g``, which is
+  ``-lr sum_{k<=D} m**k g``, everything undelayed momentum had applied by then, and update
+  ``t0 + D + j`` applies ``-lr a m**j g = -lr m**(D+j) g`` as undelayed momentum does. So
+  ``w_sc(t) = w0`` for ``t <= t0 + D`` and ``w_sc(t) = w_momentum(t)`` for ``t > t0 + D``
+  (``w(t)``: the weights after ``t`` updates).
+  """
+  lr, momentum, t0, steps = 0.1, 0.8, 2, 15
+  impulse = jnp.array([1.0, -2.0, 0.5])
+  start = jnp.array([0.3, 0.1, -0.2])
+
+  def gradient(t, w):
+    del w
+    return jnp.where(t == t0, 1.0, 0.0) * impulse
+
+  undelayed = _trajectory(optax.sgd(lr, momentum=momentum), gradient, start, steps)
+  compensated = _trajectory(
+      optax.chain(delay_gradients(delay), sgd_sc(lr, delay, momentum)), gradient, start, steps)
+  arrival = t0 + delay
+  np.testing.assert_array_equal(compensated[:arrival + 1],
+                                jnp.broadcast_to(start, (arrival + 1, 3)))
+  np.testing.assert_allclose(compensated[arrival + 1:], undelayed[arrival + 1:], rtol=1e-6,
+                             atol=1e-6)
+  assert not np.allclose(compensated[arrival], undelayed[arrival])
+
+
+@pytest.mark.parametrize('delay', [2, 4])
+def test_spike_compensation_on_a_linear_loss(delay):
+  r"""SC moves like undelayed momentum from update ``D`` on; delayed momentum lags ``D`` updates.
+
+  On ``L(w) = c . w`` every gradient is ``c``. Let ``d(n) = -lr c sum_{j<n} m**j`` be how far one
+  gradient has moved the weights ``n`` updates after it was applied by undelayed momentum; the
+  weights after ``t`` updates are ``w_mom(t) = w0 + sum_{n=1..t} d(n)``, in closed form
+  ``w0 - lr c sum_{n=1..t} (1 - m**n) / (1 - m)``.
+
+  Through ``delay_gradients(D)`` the first ``D`` updates see zeros and update ``s >= D`` sees the
+  gradient computed at ``s - D``. By the single-gradient identity (previous test) each gradient
+  that has arrived has moved the weights exactly as far as under undelayed momentum, so after
+  ``t >= D`` updates the gradients computed at updates ``0 .. t-1-D`` have arrived and
+
+  ``w_sc(t) = w0 + sum_{s=0..t-1-D} d(t - s) = w0 + sum_{n=D+1..t} d(n)
+  = w_mom(t) - (w_mom(D) - w0)``:
+
+  SC is undelayed momentum minus the constant contribution of the ``D`` gradients still in
+  flight, so from update ``D`` on its steps equal undelayed momentum's steps *at the same update*.
+  Plain delayed momentum instead is undelayed momentum shifted in time,
+  ``w_del(t) = w_mom(t - D)``, so its steps are the smaller ones of ``D`` updates earlier.
+  """
+  lr, momentum, steps = 0.05, 0.9, 30
+  slope = jnp.array([1.0, -0.5])
+  start = jnp.array([2.0, 1.0])
+
+  def gradient(t, w):
+    del t
+    return jax.grad(lambda w: jnp.dot(slope, w))(w)
+
+  undelayed = _trajectory(optax.sgd(lr, momentum=momentum), gradient, start, steps)
+  compensated = _trajectory(
+      optax.chain(delay_gradients(delay), sgd_sc(lr, delay, momentum)), gradient, start, steps)
+  delayed = _trajectory(
+      optax.chain(delay_gradients(delay), optax.sgd(lr, momentum=momentum)), gradient, start,
+      steps)
+
+  n = np.arange(steps + 1, dtype=np.float64)
+  partial_sums = np.cumsum((1 - momentum**n) / (1 - momentum))  # includes n = 0, which is 0
+  closed_form = np.asarray(start) - lr * partial_sums[:, None] * np.asarray(slope)
+  np.testing.assert_allclose(undelayed, closed_form, rtol=1e-5, atol=1e-5)
+
+  in_flight = undelayed[delay] - start
+  np.testing.assert_allclose(compensated[delay:], undelayed[delay:] - in_flight,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(compensated[:delay + 1], jnp.broadcast_to(start, (delay + 1, 2)))
+  np.testing.assert_allclose(delayed[delay:], undelayed[:steps + 1 - delay], rtol=1e-5, atol=1e-5)
+  # Delayed momentum's steps lag; SC's do not.
+  sc_steps, delayed_steps = np.diff(compensated, axis=0), np.diff(delayed, axis=0)
+  undelayed_steps = np.diff(undelayed, axis=0)
+  np.testing.assert_allclose(sc_steps[delay:], undelayed_steps[delay:], rtol=1e-4, atol=1e-6)
+  assert np.all(np.abs(delayed_steps[delay:]) < np.abs(undelayed_steps[delay:]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradient delay line.
+
+
+def test_delay_gradients_of_zero_is_the_identity():
+  opt = delay_gradients(0)
+  params = _tree(PARAMS)
+  state = opt.init(params)
+  for grads in GRADS:
+    updates, state = opt.update(_tree(grads), state, params)
+    jax.tree.map(np.testing.assert_array_equal, updates, _tree(grads))
+  assert int(state.count) == len(GRADS)
+
+
+def test_delay_gradients_shifts_the_stream():
+  delay, steps = 3, 10
+  opt = delay_gradients(delay)
+  params = {'a': jnp.zeros(2), 'b': jnp.zeros((2, 2))}
+  stream = [{'a': jnp.full(2, t + 1.0), 'b': jnp.full((2, 2), -(t + 1.0))} for t in range(steps)]
+  state = opt.init(params)
+  assert state.buffer['b'].shape == (delay, 2, 2)
+  step = jax.jit(opt.update)
+  for t, grads in enumerate(stream):
+    updates, state = step(grads, state)
+    expected = stream[t - delay] if t >= delay else jax.tree.map(jnp.zeros_like, grads)
+    jax.tree.map(np.testing.assert_array_equal, updates, expected)
+
+
+def test_delay_gradients_under_inject_hyperparams_needs_static_delay():
+  opt = optax.inject_hyperparams(delay_gradients, static_args='delay')(delay=2)
+  state = opt.init(jnp.zeros(2))
+  for t in range(3):
+    updates, state = opt.update(jnp.full(2, t + 1.0), state)
+  np.testing.assert_array_equal(updates, jnp.full(2, 1.0))
+  with pytest.raises(ValueError, match="static_args='delay'"):
+    optax.inject_hyperparams(delay_gradients)(delay=2).init(jnp.zeros(2))
+
+
+# ------------------------------------------------------------------------------------------------
+# Linear Weight Prediction.
+
+
+def _run_prediction(opt, steps=6, params=None):
+  """Yields (params after the update, the update, state) for a few random gradients."""
+  params = jnp.linspace(-1.0, 1.0, 4) if params is None else params
+  state = opt.init(params)
+  for grads in _random_gradients(steps, shape=params.shape):
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    yield params, updates, state
+
+
+def test_update_form_offset_is_horizon_times_last_update():
+  horizon = 3
+  opt = linear_weight_prediction(sgd_sc(0.1, 2, 0.9), horizon=horizon)
+  for params, updates, state in _run_prediction(opt):
+    np.testing.assert_array_equal(state.prediction_offset, horizon * updates)
+    np.testing.assert_array_equal(predicted_params(params, state), params + horizon * updates)
+
+
+@pytest.mark.parametrize('learning_rate', [0.1, optax.linear_schedule(0.1, 0.01, 5)],
+                         ids=['constant', 'schedule'])
+def test_velocity_and_update_forms_agree_for_momentum_sgd(learning_rate):
+  inner = optax.sgd(learning_rate, momentum=0.9)
+  by_update = _run_prediction(linear_weight_prediction(inner, 4))
+  by_velocity = _run_prediction(
+      linear_weight_prediction(inner, 4, form='velocity', learning_rate=learning_rate))
+  for (_, _, update_state), (_, _, velocity_state) in zip(by_update, by_velocity):
+    np.testing.assert_allclose(velocity_state.prediction_offset, update_state.prediction_offset,
+                               rtol=1e-6)
+    assert np.any(update_state.prediction_offset != 0)
+
+
+def test_velocity_and_update_forms_differ_under_spike_compensation():
+  lr, delay, momentum, horizon = 0.1, 3, 0.9, 3
+  a, b = spike_coefficients(delay, momentum)
+  opt = linear_weight_prediction(sgd_sc(lr, delay, momentum), horizon, form='velocity',
+                                 learning_rate=lr)
+  previous_trace = jnp.zeros(4)
+  for _, updates, state in _run_prediction(opt):
+    trace = optax.tree_utils.tree_get(state, 'trace')
+    gradient = trace - momentum * previous_trace
+    previous_trace = trace
+    velocity_offset = state.prediction_offset
+    np.testing.assert_allclose(velocity_offset, -lr * horizon * trace, rtol=1e-6)
+    # The update form would be T u = -lr T (a v + b g): it carries the spike b g.
+    np.testing.assert_allclose(updates, -lr * (a * trace + b * gradient), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(velocity_offset, horizon * updates)
+
+
+def test_predicted_params_finds_the_prediction_in_nested_states():
+  params = jnp.linspace(-1.0, 1.0, 4, dtype=jnp.bfloat16)
+  lwp = linear_weight_prediction(optax.sgd(0.1, momentum=0.9), horizon=2)
+  optimizers = {
+      'chain': optax.chain(optax.clip(10.0), lwp),
+      'inject': optax.inject_hyperparams(linear_weight_prediction)(
+          inner=optax.sgd(0.1, momentum=0.9), horizon=2),
+      'multi_steps': optax.MultiSteps(lwp, every_k_schedule=1),
+  }
+  grads = jnp.ones(4, jnp.bfloat16)
+  for name, opt in optimizers.items():
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    predicted = predicted_params(new_params, state)
+    assert predicted.dtype == jnp.bfloat16, name
+    np.testing.assert_allclose(predicted.astype(jnp.float32),
+                               (new_params + 2 * updates).astype(jnp.float32), rtol=1e-2,
+                               err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# PipeMare.
+
+
+def test_pipemare_learning_rate_values():
+  schedule = pipemare_learning_rate(0.1, delay=4, anneal_steps=100)
+  np.testing.assert_allclose(schedule(0), 0.1 / 4, rtol=1e-6)
+  np.testing.assert_allclose(schedule(50), 0.1 * 4**-0.5, rtol=1e-6)
+  for k in (100, 101, 10_000):
+    np.testing.assert_array_equal(schedule(k), jnp.float32(0.1))
+  # No delay: nothing to reschedule; no annealing: the base rate at once.
+  np.testing.assert_allclose(pipemare_learning_rate(0.1, 0, 100)(0), 0.1, rtol=1e-6)
+  np.testing.assert_allclose(pipemare_learning_rate(0.1, 6, 0)(0), 0.1, rtol=1e-6)
+  base = optax.linear_schedule(1.0, 0.5, 10)
+  np.testing.assert_allclose(pipemare_learning_rate(base, 2, 10)(5), 0.75 * 2**-0.5, rtol=1e-6)
+
+
+def test_pipemare_discrepancy_tracks_the_applied_updates():
+  gamma, delay = 0.7, 3
+  opt = pipemare(0.1, delay, 0.9, anneal_steps=4, gamma=gamma)
+  params = jnp.linspace(-1.0, 1.0, 4)
+  state = opt.init(params)
+  delta = jnp.zeros(4)
+  for grads in _random_gradients(6, shape=(4,)):
+    updates, state = opt.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    delta = gamma * delta + (1 - gamma) * (new_params - params)
+    params = new_params
+    np.testing.assert_allclose(optax.tree_utils.tree_get(state, 'delta'), delta, rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(pipemare_backward_params(params, state, delay),
+                               params - delay * delta, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch-size scaling.
+
+
+@pytest.mark.parametrize('form', ['heavy_ball', 'ema'])
+def test_scale_recipe_round_trip_and_invariants(form):
+  recipe = Recipe(batch_size=256, learning_rate=0.2, momentum=0.9, weight_decay=5e-4, form=form)
+  for batch_size in (1, 16, 1024):
+    scaled = scale_recipe(recipe, batch_size)
+    back = scale_recipe(scaled, recipe.batch_size)
+    assert back.batch_size == recipe.batch_size and back.form == form
+    np.testing.assert_allclose([back.learning_rate, back.momentum, back.weight_decay],
+                               [recipe.learning_rate, recipe.momentum, recipe.weight_decay],
+                               rtol=1e-9)
+    # The momentum's decay per sample.
+    np.testing.assert_allclose(scaled.momentum**(1 / batch_size),
+                               recipe.momentum**(1 / recipe.batch_size), rtol=1e-12)
+    # Each sample's total displacement.
+    def per_sample(r):
+      return r.learning_rate / (r.batch_size * (1 - r.momentum if form == 'heavy_ball' else 1))
+    np.testing.assert_allclose(per_sample(scaled), per_sample(recipe), rtol=1e-9)
+    assert scaled.weight_decay == recipe.weight_decay
+
+
+@pytest.mark.parametrize('form', ['heavy_ball', 'ema'])
+def test_scaled_recipes_move_the_weights_alike_per_sample(form):
+  """Same samples at batch 64 and at batch 4: the weights end in nearly the same place.
+
+  Each sample's gradient is the constant 1 and the weight decay pulls towards 0, so the weight
+  after N samples depends on the per-sample displacement and shrinkage that scaling keeps.
+  Heavy-ball form: coupled decay (sgd_sc). EMA form: decoupled, lr-scaled decay (adamw-like).
+  """
+  recipe = Recipe(batch_size=64, learning_rate=0.05, momentum=0.9, weight_decay=0.02, form=form)
+  num_samples = 64 * 400
+  finals = []
+  for r in (recipe, scale_recipe(recipe, 4)):
+    w, v = 1.0, 0.0
+    for _ in range(steps_for_samples(num_samples, r.batch_size)):
+      if form == 'heavy_ball':
+        v = r.momentum * v + (1.0 + r.weight_decay * w)
+        w -= r.learning_rate * v
+      else:
+        v = r.momentum * v + (1 - r.momentum) * 1.0
+        w -= r.learning_rate * (v + r.weight_decay * w)
+    finals.append(w)
+  np.testing.assert_allclose(finals[1], finals[0], rtol=0.03)
+
+
+def test_steps_for_samples():
+  assert steps_for_samples(50_000, 128) == 391
+  assert steps_for_samples(256, 128) == 2
+  assert steps_for_samples(0, 7) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input.
+
+BAD_INPUTS = {
+    'sc negative delay': (lambda: spike_compensation(-1, 0.9), r'delay must be in \[0, inf\)'),
+    'sc momentum 1': (lambda: spike_compensation(2, 1.0), r'momentum must be in \[0, 1\)'),
+    'sc negative momentum': (lambda: spike_compensation(2, -0.1), 'momentum'),
+    'sgd_sc momentum': (lambda: sgd_sc(0.1, 2, 1.5), 'momentum'),
+    'sgd_sc negative delay': (lambda: sgd_sc(0.1, -2, 0.9), 'delay'),
+    'sgd_sc weight decay': (lambda: sgd_sc(0.1, 2, 0.9, weight_decay=-1.0), 'weight_decay'),
+    'sgd_sc learning rate': (lambda: sgd_sc(-0.1, 2, 0.9), 'learning_rate'),
+    'adam b1': (lambda: scale_by_adam_sc(2, b1=1.0), 'b1'),
+    'adam b2': (lambda: adam_sc(0.1, 2, b2=1.0), 'b2'),
+    'adam delay': (lambda: adam_sc(0.1, -1), 'delay'),
+    'adam eps': (lambda: scale_by_adam_sc(2, eps=-1.0), 'eps'),
+    'lwp horizon': (lambda: linear_weight_prediction(optax.sgd(0.1), -1), 'horizon'),
+    'lwp form': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, form='both'), 'form'),
+    'lwp velocity without lr': (
+        lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2, form='velocity'),
+        'learning_rate'),
+    'lwp velocity without trace': (
+        lambda: linear_weight_prediction(optax.adam(0.1), 2, form='velocity',
+                                         learning_rate=0.1).init(jnp.zeros(2)),
+        "no 'trace' field"),
+    'predicted_params without prediction': (
+        lambda: predicted_params(jnp.zeros(2), optax.sgd(0.1).init(jnp.zeros(2))),
+        "no 'prediction_offset'"),
+    'delay negative': (lambda: delay_gradients(-1), 'delay must be an int >= 0'),
+    'delay float': (lambda: delay_gradients(2.0), 'delay must be a Python int'),
+    'delay array': (lambda: delay_gradients(jnp.asarray(2)), 'static_args'),
+    'pipemare gamma 1': (lambda: pipemare_discrepancy(1.0), r'gamma must be in \[0, 1\)'),
+    'pipemare gamma negative': (lambda: pipemare(0.1, 2, 0.9, 10, gamma=-0.1), 'gamma'),
+    'pipemare momentum': (lambda: pipemare(0.1, 2, 1.0, 10), 'momentum'),
+    'pipemare anneal': (lambda: pipemare_learning_rate(0.1, 2, -5), 'anneal_steps'),
+    'pipemare delay': (lambda: pipemare(0.1, -2, 0.9, 10), 'delay'),
+    'predicted_params with two predictions': (
+        lambda: predicted_params(jnp.zeros(2), optax.chain(
+            linear_weight_prediction(optax.sgd(0.1), 1),
+            linear_weight_prediction(optax.sgd(0.1), 2)).init(jnp.zeros(2))),
+        "several 'prediction_offset' fields"),
+    'backward without delta': (
+        lambda: pipemare_backward_params(jnp.zeros(2), optax.sgd(0.1).init(jnp.zeros(2)), 2),
+        "no 'delta'"),
+    'recipe batch 0': (lambda: Recipe(0, 0.1, 0.9), 'batch_size must be an int >= 1'),
+    'recipe momentum': (lambda: Recipe(8, 0.1, 1.0), 'momentum'),
+    'recipe learning rate': (lambda: Recipe(8, 0.0, 0.9), 'learning_rate'),
+    'recipe weight decay': (lambda: Recipe(8, 0.1, 0.9, weight_decay=-1e-4), 'weight_decay'),
+    'recipe form': (lambda: Recipe(8, 0.1, 0.9, form='nesterov'), 'form'),
+    'scale to batch 0': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 0), 'batch_size'),
+    'scale to batch 2.5': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 2.5), 'batch_size'),
+    'steps batch 0': (lambda: steps_for_samples(100, 0), 'batch_size'),
+    'steps negative samples': (lambda: steps_for_samples(-1, 4), 'num_samples'),
+}
+
+
+@pytest.mark.parametrize('name', sorted(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error(name):
+  make, message = BAD_INPUTS[name]
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+def test_hyperparameters_as_arrays_are_not_checked_eagerly():
+  # The examples of the brief: inject_hyperparams hands the factories jax arrays.
+  params = jnp.zeros(3)
+  for opt in (optax.inject_hyperparams(spike_compensation)(delay=3, momentum=0.9),
+              optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2, momentum=0.9)):
+    state = opt.init(params)
+    updates, state = jax.jit(opt.update)(jnp.ones(3), state, params)
+    assert np.all(np.isfinite(updates))
+
+
+# ------------------------------------------------------------------------------------------------
+# Documentation.
+
+
+@pytest.mark.parametrize('module_name', ['spike', 'prediction', 'delay', 'pipemare', 'scaling'])
+def test_docstring_examples_run(module_name):
+  # By import path: the package re-exports a function named like its module (pipemare).
+  module = importlib.import_module(f'pipejax.optim.{module_name}')
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  assert result.failed == 0
+
+
+def test_public_api_is_reexported():
+  for name in optim.__all__:
+    assert hasattr(optim, name), name
