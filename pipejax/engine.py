@@ -236,13 +236,14 @@ class Pipeline:
     return jax.random.fold_in(jax.random.fold_in(rng, index), s)
 
   def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
-                    tick: jax.Array, rng: jax.Array):
+                    tick: jax.Array, rng: jax.Array, reduce_grads=None):
     """Stage s's work in one tick: forward, stash, backward, update.
 
     Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
     forwarded last tick; ``cotangent`` what stage s+1 sent back last tick (ignored for the last
     stage, which meets the loss). This function is the whole algorithm; single- and multi-device
-    ticks only route registers between calls of it.
+    ticks only route registers between calls of it. ``reduce_grads``, when given, combines the
+    weight gradient across pipeline replicas (``lax.pmean`` over a ``data`` mesh axis).
     """
     stage, method = self.model.stages[s], self.method
     delay = self.delays[s]
@@ -298,6 +299,8 @@ class Pipeline:
     # A select, not lax.cond: XLA fuses it into the update's own elementwise loops, while a cond
     # copies every weight and optimizer slot through its branches. NaN gradients from empty slots
     # are never selected, so they need no scrubbing.
+    if reduce_grads is not None:
+      grads = reduce_grads(grads)
     tx = method.optimizer(delay)
     updates, new_opt_state = tx.update(grads, st.opt_state, st.params)
     new_params = optax.apply_updates(st.params, updates)
@@ -309,7 +312,7 @@ class Pipeline:
     return StageState(params, opt_state, line, forward_out, backward_out), metrics
 
   def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
-                     cotangent: PyTree, tick, rng):
+                     cotangent: PyTree, tick, rng, reduce_grads=None):
     """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
 
     ``inbound`` is the packet entering the group's first stage, ``cotangent`` the gradient entering
@@ -320,7 +323,7 @@ class Pipeline:
       s = first + i
       stage_in = inbound if i == 0 else stages[i - 1].forward_out
       stage_cot = cotangent if i == len(stages) - 1 else stages[i + 1].backward_out
-      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng)
+      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng, reduce_grads)
       new_stages.append(new_st)
       stage_metrics.append(m)
     return tuple(new_stages), stage_metrics
