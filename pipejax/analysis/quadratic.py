@@ -1,0 +1,694 @@
+"""Stability of pipelined momentum methods on the convex quadratic ``L(w) = ½ λ w²``.
+
+On a one-dimensional quadratic every method of DESIGN.md §3 is a *linear* recurrence in the
+current weight, the momentum buffer and the few past weights (or velocities) a gradient delay
+needs. Its companion matrix ``A`` maps the state of step ``t`` to the state of step ``t + 1``; the
+spectral radius ``ρ(A)`` is the asymptotic convergence rate per step and ``ρ < 1`` is stability.
+
+Conventions (heavy-ball momentum, ``η`` the learning rate, ``x = ηλ``):
+
+* ``v_{t+1} = m v_t + g_t`` and ``w_{t+1} = w_t − η u_t``, with ``u_t = v_{t+1}`` for plain
+  momentum.
+* A gradient of delay ``D``: the gradient applied at step ``t`` was computed from the weights of
+  step ``t − D``, ``g_t = λ ŵ_{t−D}``, where ``ŵ_s`` is the weight the *forward* pass sees at step
+  ``s``. With one scalar weight the forward and backward see the same tensor, so weight
+  inconsistency cannot arise here; only staleness (and what a method does about it) is modelled.
+* Only ``x = ηλ`` matters: with ``V = η v`` the recurrence is ``V_{t+1} = m V_t + x ŵ_{t−D}``,
+  ``w_{t+1} = w_t − (η u_t)``.
+
+Methods (``T = D`` is the prediction horizon):
+
+* ``sgd``: undelayed heavy ball, the unpipelined reference. It accepts and *ignores* ``delay`` so a
+  table row for ``sgd`` at any ``D`` shows the ``D = 0`` baseline.
+* ``pb``: plain delayed momentum, ``ŵ_s = w_s``.
+* ``pb_sc``: Spike Compensation, ``u = a v_{t+1} + b g_t`` with ``a = m^D``,
+  ``b = (1 − m^D)/(1 − m)``.
+* ``pb_lwp``: Linear Weight Prediction, update form ``ŵ_s = w_s + T (w_s − w_{s−1})``, with plain
+  momentum.
+* ``pb_sc_lwp``: SC together with the update-form prediction: ``w_s − w_{s−1}`` is the last applied
+  update, spike included.
+* ``spectrain``: velocity-form prediction ``ŵ_s = w_s − η T v_s`` with plain momentum. Under plain
+  momentum ``w_s − w_{s−1} = −η v_s``, so it has the same spectrum as ``pb_lwp`` (its companion
+  matrix is built independently, over a velocity history, and the tests check the two agree).
+* ``pipemare``: PipeMare's learning-rate rescheduling ``α_k τ^{−(1 − min(k/K, 1))}`` with
+  ``τ = max(D, 1)`` analysed at its *start* value ``k = 0``: the step is ``η / τ``, and ``x`` is the
+  *base* ``ηλ``. Its discrepancy correction changes only the backward's weights, which on a scalar
+  quadratic are the forward's weights, so it drops out: PipeMare here is ``pb`` with ``x / τ``
+  (and after annealing, ``k ≥ K``, it is exactly ``pb``). Its stable ``x`` is therefore ``τ`` times
+  ``pb``'s, bought with a ``τ``-times smaller step.
+
+Example:
+  >>> from pipejax.analysis import quadratic
+  >>> round(quadratic.max_stable_lr("pb", 0.0, 0), 6)  # heavy ball: 2(1 + m)
+  2.0
+  >>> rho = quadratic.spectral_radius("pb_sc", 0.05, 0.9, 4)
+  >>> abs(quadratic.simulated_rate("pb_sc", 0.05, 0.9, 4) - rho) < 1e-3
+  True
+
+Reference: Kosson et al., "Pipelined Backpropagation at Scale: Training Large Models without
+Batches", MLSys 2021 (arXiv 2003.11666), whose convex-quadratic analysis this reproduces.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
+PIPELINE_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
+
+_SPIKE_COMPENSATED = ("pb_sc", "pb_sc_lwp")
+_UPDATE_FORM_PREDICTION = ("pb_lwp", "pb_sc_lwp")
+
+# The stability scan covers ηλ from _SCAN_MIN up; the smallest stable limit in the default table
+# (pb at m = 0.999, D = 64) is ~1.6e-5, so 1e-8 leaves three decades of margin.
+_SCAN_MIN = 1e-8
+_SCAN_MAX = 16.0
+_SCAN_CAP = 1e4
+_POINTS_PER_DECADE = 24
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def _check_method(method: str) -> None:
+  if method not in METHODS:
+    raise ValueError(f"Unknown method {method!r}; known methods: {', '.join(METHODS)}.")
+
+
+def _check_momentum(momentum: float) -> None:
+  if not (isinstance(momentum, (int, float, np.floating, np.integer))
+          and 0.0 <= float(momentum) < 1.0):
+    raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}.")
+
+
+def _check_delay(delay: int) -> None:
+  if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)) or delay < 0:
+    raise ValueError(f"delay must be a non-negative integer, got {delay!r}.")
+
+
+def _check_lr(lr_lambda: float, name: str = "lr_lambda") -> None:
+  if not (isinstance(lr_lambda, (int, float, np.floating, np.integer))
+          and math.isfinite(float(lr_lambda)) and float(lr_lambda) > 0.0):
+    raise ValueError(f"{name} must be a finite number > 0, got {lr_lambda!r}.")
+
+
+def _check(method: str, momentum: float, delay: int) -> None:
+  _check_method(method)
+  _check_momentum(momentum)
+  _check_delay(delay)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-method coefficients shared by the matrix and the simulation.
+
+
+def _effective_delay(method: str, delay: int) -> int:
+  # sgd is the unpipelined reference whatever delay the table row is for.
+  return 0 if method == "sgd" else int(delay)
+
+
+def _lr_scale(method: str, delay: int) -> float:
+  """Factor on the base ``ηλ``: PipeMare's ``τ^{-1}`` with ``τ = max(D, 1)``, else 1."""
+  return 1.0 / max(delay, 1) if method == "pipemare" else 1.0
+
+
+def spike_compensation_coefficients(momentum: float, delay: int) -> tuple[float, float]:
+  """Returns ``(a, b) = (m^D, (1 − m^D)/(1 − m))`` of Spike Compensation ``u = a v + b g``."""
+  _check_momentum(momentum)
+  _check_delay(delay)
+  a = float(momentum) ** delay  # 0.0 ** 0 == 1.0, so D = 0 is plain momentum for any m.
+  # Written as a finite geometric sum so m = 0 and m close to 1 need no special case.
+  b = float(sum(float(momentum) ** k for k in range(delay)))
+  return a, b
+
+
+def _update_coefficients(method: str, momentum: float, delay: int) -> tuple[float, float]:
+  """Returns ``(c_v, c_g)`` with ``u_t = c_v m v_t + c_g g_t`` (``u = a v_{t+1} + b g``)."""
+  if method in _SPIKE_COMPENSATED:
+    a, b = spike_compensation_coefficients(momentum, delay)
+    return a, a + b
+  return 1.0, 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Companion matrices.
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+  array.setflags(write=False)  # Cached and shared: a caller's in-place edit must fail loudly.
+  return array
+
+
+@functools.lru_cache(maxsize=512)
+def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray, np.ndarray]:
+  """Returns ``(A0, A1)`` with ``A(x) = A0 + x A1`` for the effective ``x`` (after lr scaling).
+
+  Every method is affine in ``x = ηλ``, so a batch of matrices over a grid of ``x`` is one
+  broadcast, and a batch of eigenvalue problems one LAPACK call.
+  """
+  d = delay
+  t_horizon = d
+  m = float(momentum)
+  c_v, c_g = _update_coefficients(method, m, d)
+  if method == "spectrain":
+    # State: w_t … w_{t−D} (indices 0 … D), V_t … V_{t−D} (indices D+1 … 2D+1), V = ηv.
+    n = 2 * d + 2
+    a0 = np.zeros((n, n))
+    a1 = np.zeros((n, n))
+    v0 = d + 1
+    # V_{t+1} = m V_t + x (w_{t−D} − T V_{t−D});  w_{t+1} = w_t − V_{t+1}.
+    a0[v0, v0] += m
+    a1[v0, d] += 1.0
+    a1[v0, v0 + d] += -t_horizon
+    a0[0, 0] += 1.0
+    a0[0, v0] += -m
+    a1[0, d] += -1.0
+    a1[0, v0 + d] += t_horizon
+    for k in range(1, d + 1):
+      a0[k, k - 1] = 1.0
+      a0[v0 + k, v0 + k - 1] = 1.0
+    return _frozen(a0), _frozen(a1)
+
+  predicts = method in _UPDATE_FORM_PREDICTION
+  # State: w_t … w_{t−D} (plus w_{t−D−1} when predicting from the last update), then V_t.
+  n_w = d + 2 if predicts else d + 1
+  n = n_w + 1
+  iv = n_w
+  a0 = np.zeros((n, n))
+  a1 = np.zeros((n, n))
+  # Forward-view weight of step t−D as a row over the state: ŵ = (1+T) w_{t−D} − T w_{t−D−1}.
+  w_hat = np.zeros(n)
+  if predicts:
+    w_hat[d] += 1.0 + t_horizon
+    w_hat[d + 1] += -t_horizon
+  else:
+    w_hat[d] += 1.0
+  # V_{t+1} = m V_t + x ŵ.
+  a0[iv, iv] = m
+  a1[iv] += w_hat
+  # w_{t+1} = w_t − (c_v m V_t + c_g x ŵ).
+  a0[0, 0] += 1.0
+  a0[0, iv] += -c_v * m
+  a1[0] += -c_g * w_hat
+  for k in range(1, n_w):
+    a0[k, k - 1] = 1.0
+  return _frozen(a0), _frozen(a1)
+
+
+def companion_matrix(method: str, lr_lambda: float, momentum: float, delay: int) -> np.ndarray:
+  """Returns the matrix that maps a method's state at step ``t`` to step ``t + 1``.
+
+  Args:
+    method: one of :data:`METHODS`.
+    lr_lambda: ``ηλ`` (> 0); for ``pipemare`` the *base* ``ηλ`` before its ``1/τ`` rescheduling.
+    momentum: heavy-ball ``m`` in ``[0, 1)``.
+    delay: gradient delay ``D`` (≥ 0); the prediction horizon is ``T = D``.
+
+  Returns:
+    A square float64 array. Its size is ``D + 2`` (``pb``, ``pb_sc``, ``pipemare``; state
+    ``w_t … w_{t−D}, ηv_t``), ``D + 3`` for the update-form predictions (they also need
+    ``w_{t−D−1}``), ``2D + 2`` for ``spectrain`` (weight and velocity histories) and 2 for ``sgd``.
+
+  Raises:
+    ValueError: on an unknown method or an argument out of range.
+  """
+  _check(method, momentum, delay)
+  _check_lr(lr_lambda)
+  d = _effective_delay(method, delay)
+  a0, a1 = _affine_parts(method, float(momentum), d)
+  return a0 + float(lr_lambda) * _lr_scale(method, d) * a1
+
+
+def _spectral_radii(method: str, lr_lambdas: np.ndarray, momentum: float,
+                    delay: int) -> np.ndarray:
+  """Spectral radii over an array of ``ηλ`` (no argument checks; ``delay`` already effective)."""
+  a0, a1 = _affine_parts(method, float(momentum), delay)
+  x = np.asarray(lr_lambdas, dtype=np.float64) * _lr_scale(method, delay)
+  mats = a0[None] + x[:, None, None] * a1[None]
+  return np.abs(np.linalg.eigvals(mats)).max(axis=-1)
+
+
+def spectral_radius(method: str, lr_lambda: float, momentum: float, delay: int) -> float:
+  """Returns ``ρ`` of :func:`companion_matrix`: the asymptotic per-step convergence factor."""
+  _check(method, momentum, delay)
+  _check_lr(lr_lambda)
+  d = _effective_delay(method, delay)
+  return float(_spectral_radii(method, np.array([float(lr_lambda)]), momentum, d)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Direct simulation of the update rules (independent of the matrices above).
+
+
+class _Recurrence:
+  """The method's update rule, stepped directly with explicit histories.
+
+  Works on scalars or on numpy arrays of independent coordinates (one per curvature). Nothing here
+  uses the companion matrix: it is the second, independent route to the same rate.
+  """
+
+  def __init__(self, method, curvature, lr, momentum, delay, weight_history, velocity_history):
+    self.method = method
+    self.delay = _effective_delay(method, delay)
+    self.horizon = self.delay
+    self.curvature = curvature
+    self.lr = lr * _lr_scale(method, self.delay)
+    self.momentum = float(momentum)
+    self.sc_a, self.sc_b = (spike_compensation_coefficients(momentum, self.delay)
+                            if method in _SPIKE_COMPENSATED else (1.0, 0.0))
+    # weights[-1] is w_t, weights[-1 - k] is w_{t−k}; D + 2 entries cover w_{t−D−1}.
+    self.weights = collections.deque(weight_history, maxlen=self.delay + 2)
+    # velocities[-1] is v_t (the velocity that produced w_t); spectrain needs v_{t−D}.
+    self.velocities = collections.deque(velocity_history, maxlen=self.delay + 1)
+
+  def forward_view(self):
+    """The weights the forward pass of step ``t − D`` saw (its gradient arrives now)."""
+    d = self.delay
+    w_old = self.weights[-1 - d]
+    if self.method in _UPDATE_FORM_PREDICTION:
+      # T times the last applied update (spike included under SC).
+      return w_old + self.horizon * (w_old - self.weights[-2 - d])
+    if self.method == "spectrain":
+      return w_old - self.lr * self.horizon * self.velocities[-1 - d]
+    return w_old
+
+  def step(self, gradient_available=True):
+    gradient = self.curvature * self.forward_view()
+    if not gradient_available:
+      gradient = 0.0 * gradient
+    velocity = self.momentum * self.velocities[-1] + gradient
+    if self.method in _SPIKE_COMPENSATED:
+      update = self.sc_a * velocity + self.sc_b * gradient
+    else:
+      update = velocity
+    self.weights.append(self.weights[-1] - self.lr * update)
+    self.velocities.append(velocity)
+
+  def state_sq_norm(self):
+    if np.ndim(self.curvature) == 0:  # Plain floats: ~20x faster than numpy on scalars.
+      return (sum(w * w for w in self.weights)
+              + self.lr * self.lr * sum(v * v for v in self.velocities))
+    total = 0.0
+    for w in self.weights:
+      total += float(np.sum(np.square(w)))
+    for v in self.velocities:
+      total += float(np.sum(np.square(self.lr * v)))
+    return total
+
+  def rescale(self, factor):
+    # The recurrence is linear, so scaling every stored value keeps the trajectory's shape.
+    self.weights = collections.deque((w * factor for w in self.weights), maxlen=self.weights.maxlen)
+    self.velocities = collections.deque((v * factor for v in self.velocities),
+                                        maxlen=self.velocities.maxlen)
+
+
+def simulated_rate(method: str, lr_lambda: float, momentum: float, delay: int,
+                   steps: int | None = None, seed: int = 0) -> float:
+  """Estimates the asymptotic decay rate by running the update rule itself.
+
+  Starts from a random (generic) history of weights and velocities, steps the recurrence with
+  ``λ = 1``, ``η = lr_lambda``, and fits the slope of ``log ‖state‖`` over the second half of the
+  run (a geometric mean of the per-step factors, which averages out the oscillation of complex
+  eigenvalue pairs). The state is rescaled whenever it grows or shrinks by 1e100, so unstable and
+  fast-converging cases stay finite.
+
+  Args:
+    method: one of :data:`METHODS`.
+    lr_lambda: ``ηλ`` (> 0).
+    momentum: ``m`` in ``[0, 1)``.
+    delay: ``D`` (≥ 0).
+    steps: number of steps; by default ``max(4000, 100 (D + 2))``. Near-degenerate cases (two
+      eigenvalues of almost equal modulus, or a double root) converge slowly and need more.
+    seed: seed of the random start.
+
+  Returns:
+    The estimated ``ρ``; it agrees with :func:`spectral_radius`.
+  """
+  _check(method, momentum, delay)
+  _check_lr(lr_lambda)
+  d = _effective_delay(method, delay)
+  if steps is None:
+    steps = max(4000, 100 * (d + 2))
+  if steps < 10:
+    raise ValueError(f"steps must be at least 10, got {steps}.")
+  rng = np.random.default_rng(seed)
+  lr = float(lr_lambda)
+  rec = _Recurrence(method, 1.0, lr, momentum, d,
+                    weight_history=rng.standard_normal(d + 2).tolist(),
+                    velocity_history=(rng.standard_normal(d + 1) / lr).tolist())
+  log_norms = np.empty(steps)
+  log_scale = 0.0
+  for t in range(steps):
+    rec.step()
+    sq = rec.state_sq_norm()
+    if sq == 0.0:
+      return 0.0  # Nilpotent case (finite-time convergence): ρ = 0.
+    log_norms[t] = 0.5 * math.log(sq) + log_scale
+    if not 1e-100 < sq < 1e100:
+      factor = 1.0 / math.sqrt(sq)
+      rec.rescale(factor)
+      log_scale -= math.log(factor)
+  tail = np.arange(steps // 2, steps)
+  slope = np.polyfit(tail, log_norms[tail], 1)[0]
+  return float(math.exp(slope))
+
+
+def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: float,
+                     momentum: float, delay: int, steps: int) -> np.ndarray:
+  """Loss against step on ``L(w) = ½ Σ_i λ_i w_i²`` (a spectrum of curvatures).
+
+  Coordinates decouple, so this steps the same update rule as :func:`simulated_rate` on a vector.
+  The run starts as a pipeline does: all weights 1, zero momentum, and during the fill (steps
+  ``t < D``) no gradient has come back yet, so the update is zero (DESIGN.md §2).
+
+  Args:
+    method: one of :data:`METHODS`.
+    curvatures: the ``λ_i`` (> 0), e.g. ``np.logspace(-3, 0, 32)``.
+    lr: ``η`` (> 0); ``ηλ_i`` is each coordinate's ``lr_lambda``.
+    momentum: ``m`` in ``[0, 1)``.
+    delay: ``D`` (≥ 0).
+    steps: number of steps.
+
+  Returns:
+    Array of ``steps + 1`` losses (index 0 is the start); ``inf`` from the first overflow on.
+  """
+  _check(method, momentum, delay)
+  _check_lr(lr, "lr")
+  lam = np.asarray(curvatures, dtype=np.float64).reshape(-1)
+  if lam.size == 0 or not np.all(np.isfinite(lam)) or np.any(lam <= 0):
+    raise ValueError("curvatures must be a non-empty sequence of finite numbers > 0.")
+  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+    raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
+  d = _effective_delay(method, delay)
+  ones = np.ones_like(lam)
+  rec = _Recurrence(method, lam, float(lr), momentum, d,
+                    weight_history=[ones] * (d + 2),
+                    velocity_history=[np.zeros_like(lam)] * (d + 1))
+  losses = np.full(steps + 1, np.inf)
+  losses[0] = 0.5 * float(np.sum(lam))
+  with np.errstate(over="ignore", invalid="ignore"):
+    for t in range(steps):
+      rec.step(gradient_available=t >= d)
+      loss = 0.5 * float(np.sum(lam * np.square(rec.weights[-1])))
+      if not math.isfinite(loss) or loss > 1e150:
+        break
+      losses[t + 1] = loss
+  return losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Stability limits and best rates.
+
+
+@functools.lru_cache(maxsize=256)
+def _scan(method: str, momentum: float, delay: int) -> tuple[np.ndarray, np.ndarray]:
+  """``ρ`` on a log grid of ``ηλ`` reaching past the first unstable point (cached)."""
+  lo, hi = _SCAN_MIN, _SCAN_MAX
+  while True:
+    num = int(round(math.log10(hi / lo) * _POINTS_PER_DECADE)) + 1
+    xs = np.logspace(math.log10(lo), math.log10(hi), num)
+    rhos = _spectral_radii(method, xs, momentum, delay)
+    if rhos[0] >= 1.0 and lo > 1e-30:
+      lo *= 1e-3  # Extreme delay or momentum: the stable interval lies below the default grid.
+    elif np.all(rhos < 1.0) and hi < _SCAN_CAP:
+      hi *= 8.0
+    else:
+      return xs, rhos
+
+
+@functools.lru_cache(maxsize=256)
+def _stability_edge(method: str, momentum: float, delay: int) -> tuple[float, bool]:
+  """Returns (edge, stable_again): the end of the stable interval (0, edge), and whether the grid
+  found another stable ηλ above it."""
+  xs, rhos = _scan(method, momentum, delay)
+  unstable = np.nonzero(rhos >= 1.0)[0]
+  if unstable.size == 0:
+    return math.inf, False
+  i = int(unstable[0])
+  if i == 0:
+    return 0.0, bool(np.any(rhos < 1.0))
+  stable_again = bool(np.any(rhos[i:] < 1.0))
+  lo, hi = math.log(xs[i - 1]), math.log(xs[i])
+  # Bisection on log ηλ: the predicate ρ < 1 is all that is trusted, not ρ's smoothness.
+  while hi - lo > 1e-12:
+    mid = 0.5 * (lo + hi)
+    if _spectral_radii(method, np.array([math.exp(mid)]), momentum, delay)[0] < 1.0:
+      lo = mid
+    else:
+      hi = mid
+  return math.exp(lo), stable_again
+
+
+def max_stable_lr(method: str, momentum: float, delay: int) -> float:
+  """Returns the largest ``ηλ`` of the stable interval that starts at 0 (``ρ < 1`` below it).
+
+  A log grid (24 points per decade from 1e-8 to 16, extended when needed) finds the first
+  unstable ``ηλ``; bisection on ``log ηλ`` then pins the crossing to 1e-12 relative. Should ``ρ``
+  dip below 1 again above that edge (a stable island), it is not counted: see
+  ``stable_beyond_edge`` in :func:`stability_table` (never seen in the default table). For
+  ``pipemare`` the value is the *base* ``ηλ``. Cost grows as ``D³`` per grid point: about 0.3 s
+  at ``D = 64``, 25 s at ``D = 200``.
+  """
+  _check(method, momentum, delay)
+  return _stability_edge(method, float(momentum), _effective_delay(method, delay))[0]
+
+
+def _golden_min(f, lo: float, hi: float, tol: float = 1e-9) -> tuple[float, float]:
+  """Minimizes ``f`` on ``[lo, hi]`` by golden-section search; returns ``(x, f(x))``."""
+  inv_phi = (math.sqrt(5.0) - 1.0) / 2.0
+  a, b = lo, hi
+  c = b - inv_phi * (b - a)
+  d = a + inv_phi * (b - a)
+  fc, fd = f(c), f(d)
+  while b - a > tol:
+    if fc <= fd:
+      b, d, fd = d, c, fc
+      c = b - inv_phi * (b - a)
+      fc = f(c)
+    else:
+      a, c, fc = c, d, fd
+      d = a + inv_phi * (b - a)
+      fd = f(d)
+  return (c, fc) if fc <= fd else (d, fd)
+
+
+@functools.lru_cache(maxsize=256)
+def _best_rate(method: str, momentum: float, delay: int) -> tuple[float, float]:
+  xs, rhos = _scan(method, momentum, delay)
+  i = int(np.argmin(rhos))
+  lo = math.log(xs[max(i - 1, 0)])
+  hi = math.log(xs[min(i + 1, xs.size - 1)])
+
+  def rho_at(log_x):
+    return float(_spectral_radii(method, np.array([math.exp(log_x)]), momentum, delay)[0])
+
+  log_x, rho = _golden_min(rho_at, lo, hi)
+  if rhos[i] < rho:  # ρ need not be unimodal between grid points; never report worse than seen.
+    return float(rhos[i]), float(xs[i])
+  return rho, math.exp(log_x)
+
+
+def best_rate(method: str, momentum: float, delay: int) -> tuple[float, float]:
+  """Returns ``(best_rho, argmin_lr_lambda)``: the fastest asymptotic rate over ``ηλ``.
+
+  The minimum of ``ρ`` on the scan grid is refined by golden-section search on ``log ηλ`` between
+  its grid neighbours. ``ρ`` can be flat at its minimum (heavy ball: ``ρ = √m`` for every
+  ``ηλ ∈ [(1−√m)², (1+√m)²]``), so ``argmin`` is then one point of a set.
+  """
+  _check(method, momentum, delay)
+  return _best_rate(method, float(momentum), _effective_delay(method, delay))
+
+
+def stability_table(methods: Iterable[str] = PIPELINE_METHODS,
+                    momenta: Sequence[float] = (0.9, 0.99, 0.999),
+                    delays: Sequence[int] = (0, 1, 4, 16, 64)) -> list[dict]:
+  """Returns one row per (method, momentum, delay).
+
+  Each row has keys ``method, momentum, delay, max_stable_lr, best_rate`` and also ``best_lr``
+  (the ``ηλ`` that attains ``best_rate``) and ``stable_beyond_edge`` (whether the scan found
+  ``ρ < 1`` again above ``max_stable_lr``).
+  """
+  methods = list(methods)
+  for method in methods:
+    _check_method(method)
+  for momentum in momenta:
+    _check_momentum(momentum)
+  for delay in delays:
+    _check_delay(delay)
+  rows = []
+  for method in methods:
+    for momentum in momenta:
+      for delay in delays:
+        d = _effective_delay(method, delay)
+        edge, again = _stability_edge(method, float(momentum), d)
+        rho, x_best = _best_rate(method, float(momentum), d)
+        rows.append({
+            "method": method,
+            "momentum": float(momentum),
+            "delay": int(delay),
+            "max_stable_lr": float(edge),
+            "best_rate": float(rho),
+            "best_lr": float(x_best),
+            "stable_beyond_edge": again,
+        })
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures.
+
+
+_COLORS = {
+    "sgd": "black", "pb": "tab:red", "pb_sc": "tab:blue", "pb_lwp": "tab:green",
+    "pb_sc_lwp": "tab:purple", "spectrain": "tab:olive", "pipemare": "tab:orange",
+}
+_LABELS = {
+    "sgd": "SGD (no delay)", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
+    "pb_sc_lwp": "PB + SC + LWP", "spectrain": "SpecTrain", "pipemare": "PipeMare (lr/τ)",
+}
+_LINESTYLES = {"spectrain": (0, (4, 3)), "pipemare": "-"}
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")  # Files only; never needs a display.
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def _rho_curve(method, xs, momentum, delay):
+  return _spectral_radii(method, xs, float(momentum), _effective_delay(method, delay))
+
+
+def _style_rho_axes(ax):
+  """ρ − 1 on a symmetric log axis: the stable side (ρ ≈ √m, just below 1 at high momentum) and
+  the unstable side (up to ρ ≈ 2) are both legible; the ρ = 1 line is the zero line."""
+  ax.axhline(0.0, color="black", lw=1.0, ls="--")
+  ax.axhspan(-1.0, 0.0, color="tab:green", alpha=0.06, lw=0)
+  ax.set_xscale("log")
+  ax.set_yscale("symlog", linthresh=1e-4, linscale=0.5)
+  ax.set_ylim(-1.0, 1.0)
+  ax.set_yticks([-1.0, -0.1, -1e-2, -1e-3, -1e-4, 0.0, 1e-4, 1e-3, 1e-2, 0.1, 1.0])
+  ax.grid(True, which="major", alpha=0.3)
+
+
+def plot_rho_vs_lr(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentum: float = 0.9,
+                   delays: Sequence[int] = (0, 1, 4, 16, 64), num: int = 400) -> str:
+  """Writes a PNG with one panel per method: ``ρ`` against ``ηλ`` (log axis), one curve per ``D``.
+
+  Returns:
+    ``path``.
+  """
+  for method in methods:
+    _check_method(method)
+  _check_momentum(momentum)
+  plt = _pyplot()
+  xs = np.logspace(-5, math.log10(5.0), num)
+  cols = 3
+  rows = math.ceil(len(methods) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), sharex=True,
+                           sharey=True, squeeze=False)
+  cmap = plt.get_cmap("viridis")
+  for ax, method in zip(axes.flat, methods):
+    for j, delay in enumerate(delays):
+      color = cmap(j / max(len(delays) - 1, 1))
+      ax.plot(xs, _rho_curve(method, xs, momentum, delay) - 1.0, color=color, lw=1.6,
+              label=f"D={delay}")
+    _style_rho_axes(ax)
+    ax.set_title(_LABELS[method])
+  for ax in axes.flat[len(methods):]:
+    ax.set_visible(False)
+  for ax in axes[-1]:
+    ax.set_xlabel("ηλ")
+  for ax in axes[:, 0]:
+    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
+  axes.flat[0].legend(loc="upper left", fontsize=8)
+  fig.suptitle(f"Spectral radius ρ on ½λw², momentum m = {momentum}: shaded (ρ < 1) is stable, "
+               f"heavy ball's best is ρ − 1 = √m − 1 = {math.sqrt(momentum) - 1:.3g}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_rho_by_delay(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentum: float = 0.9,
+                      delays: Sequence[int] = (1, 4, 16, 64), num: int = 400) -> str:
+  """Writes a PNG with one panel per ``D``: ``ρ`` against ``ηλ`` for every method, plus ``sgd``.
+
+  Returns:
+    ``path``.
+  """
+  for method in methods:
+    _check_method(method)
+  _check_momentum(momentum)
+  plt = _pyplot()
+  xs = np.logspace(-5, math.log10(5.0), num)
+  cols = 2
+  rows = math.ceil(len(delays) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.6 * rows), sharey=True,
+                           squeeze=False)
+  for ax, delay in zip(axes.flat, delays):
+    for method in ["sgd"] + [m for m in methods if m != "sgd"]:
+      ax.plot(xs, _rho_curve(method, xs, momentum, delay) - 1.0, color=_COLORS[method],
+              ls=_LINESTYLES.get(method, "-"), lw=1.6, label=_LABELS[method])
+    _style_rho_axes(ax)
+    ax.set_title(f"D = {delay}")
+    ax.set_xlabel("ηλ (PipeMare: base ηλ, step ηλ/τ)")
+  for ax in axes.flat[len(delays):]:
+    ax.set_visible(False)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
+  axes.flat[0].legend(loc="upper left", fontsize=8)
+  fig.suptitle(f"Spectral radius per delay, momentum m = {momentum}: shaded (ρ < 1) is stable")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_multi_dim_losses(path: str, methods: Sequence[str] = PIPELINE_METHODS,
+                          curvatures: Sequence[float] | None = None,
+                          settings: Sequence[tuple[float, float, int]] = ((0.005, 0.9, 16),
+                                                                          (0.02, 0.9, 16)),
+                          steps: int = 2000) -> str:
+  """Writes a PNG of loss against step on a multi-dimensional quadratic, one panel per setting.
+
+  Args:
+    path: PNG file to write.
+    methods: methods to draw; ``sgd`` (no delay) is always added as the reference.
+    curvatures: the ``λ_i``; default 32 values log-spaced over ``[1e-3, 1]``.
+    settings: ``(lr, momentum, delay)`` per panel.
+    steps: steps per run.
+
+  Returns:
+    ``path``.
+  """
+  plt = _pyplot()
+  lam = np.logspace(-3, 0, 32) if curvatures is None else np.asarray(curvatures, np.float64)
+  fig, axes = plt.subplots(1, len(settings), figsize=(6.0 * len(settings), 4.2), squeeze=False)
+  for ax, (lr, momentum, delay) in zip(axes.flat, settings):
+    loss0 = None
+    for method in ["sgd"] + [m for m in methods if m != "sgd"]:
+      losses = multi_dim_losses(method, lam, lr, momentum, delay, steps)
+      loss0 = losses[0]
+      ax.plot(np.arange(losses.size), losses, color=_COLORS[method],
+              ls=_LINESTYLES.get(method, "-"), lw=1.5, label=_LABELS[method])
+    ax.set_yscale("log")
+    ax.set_ylim(loss0 * 1e-4, loss0 * 1e3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss ½ Σ λᵢ wᵢ²")
+    ax.set_title(f"η = {lr}, m = {momentum}, D = {delay}  (λ ∈ [{lam.min():g}, {lam.max():g}])")
+    ax.grid(True, which="major", alpha=0.3)
+  # One legend below the panels, so that no curve hides behind it.
+  handles, labels = axes.flat[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+  fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
