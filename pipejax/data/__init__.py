@@ -9,10 +9,10 @@ the test split in order.
 
 from pipejax.data.errors import DataError
 from pipejax.data.registry import NAMES, load
-from pipejax.data.source import ArraySource, Augment, Normalization, Source
+from pipejax.data.source import ArraySource, Augment, Normalization, Source, Subset
 from pipejax.data.stream import DataStream, augment_rng, epoch_permutation, eval_batches
 
 __all__ = [
     "ArraySource", "Augment", "DataError", "DataStream", "NAMES", "Normalization", "Source",
-    "augment_rng", "epoch_permutation", "eval_batches", "load",
+    "Subset", "augment_rng", "epoch_permutation", "eval_batches", "load",
 ]

@@ -168,3 +168,35 @@ class ArraySource(Source):
     # One fancy-indexing gather instead of the per-example loop of the base class.
     indices = np.asarray(indices, np.int64).reshape(-1)
     return self.images[indices], self.labels[indices]
+
+
+class Subset(Source):
+  """The first ``size`` examples of another source (smoke runs, quick experiments)."""
+
+  def __init__(self, source: Source, size: int):
+    if not 1 <= size:
+      raise DataError(f"A subset needs at least one example; got size={size}.")
+    self.source = source
+    self.size = min(int(size), len(source))
+    self.name = f"{source.name}[:{self.size}]"
+    self.num_classes = source.num_classes
+    self.example_shape = source.example_shape
+    self.normalization = source.normalization
+    self.default_augment = source.default_augment
+
+  def __len__(self) -> int:
+    return self.size
+
+  def raw(self, index: int) -> tuple[np.ndarray, int]:
+    if not 0 <= index < self.size:
+      raise IndexError(index)
+    return self.source.raw(index)
+
+  def fit(self, example: np.ndarray) -> np.ndarray:
+    return self.source.fit(example)
+
+  def take(self, indices) -> tuple[np.ndarray, np.ndarray]:
+    indices = np.asarray(indices, np.int64).reshape(-1)
+    if indices.size and (indices.min() < 0 or indices.max() >= self.size):
+      raise IndexError(f"index out of range for {self.name}")
+    return self.source.take(indices)

@@ -1,0 +1,104 @@
+"""Training metrics: JSONL (the record of truth), TensorBoard event files, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Sequence
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_records(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        try:
+          records.append(json.loads(line))
+        except json.JSONDecodeError:
+          continue  # a line cut short by a kill; everything before it is intact
+  return records
+
+
+class MetricsWriter:
+  """Appends records to ``workdir/metrics.jsonl`` and TensorBoard event files.
+
+  On resume, records past the checkpoint's sample count (written by the run that was stopped
+  after its last checkpoint) are dropped, so the curves have no duplicates.
+  """
+
+  def __init__(self, workdir: str, resume_samples: int | None = None):
+    self.path = os.path.join(workdir, METRICS_FILE)
+    if resume_samples is not None:
+      kept = [r for r in read_records(workdir) if r.get("samples", 0) <= resume_samples]
+      self._rewrite(kept)
+    elif os.path.exists(self.path):
+      self._rewrite([])
+    self._file = open(self.path, "a")
+    from tensorboardX import SummaryWriter  # imported here: only the trainer needs it
+    self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def _rewrite(self, records):
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      for r in records:
+        f.write(json.dumps(r) + "\n")
+    os.replace(tmp, self.path)
+
+  def write(self, split: str, samples: int, **scalars) -> None:
+    record = {"split": split, "samples": int(samples), **{k: _plain(v) for k, v in scalars.items()}}
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    for key, value in record.items():
+      if isinstance(value, (int, float)) and key != "samples":
+        self._tensorboard.add_scalar(f"{split}/{key}", value, int(samples))
+
+  def close(self) -> None:
+    self._file.close()
+    self._tensorboard.close()
+
+
+def _plain(value):
+  try:
+    return float(value) if not isinstance(value, (int, str, bool)) else value
+  except TypeError:
+    return str(value)
+
+
+def plot_runs(runs: dict[str, Sequence[dict]], path: str, title: str | None = None,
+              keys: Iterable[str] = ("loss", "accuracy")) -> None:
+  """One PNG with a panel per metric: train (thin) and test (thick, dots) curves of every run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  keys = list(keys)
+  fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for (label, records), colour in zip(runs.items(), colours * 10):
+    for ax, key in zip(axes[0], keys):
+      for split, style in (("train", dict(lw=0.8, alpha=0.6)), ("test", dict(lw=2, marker="o",
+                                                                             ms=3))):
+        points = [(r["samples"], r[key]) for r in records if r.get("split") == split and key in r]
+        if points:
+          xs, ys = zip(*points)
+          ax.plot(xs, ys, color=colour, label=f"{label} ({split})", **style)
+  for ax, key in zip(axes[0], keys):
+    ax.set_xlabel("training samples")
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    if key == "loss":
+      ax.set_yscale("log")
+  axes[0][-1].legend(fontsize=8)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  tmp = path + ".tmp.png"
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, path)

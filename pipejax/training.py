@@ -1,0 +1,338 @@
+"""``train_and_evaluate(config, workdir)``: train a model with any method, stop anywhere, resume.
+
+The loop feeds the pipeline in chunks of ``config.ticks_per_chunk`` ticks (one ``lax.scan`` each),
+and does everything else between chunks: progress lines, metrics, test evaluation with the current
+weights, checkpoints, and the finite check. Checkpoints are taken only between chunks and the chunk
+length is fixed by the config, so a resumed run replays exactly the computation of a run that never
+stopped (bit-identical on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from pipejax import data as data_lib
+from pipejax import methods as methods_lib
+from pipejax import metrics as metrics_lib
+from pipejax import models as models_lib
+from pipejax import optim
+from pipejax.checkpoint import Checkpointer, CheckpointError
+from pipejax.engine import Pipeline
+
+# Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
+# cannot be resumed.
+STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "micro_batch_size",
+                   "micro_batches", "image_size", "seed", "ticks_per_chunk")
+
+
+class ConfigError(ValueError):
+  """The config is inconsistent; the message names the field and how to fix it."""
+
+
+class TrainingDiverged(RuntimeError):
+  """A stage produced a non-finite value; the message names the stage and the tick."""
+
+
+@dataclasses.dataclass
+class Hyperparameters:
+  """The optimizer settings at the micro-batch actually trained, after the scaling rules."""
+
+  learning_rate: float
+  momentum: float
+  weight_decay: float
+  steps: int  # optimizer steps of each stage over the run
+  warmup_steps: int
+
+
+def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
+  """Converts the config's reference recipe to its micro-batch (DESIGN.md §3 scaling rules).
+
+  ``config.lr`` / ``config.momentum`` / ``config.weight_decay``, when set, override the converted
+  values. Schedules are kept in samples and converted to steps here.
+  """
+  b = config.micro_batch_size
+  group = b * (config.micro_batches if config.method == "sync" else 1)
+  ref = config.reference
+  recipe = optim.scale_recipe(
+      optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
+                   weight_decay=ref.weight_decay), group)
+  steps = max(1, int(config.epochs * train_size) // group)
+  return Hyperparameters(
+      learning_rate=recipe.learning_rate if config.lr is None else config.lr,
+      momentum=recipe.momentum if config.momentum is None else config.momentum,
+      weight_decay=recipe.weight_decay if config.weight_decay is None else config.weight_decay,
+      steps=steps,
+      warmup_steps=int(config.warmup_epochs * train_size) // group)
+
+
+def learning_rate_schedule(config, hp: Hyperparameters):
+  if config.schedule == "constant":
+    return optax.constant_schedule(hp.learning_rate)
+  if config.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        0.0, hp.learning_rate, max(hp.warmup_steps, 1), max(hp.steps, hp.warmup_steps + 1))
+  raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {config.schedule!r}.")
+
+
+def validate(config) -> None:
+  """Checks the config before anything expensive happens."""
+  if config.method not in methods_lib.METHODS:
+    raise ConfigError(f"config.method={config.method!r} is not a known method. Known methods: "
+                      f"{', '.join(methods_lib.METHODS)}.")
+  if config.model not in models_lib.names():
+    raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
+                      f"{', '.join(models_lib.names())}.")
+  for key in ("micro_batch_size", "ticks_per_chunk", "eval_every_samples",
+              "checkpoint_every_samples", "keep_checkpoints"):
+    if int(config[key]) < 1:
+      raise ConfigError(f"config.{key} must be a positive integer; got {config[key]}.")
+  if config.epochs <= 0:
+    raise ConfigError(f"config.epochs must be positive; got {config.epochs}.")
+  if config.method == "sync" and config.ticks_per_chunk % config.micro_batches:
+    raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
+                      f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
+
+
+def _config_fingerprint(config) -> dict:
+  return {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
+
+
+def _to_plain(config) -> dict:
+  return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else \
+      dict(config)
+
+
+class _StopRequest:
+  """Turns SIGTERM/SIGINT into a flag the loop checks between chunks (then saves and exits)."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. inside some test runners): no handler.
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def make_evaluator(model, batch_size: int):
+  """A function (stage params, test source) -> {loss, accuracy} over the whole split."""
+  @jax.jit
+  def batch_sums(params, x, y, mask):
+    h = x
+    for stage, p in zip(model.stages, params):
+      h = stage.apply(p, h, None)
+    loss, _ = jax.vmap(lambda logits, label: model.loss(logits[None], label[None]))(h, y)
+    correct = jnp.argmax(h, -1) == y
+    return jnp.sum(loss * mask), jnp.sum(correct * mask)
+
+  def evaluate(stage_params, test_source) -> dict:
+    loss_sum, correct_sum, count = 0.0, 0.0, 0
+    for x, y, mask in data_lib.eval_batches(test_source, batch_size):
+      loss, correct = batch_sums(stage_params, x, y, mask.astype(np.float32))
+      loss_sum += float(loss)
+      correct_sum += float(correct)
+      count += int(mask.sum())
+    return {"loss": loss_sum / count, "accuracy": correct_sum / count}
+
+  return evaluate
+
+
+def _first_non_finite(finite: np.ndarray, first_tick: int, model) -> str | None:
+  bad = np.argwhere(~finite)
+  if not len(bad):
+    return None
+  tick_offset = bad[:, 0].min()
+  stages = sorted(int(s) for t, s in bad if t == tick_offset)
+  names = ", ".join(f"stage {s} ('{model.stages[s].name}')" for s in stages)
+  return f"{names} at tick {first_tick + int(tick_offset)}"
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+
+  Returns the final summary (also written to ``workdir/summary.json``).
+  """
+  validate(config)
+  os.makedirs(workdir, exist_ok=True)
+
+  train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
+                                            **({"image_size": config.image_size}
+                                               if config.image_size else {}))
+  if config.max_train_examples:
+    train_source = data_lib.Subset(train_source, config.max_train_examples)
+  if config.max_test_examples:
+    test_source = data_lib.Subset(test_source, config.max_test_examples)
+
+  b = config.micro_batch_size
+  model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                           **config.model_kwargs)
+  hp = resolve_hyperparameters(config, len(train_source))
+  method = methods_lib.make_method(
+      config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
+      weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
+      anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b))
+  augment = train_source.default_augment if config.augment else None
+  stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
+  example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
+  pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32))
+
+  samples_per_chunk = config.ticks_per_chunk * b
+  total_samples = int(config.epochs * len(train_source))
+  total_samples -= total_samples % samples_per_chunk or 0
+  total_samples = max(total_samples, samples_per_chunk)
+
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+  state = pipe.init(jax.random.PRNGKey(config.seed))
+  samples = 0
+  step = checkpointer.latest_step()
+  if step is not None:
+    meta = checkpointer.restore_meta(step)
+    saved, wanted = meta.get("fingerprint", {}), _config_fingerprint(config)
+    differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
+    if differing:
+      raise CheckpointError(
+          f"The checkpoint in {checkpointer.directory} was written with a different "
+          f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
+          f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
+          "settings, or use a new --workdir for the new ones.")
+    state, meta = checkpointer.restore(step, state)
+    stream.set_state(meta["data_position"])
+    samples = int(meta["samples"])
+    logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
+                 samples)
+
+  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if step is not None else None)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(_to_plain(config), f, indent=2, default=str)
+  logging.info("Model: %d stages; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
+               "%.3g; %d training samples.", pipe.num_stages, config.method, b,
+               hp.learning_rate, hp.momentum, hp.weight_decay, total_samples)
+
+  def save(current_state):
+    checkpointer.save(samples, current_state, {
+        "samples": samples, "data_position": stream.get_state(),
+        "fingerprint": _config_fingerprint(config), "config": _to_plain(config)})
+
+  evaluate = make_evaluator(model, config.eval_batch_size)
+
+  def evaluate_now():
+    result = evaluate([st.params for st in state.stages], test_source)
+    writer.write("test", samples, **result)
+    logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
+                 result["accuracy"])
+    metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+                          os.path.join(workdir, "curves.png"),
+                          title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
+    return result
+
+  start_time, start_samples = time.perf_counter(), samples
+  stopped_by = None
+  test_result = None
+  with _StopRequest() as stop:
+    while samples < total_samples:
+      x, y = stream.next_chunk(config.ticks_per_chunk)
+      x, y, valid = pipe.schedule(x, y)
+      first_tick = int(state.tick)
+      state, chunk_metrics = pipe.run(state, x, y, valid)
+      chunk_metrics = jax.device_get(chunk_metrics)
+      problem = _first_non_finite(np.asarray(chunk_metrics["finite"]), first_tick, model)
+      if problem:
+        last = checkpointer.all_steps()
+        raise TrainingDiverged(
+            f"Training diverged: {problem} produced a non-finite value (NaN or inf) at sample "
+            f"{samples} and beyond. "
+            + (f"The last good checkpoint (step {max(last)}) is kept in {checkpointer.directory}. "
+               if last else "No checkpoint had been written yet. ")
+            + "Lower the learning rate (--config.lr), add warm-up (--config.warmup_epochs), or "
+              "try a method with compensation (pb_sc_lwp); rerunning resumes from that "
+              "checkpoint.")
+      samples += samples_per_chunk
+      seen = np.asarray(chunk_metrics["valid"])
+      if seen.any():
+        writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
+                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])))
+      elapsed = time.perf_counter() - start_time
+      rate = (samples - start_samples) / max(elapsed, 1e-9)
+      eta = (total_samples - samples) / max(rate, 1e-9)
+      logging.info("[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, "
+                   "ETA %s", samples, total_samples, samples / len(train_source),
+                   float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
+                   float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
+                   rate, _duration(eta))
+      crossed = lambda every: samples // every != (samples - samples_per_chunk) // every
+      if crossed(config.eval_every_samples) and samples < total_samples:
+        test_result = evaluate_now()
+      if crossed(config.checkpoint_every_samples) or stop.signal_name:
+        save(state)
+      if stop.signal_name:
+        stopped_by = stop.signal_name
+        logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
+                        "command to resume.", stopped_by, samples, checkpointer.directory)
+        break
+
+    if stopped_by is None:
+      if checkpointer.latest_step() != samples:
+        save(state)
+      test_result = evaluate_now()
+  writer.close()
+  checkpointer.close()
+  summary = {
+      "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
+      "method": config.method, "model": config.model, "dataset": config.dataset,
+      "micro_batch_size": b, "num_stages": pipe.num_stages,
+      "learning_rate": hp.learning_rate, "momentum": hp.momentum,
+      "train_seconds": time.perf_counter() - start_time,
+      "test_accuracy": None if test_result is None else test_result["accuracy"],
+      "test_loss": None if test_result is None else test_result["loss"],
+  }
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600 \
+      else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+
+def _user_errors():
+  from pipejax.checkpoint import CheckpointError as _CheckpointError
+  from pipejax.data import DataError
+  from pipejax.engine import PipelineError
+  from pipejax.methods import MethodError
+  from pipejax.stages import ModelError
+  return (ConfigError, TrainingDiverged, _CheckpointError, DataError, PipelineError, MethodError,
+          ModelError)
+
+
+# Every error a user can cause; the binary prints these as one paragraph, without a traceback.
+USER_ERRORS = _user_errors()
