@@ -21,6 +21,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+from ml_collections import config_dict
 import numpy as np
 import optax
 
@@ -36,6 +37,55 @@ from pipejax.engine import Pipeline
 # cannot be resumed.
 STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "micro_batch_size",
                    "micro_batches", "image_size", "seed", "ticks_per_chunk")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field ``train_and_evaluate`` reads, with defaults; config files change what they need."""
+  config = ml_collections.ConfigDict()
+  config.dataset = "fashion_mnist_idx"  # a name of pipejax.data.load
+  config.data_dir = ""  # empty: the data set's default location
+  config.image_size = 0  # 0: the data set's native size (ImageNet: resize to this)
+  config.max_train_examples = 0  # 0: all; else the first N (quick runs)
+  config.max_test_examples = 0
+  config.augment = False  # the data set's standard train-time augmentation
+
+  config.model = "mlp"  # a name of pipejax.models.build
+  config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
+
+  config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
+  config.micro_batch_size = 1
+  config.micro_batches = 1  # M of the synchronous mode (method 'sync')
+
+  # The recipe as it would run with ordinary mini-batches; converted to the micro-batch trained.
+  config.reference = ml_collections.ConfigDict(
+      {"batch_size": 128, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4})
+  config.lr = config_dict.placeholder(float)  # set any of these three to override the conversion
+  config.momentum = config_dict.placeholder(float)
+  config.weight_decay = config_dict.placeholder(float)
+  config.schedule = "cosine"  # or "constant"; kept in samples, converted to steps
+  config.epochs = 10.0
+  config.warmup_epochs = 0.2
+  config.pipemare_anneal_epochs = 1.0
+  config.seed = 0
+
+  config.ticks_per_chunk = 2000  # ticks per lax.scan call; checkpoints fall between chunks
+  config.eval_every_samples = 60000
+  config.checkpoint_every_samples = 60000
+  config.keep_checkpoints = 3
+  config.eval_batch_size = 1000
+  config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1})
+  return config
+
+
+def apply_smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The ``:smoke`` variant: every part of a run (train, eval, checkpoint, plots) in < 1 minute."""
+  config.max_train_examples = 2000
+  config.max_test_examples = 500
+  config.epochs = 1.0
+  config.ticks_per_chunk = max(1, 250 // config.micro_batch_size)
+  config.eval_every_samples = 1000
+  config.checkpoint_every_samples = 1000
+  return config
 
 
 class ConfigError(ValueError):
@@ -172,14 +222,20 @@ def _first_non_finite(finite: np.ndarray, first_tick: int, model) -> str | None:
   return f"{names} at tick {first_tick + int(tick_offset)}"
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+@dataclasses.dataclass
+class Setup:
+  """What a config builds: the data splits, the model, its hyperparameters and the pipeline."""
 
-  Returns the final summary (also written to ``workdir/summary.json``).
-  """
+  train_source: Any
+  test_source: Any
+  model: Any
+  hyperparameters: Hyperparameters
+  pipeline: Pipeline
+
+
+def build(config: ml_collections.ConfigDict) -> Setup:
+  """Data, model, method and pipeline of ``config`` (no training; cheap: shapes are abstract)."""
   validate(config)
-  os.makedirs(workdir, exist_ok=True)
-
   train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
                                             **({"image_size": config.image_size}
                                                if config.image_size else {}))
@@ -189,17 +245,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     test_source = data_lib.Subset(test_source, config.max_test_examples)
 
   b = config.micro_batch_size
-  model = models_lib.build(config.model, num_classes=train_source.num_classes,
-                           **config.model_kwargs)
+  model_kwargs = dict(config.model_kwargs)
+  if config.method == "sgd":
+    # The reference without a pipeline: the whole network as one stage, where the engine is
+    # exactly plain optax training (tests/test_engine.py proves the identity).
+    model_kwargs["layers_per_stage"] = 1 << 30
+  model = models_lib.build(config.model, num_classes=train_source.num_classes, **model_kwargs)
   hp = resolve_hyperparameters(config, len(train_source))
   method = methods_lib.make_method(
       config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
       weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
       anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b))
-  augment = train_source.default_augment if config.augment else None
-  stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32))
+  return Setup(train_source, test_source, model, hp, pipe)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+
+  Returns the final summary (also written to ``workdir/summary.json``).
+  """
+  setup = build(config)
+  os.makedirs(workdir, exist_ok=True)
+
+  train_source, test_source = setup.train_source, setup.test_source
+  model, hp, pipe = setup.model, setup.hyperparameters, setup.pipeline
+  b = config.micro_batch_size
+  augment = train_source.default_augment if config.augment else None
+  stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
 
   samples_per_chunk = config.ticks_per_chunk * b
   total_samples = int(config.epochs * len(train_source))

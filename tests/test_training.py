@@ -1,0 +1,249 @@
+"""The training binary's library: exact resume (in process and after SIGTERM), failure paths, configs."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pipejax import checkpoint, methods, training
+from pipejax.data import DataError
+from pipejax.engine import Pipeline
+from pipejax.stages import ModelError
+from tests.test_engine import make_model, make_stream
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name, arg=None):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def digits_config(**overrides):
+  """A seconds-long run on scikit-learn's digits: 2 chunks of 40 ticks, checkpoint per chunk."""
+  config = load_config("default", "smoke")
+  config.dataset = "digits"
+  config.max_train_examples = 0
+  config.max_test_examples = 0
+  config.model_kwargs = {"hidden": (16, 12), "layers_per_stage": 1}
+  config.epochs = 240 / 1437
+  config.ticks_per_chunk = 40
+  config.eval_every_samples = 80
+  config.checkpoint_every_samples = 40
+  config.eval_batch_size = 128
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
+  model = make_model()
+  x, y = make_stream(14, 2)
+  pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0], y[0])
+  straight, straight_metrics = pipe.run(pipe.init(jax.random.PRNGKey(3)), x, y)
+
+  first, first_metrics = pipe.run(pipe.init(jax.random.PRNGKey(3)), x[:7], y[:7])
+  # Mid-flight: stage 0's delay line holds 7 in-flight inputs, none of them backwarded yet.
+  assert bool(np.asarray(first.stages[0].delay_line.valid).all())
+  saver = checkpoint.Checkpointer(str(tmp_path / "ckpt"))
+  saver.save(7, first, {"note": "mid-flight"})
+  restored, meta = saver.restore(7, pipe.init(jax.random.PRNGKey(99)))
+  assert meta == {"note": "mid-flight"}
+  resumed, second_metrics = pipe.run(restored, x[7:], y[7:])
+  leaves_equal(straight, resumed)
+  for key in straight_metrics:
+    np.testing.assert_array_equal(np.concatenate([first_metrics[key], second_metrics[key]]),
+                                  straight_metrics[key])
+
+
+def test_training_resumes_exactly_after_sigterm(tmp_path):
+  """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  overrides = ["--config.dataset=digits", "--config.max_train_examples=0",
+               "--config.max_test_examples=0", "--config.epochs=2.0",
+               "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
+               "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
+               "--config.model_kwargs.hidden=(16,12)"]
+
+  def command(workdir):
+    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+            "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+            f"--workdir={workdir}", *overrides]
+
+  straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True,
+                            env=env, timeout=300)
+  assert straight.returncode == 0, straight.stderr[-2000:]
+
+  victim = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+  lines = []
+  for line in victim.stdout:  # wait until it is training (a progress line), then kill it
+    lines.append(line)
+    if "samples/s" in line:
+      victim.send_signal(signal.SIGTERM)
+      break
+  rest, _ = victim.communicate(timeout=300)
+  output = "".join(lines) + rest
+  assert victim.returncode == 0, output[-2000:]
+  assert "STOPPED by SIGTERM" in output
+  stopped_at = json.load(open(tmp_path / "killed" / "summary.json"))["samples"]
+  assert 0 < stopped_at < json.load(open(tmp_path / "straight" / "summary.json"))["samples"]
+
+  resumed = subprocess.run(command(tmp_path / "killed"), capture_output=True, text=True, env=env,
+                           timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Resumed from" in resumed.stderr
+
+  straight_summary = json.load(open(tmp_path / "straight" / "summary.json"))
+  resumed_summary = json.load(open(tmp_path / "killed" / "summary.json"))
+  assert resumed_summary["test_accuracy"] == straight_summary["test_accuracy"]
+  assert resumed_summary["test_loss"] == straight_summary["test_loss"]
+  # The whole final pipeline state (weights, optimizer states, delay lines) is identical.
+  config = digits_config(epochs=2.0, ticks_per_chunk=50, schedule="constant")
+  a = checkpoint.Checkpointer(str(tmp_path / "straight" / "checkpoints"))
+  b = checkpoint.Checkpointer(str(tmp_path / "killed" / "checkpoints"))
+  step = a.latest_step()
+  assert b.latest_step() == step
+  meta_a, meta_b = a.restore_meta(step), b.restore_meta(step)
+  assert meta_a["data_position"] == meta_b["data_position"]
+  like = _pipeline_for(config).init(jax.random.PRNGKey(0))
+  leaves_equal(a.restore(step, like)[0], b.restore(step, like)[0])
+  # Metrics were not duplicated by the resume.
+  samples = [json.loads(l)["samples"] for l in open(tmp_path / "killed" / "metrics.jsonl")
+             if json.loads(l)["split"] == "train"]
+  assert samples == sorted(set(samples))
+
+
+def _pipeline_for(config):
+  return training.build(config).pipeline
+
+
+def test_nan_at_one_stage_is_reported_with_stage_and_tick():
+  model = make_model()
+  x, y = make_stream(12, 1)
+  pipe = Pipeline(model, methods.make_method("pb", learning_rate=0.05), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  poisoned = jax.tree.map(lambda p: p.at[...].set(np.nan), state.stages[2].params)
+  state = state._replace(stages=state.stages[:2] + (state.stages[2]._replace(params=poisoned),)
+                         + state.stages[3:])
+  _, metrics = pipe.run(state, x, y)
+  message = training._first_non_finite(np.asarray(metrics["finite"]), 100, model)
+  # Stage 2 forwards its first real sample at tick 2: that is where the NaN first shows.
+  assert message == "stage 2 ('dense3') at tick 102"
+
+
+def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_path):
+  workdir = str(tmp_path / "run")
+  training.train_and_evaluate(digits_config(), workdir)
+  saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+  good_step = saver.latest_step()
+  config = digits_config(epochs=480 / 1437, lr=1e30)  # resumes, then blows up
+  with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
+                     rf"last good checkpoint \(step {good_step}\)"):
+    training.train_and_evaluate(config, workdir)
+  assert saver.all_steps()[-1] == good_step
+  like = _pipeline_for(config).init(jax.random.PRNGKey(0))
+  state, _ = saver.restore(good_step, like)
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.stages[0].params))
+
+
+def test_damaged_checkpoint_is_a_clear_error_not_a_fresh_start(tmp_path):
+  workdir = str(tmp_path / "run")
+  training.train_and_evaluate(digits_config(), workdir)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  latest = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  for root, _, files in os.walk(os.path.join(ckpt_dir, str(latest), "state")):
+    for name in files:  # truncate every data file of the state
+      with open(os.path.join(root, name), "r+b") as f:
+        f.truncate(8)
+  with pytest.raises(checkpoint.CheckpointError, match=f"step {latest}.*cannot be restored"):
+    training.train_and_evaluate(digits_config(epochs=480 / 1437), workdir)
+
+
+def test_checkpoint_directory_with_only_garbage_is_refused(tmp_path):
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "1234").mkdir(parents=True)
+  (workdir / "checkpoints" / "1234" / "junk").write_text("not a checkpoint")
+  with pytest.raises(checkpoint.CheckpointError, match="step 1234.*cannot be restored"):
+    training.train_and_evaluate(digits_config(), str(workdir))
+  other = tmp_path / "other"
+  (other / "checkpoints" / "copied-by-hand").mkdir(parents=True)
+  with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
+    training.train_and_evaluate(digits_config(), str(other))
+
+
+def test_incompatible_checkpoint_names_the_differing_settings(tmp_path):
+  workdir = str(tmp_path / "run")
+  training.train_and_evaluate(digits_config(), workdir)
+  other = digits_config()
+  other.model_kwargs = {"hidden": (20, 12), "layers_per_stage": 1}
+  with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs"):
+    training.train_and_evaluate(other, workdir)
+
+
+def test_missing_data_says_how_to_install_it(tmp_path):
+  config = digits_config(dataset="fashion_mnist_idx", data_dir=str(tmp_path / "nowhere"))
+  with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
+    training.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_unknown_method_lists_the_known_ones(tmp_path):
+  with pytest.raises(training.ConfigError, match="Known methods: sgd, sync, pb"):
+    training.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
+
+
+def test_batchnorm_at_micro_batch_one_is_refused(tmp_path):
+  config = digits_config(model="small_cnn")
+  config.model_kwargs = {"widths": (4,), "dense": (8,), "normalization": "batch"}
+  with pytest.raises(ModelError, match="(?i)batch.?norm.*(batch size 1|micro-batch)"):
+    training.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_training_writes_metrics_plots_and_summary(tmp_path):
+  workdir = tmp_path / "run"
+  summary = training.train_and_evaluate(digits_config(), str(workdir))
+  assert summary["samples"] == 240 and summary["stopped_by"] is None
+  records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert {r["split"] for r in records} == {"train", "test"}
+  assert records[-1]["split"] == "test" and records[-1]["accuracy"] == summary["test_accuracy"]
+  assert (workdir / "curves.png").stat().st_size > 1000
+  assert any(name.startswith("events") for name in os.listdir(workdir / "tensorboard"))
+  assert json.load(open(workdir / "summary.json"))["test_accuracy"] == summary["test_accuracy"]
+
+
+@pytest.mark.parametrize("config_name", ["cifar10_resnet20", "cifar10_vgg", "imagenet_resnet50"])
+def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  config = load_config(config_name, "tiny")
+  with tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_CODE):
+    summary = training.train_and_evaluate(config, str(tmp_path / config_name))
+  assert summary["samples"] == 8 and summary["stopped_by"] is None
+  assert 0.0 <= summary["test_accuracy"] <= 1.0
+  assert np.isfinite(summary["test_loss"])
+
+
+@pytest.mark.parametrize("config_name", ["default", "mnist1d", "cifar10_resnet20", "cifar10_vgg",
+                                         "imagenet_resnet50"])
+def test_every_config_has_a_smoke_variant_and_a_command(config_name):
+  config = load_config(config_name, "smoke")
+  training.validate(config)
+  assert config.max_train_examples and config.epochs <= 1
+  docstring = open(os.path.join(ROOT, "configs", f"{config_name}.py")).read()
+  assert f"--config=configs/{config_name}.py" in docstring
+  with pytest.raises(ValueError, match="Unknown config argument"):
+    load_config(config_name, "warp")
