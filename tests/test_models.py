@@ -65,7 +65,7 @@ class RefConvNet(nn.Module):
     return nn.Dense(self.num_classes, name="out")(x)
 
 
-def _ref_shortcut(module, x, features, strides, shortcut):
+def _ref_shortcut(x, features, strides, shortcut):
   if x.shape[-1] == features and strides == 1:
     return x
   if shortcut == "projection":
@@ -88,7 +88,7 @@ class RefBasicBlock(nn.Module):
     y = nn.relu(nn.GroupNorm(num_groups=GROUPS_8[self.features], name="norm1")(y))
     y = nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False, name="conv2")(y)
     y = nn.GroupNorm(num_groups=GROUPS_8[self.features], name="norm2")(y)
-    return nn.relu(y + _ref_shortcut(self, x, self.features, self.strides, self.shortcut))
+    return nn.relu(y + _ref_shortcut(x, self.features, self.strides, self.shortcut))
 
 
 class RefCifarResNet(nn.Module):
@@ -281,13 +281,14 @@ def test_vgg_equals_reference():
                                 images((2, 8, 8, 3)))
 
 
-@pytest.mark.parametrize("depth,layers_per_stage,shortcut", [
-    (20, 1, "projection"), (20, 2, "projection"), (8, 1, "pad"), (8, 3, "projection")])
-def test_cifar_resnet_equals_reference(depth, layers_per_stage, shortcut):
+@pytest.mark.parametrize("depth,layers_per_stage,shortcut,conv_impl", [
+    (20, 1, "projection", "sliced"), (20, 2, "projection", "xla"), (8, 1, "pad", "sliced"),
+    (8, 3, "projection", "sliced")])
+def test_cifar_resnet_equals_reference(depth, layers_per_stage, shortcut, conv_impl):
   # Width 4 on 8x8 images: groups 2 and 3 start with a stride-2 block whose channels double, so
   # their shortcut is projected (or padded) in the block's last stage; other blocks add x.
   model = models.cifar_resnet(depth, width=4, num_classes=3, layers_per_stage=layers_per_stage,
-                              shortcut=shortcut, conv_impl="sliced")
+                              shortcut=shortcut, conv_impl=conv_impl)
   assert model.num_stages == math.ceil(depth / layers_per_stage)
   blocks = (depth - 2) // 6
   ref = RefCifarResNet(blocks_per_group=blocks, width=4, num_classes=3, shortcut=shortcut)
