@@ -1,0 +1,47 @@
+"""The analysis binaries' outputs, run as a user runs them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(*args):
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", args[0]), *args[1:]],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+  return result
+
+
+def test_schedule_json_for_four_stages():
+  result = run_script("schedule.py", "--num_stages=4", "--format=json")
+  assert result.returncode == 0, result.stderr
+  info = json.loads(result.stdout)
+  assert info["delays"] == [6, 4, 2, 0]
+  assert info["stash_slots"] == [7, 5, 3, 1]
+  assert info["stash_bytes"] == 16 * 256 * 4  # (7+5+3+1) slots of 256 float32 numbers
+  assert info["utilization"] == 1.0
+  # Tick 6: stage 0 forwards sample 6 and backwards sample 0 (its first backward).
+  assert info["grid"][6][0] == {"forward": 6, "backward": 0}
+  assert info["grid"][3][3] == {"forward": 0, "backward": 0}
+
+
+def test_schedule_sync_mode_has_bubbles_and_draws_png(tmp_path):
+  png = tmp_path / "grid.png"
+  result = run_script("schedule.py", "--num_stages=3", "--micro_batches=2", "--format=json",
+                      f"--output={png}")
+  assert result.returncode == 0, result.stderr
+  info = json.loads(result.stdout)
+  assert info["utilization"] == pytest.approx(2 / (2 + 4))
+  # Ticks 2..5 feed no new sample into stage 0: fill and drain of the first group.
+  assert [row[0]["forward"] for row in info["grid"][:8]] == [0, 1, None, None, None, None, 2, 3]
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_rejects_zero_stages():
+  result = run_script("schedule.py", "--num_stages=0")
+  assert result.returncode != 0
+  assert "--num_stages must be at least 1" in result.stderr
