@@ -73,7 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_samples = 60000
   config.keep_checkpoints = 3
   config.eval_batch_size = 1000
-  config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1})
+  # Devices: `stage` devices each own a contiguous group of stages; `data` replicas average
+  # gradients. Checkpoints hold the logical state, so a run can resume on another mesh.
+  config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1, "partition": ()})
   return config
 
 
@@ -231,6 +233,21 @@ class Setup:
   model: Any
   hyperparameters: Hyperparameters
   pipeline: Pipeline
+  sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
+
+  def init(self, rng):
+    return self.pipeline.init(rng) if self.sharded is None else self.sharded.init(rng)
+
+  def run(self, state, inputs, labels, valid):
+    runner = self.pipeline if self.sharded is None else self.sharded
+    return runner.run(state, inputs, labels, valid)
+
+  def logical(self, state):
+    """The device-independent PipelineState (what checkpoints hold: any mesh can resume it)."""
+    return state if self.sharded is None else self.sharded.unpack(state)
+
+  def placed(self, logical_state):
+    return logical_state if self.sharded is None else self.sharded.pack(logical_state)
 
 
 def build(config: ml_collections.ConfigDict) -> Setup:
@@ -258,7 +275,15 @@ def build(config: ml_collections.ConfigDict) -> Setup:
       anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b))
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32))
-  return Setup(train_source, test_source, model, hp, pipe)
+  sharded = None
+  if config.mesh.stage * config.mesh.data > 1:
+    from pipejax import sharding  # single-device runs never touch meshes
+    mesh = sharding.make_mesh(config.mesh.stage, config.mesh.data)
+    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None)
+    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by parameters).",
+                 config.mesh.data, config.mesh.stage, sharded.partition,
+                 sharding.imbalance(sharding.param_counts(pipe), sharded.partition))
+  return Setup(train_source, test_source, model, hp, pipe, sharded)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -281,7 +306,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   total_samples = max(total_samples, samples_per_chunk)
 
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
-  state = pipe.init(jax.random.PRNGKey(config.seed))
+  state = setup.init(jax.random.PRNGKey(config.seed))
   samples = 0
   step = checkpointer.latest_step()
   if step is not None:
@@ -294,7 +319,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
           f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
           "settings, or use a new --workdir for the new ones.")
-    state, meta = checkpointer.restore(step, state)
+    logical_state, meta = checkpointer.restore(step, setup.logical(state))
+    state = setup.placed(logical_state)
     stream.set_state(meta["data_position"])
     samples = int(meta["samples"])
     logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
@@ -308,14 +334,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                hp.learning_rate, hp.momentum, hp.weight_decay, total_samples)
 
   def save(current_state):
-    checkpointer.save(samples, current_state, {
+    checkpointer.save(samples, setup.logical(current_state), {
         "samples": samples, "data_position": stream.get_state(),
         "fingerprint": _config_fingerprint(config), "config": _to_plain(config)})
 
   evaluate = make_evaluator(model, config.eval_batch_size)
 
   def evaluate_now():
-    result = evaluate([st.params for st in state.stages], test_source)
+    result = evaluate([st.params for st in setup.logical(state).stages], test_source)
     writer.write("test", samples, **result)
     logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
                  result["accuracy"])
@@ -332,7 +358,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       x, y = stream.next_chunk(config.ticks_per_chunk)
       x, y, valid = pipe.schedule(x, y)
       first_tick = int(state.tick)
-      state, chunk_metrics = pipe.run(state, x, y, valid)
+      state, chunk_metrics = setup.run(state, x, y, valid)
       chunk_metrics = jax.device_get(chunk_metrics)
       problem = _first_non_finite(np.asarray(chunk_metrics["finite"]), first_tick, model)
       if problem:

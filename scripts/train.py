@@ -4,6 +4,9 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
     python scripts/train.py --config=configs/default.py --config.method=pb --workdir=runs/pb
     python scripts/train.py --config=configs/default.py:smoke --workdir=/tmp/smoke
 
+    python scripts/train.py --config=configs/default.py --workdir=runs/mesh \
+        --config.mesh.stage=2 --config.mesh.data=1          # stages over 2 devices
+
 A workdir that holds a checkpoint is resumed. SIGTERM or Ctrl-C saves a checkpoint and exits;
 rerunning the same command continues bit-exactly where it stopped.
 """
@@ -18,6 +21,11 @@ from pipejax import training
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 for multi-host runs (jax.distributed); "
+    "leave unset on one host, and on TPU pods / SLURM where JAX detects it.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, N).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -32,6 +40,9 @@ def main(argv):
   logging.get_absl_handler().addFilter(_HideOrbaxChatter())
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
+    from pipejax import distributed  # only multi-host runs pay for it
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:
     summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except training.USER_ERRORS as e:

@@ -247,3 +247,25 @@ def test_every_config_has_a_smoke_variant_and_a_command(config_name):
   assert f"--config=configs/{config_name}.py" in docstring
   with pytest.raises(ValueError, match="Unknown config argument"):
     load_config(config_name, "warp")
+
+
+def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
+  """--config.mesh.stage=2 on two (forced CPU) devices trains to the same numbers as one device."""
+  config = digits_config()
+  single = training.train_and_evaluate(config, str(tmp_path / "single"))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+       "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+       f"--workdir={tmp_path / 'mesh'}", "--config.dataset=digits",
+       "--config.max_train_examples=0", "--config.max_test_examples=0",
+       "--config.model_kwargs.hidden=(16,12)", f"--config.epochs={240 / 1437!r}",
+       "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
+       "--config.checkpoint_every_samples=40", "--config.eval_batch_size=128",
+       "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Mesh data=1 x stage=2" in result.stderr
+  mesh = json.load(open(tmp_path / "mesh" / "summary.json"))
+  assert mesh["samples"] == single["samples"]
+  assert mesh["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
+  assert mesh["test_loss"] == pytest.approx(single["test_loss"], rel=1e-5)
