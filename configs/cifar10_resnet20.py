@@ -27,14 +27,6 @@ def get_config(arg: str | None = None):
   config.warmup_epochs = 1.0
   config.eval_every_samples = 50000
   config.checkpoint_every_samples = 50000
-  if arg in ("smoke", "tiny"):
-    training.apply_smoke(config)
-  if arg == "tiny":  # mock-data tests: a narrow network, a few ticks
-    config.model_kwargs = {"layers_per_stage": 2, "width": 4}
-    config.max_train_examples = 0
-    config.max_test_examples = 0
-    config.ticks_per_chunk = 8
-    config.eval_batch_size = 8
-  elif arg not in (None, "", "smoke"):
-    raise ValueError(f"Unknown config argument {arg!r}; known: 'smoke', 'tiny'.")
-  return config
+  return training.apply_variant(config, arg, tiny={
+      "model_kwargs": {"layers_per_stage": 2, "width": 4},
+      "ticks_per_chunk": 8, "eval_batch_size": 8})

@@ -23,8 +23,4 @@ def get_config(arg: str | None = None):
   config.micro_batch_size = 1
   config.reference.weight_decay = 5e-5
   config.epochs = 10.0
-  if arg == "smoke":
-    training.apply_smoke(config)
-  elif arg:
-    raise ValueError(f"Unknown config argument {arg!r}; known: 'smoke'.")
-  return config
+  return training.apply_variant(config, arg)

@@ -27,16 +27,7 @@ def get_config(arg: str | None = None):
   config.eval_every_samples = 1281167
   config.checkpoint_every_samples = 100000
   config.eval_batch_size = 250
-  if arg in ("smoke", "tiny"):
-    training.apply_smoke(config)
-  if arg == "tiny":
-    config.image_size = 32
-    config.model_kwargs = {"layers_per_stage": 4, "width": 4, "blocks_per_group": (1, 1, 1, 1),
-                           "norm_groups": 2}
-    config.max_train_examples = 0
-    config.max_test_examples = 0
-    config.ticks_per_chunk = 4
-    config.eval_batch_size = 4
-  elif arg not in (None, "", "smoke"):
-    raise ValueError(f"Unknown config argument {arg!r}; known: 'smoke', 'tiny'.")
-  return config
+  return training.apply_variant(config, arg, tiny={
+      "image_size": 32, "ticks_per_chunk": 4, "eval_batch_size": 4,
+      "model_kwargs": {"layers_per_stage": 4, "width": 4, "blocks_per_group": (1, 1, 1, 1),
+                       "norm_groups": 2}})

@@ -22,8 +22,4 @@ def get_config(arg: str | None = None):
   config.ticks_per_chunk = 1000
   config.eval_every_samples = 20000
   config.checkpoint_every_samples = 40000
-  if arg == "smoke":
-    training.apply_smoke(config)
-  elif arg:
-    raise ValueError(f"Unknown config argument {arg!r}; known: 'smoke'.")
-  return config
+  return training.apply_variant(config, arg)

@@ -79,14 +79,30 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
-def apply_smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The ``:smoke`` variant: every part of a run (train, eval, checkpoint, plots) in < 1 minute."""
+def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
+                  tiny: dict | None = None) -> ml_collections.ConfigDict:
+  """Applies a config file's argument (``--config=configs/NAME.py:ARG``).
+
+  ``smoke``: every part of a run (train, evaluate, checkpoint, plots) in under a minute.
+  ``tiny`` (only where the config file gives ``tiny`` overrides): the smoke run with a tiny
+  network over the whole (mock) data set, for tests on ``tfds.testing.mock_data``.
+  """
+  known = ("smoke", "tiny") if tiny else ("smoke",)
+  if not arg:
+    return config
+  if arg not in known:
+    raise ValueError(f"Unknown config argument {arg!r}; known: {', '.join(known)}.")
   config.max_train_examples = 2000
   config.max_test_examples = 500
   config.epochs = 1.0
   config.ticks_per_chunk = max(1, 250 // config.micro_batch_size)
   config.eval_every_samples = 1000
   config.checkpoint_every_samples = 1000
+  if arg == "tiny":
+    config.max_train_examples = 0
+    config.max_test_examples = 0
+    for key, value in tiny.items():  # replace whole fields (model_kwargs), do not merge them
+      config[key] = value
   return config
 
 
