@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# Eight fake CPU devices, so the multi-device tests run in the same process as the others.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 exec .venv/bin/python -m pytest -q "$@"

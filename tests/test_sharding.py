@@ -1,0 +1,372 @@
+"""ShardedPipeline against the single-device engine; partitions, accounting, errors; two processes.
+
+The ``test_mesh_*`` tests need 8 devices: run the suite with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` to run them in this process. Without it they
+skip here and :func:`test_mesh_checks_in_a_subprocess_with_eight_cpu_devices` runs them in a fresh
+interpreter that has the flag (JAX reads it once, when its backend starts, so this process cannot
+switch).
+"""
+
+import functools
+import itertools
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import pipejax
+from pipejax import methods, sharding
+from pipejax.engine import Pipeline, PipelineError
+from pipejax.sharding import MeshError, ShardedPipeline
+from tests import _two_process_worker as worker
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEVICES = 8
+IN_DIM, NUM_CLASSES, MICRO_BATCH = 6, 4, 4
+WIDTHS = (5, 7, 3, 9, 4, 6, 8, 5)  # 9 stages with the head: more than 8 devices, all shapes uneven
+NUM_STAGES = len(WIDTHS) + 1
+NUM_TICKS = 3 * NUM_STAGES + 2  # from a fresh state: the fill, then every stage in steady state
+# One explicit partition per stage-only mesh size, with single-stage groups at the ends and in the
+# middle; None takes the default (balanced by parameter count).
+PARTITIONS = {2: None, 4: [(0, 1), (1, 5), (5, 6), (6, 9)], 8: None}
+
+
+def make_model(widths=WIDTHS):
+  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
+            for w in widths]
+  return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
+
+
+def make_stream(num_ticks=NUM_TICKS, b=MICRO_BATCH, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((num_ticks, b, IN_DIM)).astype(np.float32)
+  y = rng.integers(0, NUM_CLASSES, (num_ticks, b)).astype(np.int32)
+  return x, y
+
+
+@functools.cache
+def make_pipeline(method_name, b=MICRO_BATCH, widths=WIDTHS):
+  x, y = make_stream(1, b)
+  method = methods.make_method(method_name, learning_rate=0.05, momentum=0.9)
+  return Pipeline(make_model(widths), method, x[0], y[0])
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+@functools.cache
+def initial_state(method_name):
+  # NaN in every empty slot: padding and exchanges must never let one reach weights or metrics.
+  init = jax.jit(make_pipeline(method_name).init)
+  return host(init(jax.random.PRNGKey(42), np.float32(np.nan)))
+
+
+@functools.cache
+def single_device_run(method_name):
+  """(final logical state, metrics) of the single-device engine: the reference."""
+  pipe = make_pipeline(method_name)
+  state, metrics = pipe.run(jax.tree.map(np.copy, initial_state(method_name)), *make_stream())
+  return host(state), host(metrics)
+
+
+def assert_states_equal(actual, expected, rtol=1e-6, atol=1e-6):
+  """Every leaf (weights, optimizer states, delay lines, registers, metrics) within tolerance."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture
+def eight_devices():
+  if jax.device_count() < DEVICES:
+    pytest.skip(f"needs {DEVICES} devices (XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{DEVICES}); test_mesh_checks_in_a_subprocess_with_eight_cpu_devices runs it")
+  return jax.devices()[:DEVICES]
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+def brute_force_best(costs, num_groups):
+  best = float("inf")
+  for cuts in itertools.combinations(range(1, len(costs)), num_groups - 1):
+    bounds = (0,) + cuts + (len(costs),)
+    best = min(best, max(sum(costs[a:z]) for a, z in zip(bounds, bounds[1:])))
+  return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_stages_is_optimal_against_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  costs = [int(c) for c in rng.integers(0, 20, rng.integers(1, 10))]
+  for num_groups in range(1, len(costs) + 1):
+    partition = sharding.partition_stages(costs, num_groups)
+    assert len(partition) == num_groups
+    assert partition[0][0] == 0 and partition[-1][1] == len(costs)
+    assert all(a < z for a, z in partition)
+    assert all(z == a_next for (_, z), (a_next, _) in zip(partition, partition[1:]))
+    assert max(sum(costs[a:z]) for a, z in partition) == brute_force_best(costs, num_groups)
+
+
+def test_partition_stages_spreads_free_stages_and_reports_imbalance():
+  assert sharding.partition_stages([0, 0, 0, 0], 2) == [(0, 2), (2, 4)]
+  costs = [4, 1, 1, 1, 1]
+  partition = sharding.partition_stages(costs, 2)
+  assert partition == [(0, 1), (1, 5)]
+  assert sharding.imbalance(costs, partition) == 1.0
+  assert sharding.imbalance([3, 1], [(0, 1), (1, 2)]) == 1.5
+
+
+def test_partition_errors_say_what_is_wrong():
+  with pytest.raises(MeshError, match="Cannot split 3 stages into 4"):
+    sharding.partition_stages([1, 2, 3], 4)
+  with pytest.raises(MeshError, match="finite and >= 0"):
+    sharding.partition_stages([1, -2, 3], 2)
+  with pytest.raises(MeshError, match="has 1 groups but the mesh's stage axis has 2"):
+    sharding.check_partition([(0, 3)], 3, 2)
+  with pytest.raises(MeshError, match=r"not contiguous.*expected a group starting at 1"):
+    sharding.check_partition([(0, 1), (2, 3)], 3, 2)
+  with pytest.raises(MeshError, match="not contiguous"):
+    sharding.check_partition([(0, 2), (1, 3)], 3, 2)
+  with pytest.raises(MeshError, match="non-empty"):
+    sharding.check_partition([(0, 0), (0, 3)], 3, 2)
+  with pytest.raises(MeshError, match=r"covers stages 0\.\.1 but the pipeline has 3 stages"):
+    sharding.check_partition([(0, 1), (1, 2)], 3, 2)
+  with pytest.raises(MeshError, match=r"list of \(start, stop\) pairs"):
+    sharding.check_partition([0, 1], 3, 2)
+
+
+def test_make_mesh_with_the_wrong_device_count_is_a_clear_error():
+  with pytest.raises(MeshError, match=r"stage=2 x data=2 needs 4 devices, but there are 1"):
+    sharding.make_mesh(2, 2, jax.devices()[:1])
+  with pytest.raises(MeshError, match="mesh.data must be an integer >= 1"):
+    sharding.make_mesh(1, 0, jax.devices()[:1])
+
+
+def test_one_device_mesh_is_the_single_device_engine():
+  pipe = make_pipeline("pb")
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(1, 1, jax.devices()[:1]))
+  # init is pack(pipeline.init): the same initial state as one device, NaN fill included.
+  packed, metrics = sharded.run(sharded.init(jax.random.PRNGKey(42), np.nan), *make_stream())
+  expected_state, expected_metrics = single_device_run("pb")
+  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert_states_equal(metrics, expected_metrics)
+
+
+def test_param_counts_and_measured_costs_drive_the_partition():
+  pipe = make_pipeline("pb", widths=(5, 7, 3))
+  inputs = (IN_DIM, 5, 7, 3)
+  outputs = (5, 7, 3, NUM_CLASSES)
+  assert sharding.param_counts(pipe) == [i * o + o for i, o in zip(inputs, outputs)]
+  seconds = sharding.measure_stage_costs(pipe, repeats=1)
+  assert len(seconds) == 4 and all(0 < t < 1 for t in seconds)
+  with pytest.raises(MeshError, match="Got 2 stage costs for a pipeline of 4 stages"):
+    ShardedPipeline(pipe, sharding.make_mesh(1, 1, jax.devices()[:1]), costs=[1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- many devices
+
+
+# Every method on two mesh sizes and every mesh size with two methods (the full cross product adds
+# three more compilations and nothing the layout code does not already see here); one case packs
+# with the 'flat' layout instead of the default 'slots'.
+@pytest.mark.parametrize("method_name, stage, layout", [
+    ("pb", 2, "auto"), ("pb", 4, "flat"), ("pb", 8, "auto"), ("pb_sc_lwp", 2, "auto"),
+    ("pb_sc_lwp", 8, "auto"), ("pipedream", 4, "auto")])
+def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, layout):
+  pipe = make_pipeline(method_name)
+  mesh = sharding.make_mesh(stage, 1, eight_devices[:stage])
+  sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage], layout=layout)
+  assert sharded.num_groups == stage < pipe.num_stages
+  assert sharded.layout == ("flat" if layout == "flat" else "slots")
+  packed, metrics = sharded.run(sharded.pack(initial_state(method_name)), *make_stream())
+  expected_state, expected_metrics = single_device_run(method_name)
+  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert set(metrics) == set(expected_metrics)
+  assert_states_equal(metrics, expected_metrics)
+  assert np.asarray(metrics["valid"]).sum() >= 2 * NUM_STAGES  # many samples met the loss
+  assert np.asarray(metrics["finite"]).all()  # NaN fill never reached an output
+
+
+def test_mesh_tick_and_drain_match_one_device(eight_devices):
+  pipe = make_pipeline("pb", widths=(5, 7, 3))
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]), costs=[1, 1, 1, 1])
+  assert sharded.partition == [(0, 2), (2, 4)]
+  x, y = make_stream(3)
+  state = host(pipe.init(jax.random.PRNGKey(0)))
+  packed, tick_metrics = sharded.tick(sharded.pack(state), x[0], y[0])
+  packed, drain_metrics = sharded.drain(packed)
+  state, expected_tick = pipe.tick(jax.tree.map(np.copy, state), x[0], y[0])
+  state, expected_drain = pipe.drain(state)
+  assert_states_equal(sharded.unpack(packed), host(state))
+  assert_states_equal(tick_metrics, host(expected_tick))
+  assert_states_equal(drain_metrics, host(expected_drain))
+  assert np.asarray(drain_metrics["valid"]).sum() == 1  # the one sample has met the loss
+
+
+def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(eight_devices):
+  pipe = make_pipeline("pb_sc_lwp")
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices))
+  assert (sharded.data, sharded.num_groups) == (2, 4)
+  packed, metrics = sharded.run(sharded.pack(initial_state("pb_sc_lwp")), *make_stream())
+  # Each replica saw half of every micro-batch; the averaged gradients are the whole batch's.
+  expected_state, expected_metrics = single_device_run("pb_sc_lwp")
+  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert_states_equal(metrics, expected_metrics)
+
+
+@pytest.mark.parametrize("layout", ["flat", "slots"])
+def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
+  pipe = make_pipeline("pipedream")
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices), layout=layout)
+  state = initial_state("pipedream")
+  packed = sharded.pack(state)
+  # Bit-exact, NaN fill and the per-replica cotangent scaling included.
+  for a, e in zip(jax.tree.leaves(sharded.unpack(packed)), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), e)
+  sizes = sharded.buffer_sizes()
+  for dtype, buffer in packed.shared.items():
+    assert buffer.shape == (4, sizes[f"shared/{dtype}"])
+    assert buffer.sharding.spec == jax.sharding.PartitionSpec("stage")
+  for dtype, buffer in packed.local.items():
+    assert buffer.shape == (2, 4, sizes[f"local/{dtype}"])
+    assert buffer.sharding.spec == jax.sharding.PartitionSpec("data", "stage")
+  assert packed.tick.sharding.is_fully_replicated
+  if layout == "flat":  # one buffer per family and dtype
+    assert set(packed.shared) == {"bool", "float32", "int32"}
+    assert set(packed.local) == {"float32", "int32"}
+  else:  # one per state leaf of the largest group
+    assert len(packed.shared) + len(packed.local) > 5
+
+
+def test_mesh_accounting_by_hand(eight_devices):
+  pipe = make_pipeline("pb")
+  partition = [(0, 2), (2, 5), (5, 7), (7, 9)]
+  one = ShardedPipeline(pipe, sharding.make_mesh(4, 1, eight_devices[:4]), partition=partition)
+  two = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices), partition=partition)
+  b, f32 = MICRO_BATCH, 4
+  inputs = (IN_DIM,) + WIDTHS  # input width of each stage
+  # A packet is activations + labels (int32) + valid flag (1 byte) + sample index (int32).
+  forward = sum(b * inputs[a] * f32 + b * 4 + 1 + 4 for a, _ in partition[1:])
+  backward = sum(b * inputs[a] * f32 for a, _ in partition[1:])
+  traffic = sharding.boundary_bytes_per_tick(one)
+  assert (traffic["forward"], traffic["backward"], traffic["gradient_all_reduce"]) == (
+      forward, backward, 0)
+  assert traffic["forward_padded"] >= forward and traffic["backward_padded"] >= backward
+  weight_bytes = sum(f32 * (i * o + o) for i, o in zip(inputs, WIDTHS + (NUM_CLASSES,)))
+  traffic = sharding.boundary_bytes_per_tick(two)
+  assert traffic["forward"] == forward + 5 * (len(partition) - 1)  # flags travel on each replica
+  assert traffic["backward"] == backward
+  assert traffic["gradient_all_reduce"] == 2 * weight_bytes
+  assert traffic["total"] == traffic["forward"] + traffic["backward"] + 2 * weight_bytes
+
+  flags = sum(d + 1 for d in pipe.delays) * (1 + 4)  # valid + index per delay-line slot
+  for sharded, data in ((one, 1), (two, 2)):
+    memory = sharding.device_memory(sharded)
+    assert [row["stages"] for row in memory] == partition
+    assert sum(row["weights"] for row in memory) == weight_bytes
+    assert sum(row["optimizer"] for row in memory) == weight_bytes  # one momentum per weight
+    assert sum(row["delay_lines"] for row in memory) == pipe.stash_bytes() // data + flags
+    assert all(row["weight_stash"] == 0 for row in memory)
+    allocated = sum(n * np.dtype(k.split("/")[1]).itemsize
+                    for k, n in sharded.buffer_sizes().items())
+    assert all(row["allocated"] == allocated >= row["logical"] for row in memory)
+
+
+def test_mesh_errors_say_how_to_fix_them(eight_devices):
+  with pytest.raises(MeshError, match=r"stage=4 x data=4 needs 16 devices, but there are 8"):
+    sharding.make_mesh(4, 4, eight_devices)
+  small = make_pipeline("pb", widths=(5, 7, 3))
+  with pytest.raises(MeshError, match=r"stage axis has 8 devices but the pipeline has only 4 "
+                     r"logical stages"):
+    ShardedPipeline(small, sharding.make_mesh(8, 1, eight_devices))
+  odd = make_pipeline("pb", b=3)
+  with pytest.raises(MeshError, match=r"data axis has 2 replicas but the micro-batch has b = 3"):
+    ShardedPipeline(odd, sharding.make_mesh(4, 2, eight_devices))
+  with pytest.raises(MeshError, match=r"not contiguous"):
+    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+                    partition=[(0, 4), (5, 9)])
+  with pytest.raises(MeshError, match=r"has 3 groups but the mesh's stage axis has 2"):
+    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+                    partition=[(0, 3), (3, 6), (6, 9)])
+  wrong_axes = jax.sharding.Mesh(np.array(eight_devices[:2]), ("pipe",))
+  with pytest.raises(MeshError, match=r"must have a 'stage' axis.*\('pipe',\)"):
+    ShardedPipeline(make_pipeline("pb"), wrong_axes)
+  with pytest.raises(MeshError, match="layout must be 'auto', 'flat' or 'slots'"):
+    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+                    layout="packed")
+  assert issubclass(MeshError, PipelineError) and issubclass(MeshError, ValueError)
+
+
+# ----------------------------------------------------------------------------- other processes
+
+
+def _subprocess_env():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def test_mesh_checks_in_a_subprocess_with_eight_cpu_devices():
+  if jax.device_count() >= DEVICES:
+    pytest.skip("this process has 8 devices: the test_mesh_* tests ran here")
+  env = _subprocess_env()
+  env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
+                                            f"--xla_force_host_platform_device_count={DEVICES}"]))
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+       "test_mesh_ and not subprocess"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=600)
+  assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_through_jax_distributed_match_one_process(tmp_path):
+  env = _subprocess_env()
+  env.pop("XLA_FLAGS", None)  # each worker sets its own device count
+  address = f"localhost:{_free_port()}"
+  outputs = [tmp_path / f"process{i}.npz" for i in range(2)]
+  workers = [subprocess.Popen(
+      [sys.executable, "-m", "tests._two_process_worker", f"--coordinator_address={address}",
+       f"--process_id={i}", f"--out={out}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i, out in enumerate(outputs)]
+  deadline, logs = time.monotonic() + 240, []
+  try:
+    for process in workers:
+      logs.append(process.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+  except subprocess.TimeoutExpired:
+    for process in workers:
+      process.kill()
+    pytest.fail("the two-process run did not finish in 240 s")
+  log = "\n".join(logs)
+  if any(p.returncode for p in workers):
+    if "UNIMPLEMENTED" in log and "ollective" in log:
+      pytest.skip(f"this jaxlib has no cross-process CPU collectives: {log[-500:]}")
+    pytest.fail(f"a worker failed:\n{log[-6000:]}")
+
+  pipe, x, y = worker.make_problem()
+  state, metrics = pipe.run(pipe.init(jax.random.PRNGKey(3)), x, y)
+  expected = worker.flatten_result(state, metrics)
+  for out in outputs:
+    got = np.load(out)
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+      np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-6,
+                                 err_msg=f"{out.name} {worker.MESH_NAME} {key}")
