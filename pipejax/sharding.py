@@ -646,7 +646,7 @@ class ShardedPipeline:
     every device (readable in every process): ``loss`` and the loss's metrics averaged over the
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
-    batch = self.pipeline._checked_batch(inputs, labels, valid, ticks=True)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
     by_replica = NamedSharding(self.mesh, P(None, DATA))
     batch = Batch(jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.inputs),
                   jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.labels),

@@ -113,7 +113,7 @@ def compile_time(num_stages):
   pipe = Pipeline(model, methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
   state = pipe.init(jax.random.PRNGKey(0))
   build_s = time.perf_counter() - start
-  batch = pipe._checked_batch(x, y, None, ticks=True)
+  batch = pipe.checked_batch(x, y, None, ticks=True)
   start = time.perf_counter()
   jax.jit(pipe._run, donate_argnums=0).lower(state, batch).compile()
   return {"num_stages": num_stages, "build_and_init_s": build_s,
