@@ -32,8 +32,11 @@ class MetricsWriter:
   after its last checkpoint) are dropped, so the curves have no duplicates.
   """
 
-  def __init__(self, workdir: str, resume_samples: int | None = None):
+  def __init__(self, workdir: str, resume_samples: int | None = None, enabled: bool = True):
     self.path = os.path.join(workdir, METRICS_FILE)
+    self.enabled = enabled
+    if not enabled:  # another process writes
+      return
     if resume_samples is not None:
       kept = [r for r in read_records(workdir) if r.get("samples", 0) <= resume_samples]
       self._rewrite(kept)
@@ -51,6 +54,8 @@ class MetricsWriter:
     os.replace(tmp, self.path)
 
   def write(self, split: str, samples: int, **scalars) -> None:
+    if not self.enabled:
+      return
     record = {"split": split, "samples": int(samples), **{k: _plain(v) for k, v in scalars.items()}}
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
@@ -59,6 +64,8 @@ class MetricsWriter:
         self._tensorboard.add_scalar(f"{split}/{key}", value, int(samples))
 
   def close(self) -> None:
+    if not self.enabled:
+      return
     self._file.close()
     self._tensorboard.close()
 

@@ -296,9 +296,12 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     from pipejax import sharding  # single-device runs never touch meshes
     mesh = sharding.make_mesh(config.mesh.stage, config.mesh.data)
     sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None)
-    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by parameters).",
+    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by parameters); "
+                 "%d bytes cross devices per tick; bytes allocated per device: %s.",
                  config.mesh.data, config.mesh.stage, sharded.partition,
-                 sharding.imbalance(sharding.param_counts(pipe), sharded.partition))
+                 sharding.imbalance(sharding.param_counts(pipe), sharded.partition),
+                 sharding.boundary_bytes_per_tick(sharded)["total"],
+                 [device["allocated"] for device in sharding.device_memory(sharded)])
   return Setup(train_source, test_source, model, hp, pipe, sharded)
 
 
@@ -342,9 +345,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
                  samples)
 
-  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if step is not None else None)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(_to_plain(config), f, indent=2, default=str)
+  # In a multi-host run every process computes the same metrics; one writes them.
+  primary = jax.process_index() == 0
+  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if step is not None else None,
+                                     enabled=primary)
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(_to_plain(config), f, indent=2, default=str)
   logging.info("Model: %d stages; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
                "%.3g; %d training samples.", pipe.num_stages, config.method, b,
                hp.learning_rate, hp.momentum, hp.weight_decay, total_samples)
@@ -361,9 +368,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.write("test", samples, **result)
     logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
                  result["accuracy"])
-    metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
-                          os.path.join(workdir, "curves.png"),
-                          title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
+    if primary:
+      metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+                            os.path.join(workdir, "curves.png"),
+                            title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
     return result
 
   start_time, start_samples = time.perf_counter(), samples
@@ -426,8 +434,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "test_accuracy": None if test_result is None else test_result["accuracy"],
       "test_loss": None if test_result is None else test_result["loss"],
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if primary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   return summary
 
 

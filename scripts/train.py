@@ -26,6 +26,9 @@ _COORDINATOR = flags.DEFINE_string(
     "leave unset on one host, and on TPU pods / SLURM where JAX detects it.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, N).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Initialize jax.distributed even without the three flags above, letting "
+    "JAX detect the process layout (Cloud TPU pod slices, SLURM, Open MPI).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -40,7 +43,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(_HideOrbaxChatter())
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
+  if _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
     from pipejax import distributed  # only multi-host runs pay for it
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:

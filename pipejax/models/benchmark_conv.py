@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
