@@ -27,7 +27,10 @@ class WeightPredictionState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=int32: updates so far (the learning-rate schedule's step).
   inner_state: optax.OptState
-  prediction_offset: optax.Updates  # predicted forward weights minus the updated weights.
+  # The predicted forward weights w_{t+1} + o_t, kept whole rather than as the offset o_t: the
+  # forward pass then reads them as they are, instead of adding two weight-sized trees every
+  # step (at micro-batch 1 that extra pass cost as much as the matrix-vector products).
+  forward_params: optax.Params
 
 
 def _find_velocity(inner_state: optax.OptState) -> optax.Updates:
@@ -46,15 +49,15 @@ def linear_weight_prediction(
   r"""Wraps ``inner`` and records where its weights are predicted to be ``horizon`` steps ahead.
 
   The updates of ``inner`` pass through unchanged. After the update :math:`u_t = w_{t+1} - w_t`
-  the state holds ``prediction_offset`` :math:`o_t` with
+  the state holds ``forward_params`` :math:`\hat w_{t+1} = w_{t+1} + o_t` with
 
   .. math::
 
     \text{update form:}\quad o_t = T\,u_t, \qquad\qquad
     \text{velocity form:}\quad o_t = -\eta_t\,T\,v_t
 
-  and the forward pass of the next step runs on :math:`\hat w_{t+1} = w_{t+1} + o_t` (see
-  :func:`predicted_params`). :math:`v_t` is the momentum trace of ``inner`` (its state field named
+  and the forward pass of the next step runs on :math:`\hat w_{t+1}` (see
+  :func:`predicted_params`); ``update`` therefore needs ``params``. :math:`v_t` is the momentum trace of ``inner`` (its state field named
   ``trace``) and :math:`\eta_t` the learning rate of the update just taken, so for plain momentum
   SGD (:math:`u_t = -\eta_t v_t`) both forms agree, even under a learning-rate schedule. Under
   Spike Compensation they differ: the update form carries the spike, the velocity form (SpecTrain)
@@ -109,9 +112,12 @@ def linear_weight_prediction(
     if form == 'velocity':
       _find_velocity(inner_state)  # Fails here rather than on the first update.
     return WeightPredictionState(count=jnp.zeros([], jnp.int32), inner_state=inner_state,
-                                 prediction_offset=optax.tree_utils.tree_zeros_like(params))
+                                 forward_params=jax.tree.map(jnp.copy, params))
 
   def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(f'{owner}: update needs params (the prediction is made from the weights '
+                       'after this update).')
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     if form == 'update':
       offset = jax.tree.map(lambda u: jnp.asarray(horizon, u.dtype) * u, updates)
@@ -120,20 +126,23 @@ def linear_weight_prediction(
       step_scale = -_checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
       offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v,
                             _find_velocity(inner_state))
-    offset = optax.tree_utils.tree_cast_like(offset, state.prediction_offset)
+    # The same rounding as the forward pass would see computing params_new + offset itself.
+    forward = jax.tree.map(lambda p, o: (p + o).astype(p.dtype),
+                           optax.apply_updates(params, updates), offset)
     return updates, WeightPredictionState(count=optax.safe_increment(state.count),
-                                          inner_state=inner_state, prediction_offset=offset)
+                                          inner_state=inner_state, forward_params=forward)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def predicted_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
-  """The weights the forward pass should use: ``params + prediction_offset``.
+  """The weights the forward pass should use: ``params + o_t`` as predicted at the last update.
 
   ``opt_state`` is the state of an optimizer that contains :func:`linear_weight_prediction`
   anywhere (alone, in ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...);
-  ``params`` are the weights after the update that produced it. The result has the dtypes of
-  ``params``.
+  ``params`` are the weights after the update that produced it, i.e. ``apply_updates`` of the
+  params and updates of that ``update`` call. The prediction is computed and kept at update time
+  (see :class:`WeightPredictionState`), so this only looks it up.
 
   Args:
     params: current (updated) weights.
@@ -155,6 +164,6 @@ def predicted_params(params: optax.Params, opt_state: optax.OptState) -> optax.P
     >>> predicted_params(params, state)  # no update yet: no offset
     Array([0., 0.], dtype=float32)
   """
-  offset = _checks.get_unique(opt_state, 'prediction_offset', helper='predicted_params',
-                              provider='linear_weight_prediction')
-  return jax.tree.map(lambda p, o: (p + o).astype(p.dtype), params, offset)
+  del params  # the prediction was made from them at update time
+  return _checks.get_unique(opt_state, 'forward_params', helper='predicted_params',
+                            provider='linear_weight_prediction')
