@@ -8,8 +8,8 @@ Model: 784-256-128-10 MLP, three stages (one Dense + ReLU each), micro-batch 1.
 Recipe: batch 128, lr 0.1, momentum 0.9, weight decay 5e-5, converted to micro-batch 1 by the
 scaling rules of DESIGN.md §3 (momentum 0.9^(1/128), the same displacement per sample); cosine
 schedule over 10 epochs.
-Measured (2-core CPU, no accelerator, `bash scripts/train_default.sh`): test accuracy 89.2% after
-10 epochs, 325 s of training (about 1850 samples/s). The README's table compares plain PB and SGD.
+Measured (2-core CPU, no accelerator, `bash scripts/train_default.sh`): test accuracy 89.1% after
+10 epochs, 276 s of training (about 2170 samples/s). The README's table compares plain PB and SGD.
 """
 
 from pipejax import training
