@@ -9,6 +9,9 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   each micro-batch size, and their ratio. The pipeline's backward recomputes each stage's forward
   (4 units of arithmetic instead of backprop's 3), so 0.75 is the honest ceiling of the ratio.
 * ``compile``: seconds to trace and compile ``run`` for S = 4, 16, 64 stages.
+* ``methods``: ``Pipeline.run`` of each method preset at micro-batch 1 on the default config's
+  model (Fashion-MNIST MLP 784-256-128-10, three stages), and its speed relative to plain PB:
+  what each method's weight views and update rule cost.
 """
 
 import json
@@ -23,11 +26,13 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import methods
+from pipejax import methods, models
 from pipejax.engine import Pipeline
 
-_ONLY = flags.DEFINE_multi_enum("only", ["throughput", "compile"], ["throughput", "compile"],
-                                "Which benchmarks to run.")
+_ONLY = flags.DEFINE_multi_enum("only", ["throughput", "compile", "methods"],
+                                ["throughput", "compile", "methods"], "Which benchmarks to run.")
+_METHODS = flags.DEFINE_list("methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream",
+                                         "spectrain", "pipemare"], "Presets for 'methods'.")
 _MICRO_BATCH_SIZES = flags.DEFINE_list("micro_batch_sizes", ["1", "32"], "Micro-batch sizes b.")
 _SAMPLES = flags.DEFINE_integer("samples", 8192, "Samples per timed repetition.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (the best is reported).")
@@ -106,6 +111,29 @@ def throughput(b, samples, repeats):
   }
 
 
+def method_speeds(names, samples, repeats):
+  """Samples/s of Pipeline.run for each method preset at micro-batch 1, after the fill."""
+  model = models.build("mlp", hidden=(256, 128), num_classes=10)
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((samples, 1, 28, 28, 1), dtype=np.float32)
+  y = rng.integers(0, 10, (samples, 1), dtype=np.int32)
+  rows = []
+  for name in names:
+    pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0], y[0])
+    holder = {"state": pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)[0]}  # compile, fill
+
+    def run_once():
+      holder["state"], metrics = pipe.run(holder["state"], x, y)
+      return metrics["loss"]
+
+    run_once()  # compiles the full-pipeline version
+    rows.append({"method": name, "samples_per_s": samples / best_time(run_once, repeats)})
+  reference = next((r["samples_per_s"] for r in rows if r["method"] == "pb"), None)
+  for row in rows:
+    row["relative_to_pb"] = row["samples_per_s"] / reference if reference else None
+  return rows
+
+
 def compile_time(num_stages):
   model = mlp_model(num_layers=num_stages)
   x, y = stream(4, 1)
@@ -135,6 +163,8 @@ def main(argv):
                             for b in _MICRO_BATCH_SIZES.value]
   if "compile" in _ONLY.value:
     result["compile"] = [compile_time(int(s)) for s in _COMPILE_STAGES.value]
+  if "methods" in _ONLY.value:
+    result["methods"] = method_speeds(_METHODS.value, _SAMPLES.value // 2, _REPEATS.value)
   text = json.dumps(result, indent=2)
   print(text)
   if _OUTPUT.value:
