@@ -75,7 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_batch_size = 1000
   # Devices: `stage` devices each own a contiguous group of stages; `data` replicas average
   # gradients. Checkpoints hold the logical state, so a run can resume on another mesh.
-  config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1, "partition": ()})
+  # balance: 'params' (parameter counts) or 'measured' (timed stage work); an explicit partition,
+  # ((start, stop), ...) per stage device, overrides both.
+  config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1, "partition": (),
+                                           "balance": "params"})
   return config
 
 
@@ -295,11 +298,17 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   if config.mesh.stage * config.mesh.data > 1:
     from pipejax import sharding  # single-device runs never touch meshes
     mesh = sharding.make_mesh(config.mesh.stage, config.mesh.data)
-    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None)
-    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by parameters); "
+    balance = config.mesh.get("balance", "params")
+    if balance not in ("params", "measured"):
+      raise ConfigError(f"config.mesh.balance must be 'params' or 'measured'; got {balance!r}.")
+    costs = (sharding.measure_stage_costs(pipe) if balance == "measured"
+             else sharding.param_counts(pipe))
+    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None,
+                                       costs=costs)
+    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
                  "%d bytes cross devices per tick; bytes allocated per device: %s.",
                  config.mesh.data, config.mesh.stage, sharded.partition,
-                 sharding.imbalance(sharding.param_counts(pipe), sharded.partition),
+                 sharding.imbalance(costs, sharded.partition), balance,
                  sharding.boundary_bytes_per_tick(sharded)["total"],
                  [device["allocated"] for device in sharding.device_memory(sharded)])
   return Setup(train_source, test_source, model, hp, pipe, sharded)
