@@ -94,11 +94,15 @@ def _all_finite(tree) -> jax.Array:
 
 
 def _spec(tree):
-  # The array's own dtype, not JAX's canonical one: a float64 batch must not pass silently as the
-  # float32 the pipeline was built for.
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype
-                                                     if not hasattr(a, "dtype") else a.dtype),
-                      tree)
+  """Shapes and dtypes of a tree of arrays, ShapeDtypeStructs or Python/numpy values.
+
+  The array's own dtype, not JAX's canonical one: a float64 batch must not pass silently as the
+  float32 the pipeline was built for.
+  """
+  def leaf(a):
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+    return jax.ShapeDtypeStruct(np.shape(a), dtype)
+  return jax.tree.map(leaf, tree)
 
 
 def _canonical(spec):
