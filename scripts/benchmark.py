@@ -9,6 +9,10 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   each micro-batch size, and their ratio. The pipeline's backward recomputes each stage's forward
   (4 units of arithmetic instead of backprop's 3), so 0.75 is the honest ceiling of the ratio.
 * ``compile``: seconds to trace and compile ``run`` for S = 4, 16, 64 stages.
+* ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
+  ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
+  measures the machinery's overhead, not a speed-up).
 * ``methods``: ``Pipeline.run`` of each method preset at micro-batch 1 on the default config's
   model (Fashion-MNIST MLP 784-256-128-10, three stages), and its speed relative to plain PB:
   what each method's weight views and update rule cost.
@@ -30,7 +34,8 @@ from pipejax import methods, models
 from pipejax.engine import Pipeline
 
 _ONLY = flags.DEFINE_multi_enum("only", ["throughput", "compile", "methods"],
-                                ["throughput", "compile", "methods"], "Which benchmarks to run.")
+                                ["throughput", "compile", "methods", "sharding"],
+                                "Which benchmarks to run ('sharding' only when asked).")
 _METHODS = flags.DEFINE_list("methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream",
                                          "spectrain", "pipemare"], "Presets for 'methods'.")
 _MICRO_BATCH_SIZES = flags.DEFINE_list("micro_batch_sizes", ["1", "32"], "Micro-batch sizes b.")
@@ -134,6 +139,28 @@ def method_speeds(names, samples, repeats):
   return rows
 
 
+def sharding_speeds(ticks, repeats):
+  """Ticks/s of Pipeline.run and of ShardedPipeline.run on 1, 2, 4, 8-device stage meshes."""
+  from pipejax import sharding  # only this benchmark needs meshes
+  model = mlp_model()
+  x, y = stream(ticks, 1)
+  pipe = Pipeline(model, methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  rows = []
+  for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
+    runner = pipe if devices is None else sharding.ShardedPipeline(
+        pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
+    holder = {"state": runner.init(jax.random.PRNGKey(0))}
+
+    def run_once():
+      holder["state"], metrics = runner.run(holder["state"], x, y)
+      return metrics["loss"]
+
+    run_once(), run_once()  # compile both versions (filling, then full)
+    rows.append({"stage_devices": devices or "Pipeline.run",
+                 "ticks_per_s": ticks / best_time(run_once, repeats)})
+  return rows
+
+
 def compile_time(num_stages):
   model = mlp_model(num_layers=num_stages)
   x, y = stream(4, 1)
@@ -163,6 +190,8 @@ def main(argv):
                             for b in _MICRO_BATCH_SIZES.value]
   if "compile" in _ONLY.value:
     result["compile"] = [compile_time(int(s)) for s in _COMPILE_STAGES.value]
+  if "sharding" in _ONLY.value:
+    result["sharding"] = sharding_speeds(_SAMPLES.value // 8, _REPEATS.value)
   if "methods" in _ONLY.value:
     result["methods"] = method_speeds(_METHODS.value, _SAMPLES.value // 2, _REPEATS.value)
   text = json.dumps(result, indent=2)
