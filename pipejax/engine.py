@@ -83,10 +83,6 @@ class Batch(NamedTuple):
   valid: jax.Array  # bool per tick: False feeds an empty slot (drain, bubbles)
 
 
-def _tree_where(cond, new, old):
-  return optax.tree_utils.tree_where(cond, new, old)
-
-
 def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
             if jnp.issubdtype(a.dtype, jnp.inexact)]
@@ -304,15 +300,17 @@ class Pipeline:
       backward_out = None
 
     # Update with the stage's own transformation; an empty slot changes nothing. The guard is a
-    # select (a lax.cond copies every weight and optimizer slot through its branches, measured
-    # 1.5x slower); NaN gradients from empty slots are never selected, so need no scrubbing.
+    # select: a lax.cond copies every weight and optimizer slot through its branches, which was
+    # slower in scripts/benchmark.py. NaN gradients from empty slots are never selected, so they
+    # need no scrubbing.
     if reduce_grads is not None:
       grads = reduce_grads(grads)
     tx = method.optimizer(delay)
     updates, opt_state = tx.update(grads, st.opt_state, st.params)
     params = optax.apply_updates(st.params, updates)
     if not every_slot_full:
-      params, opt_state = _tree_where(valid, (params, opt_state), (st.params, st.opt_state))
+      params, opt_state = optax.tree_utils.tree_where(valid, (params, opt_state),
+                                                      (st.params, st.opt_state))
 
     # A NaN weight shows in the stage's own output within a tick; checking activations instead of
     # every weight keeps the tick's cost independent of the parameter count.
@@ -345,6 +343,12 @@ class Pipeline:
     metrics = dict(stage_metrics[-1])
     metrics["finite"] = jnp.stack([m["finite"] for m in stage_metrics])
     return PipelineState(stages, state.tick + 1, state.rng), metrics
+
+  def metric_shapes(self) -> dict:
+    """ShapeDtypeStructs of one tick's metrics (what ``tick`` returns), computed abstractly."""
+    state = jax.eval_shape(self.init, jax.random.PRNGKey(0))
+    batch = Batch(self.example_inputs, self.example_labels, jax.ShapeDtypeStruct((), bool))
+    return jax.eval_shape(self._tick, state, batch)[1]
 
   def _run(self, state: PipelineState, batches: Batch, every_slot_full: bool = False):
     return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
@@ -381,9 +385,10 @@ class Pipeline:
 
     Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
     real: PB after its fill), a second compiled version runs without the per-stage guard against
-    empty slots, about 1.2x faster at micro-batch 1. It computes the same numbers up to float
-    rounding (the two programs fuse differently); which one runs depends only on the state and
-    the stream, so a resumed run still repeats the original bit for bit.
+    empty slots (faster: the guard is one more pass over every weight per tick, and at
+    micro-batch 1 such passes cost as much as the products). It computes the same numbers up to
+    float rounding (the two programs fuse differently); which one runs depends only on the state
+    and the stream, so a resumed run still repeats the original bit for bit.
     """
     batch = self.checked_batch(inputs, labels, valid, ticks=True)
     if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):

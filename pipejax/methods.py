@@ -46,10 +46,6 @@ class Method:
   stash_forward_weights: bool = False
   micro_batches_per_step: int | None = None  # None: asynchronous, never drains.
 
-  @property
-  def is_synchronous(self) -> bool:
-    return self.micro_batches_per_step is not None
-
 
 class MethodError(ValueError):
   """An unknown method or bad method hyperparameters; the message says how to fix it."""

@@ -520,9 +520,7 @@ class ShardedPipeline:
     layouts, self._packet_region, self._cotangent_region, self._buffer_sizes = chosen
     self._body_layouts, self._packet_layouts, self._cotangent_layouts = layouts
     self._max_group = max(z - a for a, z in self.partition)
-    batch = Batch(self.pipeline.example_inputs, self.pipeline.example_labels,
-                  jax.ShapeDtypeStruct((), bool))
-    metrics = jax.eval_shape(self.pipeline._tick, abstract, batch)[1]
+    metrics = self.pipeline.metric_shapes()
     self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
 
   def _spec(self, key) -> P:

@@ -578,6 +578,19 @@ def _style_rho_axes(ax):
   ax.grid(True, which="major", alpha=0.3)
 
 
+def _rho_figure(methods, momentum, num, *, panels, cols, panel_size, sharex=False):
+  """Checks the arguments of a rho-against-eta*lambda figure; returns (pyplot, xs, fig, axes)."""
+  for method in methods:
+    _check_method(method)
+  _check_momentum(momentum)
+  plt = _pyplot()
+  xs = np.logspace(-5, math.log10(5.0), num)
+  rows = math.ceil(panels / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(panel_size[0] * cols, panel_size[1] * rows),
+                           sharex=sharex, sharey=True, squeeze=False)
+  return plt, xs, fig, axes
+
+
 def plot_rho_vs_lr(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentum: float = 0.9,
                    delays: Sequence[int] = (0, 1, 4, 16, 64), num: int = 400) -> str:
   """Writes a PNG with one panel per method: ``ρ`` against ``ηλ`` (log axis), one curve per ``D``.
@@ -585,15 +598,8 @@ def plot_rho_vs_lr(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentu
   Returns:
     ``path``.
   """
-  for method in methods:
-    _check_method(method)
-  _check_momentum(momentum)
-  plt = _pyplot()
-  xs = np.logspace(-5, math.log10(5.0), num)
-  cols = 3
-  rows = math.ceil(len(methods) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), sharex=True,
-                           sharey=True, squeeze=False)
+  plt, xs, fig, axes = _rho_figure(methods, momentum, num, panels=len(methods), cols=3,
+                                   panel_size=(4.2, 3.3), sharex=True)
   cmap = plt.get_cmap("viridis")
   for ax, method in zip(axes.flat, methods):
     for j, delay in enumerate(delays):
@@ -624,15 +630,8 @@ def plot_rho_by_delay(path: str, methods: Sequence[str] = PIPELINE_METHODS, mome
   Returns:
     ``path``.
   """
-  for method in methods:
-    _check_method(method)
-  _check_momentum(momentum)
-  plt = _pyplot()
-  xs = np.logspace(-5, math.log10(5.0), num)
-  cols = 2
-  rows = math.ceil(len(delays) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.6 * rows), sharey=True,
-                           squeeze=False)
+  plt, xs, fig, axes = _rho_figure(methods, momentum, num, panels=len(delays), cols=2,
+                                   panel_size=(6.0, 3.6))
   for ax, delay in zip(axes.flat, delays):
     for method in ["sgd"] + [m for m in methods if m != "sgd"]:
       ax.plot(xs, _rho_curve(method, xs, momentum, delay) - 1.0, color=_COLORS[method],
