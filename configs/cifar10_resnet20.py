@@ -12,11 +12,11 @@ Kosson et al. report ResNet-20 with PB + SC + LWP at batch 1 matching SGD (about
 the run takes hours; on this 2-core CPU it is impractical (the 'smoke' variant runs in < 1 minute).
 """
 
-from pipejax import training
+from pipejax import config as configlib
 
 
 def get_config(arg: str | None = None):
-  config = training.base_config()
+  config = configlib.base_config()
   config.dataset = "cifar10"
   config.augment = True
   config.model = "cifar_resnet20"
@@ -27,6 +27,6 @@ def get_config(arg: str | None = None):
   config.warmup_epochs = 1.0
   config.eval_every_samples = 50000
   config.checkpoint_every_samples = 50000
-  return training.apply_variant(config, arg, tiny={
+  return configlib.apply_variant(config, arg, tiny={
       "model_kwargs": {"layers_per_stage": 2, "width": 4},
       "ticks_per_chunk": 8, "eval_batch_size": 8})

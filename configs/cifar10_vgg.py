@@ -8,11 +8,11 @@ Data as in configs/cifar10_resnet20.py (tfds 'cifar10', array_record). Not run h
 this machine); the 'tiny' variant runs in the tests on tfds mock data.
 """
 
-from pipejax import training
+from pipejax import config as configlib
 
 
 def get_config(arg: str | None = None):
-  config = training.base_config()
+  config = configlib.base_config()
   config.dataset = "cifar10"
   config.augment = True
   config.model = "vgg"
@@ -24,6 +24,6 @@ def get_config(arg: str | None = None):
   config.warmup_epochs = 1.0
   config.eval_every_samples = 50000
   config.checkpoint_every_samples = 50000
-  return training.apply_variant(config, arg, tiny={
+  return configlib.apply_variant(config, arg, tiny={
       "model_kwargs": {"config": (4, "M", 8, "M"), "layers_per_stage": 1},
       "ticks_per_chunk": 8, "eval_batch_size": 8})

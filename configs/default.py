@@ -12,11 +12,11 @@ Measured (2-core CPU, no accelerator, `bash scripts/train_default.sh`): test acc
 10 epochs, 276 s of training (about 2170 samples/s). The README's table compares plain PB and SGD.
 """
 
-from pipejax import training
+from pipejax import config as configlib
 
 
 def get_config(arg: str | None = None):
-  config = training.base_config()
+  config = configlib.base_config()
   config.dataset = "fashion_mnist_idx"
   config.model = "mlp"
   config.model_kwargs = {"hidden": (256, 128), "layers_per_stage": 1}
@@ -24,4 +24,4 @@ def get_config(arg: str | None = None):
   config.micro_batch_size = 1
   config.reference.weight_decay = 5e-5
   config.epochs = 10.0
-  return training.apply_variant(config, arg)
+  return configlib.apply_variant(config, arg)

@@ -10,11 +10,11 @@ PB + SC + LWP at batch 1 within a few tenths of a percent of SGD's ~76% top-1. T
 variant (width 4, one block per group, 32x32 images) runs in the tests on tfds mock data.
 """
 
-from pipejax import training
+from pipejax import config as configlib
 
 
 def get_config(arg: str | None = None):
-  config = training.base_config()
+  config = configlib.base_config()
   config.dataset = "imagenet2012"
   config.image_size = 224
   config.augment = True
@@ -27,7 +27,7 @@ def get_config(arg: str | None = None):
   config.eval_every_samples = 1281167
   config.checkpoint_every_samples = 100000
   config.eval_batch_size = 250
-  return training.apply_variant(config, arg, tiny={
+  return configlib.apply_variant(config, arg, tiny={
       "image_size": 32, "ticks_per_chunk": 4, "eval_batch_size": 4,
       "model_kwargs": {"layers_per_stage": 4, "width": 4, "blocks_per_group": (1, 1, 1, 1),
                        "norm_groups": 2}})

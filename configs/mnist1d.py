@@ -9,11 +9,11 @@ Measured (2-core CPU, this config as is): test accuracy 69.7% after 30 epochs, 2
 overfits 4000 samples) while accuracy holds.
 """
 
-from pipejax import training
+from pipejax import config as configlib
 
 
 def get_config(arg: str | None = None):
-  config = training.base_config()
+  config = configlib.base_config()
   config.dataset = "mnist1d"
   config.model = "mlp"
   config.model_kwargs = {"hidden": (256, 256, 128), "layers_per_stage": 1}
@@ -24,4 +24,4 @@ def get_config(arg: str | None = None):
   config.ticks_per_chunk = 1000
   config.eval_every_samples = 20000
   config.checkpoint_every_samples = 40000
-  return training.apply_variant(config, arg)
+  return configlib.apply_variant(config, arg)
