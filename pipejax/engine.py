@@ -19,6 +19,16 @@ stage's own optax transformation. Slots that hold no sample (fill, drain, synchr
 marked invalid, and an invalid backward leaves weights and optimizer state untouched: until stage
 s has seen its first backward its updates are exactly zero, and its optimizer step count is the
 number of samples it has learned from.
+
+Stages with state (``pipejax.stages.Variables``: running statistics). The forward variables a
+stage's forward saw travel with the input in the delay line, so the backward's recompute sees
+exactly what the forward saw and computes the same function. The backward variables are read live
+(as the last backward left them) and advanced by the increment the VJP returns. Within a tick
+both passes read the variables as the previous tick left them: the forward's update and the
+backward's increment concern different samples and disjoint variables, so their order does not
+matter (the last stage's forward is its recompute: its forward variables come from there). An
+empty slot updates no variable, like no weight. Stateless stages carry ``None`` and run the same
+computation as before stages had state.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import optax
 
 from pipejax import accounting
 from pipejax.methods import Method
-from pipejax.stages import Model
+from pipejax.stages import Model, Variables
 
 PyTree = Any
 
@@ -59,6 +69,7 @@ class DelayLine(NamedTuple):
   valid: jax.Array  # (D_s + 1,) bool
   index: jax.Array  # (D_s + 1,) int32
   weights: PyTree  # (D_s + 1, ...) weight copies for weight stashing, else None
+  variables: PyTree = None  # (D_s + 1, ...) the forward variables each forward saw; None: stateless
 
 
 class StageState(NamedTuple):
@@ -67,6 +78,7 @@ class StageState(NamedTuple):
   delay_line: DelayLine
   forward_out: Packet | None  # what this stage forwarded last tick (None for the last stage)
   backward_out: PyTree | None  # d loss / d input from last tick (None for stage 0)
+  variables: Variables | None = None  # the stage's non-trainable state (None: stateless)
 
 
 class PipelineState(NamedTuple):
@@ -108,6 +120,18 @@ def _canonical(spec):
 
 def _describe(tree) -> str:
   return str(jax.tree.map(lambda a: f"{tuple(a.shape)} {jnp.dtype(a.dtype).name}", tree))
+
+
+def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, increment: PyTree,
+                       backward_valid, every_slot_full: bool) -> Variables:
+  """The variables after one tick: the forward's update and the backward's increment, each kept
+  only when its pass worked on a real micro-batch."""
+  forward = forwarded
+  backward = jax.tree.map(jnp.add, variables.backward, increment)
+  if not every_slot_full:
+    forward = optax.tree_utils.tree_where(forward_valid, forward, variables.forward)
+    backward = optax.tree_utils.tree_where(backward_valid, backward, variables.backward)
+  return Variables(forward, backward)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,8 +206,10 @@ class Pipeline:
     return sum(accounting.tree_bytes(st.delay_line.x) for st in state.stages)
 
   def _check_loss(self):
-    last_out = jax.eval_shape(self.model.stages[-1].apply, self._params_shapes[-1],
-                              self._stage_inputs[-1], jax.random.PRNGKey(0))
+    last = self.model.stages[-1]
+    key, x = jax.random.PRNGKey(0), self._stage_inputs[-1]
+    last_out, _ = jax.eval_shape(last.forward, self._params_shapes[-1], x, key,
+                                 jax.eval_shape(last.variables, key, x))
     try:
       loss, _ = jax.eval_shape(self.model.loss, last_out, self.example_labels)
     except Exception as e:
@@ -218,17 +244,22 @@ class Pipeline:
     stages = []
     for s, stage in enumerate(self.model.stages):
       x_spec = self._stage_inputs[s]
-      params = stage.init(keys[s], jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec))
+      x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
+      params = stage.init(keys[s], x_zeros)
+      variables = stage.variables(keys[s], x_zeros)
       tx = self.method.optimizer(self.delays[s])
       slots = self.delays[s] + 1
-      weights = (jax.tree.map(lambda p: jnp.full((slots,) + p.shape, fill_value, p.dtype), params)
-                 if self.method.stash_forward_weights else None)
+      stack = lambda tree: jax.tree.map(
+          lambda p: jnp.full((slots,) + p.shape, fill_value, p.dtype), tree)
+      weights = stack(params) if self.method.stash_forward_weights else None
       delay_line = DelayLine(filled(x_spec, (slots,)), jnp.zeros((slots,), bool),
-                             jnp.full((slots,), -1, jnp.int32), weights)
+                             jnp.full((slots,), -1, jnp.int32), weights,
+                             None if variables is None else filled(variables.forward, (slots,)))
       is_last = s == self.num_stages - 1
       forward_out = None if is_last else empty_packet(self._stage_inputs[s + 1])
       backward_out = None if s == 0 else filled(x_spec)
-      stages.append(StageState(params, tx.init(params), delay_line, forward_out, backward_out))
+      stages.append(StageState(params, tx.init(params), delay_line, forward_out, backward_out,
+                               variables))
     return PipelineState(tuple(stages), jnp.array(0, jnp.int32), run_key)
 
   # ------------------------------------------------------------------ one tick
@@ -253,35 +284,49 @@ class Pipeline:
     delay = self.delays[s]
     slots = delay + 1
     is_first, is_last = s == 0, s == self.num_stages - 1
+    variables = st.variables  # None for a stateless stage
     metrics = {}
 
     # Forward the new micro-batch (the last stage's forward happens inside its backward below).
     forward_params = method.forward_weights(st.params, st.opt_state, delay)
-    forward_out, forward_ok = None, jnp.array(True)
+    forward_out, forward_ok, forwarded_variables = None, jnp.array(True), None
     if not is_last:
-      y = stage.apply(forward_params, inbound.x, self._stage_key(rng, inbound.index, s))
+      y, forwarded_variables = stage.forward(forward_params, inbound.x,
+                                             self._stage_key(rng, inbound.index, s), variables)
       forward_out = Packet(y, inbound.labels, inbound.valid, inbound.index)
       forward_ok = jnp.logical_or(~inbound.valid, _all_finite(y))
 
-    # Stash the input; read back the one written D ticks ago (the same slot when D = 0).
+    # Stash the input (and the forward variables it met); read back the one written D ticks ago
+    # (the same slot when D = 0).
     write, read = tick % slots, (tick + 1) % slots
     put = lambda buf, v: jax.tree.map(lambda b, a: b.at[write].set(a), buf, v)
     line = st.delay_line
     line = DelayLine(put(line.x, inbound.x), line.valid.at[write].set(inbound.valid),
                      line.index.at[write].set(inbound.index),
-                     put(line.weights, forward_params) if method.stash_forward_weights else None)
+                     put(line.weights, forward_params) if method.stash_forward_weights else None,
+                     None if variables is None else put(line.variables, variables.forward))
     take = lambda buf: jax.tree.map(lambda b: b[read], buf)
     x_old, valid, index = take(line.x), line.valid[read], line.index[read]
     backward_params = (take(line.weights) if method.stash_forward_weights
                        else method.backward_weights(st.params, st.opt_state, delay))
     key = self._stage_key(rng, index, s)
 
-    # Backward: recompute the stage on the stashed input and take the VJP.
+    # Backward: recompute the stage on the stashed input and take the VJP. A stateful stage also
+    # differentiates with respect to its backward variables: that cotangent is their increment.
+    def recompute(w, x):
+      if variables is None:
+        return stage.forward(w, x, key, None)
+      params, backward_variables = w
+      return stage.forward(params, x, key, Variables(take(line.variables), backward_variables))
+
+    trainable = backward_params if variables is None else (backward_params, variables.backward)
     backward_out = None
     if is_last:
       def loss_of(w, x):
-        return self.model.loss(stage.apply(w, x, key), inbound.labels)
-      loss, vjp, aux = jax.vjp(loss_of, backward_params, x_old, has_aux=True)
+        y, forward_variables = recompute(w, x)
+        loss, aux = self.model.loss(y, inbound.labels)
+        return loss, (aux, forward_variables)
+      loss, vjp, (aux, forwarded_variables) = jax.vjp(loss_of, trainable, x_old, has_aux=True)
       grads, backward_out = vjp(jnp.ones_like(loss))
       metrics["loss"] = jnp.where(valid, loss, 0.0)
       metrics.update({k: jnp.where(valid, v, 0.0) for k, v in aux.items()})
@@ -289,15 +334,20 @@ class Pipeline:
       metrics["sample"] = index
       backward_ok = jnp.logical_or(~valid, jnp.isfinite(loss))
     elif is_first:  # nobody needs d loss / d data: skip that product.
-      _, vjp = jax.vjp(lambda w: stage.apply(w, x_old, key), backward_params)
+      _, vjp, _ = jax.vjp(lambda w: recompute(w, x_old), trainable, has_aux=True)
       (grads,) = vjp(cotangent)
       backward_ok = jnp.array(True)
     else:
-      _, vjp = jax.vjp(lambda w, x: stage.apply(w, x, key), backward_params, x_old)
+      _, vjp, _ = jax.vjp(recompute, trainable, x_old, has_aux=True)
       grads, backward_out = vjp(cotangent)
       backward_ok = jnp.logical_or(~valid, _all_finite(backward_out))
     if is_first:
       backward_out = None
+    if variables is not None:
+      grads, increment = grads
+      forward_valid = valid if is_last else inbound.valid
+      variables = _advance_variables(variables, forwarded_variables, forward_valid, increment,
+                                     valid, every_slot_full)
 
     # Update with the stage's own transformation; an empty slot changes nothing. The guard is a
     # select: a lax.cond copies every weight and optimizer slot through its branches, which was
@@ -315,7 +365,7 @@ class Pipeline:
     # A NaN weight shows in the stage's own output within a tick; checking activations instead of
     # every weight keeps the tick's cost independent of the parameter count.
     metrics["finite"] = jnp.logical_and(forward_ok, backward_ok)
-    return StageState(params, opt_state, line, forward_out, backward_out), metrics
+    return StageState(params, opt_state, line, forward_out, backward_out, variables), metrics
 
   def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
                      cotangent: PyTree, tick, rng, reduce_grads=None,

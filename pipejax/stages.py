@@ -7,18 +7,44 @@ randomness (dropout) draws the same numbers in its forward pass and in the backw
 Flax modules become stages with :func:`from_flax`. We use **linen** rather than nnx: a linen
 module's ``init``/``apply`` already *are* the pure pair the engine needs, so a stage is a thin
 closure with no split/merge of object state on every tick.
+
+**Stages with state.** A stage may also keep non-trainable :class:`Variables` (running statistics,
+as Online Normalization's), in two parts by who updates them:
+
+* ``forward`` variables are updated by the forward pass. The backward's recompute of a sample sees
+  the values its forward saw (the engine stashes them with the input in the delay line), so forward
+  and recompute compute the same function, as for weight stashing;
+* ``backward`` variables are updated by the backward pass. The stage reads them as an extra input,
+  and the cotangent the VJP returns for them is their *increment*: a ``jax.custom_vjp`` writes
+  state in its backward by returning ``new - old`` as that input's cotangent. The engine adds it.
+
+Such a stage has ``init_variables(rng, x) -> Variables`` and ``apply(params, x, rng, variables) ->
+(y, forward variables after this micro-batch)``; ``infer(params, x, variables)`` evaluates it with
+the variables read-only. A stage whose ``init_variables`` is None or returns None is stateless and
+costs the engine nothing extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict[str, jax.Array]]]
+
+# The flax collection a stage's backward pass updates (see the module docstring). Every other
+# collection besides "params" is updated by the forward pass.
+BACKWARD_COLLECTION = "backward_state"
+
+
+class Variables(NamedTuple):
+  """A stateful stage's non-trainable variables, split by the pass that updates them."""
+
+  forward: PyTree  # e.g. running mean and variance
+  backward: PyTree  # e.g. Online Normalization's gradient control processes
 
 
 class ModelError(ValueError):
@@ -31,41 +57,82 @@ class Stage:
 
   ``input_shape``, when given, is the per-sample shape (no batch axis) the stage insists on; the
   pipeline checks it when it is built. Without it the stage takes whatever its ``init`` accepts.
+  A stage with state (module docstring) also has ``init_variables`` and ``infer``, and its
+  ``apply`` takes the variables as a fourth argument.
   """
 
   init: Callable[[jax.Array, PyTree], PyTree]
-  apply: Callable[[PyTree, PyTree, jax.Array], PyTree]
+  apply: Callable[..., PyTree]
   name: str = "stage"
   input_shape: tuple[int, ...] | None = None
+  init_variables: Callable[[jax.Array, PyTree], Variables | None] | None = None
+  infer_with: Callable[[PyTree, PyTree, Variables], PyTree] | None = None
+
+  def variables(self, rng: jax.Array, x: PyTree) -> Variables | None:
+    """The initial variables for input ``x``; None for a stateless stage."""
+    return None if self.init_variables is None else self.init_variables(rng, x)
+
+  def forward(self, params: PyTree, x: PyTree, rng: jax.Array,
+              variables: Variables | None) -> tuple[PyTree, PyTree]:
+    """``(y, forward variables after x)``; ``(apply(params, x, rng), None)`` when stateless."""
+    if variables is None:
+      return self.apply(params, x, rng), None
+    return self.apply(params, x, rng, variables)
+
+  def infer(self, params: PyTree, x: PyTree, variables: Variables | None = None) -> PyTree:
+    """Evaluation: the output with the variables read-only (None for a stateless stage)."""
+    if variables is None:
+      return self.apply(params, x, None)
+    return self.infer_with(params, x, variables)
 
 
 def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | None = None,
               **apply_kwargs) -> Stage:
   """Makes a :class:`Stage` from a flax linen module (one line per stage).
 
-  ``apply_kwargs`` are passed to every call (e.g. ``train=True``). Modules that keep mutable
-  collections such as BatchNorm's ``batch_stats`` are refused: a pipelined stage sees one
-  micro-batch at a time and its statistics would differ between forward and recompute.
+  ``apply_kwargs`` are passed to every call (e.g. ``train=True``). A module that keeps mutable
+  collections (running statistics) becomes a stage with state: the collection named
+  :data:`BACKWARD_COLLECTION` holds its backward variables, every other one its forward variables
+  (module docstring). In evaluation (:meth:`Stage.infer`) the collections are passed immutable, so
+  the module must then read its statistics without updating them (as
+  :class:`pipejax.models.online_norm.OnlineNorm` does; flax's BatchNorm needs
+  ``use_running_average=True`` for that).
   """
   stage_name = name or type(module).__name__
 
-  def init(rng, x):
-    variables = module.init({"params": rng, "dropout": rng}, x, **apply_kwargs)
-    extra = sorted(k for k in variables if k != "params")
-    if extra:
-      raise ModelError(
-          f"Stage '{stage_name}' keeps mutable state {extra} (BatchNorm's batch_stats, most "
-          "likely). Pipelined stages must be stateless functions of (weights, input): each stage "
-          "sees one micro-batch per tick and recomputes its forward in the backward pass, so "
-          "running statistics would differ between the two. Use GroupNorm or LayerNorm instead.")
-    return variables.get("params", {})
+  def init_all(rng, x):
+    return module.init({"params": rng, "dropout": rng}, x, **apply_kwargs)
 
-  def apply(params, x, rng):
-    rngs = None if rng is None else {"dropout": rng}
-    return module.apply({"params": params}, x, rngs=rngs, **apply_kwargs)
+  def init(rng, x):
+    return init_all(rng, x).get("params", {})
+
+  def init_variables(rng, x):
+    collections = {k: v for k, v in init_all(rng, x).items() if k != "params"}
+    if not collections:
+      return None
+    backward = collections.pop(BACKWARD_COLLECTION, {})
+    return Variables(collections, backward)
+
+  def rngs_for(rng):
+    return None if rng is None else {"dropout": rng}
+
+  def apply(params, x, rng, variables=None):
+    if variables is None:
+      return module.apply({"params": params}, x, rngs=rngs_for(rng), **apply_kwargs)
+    y, forward = module.apply(_all_collections(params, variables), x, rngs=rngs_for(rng),
+                              mutable=list(variables.forward), **apply_kwargs)
+    return y, {k: forward[k] for k in variables.forward}
+
+  def infer_with(params, x, variables):
+    return module.apply(_all_collections(params, variables), x, **apply_kwargs)
 
   return Stage(init=init, apply=apply, name=stage_name,
-               input_shape=tuple(input_shape) if input_shape is not None else None)
+               input_shape=tuple(input_shape) if input_shape is not None else None,
+               init_variables=init_variables, infer_with=infer_with)
+
+
+def _all_collections(params, variables: Variables) -> dict:
+  return {"params": params, **variables.forward, BACKWARD_COLLECTION: variables.backward}
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array):
@@ -125,7 +192,8 @@ class Model:
               f"per-sample shape {stage.input_shape}. Change one of the two stages so they agree.")
       try:
         p = jax.eval_shape(stage.init, keys[s], x)
-        y = jax.eval_shape(stage.apply, p, x, keys[s])
+        v = jax.eval_shape(stage.variables, keys[s], x)
+        y, _ = jax.eval_shape(stage.forward, p, x, keys[s], v)
       except ModelError:
         raise
       except Exception as e:  # flax/XLA shape errors are long; keep the first line.
