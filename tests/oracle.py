@@ -4,15 +4,22 @@ Python loops over ticks and stages; a dict per stage from sample index to stashe
 history of each stage's weights; no ring buffers, no scan, no optax. Update rules and weight views
 are written out in numpy from the formulas of DESIGN.md §3, so the engine and its optax
 transformations are checked against an independent statement of the same mathematics.
+
+Stages with state: a dict per stage from sample index to the forward variables its forward saw
+(what the recompute uses), and the live variables: the forward updates the forward variables, the
+backward adds the increment its VJP returns to the backward variables, both at the end of the tick.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pipejax.stages import Variables
 
 # ----------------------------------------------------------------------------- update rules
 
@@ -98,10 +105,13 @@ class OracleMethod:
   horizon: int | None = None  # LWP horizon; None: the stage's delay
 
 
-def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=None):
+def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=None,
+               init_variables=None):
   """Runs the pipeline naively; returns (final params per stage, metrics per tick).
 
   ``init_params``: per-stage param pytrees; ``inputs``/``labels``: per-tick arrays (T, b, ...).
+  ``init_variables``: per-stage :class:`Variables` (None for stateless stages); when given, the
+  final variables per stage are returned third.
   """
   num_stages = model.num_stages
   num_ticks = len(inputs)
@@ -117,6 +127,8 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
     rules.append(rule)
   stashed = [dict() for _ in range(num_stages)]  # sample -> input
   forward_weights_used = [dict() for _ in range(num_stages)]  # sample -> weights (PipeDream)
+  variables = list(init_variables or [None] * num_stages)  # live, as the last tick left them
+  forward_variables_seen = [dict() for _ in range(num_stages)]  # sample -> forward variables
   outputs = {}  # (stage, sample) -> output
   cotangents = {}  # (stage, sample) -> d loss / d input of that stage
   metrics = []
@@ -143,6 +155,7 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
   for t in range(num_ticks):
     tick_metrics = {"valid": False, "loss": 0.0}
     new_weights = list(weights)
+    new_variables = list(variables)
     for s in range(num_stages):
       stage = model.stages[s]
       # The test models draw no randomness, so any key will do (the engine folds its own).
@@ -153,29 +166,66 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
         w_f = view(s, method.forward, t)
         forward_weights_used[s][n] = w_f
         stashed[s][n] = x
-        if s < num_stages - 1:
-          outputs[(s, n)] = stage.apply(as_tree(s, w_f), x, key(n))
+        if variables[s] is None:
+          if s < num_stages - 1:
+            outputs[(s, n)] = stage.apply(as_tree(s, w_f), x, key(n))
+        else:
+          forward_variables_seen[s][n] = variables[s].forward
+          y, forward = jax.jit(stage.apply)(as_tree(s, w_f), x, key(n), variables[s])
+          outputs[(s, n)] = y
+          new_variables[s] = Variables(forward, new_variables[s].backward)
       m = t - 2 * (num_stages - 1) + s  # backwarded this tick
       if 0 <= m < num_ticks and valid[m]:
         x = stashed[s].pop(m)
         w_b = forward_weights_used[s].pop(m) if method.backward == "stashed" else \
             view(s, method.backward, t)
         w_tree = as_tree(s, w_b)
+        # A stateful stage is differentiated with respect to its backward variables too: the VJP's
+        # cotangent for them is their increment. ``seen``: the forward variables of sample m's
+        # forward. (Compiled only because eager flax is slow; None for a stateless stage.)
+        trainable = w_tree if variables[s] is None else (w_tree, variables[s].backward)
+        seen = None if variables[s] is None else forward_variables_seen[s].pop(m)
         if s == num_stages - 1:
-          f = lambda w, x: model.loss(stage.apply(w, x, key(m)), jnp.asarray(labels[m]))
-          (loss, aux), (g_w, g_x) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(w_tree, x)
+          (loss, aux), (g_w, g_x) = _loss_grads(model, s, key(m), seen, trainable, x,
+                                                jnp.asarray(labels[m]))
           tick_metrics = {"valid": True, "loss": float(loss), "sample": m,
                           **{k: float(v) for k, v in aux.items()}}
         else:
-          _, vjp = jax.vjp(lambda w, x: stage.apply(w, x, key(m)), w_tree, x)
-          g_w, g_x = vjp(cotangents.pop((s + 1, m)))
+          g_w, g_x = _vjp(model, s, key(m), seen, trainable, x, cotangents.pop((s + 1, m)))
+        if variables[s] is not None:
+          g_w, increment = g_w
+          backward = jax.tree.map(lambda v, i: v + i, variables[s].backward, increment)
+          new_variables[s] = Variables(new_variables[s].forward, backward)
         if s > 0:
           cotangents[(s, m)] = g_x
         g = [np.asarray(x, np.float64) for x in jax.tree.leaves(g_w)]
         new_weights[s] = rules[s].step(weights[s], g)
         applied[s].append([a - b for a, b in zip(new_weights[s], weights[s])])
-    weights = new_weights
+    weights, variables = new_weights, new_variables
     for s in range(num_stages):
       history[s].append(weights[s])
     metrics.append(tick_metrics)
-  return [as_tree(s, w) for s, w in enumerate(weights)], metrics
+  final_params = [as_tree(s, w) for s, w in enumerate(weights)]
+  if init_variables is not None:
+    return final_params, metrics, variables
+  return final_params, metrics
+
+
+
+def _apply(stage, key, seen_forward, w, x):
+  if seen_forward is None:
+    return stage.apply(w, x, key)
+  params, backward = w
+  return stage.apply(params, x, key, Variables(seen_forward, backward))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _loss_grads(model, s, key, seen_forward, w, x, labels):
+  f = lambda w, x: model.loss(_apply(model.stages[s], key, seen_forward, w, x), labels)
+  return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(w, x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _vjp(model, s, key, seen_forward, w, x, cotangent):
+  f = lambda w, x: _apply(model.stages[s], key, seen_forward, w, x)
+  return jax.vjp(f, w, x)[1](cotangent)
