@@ -12,8 +12,8 @@ is flattened into 1-D buffers padded to the largest group's and stacked along a 
 dimension sharded over the mesh, in two families:
 
 * ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
-  states, PipeDream's stashed weights, and the valid flags and sample indices of delay lines and
-  packets (the same on every replica);
+  states, PipeDream's stashed weights, stateful stages' variables (live and stashed), and the valid
+  flags and sample indices of delay lines and packets (the same on every replica);
 * ``local`` buffers, global shape ``(data, stage, n)``: everything that carries the micro-batch
   axis (stashed inputs, forward packets' activations and labels, backward cotangents); replica r
   holds samples ``r*b/data .. (r+1)*b/data - 1`` of every micro-batch.
@@ -232,19 +232,19 @@ def measure_stage_costs(pipeline: Pipeline, state: PipelineState | None = None,
   for s, stage in enumerate(pipeline.model.stages):
     key = jax.random.PRNGKey(s)
 
-    def work(params, x, apply=stage.apply, key=key):
-      y = apply(params, x, key)
-      y2, vjp = jax.vjp(lambda w, h: apply(w, h, key), params, x)
+    def work(params, variables, x, forward=stage.forward, key=key):
+      y, _ = forward(params, x, key, variables)
+      y2, vjp = jax.vjp(lambda w, h: forward(w, h, key, variables)[0], params, x)
       return y, vjp(jax.tree.map(jnp.ones_like, y2))
 
-    params = state.stages[s].params
+    params, variables = state.stages[s].params, state.stages[s].variables
     x = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pipeline.stage_input_shapes[s])
     fn = jax.jit(work)
-    jax.block_until_ready(fn(params, x))
+    jax.block_until_ready(fn(params, variables, x))
     best = math.inf
     for _ in range(max(repeats, 1)):
       start = time.perf_counter()
-      jax.block_until_ready(fn(params, x))
+      jax.block_until_ready(fn(params, variables, x))
       best = min(best, time.perf_counter() - start)
     seconds.append(best)
   return seconds
@@ -270,11 +270,13 @@ def _roles(st: StageState) -> StageState:
       params=every(st.params, shared),
       opt_state=every(st.opt_state, shared),
       delay_line=DelayLine(every(line.x, _Role(1)), every(line.valid, shared),
-                           every(line.index, shared), every(line.weights, shared)),
+                           every(line.index, shared), every(line.weights, shared),
+                           every(line.variables, shared)),
       forward_out=None if packet is None else Packet(
           every(packet.x, _Role(0)), every(packet.labels, _Role(0)), every(packet.valid, shared),
           every(packet.index, shared)),
-      backward_out=every(st.backward_out, _Role(0, cotangent=True)))
+      backward_out=every(st.backward_out, _Role(0, cotangent=True)),
+      variables=every(st.variables, shared))
 
 
 def _split_group(group: Sequence[StageState]):
@@ -472,6 +474,15 @@ class ShardedPipeline:
     parts = [_split_group(g) for g in groups]
     role_parts = [_split_group([_roles(st) for st in g]) for g in groups]
     if self.data > 1:
+      stateful = [s for s, st in enumerate(abstract.stages) if st.variables is not None]
+      if stateful:
+        raise MeshError(
+            f"{self.pipeline.model.stage_label(stateful[0])} keeps state (running statistics such "
+            "as Online Normalization's) that depends on every sample it sees, in order. Data "
+            f"replicas (data = {self.data}) each see only their part of every micro-batch, so "
+            "their statistics would differ from each other and from one device's. Put every "
+            "device on the stage axis (data = 1) for a stateful model, or use a stateless "
+            "normalization ('layer' or 'group').")
       for s, st in enumerate(abstract.stages):
         for leaf, role in zip(jax.tree.leaves(st), jax.tree.leaves(_roles(st))):
           if role.batch_axis is not None and leaf.shape[role.batch_axis] != b:
@@ -813,7 +824,8 @@ def device_memory(sharded: ShardedPipeline) -> list[dict[str, Any]]:
   """Bytes each stage-axis device holds (the same on every data replica of it).
 
   Per device: ``stages`` (its ``(start, stop)``), ``weights``, ``optimizer``, ``delay_lines``
-  (stashed inputs with their flags), ``weight_stash`` (PipeDream's weight copies), ``registers``
+  (stashed inputs with their flags), ``weight_stash`` (PipeDream's weight copies), ``variables``
+  (stateful stages' variables, live and stashed with the inputs), ``registers``
   (forward packets and cotangents), their sum ``logical``, ``allocated`` (the padded buffers every
   device actually holds) and ``messages`` (the two transient boundary buffers of a tick).
   Activations count the device's own ``b / data`` samples.
@@ -826,7 +838,7 @@ def device_memory(sharded: ShardedPipeline) -> list[dict[str, Any]]:
   report = []
   for a, z in sharded.partition:
     row = {"stages": (a, z), "weights": 0, "optimizer": 0, "delay_lines": 0, "weight_stash": 0,
-           "registers": 0}
+           "variables": 0, "registers": 0}
     for st in state.stages[a:z]:
       roles = _roles(st)
       line, line_roles = st.delay_line, roles.delay_line
@@ -836,10 +848,11 @@ def device_memory(sharded: ShardedPipeline) -> list[dict[str, Any]]:
                                                     (line_roles.x, line_roles.valid,
                                                      line_roles.index), data)
       row["weight_stash"] += accounting.tree_bytes(line.weights)
+      row["variables"] += accounting.tree_bytes((st.variables, line.variables))
       row["registers"] += _tree_bytes_per_replica((st.forward_out, st.backward_out),
                                                   (roles.forward_out, roles.backward_out), data)
     row["logical"] = sum(row[k] for k in ("weights", "optimizer", "delay_lines", "weight_stash",
-                                          "registers"))
+                                          "variables", "registers"))
     row["allocated"] = allocated
     row["messages"] = messages
     report.append(row)

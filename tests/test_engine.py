@@ -84,7 +84,7 @@ def test_engine_matches_naive_oracle(name, b):
 def make_stateful_model():
   """Online Norm in stages 0, 2 and the head (fast decays, so the variables move within a few
   samples); stage 1 stateless: a mix, each stage with its own variable shapes."""
-  norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.8, alpha_bkw=0.7)
+  norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
   layer = lambda w, stateful: nn.Sequential([nn.Dense(w)] + ([norm()] if stateful else [])
                                             + [nn.tanh])
   stages = [pipejax.from_flax(layer(w, s != 1), name=f"dense{w}") for s, w in enumerate(WIDTHS)]
@@ -114,6 +114,7 @@ def test_stateful_stages_match_naive_oracle(name, b):
   assert_trees_close(stage_variables(state), expected_variables, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(metrics["loss"]),
                              [m["loss"] for m in expected_metrics], rtol=1e-5, atol=1e-5)
+  assert np.asarray(metrics["finite"]).all()
   # Both kinds of variables moved in every stateful stage.
   for before, after in zip(init_variables, stage_variables(state)):
     if before is not None:

@@ -23,6 +23,7 @@ import pytest
 
 import pipejax
 from pipejax import methods, sharding
+from pipejax.models import online_norm
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.sharding import MeshError, ShardedPipeline
 from tests import _two_process_worker as worker
@@ -44,6 +45,15 @@ def make_model(widths=WIDTHS):
   return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
 
 
+def make_stateful_model(widths=WIDTHS):
+  """Online Norm (fast decays) in every other stage and the head; the rest stateless."""
+  norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
+  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w)] + [norm()] * (s % 2 == 0) + [nn.tanh]),
+                              name=f"dense{w}") for s, w in enumerate(widths)]
+  head = nn.Sequential([nn.Dense(NUM_CLASSES), norm()])
+  return pipejax.Model(stages + [pipejax.from_flax(head, name="head")])
+
+
 def make_stream(num_ticks=NUM_TICKS, b=MICRO_BATCH, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((num_ticks, b, IN_DIM)).astype(np.float32)
@@ -52,10 +62,11 @@ def make_stream(num_ticks=NUM_TICKS, b=MICRO_BATCH, seed=0):
 
 
 @functools.cache
-def make_pipeline(method_name, b=MICRO_BATCH, widths=WIDTHS):
+def make_pipeline(method_name, b=MICRO_BATCH, widths=WIDTHS, stateful=False):
   x, y = make_stream(1, b)
   method = methods.make_method(method_name, learning_rate=0.05, momentum=0.9)
-  return Pipeline(make_model(widths), method, x[0], y[0])
+  model = make_stateful_model(widths) if stateful else make_model(widths)
+  return Pipeline(model, method, x[0], y[0])
 
 
 def host(tree):
@@ -195,6 +206,27 @@ def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, l
   assert_states_equal(metrics, expected_metrics)
   assert np.asarray(metrics["valid"]).sum() >= 2 * NUM_STAGES  # many samples met the loss
   assert np.asarray(metrics["finite"]).all()  # NaN fill never reached an output
+
+
+@pytest.mark.parametrize("layout", ["auto", "flat"])
+def test_mesh_with_stateful_stages_matches_one_device(eight_devices, layout):
+  """Online Norm's variables, live and stashed in the delay lines, live with their stage."""
+  pipe = make_pipeline("pb_sc_lwp", stateful=True)
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(8, 1, eight_devices), layout=layout)
+  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
+  packed, metrics = sharded.run(sharded.pack(state), *make_stream())
+  expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream())
+  actual = sharded.unpack(packed)
+  assert_states_equal(actual, host(expected_state))
+  assert_states_equal(metrics, host(expected_metrics))
+  assert np.asarray(metrics["finite"]).all()
+  variables = [leaf for st in actual.stages for leaf in jax.tree.leaves(st.variables)]
+  assert len(variables) == 4 * 5  # mean, var, u, v in stages 0, 2, 4, 6 and the head
+  initial = [leaf for st in state.stages for leaf in jax.tree.leaves(st.variables)]
+  assert min(np.abs(a - b).max() for a, b in zip(variables, initial)) > 1e-3  # they all moved
+  assert sum(row["variables"] for row in sharding.device_memory(sharded)) > 0
+  with pytest.raises(MeshError, match=r"stage 0 \('dense5'\) keeps state.*data = 1"):
+    ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices))
 
 
 def test_mesh_tick_and_drain_match_one_device(eight_devices):
