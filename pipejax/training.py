@@ -141,20 +141,21 @@ class _StopRequest:
 
 
 def make_evaluator(model, batch_size: int):
-  """A function (stage params, test source) -> {loss, accuracy} over the whole split."""
+  """A function (stage params, test source, stage variables) -> {loss, accuracy} over the split."""
   @jax.jit
-  def batch_sums(params, x, y, mask):
+  def batch_sums(params, variables, x, y, mask):
     h = x
-    for stage, p in zip(model.stages, params):
-      h = stage.apply(p, h, None)
+    for stage, p, v in zip(model.stages, params, variables):
+      h = stage.infer(p, h, v)
     loss, _ = jax.vmap(lambda logits, label: model.loss(logits[None], label[None]))(h, y)
     correct = jnp.argmax(h, -1) == y
     return jnp.sum(loss * mask), jnp.sum(correct * mask)
 
-  def evaluate(stage_params, test_source) -> dict:
+  def evaluate(stage_params, test_source, stage_variables=None) -> dict:
     loss_sum, correct_sum, count = 0.0, 0.0, 0
+    stage_variables = stage_variables or [None] * len(stage_params)
     for x, y, mask in data_lib.eval_batches(test_source, batch_size):
-      loss, correct = batch_sums(stage_params, x, y, mask.astype(np.float32))
+      loss, correct = batch_sums(stage_params, stage_variables, x, y, mask.astype(np.float32))
       loss_sum += float(loss)
       correct_sum += float(correct)
       count += int(mask.sum())
@@ -303,7 +304,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   evaluate = make_evaluator(model, config.eval_batch_size)
 
   def evaluate_now():
-    result = evaluate([st.params for st in setup.logical(state).stages], test_source)
+    stages = setup.logical(state).stages
+    result = evaluate([st.params for st in stages], test_source, [st.variables for st in stages])
     writer.write("test", samples, **result)
     logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
                  result["accuracy"])

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pipejax.models import layers
+from pipejax.models import layers, online_norm
 from pipejax.stages import ModelError
 
 Activation = Callable[[jax.Array], jax.Array] | None
@@ -36,8 +36,8 @@ class DenseLayer(nn.Module):
 
   Attributes:
     features: Output width.
-    normalization: None, or 'layer' (LayerNorm over features). The builders map a conv net's
-      'group' to 'layer' for its dense layers.
+    normalization: None, 'layer' (LayerNorm over features) or 'online' (Online Normalization
+      per feature). The builders map a conv net's 'group' to 'layer' for its dense layers.
     activation: Applied last; None for logits.
     global_pool: Average over H and W before the dense layer (ResNet heads).
   """
@@ -55,7 +55,9 @@ class DenseLayer(nn.Module):
     x = x.reshape(x.shape[0], -1)
     # A bias before a normalization is cancelled by its mean subtraction; the norm has its own.
     x = nn.Dense(self.features, use_bias=self.normalization is None, name="dense")(x)
-    if self.normalization is not None:
+    if self.normalization == "online":
+      x = online_norm.OnlineNorm(name="norm")(x)
+    elif self.normalization is not None:
       x = nn.LayerNorm(name="norm")(x)
     if self.activation is not None:
       x = self.activation(x)
@@ -69,7 +71,7 @@ class ConvLayer(nn.Module):
     features: Output channels.
     kernel_size: Square kernel size.
     strides: Convolution stride.
-    normalization: None, 'group' or 'layer' (see :func:`layers.conv_norm`).
+    normalization: None, 'group', 'layer' or 'online' (see :func:`layers.conv_norm`).
     norm_groups: GroupNorm groups (``gcd(norm_groups, features)`` are used).
     conv_impl: 'auto', 'xla' or 'sliced' (see :func:`layers.resolve_conv_impl`).
     activation: Applied after the normalization; None for none.
@@ -113,7 +115,7 @@ class ResidualConvLayer(nn.Module):
     shortcut: (role 'last') How a shortcut whose shape differs from the output is matched:
       'projection' (1x1 conv with stride + norm; He et al.'s option B) or 'pad' (subsample
       and pad channels with zeros; option A, no parameters). Same shapes: identity.
-    normalization: None, 'group' or 'layer'.
+    normalization: None, 'group', 'layer' or 'online'.
     norm_groups: GroupNorm groups (``gcd(norm_groups, features)`` are used).
     conv_impl: 'auto', 'xla' or 'sliced'.
     activation: Applied after the normalization ('last': after the addition).

@@ -16,7 +16,7 @@ VGG_CONFIGS = {
     "vgg19": (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
               512, 512, 512, 512, "M"),
 }
-_CONV_NORMALIZATIONS = (None, "group", "layer")
+_CONV_NORMALIZATIONS = (None, "group", "layer", "online")
 
 
 def conv_net_layers(config: Sequence[int | str], dense: Sequence[int], num_classes: int,
@@ -24,7 +24,8 @@ def conv_net_layers(config: Sequence[int | str], dense: Sequence[int], num_class
   """Named weight layers of a plain conv net: 3x3 convs ('M': 2x2 max pool), then dense layers.
 
   Conv layers are 'conv1', 'conv2', ...; hidden dense layers 'fc1', ...; the logits 'head'.
-  Dense layers use LayerNorm when ``normalization`` is not None.
+  Dense layers use LayerNorm when ``normalization`` is 'group' or 'layer', Online Norm with
+  'online'.
   """
   layers.check_normalization(normalization, allowed=_CONV_NORMALIZATIONS)
   layers.resolve_conv_impl(conv_impl)  # Fail early on a misspelt conv_impl.
@@ -41,7 +42,7 @@ def conv_net_layers(config: Sequence[int | str], dense: Sequence[int], num_class
     named.append((f"conv{len(named) + 1}", blocks.ConvLayer(
         item, normalization=normalization, norm_groups=norm_groups, conv_impl=conv_impl,
         pool_window=pool, pool_stride=2)))
-  dense_norm = None if normalization is None else "layer"
+  dense_norm = "layer" if normalization in ("group", "layer") else normalization
   named += [(f"fc{i + 1}", blocks.DenseLayer(width, normalization=dense_norm))
             for i, width in enumerate(dense)]
   named.append(("head", blocks.DenseLayer(num_classes, activation=None)))
@@ -62,7 +63,7 @@ def small_cnn(widths: Sequence[int] = (32, 64), dense: Sequence[int] = (128,),
     dense: Widths of the hidden dense layers (with LayerNorm unless ``normalization`` is None).
     num_classes: Number of logits.
     layers_per_stage: Consecutive weight layers per stage.
-    normalization: 'group' (default), 'layer' (GroupNorm with one group) or None. 'batch'
+    normalization: 'group' (default), 'layer' (GroupNorm with one group), 'online' or None. 'batch'
       raises :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.
     conv_impl: 'auto' (sliced on CPU, XLA elsewhere), 'xla' or 'sliced'.
@@ -93,7 +94,7 @@ def vgg(config: str | Sequence[int | str] = "vgg11", dense: Sequence[int] = (),
     num_classes: Number of logits.
     width_multiplier: Scales every conv width (rounded, at least 1), e.g. 1/8 for tests.
     layers_per_stage: Consecutive weight layers per stage.
-    normalization: 'group' (default), 'layer' or None; 'batch' raises
+    normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.
     conv_impl: 'auto' (sliced on CPU, XLA elsewhere), 'xla' or 'sliced'.

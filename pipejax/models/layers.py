@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
+from pipejax.models import online_norm
 from pipejax.stages import ModelError
 
 CONV_IMPLS = ("auto", "xla", "sliced")
@@ -28,11 +29,10 @@ _BATCH_NORM_MESSAGE = (
     "micro-batch size 1 (the fine-grained setting of Kosson et al.), and BatchNorm statistics "
     "over a batch of one sample are degenerate: a dense layer's normalized output is identically "
     "zero, a conv layer's turns into instance normalization and no longer matches evaluation. "
-    "Even with larger micro-batches, BatchNorm keeps running statistics as mutable state, while "
-    "a pipelined stage must be a stateless function of (weights, input): its forward pass and "
-    "the recompute in its backward pass must see the same statistics. Use "
-    "normalization='group' (GroupNorm) or 'layer' (LayerNorm), which normalize each sample on "
-    "its own.")
+    "Use normalization='online' (Online Normalization, Chiley et al. 2019: BatchNorm's "
+    "statistics kept as running averages over the stream of samples, with a backward that keeps "
+    "the gradient orthogonal to them; made for batch 1), or 'group' (GroupNorm) or 'layer' "
+    "(LayerNorm), which normalize each sample on its own.")
 
 
 def resolve_conv_impl(conv_impl: str) -> str:
@@ -56,8 +56,8 @@ def conv_class(conv_impl: str) -> type[nn.Module]:
 def check_normalization(normalization: str | None, allowed: Sequence[str | None]) -> None:
   """Raises :class:`ModelError` for an unknown normalization or for BatchNorm.
 
-  The check lives in the builders (not only in ``from_flax``, which refuses any mutable
-  collection) so that the error names the real reason before anything is initialized.
+  The check lives in the builders so that the error names the real reason before anything is
+  initialized.
   """
   if normalization == "batch":
     raise ModelError(_BATCH_NORM_MESSAGE)
@@ -69,10 +69,13 @@ def conv_norm(normalization: str | None, channels: int, groups: int, name: str) 
   """The normalization after a conv layer with ``channels`` outputs (None for no normalization).
 
   'group' uses ``gcd(groups, channels)`` groups, so narrow test variants stay valid; 'layer' is
-  GroupNorm with one group, i.e. LayerNorm over (H, W, C) of each sample (Wu & He, 2018).
+  GroupNorm with one group, i.e. LayerNorm over (H, W, C) of each sample (Wu & He, 2018);
+  'online' is Online Normalization per channel (a stage with state).
   """
   if normalization is None:
     return None
+  if normalization == "online":
+    return online_norm.OnlineNorm(name=name)
   if normalization == "group":
     return nn.GroupNorm(num_groups=math.gcd(groups, channels), name=name)
   if normalization == "layer":

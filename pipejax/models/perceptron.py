@@ -1,4 +1,4 @@
-"""Multi-layer perceptron, one dense layer (+ LayerNorm + ReLU) per pipeline stage."""
+"""Multi-layer perceptron, one dense layer (+ normalization + ReLU) per pipeline stage."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pipejax.stages import LossFn, Model, softmax_cross_entropy
 def mlp_layers(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,
                normalization: str | None = None) -> list:
   """The named weight layers of :func:`mlp` (see there), before grouping into stages."""
-  layers.check_normalization(normalization, allowed=(None, "layer"))
+  layers.check_normalization(normalization, allowed=(None, "layer", "online"))
   named = [(f"fc{i + 1}", blocks.DenseLayer(width, normalization=normalization))
            for i, width in enumerate(hidden)]
   named.append(("head", blocks.DenseLayer(num_classes, activation=None)))
@@ -27,11 +27,12 @@ def mlp(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,
   class): 4 weight layers, so 4 stages at ``layers_per_stage=1``.
 
   Args:
-    hidden: Widths of the hidden layers (each: dense, optional LayerNorm, ReLU).
+    hidden: Widths of the hidden layers (each: dense, optional normalization, ReLU).
     num_classes: Width of the final dense layer (logits, no activation).
     layers_per_stage: Consecutive weight layers per stage.
-    normalization: None or 'layer'. 'batch' raises :class:`pipejax.ModelError` (BatchNorm at
-      micro-batch size 1 is degenerate and a stage cannot keep its running statistics).
+    normalization: None, 'layer' (LayerNorm) or 'online' (Online Normalization, whose stages
+      keep running statistics). 'batch' raises :class:`pipejax.ModelError` (BatchNorm at
+      micro-batch size 1 is degenerate).
     loss: Loss on the logits.
 
   Returns:

@@ -54,7 +54,8 @@ def describe(model: Model, example_input: PyTree,
   params, inputs = model.trace_shapes(rng, example_input)
   rows = []
   for s, (stage, stage_params, stage_input) in enumerate(zip(model.stages, params, inputs)):
-    output = jax.eval_shape(stage.apply, stage_params, stage_input, rng)
+    output = jax.eval_shape(stage.infer, stage_params, stage_input,
+                            jax.eval_shape(stage.variables, rng, stage_input))
     rows.append({
         "stage": s,
         "name": stage.name,

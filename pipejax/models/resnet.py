@@ -13,7 +13,7 @@ from typing import Sequence
 from pipejax.models import blocks, layers, sequential
 from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
-_CONV_NORMALIZATIONS = (None, "group", "layer")
+_CONV_NORMALIZATIONS = (None, "group", "layer", "online")
 RESNET50_BLOCKS = (3, 4, 6, 3)
 
 
@@ -63,7 +63,7 @@ def cifar_resnet(depth: int = 20, width: int = 16, num_classes: int = 10,
     width: Channels of the first group (16 in the paper; e.g. 4 for tests).
     num_classes: Number of logits.
     layers_per_stage: Consecutive weight layers per stage; blocks may straddle stages.
-    normalization: 'group' (default), 'layer' or None; 'batch' raises
+    normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.
     shortcut: 'projection' (1x1 conv + norm where the shape changes; option B) or 'pad'
@@ -121,7 +121,7 @@ def resnet50(num_classes: int = 1000, width: int = 64,
     width: Bottleneck width of the first group (64; e.g. 4 for tests).
     blocks_per_group: Blocks per group ((3, 4, 6, 3); e.g. (1, 1) for tests).
     layers_per_stage: Consecutive weight layers per stage; blocks may straddle stages.
-    normalization: 'group' (default), 'layer' or None; 'batch' raises
+    normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups (32, Wu & He); ``gcd(norm_groups, channels)`` are used.
     shortcut: 'projection' (default) or 'pad' (see :func:`cifar_resnet`).
