@@ -30,6 +30,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md,
 _PARALLEL = flags.DEFINE_integer("parallel", None, "Trainings at a time; default: the number of "
                                  "CPU cores (each training then uses one core).")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report from results.jsonl.")
+_WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these overrides, e.g. "
+                           "--where=model_kwargs.depth=32,method=pb (the report covers all).")
 flags.mark_flags_as_required(["study", "workdir"])
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,11 +80,13 @@ def _log_tail(path: str, size: int = 4000) -> str:
     return ""
 
 
-def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str) -> int:
-  """Runs every run not yet done; returns the number of failed runs."""
+def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
+              where: dict[str, str] | None = None) -> int:
+  """Runs every run not yet done (of those matching ``where``); returns the number that failed."""
   os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
   done = {r["run"]: r for r in study_lib.read_results(workdir)}
-  planned = study.runs()
+  planned = [o for o in study.runs()
+             if all(study_lib.format_value(o.get(k)) == v for k, v in (where or {}).items())]
   todo = [o for o in planned if not study_lib.is_done(done.get(study_lib.run_id(o)), study, o)]
   print(f"Study '{study.name}': {len(planned)} runs, {len(planned) - len(todo)} already done, "
         f"{len(todo)} to run, {parallel} at a time. Workdir: {workdir}", flush=True)
@@ -172,7 +176,15 @@ def main(argv):
   if parallel < 1:
     print(f"error: --parallel must be at least 1; got {parallel}.", file=sys.stderr)
     sys.exit(2)
-  failed = run_study(study, workdir, parallel, command)
+  where = {}
+  for item in _WHERE.value:
+    key, sep, value = item.partition("=")
+    if not sep or key not in study.keys():
+      print(f"error: --where takes KEY=VALUE items with a grid key of the study "
+            f"({', '.join(study.keys())}); got {item!r}.", file=sys.stderr)
+      sys.exit(2)
+    where[key] = value
+  failed = run_study(study, workdir, parallel, command, where)
   sys.exit(1 if failed else 0)
 
 

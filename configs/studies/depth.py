@@ -8,7 +8,8 @@ at 4 to 32 stages (delays up to 62), micro-batch 1, one epoch, the batch-128 rec
 the scaling rules. SGD (the whole network as one stage, same samples, batch 1) is the baseline of
 every gap, at the same depth and seed. Three seeds per cell. At 32 stages the pipelined runs
 also log the per-stage weight discrepancy between forward and backward (config.diagnostics).
-``:smoke`` runs a 6-stage network on 2000 samples, two methods, two seeds (CI, ~2 minutes).
+``:smoke`` runs 4- and 6-stage networks on 2000 samples, two methods, two seeds, and one run at a
+learning rate that diverges (CI, about two minutes).
 """
 
 from pipejax.study import Figure, Study, Table
@@ -21,7 +22,10 @@ def get_study(arg: str | None = None) -> Study:
   if arg == "smoke":
     return Study(
         name="depth (smoke)", config="configs/deep_mlp.py:smoke",
-        grids=[{"model_kwargs.depth": (4, 6), "method": ("sgd", "pb"), "seed": (0, 1)}],
+        grids=[{"model_kwargs.depth": (4, 6), "method": ("sgd", "pb"), "seed": (0, 1)},
+               # A learning rate no method survives: the report must mark it, not average it.
+               {"model_kwargs.depth": (5,), "method": ("pb",), "seed": (0,),
+                "reference.lr": (1e4,)}],
         fixed={"epochs": 1.0, "eval_every_samples": 100000},
         baseline={"method": "sgd"},
         tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
@@ -35,7 +39,7 @@ def get_study(arg: str | None = None) -> Study:
       name="depth", config="configs/deep_mlp.py",
       grids=[{"model_kwargs.depth": (32,), "method": METHODS, "seed": (0, 1, 2),
               "diagnostics": (True,)},
-             {"model_kwargs.depth": (4, 8, 16), "method": METHODS, "seed": (0, 1, 2)}],
+             {"model_kwargs.depth": (16, 8, 4), "method": METHODS, "seed": (0, 1, 2)}],
       baseline={"method": "sgd"},
       tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
               Table("Gap to SGD at the same depth and seed (points)", rows="model_kwargs.depth",
