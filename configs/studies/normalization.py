@@ -31,6 +31,4 @@ def get_study(arg: str | None = None) -> Study:
       name="normalization" + (" (smoke)" if arg else ""), config="configs/default.py",
       grids=[grid], fixed=fixed,
       tables=[Table("Test accuracy (%)", rows="model_kwargs.hidden",
-                    columns="model_kwargs.normalization"),
-              Table("Training time (s)", rows="model_kwargs.hidden",
-                    columns="model_kwargs.normalization", metric="train_seconds")])
+                    columns="model_kwargs.normalization")])
