@@ -110,6 +110,13 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
     collections = {k: v for k, v in init_all(rng, x).items() if k != "params"}
     if not collections:
       return None
+    if "batch_stats" in collections and {a.shape[0] for a in jax.tree.leaves(x)} == {1}:
+      raise ModelError(
+          f"Stage '{stage_name}' keeps BatchNorm statistics ('batch_stats') at micro-batch size "
+          "1, where batch statistics are degenerate (a dense layer's normalized output is "
+          "identically zero). Use Online Normalization (pipejax.models.online_norm.OnlineNorm, "
+          "normalization='online' in the model builders), made for batch 1, or GroupNorm or "
+          "LayerNorm; or train with a larger micro-batch.")
     backward = collections.pop(BACKWARD_COLLECTION, {})
     return Variables(collections, backward)
 

@@ -278,9 +278,13 @@ def test_wrong_number_of_classes_is_a_clear_error():
     Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y)
 
 
-def test_batchnorm_stage_is_refused():
+def test_batchnorm_stage_is_refused_at_micro_batch_one_only():
   stage = pipejax.from_flax(nn.BatchNorm(use_running_average=False), name="bn")
+  model = pipejax.Model([stage, pipejax.from_flax(nn.Dense(4))])
   x, y = make_stream(1, 1)
-  with pytest.raises(pipejax.ModelError, match="batch_stats.*GroupNorm or LayerNorm"):
-    Pipeline(pipejax.Model([stage, pipejax.from_flax(nn.Dense(4))]),
-             methods.pb(optax.sgd(LR)), x[0], y[0])
+  with pytest.raises(pipejax.ModelError, match="batch_stats.*micro-batch size 1.*OnlineNorm"):
+    Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y[0])
+  # At b > 1 its running statistics are forward variables like any other stage state.
+  x, y = make_stream(1, 3)
+  state = Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y[0]).init(jax.random.PRNGKey(0))
+  assert set(state.stages[0].variables.forward) == {"batch_stats"}

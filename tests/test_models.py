@@ -488,7 +488,7 @@ def test_batch_norm_is_refused_with_reason(name):
   with pytest.raises(pipejax.ModelError, match=r"micro-batch size 1") as info:
     models.build(name, normalization="batch")
   message = str(info.value)
-  assert "degenerate" in message and "recompute" in message and "GroupNorm" in message
+  assert "degenerate" in message and "normalization='online'" in message and "GroupNorm" in message
 
 
 def test_unknown_model_lists_known_names():
