@@ -171,40 +171,16 @@ def test_online_norm_statistics_over_a_stream():
 def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   """normalization='online' through the binary: SIGTERM mid-run, rerun, and compare the whole
   final state (the Online Norm variables, live and stashed, included) with a run never stopped."""
-  from tests.test_training import digits_config, leaves_equal  # pylint: disable=g-import-not-at-top
   from pipejax import checkpoint, training  # pylint: disable=g-import-not-at-top
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  overrides = ["--config.dataset=digits", "--config.max_train_examples=0",
-               "--config.max_test_examples=0", "--config.epochs=1.0",
-               "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
-               "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
-               "--config.model_kwargs.hidden=(16,12)", "--config.model_kwargs.normalization=online"]
+  from tests.test_training import (  # pylint: disable=g-import-not-at-top
+      digits_config, leaves_equal, sigterm_midway_and_resume)
+  sigterm_midway_and_resume(tmp_path, [
+      "--config.dataset=digits", "--config.max_train_examples=0", "--config.max_test_examples=0",
+      "--config.epochs=1.0", "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
+      "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
+      "--config.model_kwargs.hidden=(16,12)", "--config.model_kwargs.normalization=online"])
 
-  def command(workdir):
-    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-            "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
-            f"--workdir={workdir}", *overrides]
-
-  straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True,
-                            env=env, timeout=300)
-  assert straight.returncode == 0, straight.stderr[-2000:]
-  victim = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-  lines = []
-  for line in victim.stdout:  # wait until it is training (a progress line), then kill it
-    lines.append(line)
-    if "samples/s" in line:
-      victim.send_signal(signal.SIGTERM)
-      break
-  rest, _ = victim.communicate(timeout=300)
-  assert victim.returncode == 0 and "STOPPED by SIGTERM" in "".join(lines) + rest, rest[-2000:]
-  stopped_at = json.load(open(tmp_path / "killed" / "summary.json"))["samples"]
   straight_summary = json.load(open(tmp_path / "straight" / "summary.json"))
-  assert 0 < stopped_at < straight_summary["samples"]
-  resumed = subprocess.run(command(tmp_path / "killed"), capture_output=True, text=True, env=env,
-                           timeout=300)
-  assert resumed.returncode == 0 and "Resumed from" in resumed.stderr, resumed.stderr[-2000:]
-
   resumed_summary = json.load(open(tmp_path / "killed" / "summary.json"))
   assert resumed_summary["test_accuracy"] == straight_summary["test_accuracy"]
   assert resumed_summary["test_loss"] == straight_summary["test_loss"]

@@ -77,14 +77,10 @@ def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
                              one_call_metrics["loss"], rtol=1e-5)
 
 
-def test_training_resumes_exactly_after_sigterm(tmp_path):
-  """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped."""
+def sigterm_midway_and_resume(tmp_path, overrides):
+  """Runs the binary straight through in tmp_path/straight, and in tmp_path/killed with a SIGTERM
+  once it trains, then again to resume; checks the stop and the resume happened."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  overrides = ["--config.dataset=digits", "--config.max_train_examples=0",
-               "--config.max_test_examples=0", "--config.epochs=2.0",
-               "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
-               "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
-               "--config.model_kwargs.hidden=(16,12)"]
 
   def command(workdir):
     return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
@@ -114,6 +110,15 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
                            timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "Resumed from" in resumed.stderr
+
+
+def test_training_resumes_exactly_after_sigterm(tmp_path):
+  """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped."""
+  sigterm_midway_and_resume(tmp_path, [
+      "--config.dataset=digits", "--config.max_train_examples=0", "--config.max_test_examples=0",
+      "--config.epochs=2.0", "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
+      "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
+      "--config.model_kwargs.hidden=(16,12)"])
 
   straight_summary = json.load(open(tmp_path / "straight" / "summary.json"))
   resumed_summary = json.load(open(tmp_path / "killed" / "summary.json"))
