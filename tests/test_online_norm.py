@@ -1,26 +1,18 @@
-"""Online Normalization against a numpy re-derivation of the paper's equations; its statistics;
-and a pipeline of stateful stages: the naive oracle, bit-exact resume after SIGTERM, and a mesh."""
+"""Online Normalization against a numpy re-derivation of the paper's equations, its statistics over
+a stream, and a normalization='online' run resuming bit-exactly after SIGTERM. (The engine against
+the naive oracle with stateful stages: tests/test_engine.py; on a mesh: tests/test_sharding.py.)"""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import pipejax
-from pipejax import methods
-from pipejax.engine import Pipeline
 from pipejax.models import online_norm
 from pipejax.stages import Variables
-from tests import oracle
-from tests.test_engine import IN_DIM, NUM_CLASSES, assert_trees_close, make_stream, stage_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,3 +189,32 @@ def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   for st, fresh in zip(states[0].stages[:-1], like.stages[:-1]):
     for a, b in zip(jax.tree.leaves(st.variables), jax.tree.leaves(fresh.variables)):
       assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+
+
+def test_online_norm_in_the_conv_models():
+  """'online' in a CNN (per channel) trains through the pipeline; a ResNet's norms (projection
+  shortcuts included) all become stages with state."""
+  from pipejax import methods, models  # pylint: disable=g-import-not-at-top
+  from pipejax.engine import Pipeline  # pylint: disable=g-import-not-at-top
+  model = models.build("small_cnn", widths=(4, 8), dense=(8,), normalization="online")
+  x = np.random.default_rng(0).standard_normal((12, 1, 8, 8, 1)).astype(np.float32)
+  y = np.arange(12, dtype=np.int32).reshape(12, 1) % 10
+  pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=0.01), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  before = jax.tree.map(np.array, [st.variables for st in state.stages])
+  state, metrics = pipe.run(state, x, y)
+  assert np.asarray(metrics["finite"]).all() and np.asarray(metrics["valid"]).sum() == 9
+  means = [leaf.shape for st in state.stages for path, leaf in
+           jax.tree_util.tree_leaves_with_path(st.variables) if "mean" in jax.tree_util.keystr(path)]
+  assert means == [(4,), (8,), (8,)]  # conv channels, dense features; the head has no norm
+  for old, new in zip(jax.tree.leaves(before), jax.tree.leaves([st.variables
+                                                                for st in state.stages])):
+    assert np.abs(np.asarray(new) - old).max() > 0
+  resnet = models.build("cifar_resnet20", width=4, normalization="online")
+  rows = models.describe(resnet, jnp.zeros((1, 8, 8, 3)))
+  assert len(rows) == 20
+  variables = jax.eval_shape(Pipeline(resnet, methods.make_method("pb", learning_rate=0.01),
+                                      jnp.zeros((1, 8, 8, 3)), jnp.zeros((1,), jnp.int32)).init,
+                             jax.random.PRNGKey(0))
+  stateful = [st.variables is not None for st in variables.stages]
+  assert stateful == [True] * 19 + [False]  # every conv layer; the dense head has no norm

@@ -208,11 +208,10 @@ def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, l
   assert np.asarray(metrics["finite"]).all()  # NaN fill never reached an output
 
 
-@pytest.mark.parametrize("layout", ["auto", "flat"])
-def test_mesh_with_stateful_stages_matches_one_device(eight_devices, layout):
+def test_mesh_with_stateful_stages_matches_one_device(eight_devices):
   """Online Norm's variables, live and stashed in the delay lines, live with their stage."""
   pipe = make_pipeline("pb_sc_lwp", stateful=True)
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(8, 1, eight_devices), layout=layout)
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(8, 1, eight_devices))
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
   packed, metrics = sharded.run(sharded.pack(state), *make_stream())
   expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream())
