@@ -50,6 +50,7 @@ class Table:
   columns: str
   kind: str = "mean"
   metric: str = "test_accuracy"
+  where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,8 +357,14 @@ def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False) -
   return text
 
 
+def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
+  """The records whose overrides have every ``(key, value)`` of ``where`` (None: key unset)."""
+  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
+
+
 def stable_limit(study: Study, records: Sequence[dict], table: Table, column_value) -> Any:
   """The largest ``table.rows`` value at which the column's method still trains (None: never)."""
+  records = select(records, table.where)
   grouped = cells(records, table.metric)
   best = None
   for value in _order(study, table.rows, _axis_values(records, table.rows)):
@@ -370,6 +377,7 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
 
 
 def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
+  records = select(records, table.where)
   rows = _order(study, table.rows, _axis_values(records, table.rows))
   columns = _order(study, table.columns, _axis_values(records, table.columns))
   if table.kind == "stability":
@@ -413,8 +421,7 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  selected = [r for r in records
-              if all(r["overrides"].get(k) == v for k, v in figure.where)]
+  selected = select(records, figure.where)
   fig, ax = plt.subplots(figsize=(7, 4.2))
   drawn = False
   series_values = _order(study, figure.series, _axis_values(selected, figure.series))
