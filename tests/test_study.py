@@ -148,3 +148,16 @@ def test_cli_adds_model_keywords_and_names_misspelt_keys(tmp_path):
                            timeout=120)
   assert keyword.returncode != 0 and "Traceback" not in keyword.stderr
   assert "Did you mean 'normalization'" in keyword.stderr
+
+
+def test_log_timing_splits_setup_compile_and_steady_rate(tmp_path):
+  log = tmp_path / "log.txt"
+  log.write_text("$ old invocation\nI1122 09:00:00.0 1 x] Model: ...\n"
+                 "$ python scripts/train.py ...\n"
+                 "I1122 23:59:50.000000 1 training.py:1] Unable to initialize backend 'tpu'\n"
+                 "I1122 23:59:58.500000 1 training.py:2] Model: 32 stages; method pb\n"
+                 "I1123 00:00:18.500000 1 training.py:3] [2000/60000 samples, epoch 0.03] ...\n"
+                 "I1123 00:00:28.500000 1 training.py:3] [4000/60000 samples, epoch 0.07] ...\n"
+                 "I1123 00:00:38.500000 1 training.py:3] [6000/60000 samples, epoch 0.10] ...\n")
+  assert study_lib.log_timing(str(log)) == {"setup_s": 8.5, "first_chunk_s": 20.0,
+                                            "steady_samples_per_s": 200.0}
