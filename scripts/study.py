@@ -95,10 +95,11 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   running: dict[str, tuple] = {}  # run id -> (process, overrides, start time, log path)
   durations, failed, started_at = [], 0, time.time()
   last_status = 0.0
+  already_done = len(planned) - len(todo)
 
   def status_line():
-    finished = len(planned) - len(todo) - len(running)
-    remaining = len(todo) + len(running)
+    finished = already_done + len(durations)
+    remaining = len(planned) - finished
     eta = "?"
     if durations:
       eta = _duration(sum(durations) / len(durations) * remaining / parallel)
