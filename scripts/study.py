@@ -35,6 +35,7 @@ _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these ove
 flags.mark_flags_as_required(["study", "workdir"])
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_STOPPED = 75  # scripts/train.py: stopped by a signal after its checkpoint; resumes on rerun
 
 
 class _Stop:
@@ -133,7 +134,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
       del running[rid]
       wall = time.time() - start
       tail = _log_tail(log_path)
-      if stop.requested:
+      if stop.requested or process.returncode == EXIT_STOPPED:
         print(f"{status_line()} stopped {rid} (resumes on rerun)", flush=True)
         continue
       record = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),
