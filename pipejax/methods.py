@@ -1,6 +1,6 @@
 """Methods as data: per stage, the weights the forward sees, the weights the backward sees, the update.
 
-Every pipelined training method of DESIGN.md §3 is three choices per stage, each a function of the
+Every training method of docs/design.md §3 is three choices per stage, each a function of the
 stage's delay ``D_s``. The engine never branches on a method's name; it asks the method for
 
 * ``optimizer(delay)``: the stage's optax transformation;
@@ -108,7 +108,7 @@ def _pipemare_past(params, opt_state, delay):
 def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay: float = 0.0,
                 micro_batches: int = 1, horizon: int | None = None,
                 anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA) -> Method:
-  """The methods of DESIGN.md §3 by name, with heavy-ball momentum SGD as the base optimizer.
+  """The methods of docs/design.md §3 by name, with heavy-ball momentum SGD as the base optimizer.
 
   Args:
     name: one of :data:`METHODS`.

@@ -1,4 +1,4 @@
-"""Analysis tools: the convex-quadratic stability analysis (DESIGN.md §4)."""
+"""Analysis tools: the convex-quadratic stability analysis (docs/design.md §5)."""
 
 from pipejax.analysis.quadratic import (
     METHODS,

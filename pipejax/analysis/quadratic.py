@@ -1,6 +1,6 @@
 """Stability of pipelined momentum methods on the convex quadratic ``L(w) = ½ λ w²``.
 
-On a one-dimensional quadratic every method of DESIGN.md §3 is a *linear* recurrence in the
+On a one-dimensional quadratic every method of docs/design.md §3 is a *linear* recurrence in the
 current weight, the momentum buffer and the few past weights (or velocities) a gradient delay
 needs. Its companion matrix ``A`` maps the state of step ``t`` to the state of step ``t + 1``; the
 spectral radius ``ρ(A)`` is the asymptotic convergence rate per step and ``ρ < 1`` is stability.
@@ -365,7 +365,7 @@ def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: 
 
   Coordinates decouple, so this steps the same update rule as :func:`simulated_rate` on a vector.
   The run starts as a pipeline does: all weights 1, zero momentum, and during the fill (steps
-  ``t < D``) no gradient has come back yet, so the update is zero (DESIGN.md §2).
+  ``t < D``) no gradient has come back yet, so the update is zero (docs/design.md §2.5).
 
   Args:
     method: one of :data:`METHODS`.
