@@ -12,6 +12,5 @@ from pipejax.analysis.quadratic import (
     plot_rho_vs_lr,
     simulated_rate,
     spectral_radius,
-    spike_compensation_coefficients,
     stability_table,
 )
