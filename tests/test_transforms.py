@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import importlib
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -775,6 +776,10 @@ def test_docstring_examples_run(module_name):
   module = importlib.import_module(f'pipejax.optim.{module_name}')
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0
+  # Every 'Example:' section holds examples doctest really ran (a missing '>>>' would skip one).
+  with_examples = [t for t in doctest.DocTestFinder().find(module) if t.examples]
+  assert result.attempted > 0
+  assert len(with_examples) == inspect.getsource(module).count('Example:')
 
 
 def test_public_api_is_reexported():
