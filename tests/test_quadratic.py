@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from absl import flags
 import numpy as np
 import pytest
 
@@ -236,14 +237,18 @@ def test_docs_page_numbers_are_current_and_its_figures_exist():
 
 
 def _quadratic_script():
-  """scripts/quadratic.py as a module, loaded once (its absl flags may be defined only once)."""
-  if "quadratic_script" not in sys.modules:
-    spec = importlib.util.spec_from_file_location(
-        "quadratic_script", os.path.join(REPO_ROOT, "scripts", "quadratic.py"))
-    module = importlib.util.module_from_spec(spec)
+  """scripts/quadratic.py as a module, for its functions (its absl flags are removed again)."""
+  before = set(flags.FLAGS)
+  spec = importlib.util.spec_from_file_location(
+      "quadratic_script", os.path.join(REPO_ROOT, "scripts", "quadratic.py"))
+  module = importlib.util.module_from_spec(spec)
+  try:
     spec.loader.exec_module(module)
-    sys.modules["quadratic_script"] = module
-  return sys.modules["quadratic_script"]
+  finally:
+    for name in set(flags.FLAGS) - before:  # other tests define flags of the same names
+      if flags.FLAGS.find_module_defining_flag(name) == "quadratic_script":
+        delattr(flags.FLAGS, name)
+  return module
 
 
 def test_stale_docs_page_is_detected(tmp_path):
