@@ -305,7 +305,8 @@ def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
     summary = training.train_and_evaluate(values["config"], values["workdir"])
     assert summary["stopped_by"] is None and 0 <= summary["test_accuracy"] <= 1
   # The README's plot commands, over the runs just made.
-  plots = [t for w, t in documented_commands() if w == "README.md" and t[1:2] == ["scripts/plot.py"]]
+  plots = [tokens for where, tokens in documented_commands()
+           if where == "README.md" and tokens[1:2] == ["scripts/plot.py"]]
   assert plots
   for tokens in plots:
     args = smoke_variant(tokens[2:], tmp_path)
