@@ -62,6 +62,9 @@ class MetricsWriter:
     for key, value in record.items():
       if isinstance(value, (int, float)) and key != "samples":
         self._tensorboard.add_scalar(f"{split}/{key}", value, int(samples))
+      elif isinstance(value, list):  # one value per stage
+        for s, v in enumerate(value):
+          self._tensorboard.add_scalar(f"{split}/{key}/stage_{s:02d}", v, int(samples))
 
   def close(self) -> None:
     if not self.enabled:
@@ -71,6 +74,8 @@ class MetricsWriter:
 
 
 def _plain(value):
+  if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:
+    return [_plain(v) for v in value]
   try:
     return float(value) if not isinstance(value, (int, str, bool)) else value
   except TypeError:

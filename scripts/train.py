@@ -16,6 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from pipejax import config as configlib
 from pipejax import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -61,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=configlib.parse_flags)
