@@ -113,7 +113,7 @@ def documented_command_lines():
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     sources += [(page, span) for span in re.findall(r"`([^`\n]+)`", prose)
                 if re.match(r"(\w+=\S+ )*(python|bash) ", span)]
-  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
                      + glob.glob(os.path.join(ROOT, "scripts", "*.py"))):
     docstring = ast.get_docstring(ast.parse(read(path))) or ""
     lines = [l.strip() for l in docstring.splitlines()]
@@ -202,7 +202,7 @@ def test_commands_are_found_everywhere_they_are_documented():
 
 def test_documented_commands_are_written_for_the_activated_virtualenv():
   for path in DOC_PAGES + [os.path.relpath(p, ROOT) for p in
-                           glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                           glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
                            + glob.glob(os.path.join(ROOT, "scripts", "*.py"))]:
     text = read(path)
     assert ".venv/bin/python" not in text and "PYTHONPATH" not in text, (

@@ -12,6 +12,7 @@ import dataclasses
 import doctest
 import importlib
 import inspect
+import pkgutil
 from typing import Any, Callable
 
 import jax
@@ -770,7 +771,9 @@ def test_hyperparameters_as_arrays_are_not_checked_eagerly():
 # Documentation.
 
 
-@pytest.mark.parametrize('module_name', ['spike', 'prediction', 'delay', 'pipemare', 'scaling'])
+# Every public module of pipejax.optim, so that a new one cannot be missed.
+@pytest.mark.parametrize('module_name', sorted(
+    m.name for m in pkgutil.iter_modules(optim.__path__) if not m.name.startswith('_')))
 def test_docstring_examples_run(module_name):
   # By import path: the package re-exports a function named like its module (pipemare).
   module = importlib.import_module(f'pipejax.optim.{module_name}')
