@@ -1,18 +1,17 @@
 """Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic.py)."""
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 
-from absl import flags
 import numpy as np
 import pytest
 
 from pipejax import optim
 from pipejax.analysis import quadratic
+from tests.test_docs import load_script
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -236,23 +235,8 @@ def test_docs_page_numbers_are_current_and_its_figures_exist():
     assert os.path.exists(os.path.join(REPO_ROOT, "docs", figure)), figure
 
 
-def _quadratic_script():
-  """scripts/quadratic.py as a module, for its functions (its absl flags are removed again)."""
-  before = set(flags.FLAGS)
-  spec = importlib.util.spec_from_file_location(
-      "quadratic_script", os.path.join(REPO_ROOT, "scripts", "quadratic.py"))
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    for name in set(flags.FLAGS) - before:  # other tests define flags of the same names
-      if flags.FLAGS.find_module_defining_flag(name) == "quadratic_script":
-        delattr(flags.FLAGS, name)
-  return module
-
-
 def test_stale_docs_page_is_detected(tmp_path):
-  module = _quadratic_script()
+  module = load_script(os.path.join("scripts", "quadratic.py"))
   rows = quadratic.stability_table(["pb"], momenta=(0.9,), delays=(0, 1))
   page = ("x <!-- lr pb m=0.9 D=1 -->9.99<!-- /lr --> y\n"
           "<!-- begin loss-settings -->\nold\n<!-- end loss-settings -->\n")
