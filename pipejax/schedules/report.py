@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from pipejax.schedules import costs as costs_lib
 from pipejax.schedules import plans, simulator
-from pipejax.schedules.costs import LayerCost, ScheduleError
+from pipejax.schedules.costs import LayerCost, ScheduleError, uniform
 
 NAMES = tuple(plans.SCHEDULES)
 
@@ -204,20 +204,21 @@ def _weight_versions(spec, timeline, work, micro_batches, window_samples):
     return [1] * len(work)
   update_times, applied_in = _updates(spec, timeline, micro_batches, len(work))
   last_grad = "W" if spec.split_backward else "B"
-  spans = {}  # (sample, device) -> [forward start, last backward end]
+  spans = [{} for _ in work]  # per device: sample -> [forward start, last backward end]
   for op in timeline:
-    k = (op.key.sample, op.key.device)
+    span = spans[op.key.device].setdefault(op.key.sample, [op.start, op.end])
     if op.key.kind == "F":
-      spans.setdefault(k, [op.start, op.start])[0] = op.start
+      span[0] = op.start
     elif op.key.kind == last_grad:
-      spans.setdefault(k, [op.start, op.end])[1] = op.end
+      span[1] = op.end
   versions = []
-  for d in range(len(work)):
+  for d, device_spans in enumerate(spans):
     most = 1
     for j in window_samples:
-      now = spans[j, d][0]
-      held = {_version(update_times[d], start) for (i, e), (start, end) in spans.items()
-              if e == d and start <= now < end}
+      now = device_spans[j][0]
+      # The versions the samples in flight were forwarded with, and the current one.
+      held = {_version(update_times[d], start) for start, end in device_spans.values()
+              if start <= now < end}
       held.add(_version(update_times[d], now))
       most = max(most, len(held))
     versions.append(most)
@@ -244,3 +245,16 @@ def _peak_activations(timeline, num_devices):
       peak = max(peak, level)
     peaks.append(peak)
   return peaks
+
+
+def delay_profile(schedule: str, num_stages: int, micro_batches: int = 8,
+                  layers: Sequence[LayerCost] | None = None) -> list[int]:
+  """Each stage's gradient delay D_s under ``schedule`` (balanced stages of equal layers unless
+  ``layers`` are given, one per stage or more): PB 2(S-1-s), PipeDream S-1-s, 2BW 1, sync 0.
+
+  Example:
+    >>> delay_profile('pb', num_stages=4)
+    [6, 4, 2, 0]
+  """
+  layers = uniform(num_stages) if layers is None else layers
+  return simulate(schedule, layers, num_stages, micro_batches).delays
