@@ -244,8 +244,11 @@ def draw_gantt(report, path):
   ax.set_yticks([d + 0.5 for d in range(num_devices)], [f"device {d}" for d in range(num_devices)])
   ax.set_xlabel("time (F forward, B activation gradient or whole backward, W weight gradient; "
                 "number: sample)")
-  ax.set_title(f"{report.title}: D = {num_devices}, m = {report.micro_batches}, bubble rate "
-               f"{report.bubble_rate:.3f}, delays {report.delays}", fontsize=9)
+  spec = schedules.SCHEDULES[report.schedule.replace("_inter", "")]
+  uses_m = spec.synchronous or not spec.updates_per_micro_batch
+  ax.set_title(f"{report.title}: D = {num_devices}"
+               + (f", m = {report.micro_batches}" if uses_m else "")
+               + f", bubble rate {report.bubble_rate:.3f}, delays {report.delays}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
