@@ -171,3 +171,15 @@ def test_stale_optimizer_delays_each_stage_by_its_own_amount():
     seen.append((float(updates[0]["w"]), float(updates[1]["w"])))
   # Stage 0 receives gradient t - 2 (zeros first); stage 1 gradient t; SGD negates.
   assert seen == [(0.0, -1.0), (0.0, -2.0), (-1.0, -3.0), (-2.0, -4.0)]
+
+
+@pytest.mark.parametrize("module_name", ["pipejax.schedules", "pipejax.schedules.report",
+                                         "pipejax.schedules.measure",
+                                         "pipejax.schedules.staleness"])
+def test_docstring_examples_run(module_name):
+  import doctest
+  import importlib
+
+  result = doctest.testmod(importlib.import_module(module_name), optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0
+  assert result.failed == 0

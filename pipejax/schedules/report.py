@@ -71,7 +71,8 @@ def assign(schedule: str, layers: Sequence[LayerCost], num_devices: int,
     if len(ranges) != num_devices:
       raise ScheduleError(
           f"{len(layers)} layers at {layers_per_stage} per stage make {len(ranges)} stages, but "
-          f"num_devices={num_devices}. Pass num_devices={len(ranges)} or another layers_per_stage.")
+          f"num_devices={num_devices} (--num_stages in scripts/schedule.py). Pass "
+          f"num_devices={len(ranges)} or another layers_per_stage.")
   else:
     ranges = costs_lib.balanced_split(layers, num_devices)
   return costs_lib.stage_work(layers, ranges)
