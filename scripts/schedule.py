@@ -20,8 +20,9 @@ the accuracy of training under each schedule's gradient delays (staleness only):
     python scripts/schedule.py --table=staleness --num_stages=8 --train_samples=4000
 
 Layer costs are ``--num_layers`` identical layers (``--forward``, ``--input_grad``,
-``--weight_grad``, ``--transfer``; F = B = W = 1 by default) or, with ``--model=NAME``, the FLOPs
-XLA counts for each layer of that pipejax model at ``--micro_batch_size`` (FLOPs taken as time).
+``--weight_grad``, ``--transfer``; F = B = W = 1 by default), your own
+(``--layer_costs=1:0:1,2:2:2``: F:B:W per layer) or, with ``--model=NAME``, the FLOPs XLA counts
+for each layer of that pipejax model at ``--micro_batch_size`` (FLOPs taken as time).
 """
 
 import json
@@ -56,6 +57,9 @@ _INPUT_SHAPE = flags.DEFINE_list("input_shape", None, "Per-sample input shape fo
 _TRANSFER_FLOPS_PER_BYTE = flags.DEFINE_float(
     "transfer_flops_per_byte", 0.0, "--model: FLOPs a device could do in the time it sends one "
     "byte; a stage's output bytes times this is its transfer time (0: free communication).")
+_LAYER_COSTS = flags.DEFINE_list(
+    "layer_costs", None, "Your own per-layer costs F:B:W or F:B:W:transfer, one per layer in "
+    "network order, e.g. 1:1:1,2:2:2,1:0:1 (instead of identical layers or --model).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "Identical layers (default num_stages).")
 _FORWARD = flags.DEFINE_float("forward", 1.0, "Identical layers: forward cost F.")
 _INPUT_GRAD = flags.DEFINE_float("input_grad", 1.0, "Identical layers: activation gradient B.")
@@ -195,6 +199,18 @@ def tick_grid_main(num_stages, m):
 
 def layer_costs():
   """The layer costs the flags describe, and their unit for printing."""
+  if _LAYER_COSTS.value:
+    layers = []
+    for i, text in enumerate(_LAYER_COSTS.value):
+      try:
+        numbers = [float(x) for x in text.split(":")]
+        layers.append(schedules.LayerCost(*numbers, name=f"layer{i}"))
+        if len(numbers) not in (3, 4):
+          raise ValueError
+      except (TypeError, ValueError):
+        raise app.UsageError(f"--layer_costs entry {i} is {text!r}; write each layer as F:B:W or "
+                             "F:B:W:transfer, e.g. --layer_costs=1:1:1,2:2:2:0.5.") from None
+    return layers, "time unit"
   if _MODEL.value is None:
     layers = schedules.uniform(_NUM_LAYERS.value or _NUM_STAGES.value, _FORWARD.value,
                                _INPUT_GRAD.value, _WEIGHT_GRAD.value, _TRANSFER.value)

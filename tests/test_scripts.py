@@ -77,6 +77,14 @@ def test_schedule_table_of_all_schedules():
   assert rows["pipedream"]["weight_versions"] == [4, 3, 2, 1]
 
 
+def test_schedule_takes_the_users_layer_costs():
+  # Layer 1 (F 2, B 2, W 2) dominates; LayerPipe's inter-layer split balances 4 against 4.
+  result = run_script("schedule.py", "--schedule=layerpipe_inter", "--layer_costs=1:0:1,2:2:2",
+                      "--num_stages=2", "--format=json")
+  assert result.returncode == 0, result.stderr
+  assert json.loads(result.stdout)["throughput"] == pytest.approx(1 / 4)
+
+
 def test_schedule_rejects_more_devices_than_layers():
   result = run_script("schedule.py", "--schedule=gpipe", "--num_stages=5", "--num_layers=3")
   assert result.returncode != 0

@@ -201,27 +201,27 @@ def _delays(spec, timeline, work, micro_batches, window_samples, num_layers):
 
 
 def _weight_versions(spec, timeline, work, micro_batches, window_samples):
+  """Per device, the most versions of one of its layers' weights held at once: those its samples
+  in flight were forwarded with (kept until their backward B, which multiplies by them), and the
+  current one. The versions are counted where the layer's weights are updated."""
   if not spec.stashes_weights:
     return [1] * len(work)
-  update_times, applied_in = _updates(spec, timeline, micro_batches, len(work))
-  last_grad = "W" if spec.split_backward else "B"
-  spans = [{} for _ in work]  # per device: sample -> [forward start, last backward end]
+  update_times, _ = _updates(spec, timeline, micro_batches, len(work))
+  spans = [{} for _ in work]  # per device: sample -> [forward start, backward B end]
   for op in timeline:
-    span = spans[op.key.device].setdefault(op.key.sample, [op.start, op.end])
-    if op.key.kind == "F":
-      span[0] = op.start
-    elif op.key.kind == last_grad:
-      span[1] = op.end
+    if op.key.kind in ("F", "B"):
+      span = spans[op.key.device].setdefault(op.key.sample, [op.start, op.end])
+      span[0 if op.key.kind == "F" else 1] = op.start if op.key.kind == "F" else op.end
+  weight_device = {l: d for d, w in enumerate(work) for l in w.weight_layers}
   versions = []
-  for d, device_spans in enumerate(spans):
+  for d, w in enumerate(work):
     most = 1
-    for j in window_samples:
-      now = device_spans[j][0]
-      # The versions the samples in flight were forwarded with, and the current one.
-      held = {_version(update_times[d], start) for start, end in device_spans.values()
-              if start <= now < end}
-      held.add(_version(update_times[d], now))
-      most = max(most, len(held))
+    for updates in {tuple(update_times[weight_device[l]]) for l in w.forward_layers}:
+      for j in window_samples:
+        now = spans[d][j][0]
+        held = {_version(updates, start) for start, end in spans[d].values() if start <= now < end}
+        held.add(_version(updates, now))
+        most = max(most, len(held))
     versions.append(most)
   return versions
 
