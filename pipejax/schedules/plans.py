@@ -112,10 +112,11 @@ def build(schedule: Schedule, work: Sequence[DeviceWork], micro_batches: int,
     groups = [list(range(k * micro_batches, (k + 1) * micro_batches)) for k in range(iterations)]
   else:
     groups = [list(range(num_samples))]
-  previous: list[list[OpKey]] = [[] for _ in range(num_devices)]
   for samples in groups:
-    current: list[list[OpKey]] = [[] for _ in range(num_devices)]
-    everything_before = [key for keys in previous for key in keys]
+    # A device runs its fixed ops in order and its floating W in order, so the last of each
+    # finishing means all of that device's ops have.
+    everything_before = [keys[-1] for device_keys in (plan.order, plan.floating)
+                         for keys in device_keys if keys]
     for d, w in enumerate(work):
       steps = device_steps(schedule, num_devices, d, samples, micro_batches)
       # A split backward frees a sample's input only after its W: the device must catch up on
@@ -128,7 +129,8 @@ def build(schedule: Schedule, work: Sequence[DeviceWork], micro_batches: int,
         if n == 0:
           # The first op of an iteration needs the update of the last one: of every device after
           # a flush, of this device's own weight gradients otherwise.
-          deps += [(key, 0.0) for key in (everything_before if schedule.flush else previous[d])]
+          own_before = [keys[-1] for keys in (plan.order[d], plan.floating[d]) if keys]
+          deps += [(key, 0.0) for key in (everything_before if schedule.flush else own_before)]
         if kind == "F":
           key = OpKey("F", j, d)
           if d > 0:
@@ -144,10 +146,6 @@ def build(schedule: Schedule, work: Sequence[DeviceWork], micro_batches: int,
             deps.append((OpKey("B", j, d + 1), w.transfer))
           cost = w.input_grad if schedule.split_backward else w.input_grad + w.weight_grad
         plan.add(key, cost, deps)
-        current[d].append(key)
         if kind == "B" and schedule.split_backward:
-          weight_key = OpKey("W", j, d)
-          plan.add(weight_key, w.weight_grad, [(key, 0.0)], fixed=False)
-          current[d].append(weight_key)
-    previous = current
+          plan.add(OpKey("W", j, d), w.weight_grad, [(key, 0.0)], fixed=False)
   return plan

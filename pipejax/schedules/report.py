@@ -16,7 +16,9 @@ iterations of a synchronous schedule, the middle third of a long stream of an as
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import heapq
 from typing import Any, Sequence
 
 from pipejax.schedules import costs as costs_lib
@@ -183,7 +185,8 @@ def _updates(spec, timeline, micro_batches, num_devices):
 
 
 def _version(update_times, time):
-  return sum(1 for t in update_times if t <= time + 1e-12)
+  """Updates done by ``time`` (``update_times`` is sorted): the version a forward then uses."""
+  return bisect.bisect_right(update_times, time + 1e-12)
 
 
 def _delays(spec, timeline, work, micro_batches, window_samples, num_layers):
@@ -216,12 +219,16 @@ def _weight_versions(spec, timeline, work, micro_batches, window_samples):
   versions = []
   for d, w in enumerate(work):
     most = 1
+    window = set(window_samples)
     for updates in {tuple(update_times[weight_device[l]]) for l in w.forward_layers}:
-      for j in window_samples:
-        now = spans[d][j][0]
-        held = {_version(updates, start) for start, end in spans[d].values() if start <= now < end}
-        held.add(_version(updates, now))
-        most = max(most, len(held))
+      in_flight = []  # heap of (backward end, forward version) of the samples in flight
+      for j, (start, end) in sorted(spans[d].items(), key=lambda item: item[1][0]):
+        while in_flight and in_flight[0][0] <= start:
+          heapq.heappop(in_flight)
+        version = _version(updates, start)
+        heapq.heappush(in_flight, (end, version))
+        if j in window:
+          most = max(most, len({v for _, v in in_flight}))
     versions.append(most)
   return versions
 
