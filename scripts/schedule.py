@@ -37,7 +37,8 @@ _TICKS = flags.DEFINE_integer("ticks", None, "Tick grid: ticks to show (default 
                               "synchronous steps).")
 _MICRO_BATCHES = flags.DEFINE_integer(
     "micro_batches", None, "Micro-batches per iteration m (per update of 2bw). Tick grid: the "
-    "engine's synchronous mode; unset: asynchronous Pipelined Backpropagation. Schedules: default 8.")
+    "engine's synchronous mode; unset: asynchronous Pipelined Backpropagation. Schedules: "
+    "default 8.")
 _MICRO_BATCH_SIZE = flags.DEFINE_integer("micro_batch_size", 1,
                                          "Samples per micro-batch b (also for --model costs).")
 _ACTIVATION_SIZE = flags.DEFINE_integer("activation_size", 256,

@@ -17,5 +17,5 @@ from pipejax.schedules.costs import LayerCost, ScheduleError, uniform
 from pipejax.schedules.plans import SCHEDULES
 from pipejax.schedules.report import NAMES, Report, delay_profile, simulate
 
-__all__ = ["LayerCost", "NAMES", "Report", "SCHEDULES", "ScheduleError", "delay_profile", "simulate",
-           "uniform"]
+__all__ = ["LayerCost", "NAMES", "Report", "SCHEDULES", "ScheduleError", "delay_profile",
+           "simulate", "uniform"]

@@ -113,7 +113,8 @@ def fixed_split(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]]
   """``layers_per_stage`` consecutive layers per device (the last device takes the rest)."""
   if layers_per_stage < 1:
     raise ScheduleError(f"layers_per_stage must be >= 1; got {layers_per_stage}.")
-  return [(b, min(b + layers_per_stage, num_layers)) for b in range(0, num_layers, layers_per_stage)]
+  return [(begin, min(begin + layers_per_stage, num_layers))
+          for begin in range(0, num_layers, layers_per_stage)]
 
 
 def stage_work(layers: Sequence[LayerCost], ranges: Sequence[tuple[int, int]]) -> list[DeviceWork]:
