@@ -310,6 +310,17 @@ def _simulate(name, layers, num_devices):
     raise app.UsageError(str(e)) from None
 
 
+def print_table(rows, header, cells):
+  """The rows as JSON, or as a markdown table with ``header`` and ``cells(row)`` per row."""
+  if _FORMAT.value == "json":
+    print(json.dumps(rows))
+    return
+  print("| " + " | ".join(header) + " |")
+  print("|" + "|".join("---" for _ in header) + "|")
+  for row in rows:
+    print("| " + " | ".join(str(cell) for cell in cells(row)) + " |")
+
+
 def schedules_table():
   layers, unit = layer_costs()
   ideal = _NUM_STAGES.value / sum(layer.total for layer in layers)
@@ -319,19 +330,12 @@ def schedules_table():
     rows.append({"schedule": name, "throughput": r.throughput, "of_ideal": r.throughput / ideal,
                  "bubble_rate": r.bubble_rate, "peak_activations": r.peak_activations,
                  "weight_versions": r.weight_versions, "delays": r.delays})
-  if _FORMAT.value == "json":
-    print(json.dumps(rows))
-    return
-  print(f"| schedule | samples per 1e9 {unit} | of ideal | bubble rate | peak activations "
-        "per device | weight versions | delays |" if unit == "FLOP" else
-        f"| schedule | samples per {unit} | of ideal | bubble rate | peak activations per device "
-        "| weight versions | delays |")
-  print("|---|--:|--:|--:|---|---|---|")
-  scale = 1e9 if unit == "FLOP" else 1.0
-  for row in rows:
-    print(f"| {row['schedule']} | {row['throughput'] * scale:.4g} | {row['of_ideal']:.3f} | "
-          f"{row['bubble_rate']:.3f} | {row['peak_activations']} | {row['weight_versions']} | "
-          f"{row['delays']} |")
+  scale, per = (1e9, f"1e9 {unit}") if unit == "FLOP" else (1.0, unit)
+  print_table(rows, ["schedule", f"samples per {per}", "of ideal", "bubble rate",
+                     "peak activations per device", "weight versions", "delays"],
+              lambda row: [row["schedule"], f"{row['throughput'] * scale:.4g}",
+                           f"{row['of_ideal']:.3f}", f"{row['bubble_rate']:.3f}",
+                           row["peak_activations"], row["weight_versions"], row["delays"]])
 
 
 def layerpipe_table():
@@ -345,16 +349,13 @@ def layerpipe_table():
         "layerpipe_intra_inter": _simulate("layerpipe_inter", layers, p).throughput / base,
         "perfect_balance": p / sum(layer.total for layer in layers) / base,
     })
-  if _FORMAT.value == "json":
-    print(json.dumps(rows))
-    return
-  print("| devices | LayerPipe intra-layer | LayerPipe intra + inter-layer | perfect balance |")
-  print("|--:|--:|--:|--:|")
-  for row in rows:
-    print(f"| {row['devices']} | {row['layerpipe_intra']:.2f} | "
-          f"{row['layerpipe_intra_inter']:.2f} | {row['perfect_balance']:.2f} |")
-  for key in ("layerpipe_intra", "layerpipe_intra_inter", "perfect_balance"):
-    print(f"mean {key}: {sum(row[key] for row in rows) / len(rows):.3f}")
+  print_table(rows, ["devices", "LayerPipe intra-layer", "LayerPipe intra + inter-layer",
+                     "perfect balance"],
+              lambda row: [row["devices"], f"{row['layerpipe_intra']:.2f}",
+                           f"{row['layerpipe_intra_inter']:.2f}", f"{row['perfect_balance']:.2f}"])
+  if _FORMAT.value == "text":
+    for key in ("layerpipe_intra", "layerpipe_intra_inter", "perfect_balance"):
+      print(f"mean {key}: {sum(row[key] for row in rows) / len(rows):.3f}")
 
 
 def staleness_table():
@@ -384,15 +385,10 @@ def staleness_table():
           momentum=_MOMENTUM.value, micro_batch=_TRAIN_MICRO_BATCH.value,
           epochs=_EPOCHS.value, seed=seed))
     rows.append({"schedule": name, "delays": delays, "test_accuracy": accuracies})
-  if _FORMAT.value == "json":
-    print(json.dumps(rows))
-    return
-  print("| schedule | delays D_s | test accuracy per seed | mean |")
-  print("|---|---|---|--:|")
-  for row in rows:
-    accs = row["test_accuracy"]
-    print(f"| {row['schedule']} | {row['delays']} | "
-          f"{', '.join(f'{a:.3f}' for a in accs)} | {sum(accs) / len(accs):.3f} |")
+  print_table(rows, ["schedule", "delays D_s", "test accuracy per seed", "mean"],
+              lambda row: [row["schedule"], row["delays"],
+                           ", ".join(f"{a:.3f}" for a in row["test_accuracy"]),
+                           f"{sum(row['test_accuracy']) / len(row['test_accuracy']):.3f}"])
 
 
 def main(argv):

@@ -74,9 +74,11 @@ def test_pb_at_granularity_k_groups_k_layers_per_stage():
     simulate("pb", uniform(12), 4, layers_per_stage=4)
 
 
+@pytest.mark.parametrize("schedule", ["pipedream", "layerpipe", "layerpipe_inter"])
 @pytest.mark.parametrize("num_stages", [2, 4, 6])
-def test_pipedream_weight_versions_and_delays(num_stages):
-  report = simulate("pipedream", uniform(num_stages), num_stages)
+def test_pipedream_weight_versions_and_delays(schedule, num_stages):
+  # LayerPipe is PipeDream's pipeline: with equal layers its split changes nothing.
+  report = simulate(schedule, uniform(num_stages), num_stages)
   assert report.delays == [num_stages - 1 - s for s in range(num_stages)]
   assert report.weight_versions == [num_stages - s for s in range(num_stages)]
   assert report.peak_activations == [num_stages - s for s in range(num_stages)]

@@ -85,6 +85,15 @@ def test_schedule_takes_the_users_layer_costs():
   assert json.loads(result.stdout)["throughput"] == pytest.approx(1 / 4)
 
 
+def test_schedule_trains_under_a_schedules_delays():
+  result = run_script("schedule.py", "--table=staleness", "--num_stages=3", "--schedules=pb",
+                      "--train_samples=256", "--epochs=1", "--seeds=0", "--format=json")
+  assert result.returncode == 0, result.stderr
+  (row,) = json.loads(result.stdout)
+  assert row["delays"] == [4, 2, 0]
+  assert 0.2 < row["test_accuracy"][0] <= 1.0  # above chance (0.1) after 64 updates
+
+
 def test_schedule_rejects_more_devices_than_layers():
   result = run_script("schedule.py", "--schedule=gpipe", "--num_stages=5", "--num_layers=3")
   assert result.returncode != 0
