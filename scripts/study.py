@@ -2,7 +2,7 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
 
     python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
-    python scripts/study.py --study=configs/studies/depth.py --workdir=... --report_only
+    python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth --report_only
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
