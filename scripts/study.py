@@ -89,6 +89,9 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   planned = [o for o in study.runs()
              if all(study_lib.format_value(o.get(k)) == v for k, v in (where or {}).items())]
   todo = [o for o in planned if not study_lib.is_done(done.get(study_lib.run_id(o)), study, o)]
+  # Every cell's first seed before any cell's second: a study stopped part-way (or spread over
+  # several sessions) then has a result in every cell.
+  todo.sort(key=lambda o: o.get("seed", 0))
   print(f"Study '{study.name}': {len(planned)} runs, {len(planned) - len(todo)} already done, "
         f"{len(todo)} to run, {parallel} at a time. Workdir: {workdir}", flush=True)
   stop = _Stop()
