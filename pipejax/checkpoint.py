@@ -2,7 +2,7 @@
 
 Saved with orbax (each step is written to a temporary directory and renamed, so a crash never
 leaves a half-written checkpoint that looks complete). Beside the state, a JSON ``meta`` item keeps
-the data position and the config, so a run resumes exactly where it stopped (DESIGN.md §7). A
+the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7). A
 checkpoint that cannot be read, or was written by a different model or method, is a
 :class:`CheckpointError`; a directory that holds checkpoint-like entries but none that orbax can
 read is an error too, never a silent fresh start.

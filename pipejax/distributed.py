@@ -15,7 +15,7 @@ import jax
 from pipejax import sharding
 from pipejax.sharding import MeshError
 
-__all__ = ["MeshError", "initialize", "is_coordinator", "make_mesh", "shutdown"]
+__all__ = ["MeshError", "initialize", "make_mesh", "shutdown"]
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -65,11 +65,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def shutdown() -> None:
   """Disconnects from the other processes (optional: JAX does it at exit)."""
   jax.distributed.shutdown()
-
-
-def is_coordinator() -> bool:
-  """True in process 0: the one that writes logs, metrics and checkpoint metadata."""
-  return jax.process_index() == 0
 
 
 def make_mesh(stage: int, data: int = 1) -> jax.sharding.Mesh:

@@ -1,6 +1,6 @@
 """The pipeline engine: fine-grained Pipelined Backpropagation as a pure function over a pytree.
 
-Timing (DESIGN.md §2). Sample n enters stage 0 at tick n; stage s forwards it at tick n + s and
+Timing (docs/design.md §2). Sample n enters stage 0 at tick n; stage s forwards it at tick n+s and
 backwards it at tick n + 2(S-1) - s, so stage s applies D_s = 2(S-1-s) updates in between and keeps
 the inputs of D_s + 1 samples in its delay line. A tick reads only what the previous tick wrote:
 

@@ -1,6 +1,6 @@
 """Methods as data: per stage, the weights the forward sees, the weights the backward sees, the update.
 
-Every pipelined training method of DESIGN.md §3 is three choices per stage, each a function of the
+Every training method of docs/design.md §3 is three choices per stage, each a function of the
 stage's delay ``D_s``. The engine never branches on a method's name; it asks the method for
 
 * ``optimizer(delay)``: the stage's optax transformation;

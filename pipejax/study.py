@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import re
 from typing import Any, Iterable, Sequence
 
 Overrides = dict[str, Any]
@@ -50,6 +51,7 @@ class Table:
   columns: str
   kind: str = "mean"
   metric: str = "test_accuracy"
+  where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +214,44 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   staleness = _mean_staleness(run_dir)
   if staleness is not None:
     record["weight_discrepancy"] = staleness
+  timing = log_timing(os.path.join(run_dir, "log.txt"))
+  if timing:
+    record["timing"] = timing
   return record
+
+
+_LOG_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")
+_PROGRESS = re.compile(r"\[(\d+)/\d+ samples")
+
+
+def log_timing(path: str) -> dict | None:
+  """Where a trainer's wall time went, from its absl log's timestamps (this session's lines).
+
+  ``setup_s``: process start to the model line (imports, data, abstract tracing);
+  ``first_chunk_s``: to the first progress line (compiling the tick, then one chunk);
+  ``steady_samples_per_s``: the rate between the first and the last progress line.
+  """
+  if not os.path.exists(path):
+    return None
+  with open(path, errors="replace") as f:
+    lines = f.read().split("\n$ ")[-1].splitlines()  # the last invocation only
+  stamps = []
+  for line in lines:
+    match = _LOG_TIME.match(line)
+    if match:
+      h, m, sec = match.groups()
+      stamps.append((int(h) * 3600 + int(m) * 60 + float(sec), line))
+  if not stamps:
+    return None
+  start = stamps[0][0]
+  model = next((t for t, l in stamps if "] Model:" in l), None)
+  progress = [(t, int(p.group(1))) for t, l in stamps if (p := _PROGRESS.search(l))]
+  if model is None or len(progress) < 2:
+    return None
+  elapsed = lambda t: (t - start) % 86400  # a run may cross midnight
+  (t0, n0), (t1, n1) = progress[0], progress[-1]
+  return {"setup_s": round(elapsed(model), 1), "first_chunk_s": round(elapsed(t0) - elapsed(model), 1),
+          "steady_samples_per_s": round((n1 - n0) / max((t1 - t0) % 86400, 1e-9), 1)}
 
 
 def _mean_staleness(run_dir: str) -> list[float] | None:
@@ -356,8 +395,14 @@ def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False) -
   return text
 
 
+def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
+  """The records whose overrides have every ``(key, value)`` of ``where`` (None: key unset)."""
+  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
+
+
 def stable_limit(study: Study, records: Sequence[dict], table: Table, column_value) -> Any:
   """The largest ``table.rows`` value at which the column's method still trains (None: never)."""
+  records = select(records, table.where)
   grouped = cells(records, table.metric)
   best = None
   for value in _order(study, table.rows, _axis_values(records, table.rows)):
@@ -370,6 +415,7 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
 
 
 def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
+  records = select(records, table.where)
   rows = _order(study, table.rows, _axis_values(records, table.rows))
   columns = _order(study, table.columns, _axis_values(records, table.columns))
   if table.kind == "stability":
@@ -413,8 +459,7 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  selected = [r for r in records
-              if all(r["overrides"].get(k) == v for k, v in figure.where)]
+  selected = select(records, figure.where)
   fig, ax = plt.subplots(figsize=(7, 4.2))
   drawn = False
   series_values = _order(study, figure.series, _axis_values(selected, figure.series))

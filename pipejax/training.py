@@ -60,7 +60,7 @@ class Hyperparameters:
 
 
 def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
-  """Converts the config's reference recipe to its micro-batch (DESIGN.md §3 scaling rules).
+  """Converts the config's reference recipe to its micro-batch (docs/design.md §4, scaling rules).
 
   ``config.lr`` / ``config.momentum`` / ``config.weight_decay``, when set, override the converted
   values. Schedules are kept in samples and converted to steps here.

@@ -2,7 +2,7 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
 
     python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
-    python scripts/study.py --study=configs/studies/depth.py --workdir=... --report_only
+    python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth --report_only
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
@@ -35,6 +35,7 @@ _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these ove
 flags.mark_flags_as_required(["study", "workdir"])
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_STOPPED = 75  # scripts/train.py: stopped by a signal after its checkpoint; resumes on rerun
 
 
 class _Stop:
@@ -88,6 +89,9 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   planned = [o for o in study.runs()
              if all(study_lib.format_value(o.get(k)) == v for k, v in (where or {}).items())]
   todo = [o for o in planned if not study_lib.is_done(done.get(study_lib.run_id(o)), study, o)]
+  # Every cell's first seed before any cell's second: a study stopped part-way (or spread over
+  # several sessions) then has a result in every cell.
+  todo.sort(key=lambda o: o.get("seed", 0))
   print(f"Study '{study.name}': {len(planned)} runs, {len(planned) - len(todo)} already done, "
         f"{len(todo)} to run, {parallel} at a time. Workdir: {workdir}", flush=True)
   stop = _Stop()
@@ -95,10 +99,11 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   running: dict[str, tuple] = {}  # run id -> (process, overrides, start time, log path)
   durations, failed, started_at = [], 0, time.time()
   last_status = 0.0
+  already_done = len(planned) - len(todo)
 
   def status_line():
-    finished = len(planned) - len(todo) - len(running)
-    remaining = len(todo) + len(running)
+    finished = already_done + len(durations)
+    remaining = len(planned) - finished
     eta = "?"
     if durations:
       eta = _duration(sum(durations) / len(durations) * remaining / parallel)
@@ -132,7 +137,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
       del running[rid]
       wall = time.time() - start
       tail = _log_tail(log_path)
-      if stop.requested:
+      if stop.requested or process.returncode == EXIT_STOPPED:
         print(f"{status_line()} stopped {rid} (resumes on rerun)", flush=True)
         continue
       record = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),

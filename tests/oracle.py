@@ -1,8 +1,8 @@
-"""A deliberately naive reference for the pipeline (DESIGN.md §2): the ground truth of the tests.
+"""A deliberately naive reference for the pipeline (docs/design.md §2): the tests' ground truth.
 
 Python loops over ticks and stages; a dict per stage from sample index to stashed input; the full
 history of each stage's weights; no ring buffers, no scan, no optax. Update rules and weight views
-are written out in numpy from the formulas of DESIGN.md §3, so the engine and its optax
+are written out in numpy from the formulas of docs/design.md §3, so the engine and its optax
 transformations are checked against an independent statement of the same mathematics.
 
 Stages with state: a dict per stage from sample index to the forward variables its forward saw

@@ -1,4 +1,4 @@
-"""Every method preset through the engine against the naive oracle (DESIGN.md §2, §3)."""
+"""Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
 import jax
 import numpy as np
