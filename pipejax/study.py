@@ -52,6 +52,7 @@ class Table:
   kind: str = "mean"
   metric: str = "test_accuracy"
   where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
+  scale: float = 100.0  # cells show metric * scale (accuracy in percent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,9 +359,8 @@ def _lookup(grouped: dict[tuple, Cell], point: Overrides) -> Cell | None:
 def _axis_values(records: Sequence[dict], key: str) -> list:
   values = []
   for r in records:
-    v = r["overrides"].get(key)
-    if v is not None and v not in values:
-      values.append(v)
+    if key in r["overrides"] and r["overrides"][key] not in values:
+      values.append(r["overrides"][key])
   try:
     return sorted(values)
   except TypeError:
@@ -396,7 +396,7 @@ def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False) -
 
 
 def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
-  """The records whose overrides have every ``(key, value)`` of ``where`` (None: key unset)."""
+  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None)."""
   return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
 
 
@@ -433,7 +433,7 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   header = f"| {table.rows} | " + " | ".join(str(c) for c in columns) + " |"
   lines = [header, "|" + "---|" * (len(columns) + 1)]
   for r in rows:
-    entries = [format_cell(_lookup(grouped, {table.rows: r, table.columns: c}),
+    entries = [format_cell(_lookup(grouped, {table.rows: r, table.columns: c}), table.scale,
                            signed=table.kind == "gap") for c in columns]
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
   return "\n".join(lines)

@@ -13,13 +13,15 @@ import flax.linen as nn
 import jax
 
 
-from pipejax.models import layers, sequential
+from pipejax.models import layers, online_norm, sequential
 from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
 
 def _norm(normalization: str | None, name: str):
   if normalization is None:
     return lambda x: x
+  if normalization == "online":
+    return online_norm.OnlineNorm(name=name)
   return nn.LayerNorm(name=name)
 
 
@@ -75,14 +77,15 @@ def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_class
     expansion: Hidden width of each block, as a multiple of ``width``.
     num_classes: Logits of the head.
     layers_per_stage: Consecutive weight layers per stage.
-    normalization: 'layer' (pre-norm LayerNorm in each block and before the head) or None.
+    normalization: 'layer' (pre-norm LayerNorm in each block and before the head), 'online'
+      (Online Normalization there instead) or None.
     loss: Loss on the logits.
 
   Example:
     >>> residual_mlp(depth=32).num_stages
     32
   """
-  layers.check_normalization(normalization, allowed=(None, "layer"))
+  layers.check_normalization(normalization, allowed=(None, "layer", "online"))
   if isinstance(depth, bool) or not isinstance(depth, int) or depth < 3:
     raise ModelError(f"residual_mlp needs depth >= 3 (stem, at least one block, head); got "
                      f"{depth!r}. Set --config.model_kwargs.depth to the number of stages wanted.")
