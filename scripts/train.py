@@ -8,9 +8,21 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
         --config.mesh.stage=2 --config.mesh.data=1          # stages over 2 devices
 
 A workdir that holds a checkpoint is resumed. SIGTERM or Ctrl-C saves a checkpoint and exits;
-rerunning the same command continues bit-exactly where it stopped.
+rerunning the same command continues bit-exactly where it stopped. A finished workdir is reported
+again, not retrained. One run at a time holds a workdir (a second one is refused).
+
+Exit codes (for job schedulers and study runners):
+
+    0   the run finished (or had finished before); summary.json holds its result.
+    1   an error the message explains: config, data, a damaged or incompatible checkpoint, a
+        divergence, a full or read-only disk, a workdir held by another run.
+    2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
+        same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
+import difflib
+import re
 import sys
 
 from absl import app, flags, logging
@@ -31,6 +43,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "JAX detect the process layout (Cloud TPU pod slices, SLURM, Open MPI).")
 flags.mark_flags_as_required(["config", "workdir"])
 
+EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
+
 
 class _HideOrbaxChatter:
   """orbax logs every file it renames at INFO; keep its warnings, drop the rest."""
@@ -49,16 +63,48 @@ def main(argv):
   try:
     summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except training.USER_ERRORS as e:
-    logging.error("%s: %s", type(e).__name__, e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
+    sys.exit(EXIT_ERROR)
   if summary["stopped_by"]:
     print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to resume.")
+    sys.exit(EXIT_STOPPED)
+  print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
+        f"method={summary['method']} samples={summary['samples']} "
+        f"seconds={summary['train_seconds']:.0f}")
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with a config file or field that cannot be used as one line, not a trace."""
+  try:
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.get  # pylint: disable=pointless-statement  (a missing file shows when read)
+    return rest
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    # A config file that raised: its own last line says what is wrong, the trace does not.
+    problem = lines[0].rstrip(":") + (f": {lines[-1]}" if "Traceback" in str(e) else "")
+  except (AttributeError, KeyError) as e:  # ml_collections: an override names no config field
+    problem = _unknown_field(argv, str(e))
+  except (OSError, ValueError) as e:  # the config file is missing or its argument unknown
+    problem = f"--config cannot be loaded: {' '.join(str(e).split())}"
+  print(f"error: {problem}", file=sys.stderr)
+  sys.exit(EXIT_USAGE)
+
+
+def _unknown_field(argv, message: str) -> str:
+  names = re.findall(r'instead of "(\w+)"', message) or re.findall(r"(\w+)", message)
+  name = names[0] if names else "?"
+  flag = next((a.split("=")[0] for a in argv if re.search(rf"--config\.(.*\.)?{name}\b", a)),
+              f"--config.{name}")
+  suggestion = re.search(r'Did you mean "([^"]+)"', message)
+  if suggestion is None:  # guess from the known fields
+    known = training.base_config().to_dict()
+    close = difflib.get_close_matches(name, list(known), n=1)
+    suggestion_text = f"; the closest known field is {close[0]!r}" if close else ""
   else:
-    print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
-          f"method={summary['method']} samples={summary['samples']} "
-          f"seconds={summary['train_seconds']:.0f}")
+    suggestion_text = f"; did you mean {suggestion.group(1)!r}?"
+  return f"{flag}: the config has no field {name!r}{suggestion_text}"
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -105,7 +105,7 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
       break
   rest, _ = victim.communicate(timeout=300)
   output = "".join(lines) + rest
-  assert victim.returncode == 0, output[-2000:]
+  assert victim.returncode == 75, output[-2000:]  # stopped, not finished: see scripts/train.py
   assert "STOPPED by SIGTERM" in output
   stopped_at = json.load(open(tmp_path / "killed" / "summary.json"))["samples"]
   assert 0 < stopped_at < json.load(open(tmp_path / "straight" / "summary.json"))["samples"]
