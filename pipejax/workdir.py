@@ -24,7 +24,7 @@ class WorkdirBusy(RuntimeError):
 
 
 def check_writable(workdir: str) -> None:
-  """Creates ``workdir`` if needed and writes a probe file into it; a :class:`StorageError` if not."""
+  """Creates ``workdir`` if needed and writes a probe file in it; a :class:`StorageError` if not."""
   probe = os.path.join(workdir, f".write-test-{os.getpid()}")
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -53,8 +53,8 @@ def claim(workdir: str, lock: bool = True):
     except BlockingIOError:
       holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
       raise WorkdirBusy(
-          f"Another run ({holder}) is using the workdir {os.path.abspath(workdir)}. Two runs on one "
-          "workdir would overwrite each other's checkpoints. Wait for it to finish (or stop it "
+          f"Another run ({holder}) is using the workdir {os.path.abspath(workdir)}. Two runs on "
+          "one workdir would overwrite each other's checkpoints. Wait for it to finish (or stop it "
           "with SIGTERM: it saves a checkpoint), or choose another --workdir.") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)

@@ -66,7 +66,8 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
     sys.exit(EXIT_ERROR)
   if summary["stopped_by"]:
-    print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to resume.")
+    print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to "
+          "resume.")
     sys.exit(EXIT_STOPPED)
   print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
         f"method={summary['method']} samples={summary['samples']} "
@@ -74,7 +75,7 @@ def main(argv):
 
 
 def parse_flags(argv):
-  """absl's flag parsing, with a config file or field that cannot be used as one line, not a trace."""
+  """absl's flag parsing; a config file or field that cannot be used is one line, not a trace."""
   try:
     rest = flags.FLAGS(argv)
     _CONFIG.value.get  # pylint: disable=pointless-statement  (a missing file shows when read)

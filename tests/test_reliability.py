@@ -310,7 +310,7 @@ def test_tensorboard_is_flushed_at_every_checkpoint(tmp_path, monkeypatch):
   assert (40, [40]) in seen and (80, [40, 80]) in seen
 
 
-# ------------------------------------------------------------------ 9. one run per workdir, exit codes
+# --------------------------------------------------------------- 9. one run per workdir; exit codes
 
 def test_second_run_on_a_held_workdir_is_refused(tmp_path):
   workdir = str(tmp_path / "run")
