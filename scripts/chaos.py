@@ -158,7 +158,12 @@ def judge(workdir, code, output, reference, damaged_step=None):
     except Exception as e:  # pylint: disable=broad-except
       return f"FAIL: exit 0 but the result cannot be read ({str(e)[:200]})"
     differing = [k for k in reference if got[k] != reference[k]]
-    return "exact" if not differing else f"FAIL: exit 0 with a different {', '.join(differing)}"
+    if differing:
+      return f"FAIL: exit 0 with a different {', '.join(differing)}"
+    aside = checkpoints(workdir) + ".damaged"
+    if damaged_step is not None and os.path.isdir(aside):
+      return f"exact (damage caught, step {damaged_step} set aside, resumed from an older one)"
+    return "exact" if damaged_step is None else "exact (the damaged bytes were never read)"
   if damaged_step is not None and re.search(rf"\bstep {damaged_step}\b", output):
     return f"refused (exit {code}, names step {damaged_step})"
   return f"FAIL: exit {code}: {output.strip().splitlines()[-1][:300] if output.strip() else ''}"
@@ -210,7 +215,7 @@ def main():
     step, what = corrupt_newest(workdir, rng)
     code, output = run(workdir)
     verdict = judge(workdir, code, output, reference, damaged_step=step)
-    outcomes["corruption: " + verdict.split(" (")[0].split(":")[0]] += 1
+    outcomes["corruption: " + verdict.split(",")[0].split(":")[0]] += 1
     print(f"corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
           flush=True)
 
