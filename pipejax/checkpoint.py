@@ -51,11 +51,23 @@ def _plain_json(value) -> Any:
   return json.loads(json.dumps(value, default=str))
 
 
+def _whole_array(leaf) -> np.ndarray:
+  """The full value of a leaf on this host, gathered from the others when it spans processes.
+
+  The digest is of whole arrays, not of each process's shards, so a checkpoint written by N
+  processes verifies when read by M. Every process must call this (it is a collective then).
+  """
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(jax.device_get(leaf))
+
+
 def state_digest(state: PyTree, data_position: Any) -> str:
   """SHA-256 of every leaf's dtype, shape and bytes (in tree order) and of the data position."""
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(state):
-    a = np.ascontiguousarray(jax.device_get(leaf))
+    a = np.ascontiguousarray(_whole_array(leaf))
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())
   h.update(json.dumps(_plain_json(data_position), sort_keys=True).encode())
