@@ -415,11 +415,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       crossed = lambda every: samples // every != (samples - samples_per_chunk) // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
-      stopping = _agree_to_stop(stop.signal_name is not None)
-      if crossed(config.checkpoint_every_samples) or stopping:
-        save(state)
-      if stopping:
+      if _agree_to_stop(stop.signal_name is not None):
         stopped_by = stop.signal_name or "a signal to another process"
+        logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
+                        samples)
+      if crossed(config.checkpoint_every_samples) or stopped_by:
+        save(state)
+      if stopped_by:
         logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
                         "command to resume.", stopped_by, samples, checkpointer.directory)
         break

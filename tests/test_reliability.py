@@ -159,6 +159,24 @@ def test_allowed_change_on_resume_is_recorded(finished, tmp_path):
   (record,) = [json.loads(line) for line in open(os.path.join(workdir, "config_changes.jsonl"))]
   assert record["samples"] == 240 and record["changes"]["epochs"] == [240 / 1437, 280 / 1437]
   assert json.load(open(os.path.join(workdir, "config.json")))["epochs"] == 280 / 1437
+  # Time adds up across sessions: the first one's seconds are part of the total.
+  assert summary["train_seconds"] > finished[1]["train_seconds"]
+
+
+def test_rerunning_a_finished_run_reports_it_and_changes_no_file(finished, tmp_path):
+  workdir = copy_of(finished, tmp_path)
+
+  def snapshot():
+    return {os.path.relpath(os.path.join(root, name), workdir):
+            open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(workdir) for name in names if name != ".lock"}
+
+  before = snapshot()
+  summary = training.train_and_evaluate(digits_config(), workdir)
+  assert snapshot() == before
+  assert summary == finished[1]
+  assert summary["best_test_accuracy"] >= summary["test_accuracy"]
+  assert set(summary["versions"]) == {"pipejax", "jax", "jaxlib"} and summary["device"]
 
 
 # ------------------------------------------------------------------ 5. environment failures
@@ -337,6 +355,18 @@ def test_sigterm_stops_with_a_checkpoint_and_its_own_exit_code(tmp_path, monkeyp
   assert checkpoint.Checkpointer(checkpoint_dir(workdir)).latest_step() == 80
   script = open(os.path.join(ROOT, "scripts", "train.py")).read()
   assert "75  stopped by SIGTERM/SIGINT" in script and "sys.exit(EXIT_STOPPED)" in script
+
+
+def test_config_key_typo_is_one_line_naming_the_closest_field(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+       f"--config={os.path.join(ROOT, 'configs', 'default.py')}:smoke",
+       f"--workdir={tmp_path / 'run'}", "--config.methd=pb"],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("error: --config.methd: the config has no field 'methd'; did "
+                                   "you mean 'method'?")
+  assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------ 10. the stop across processes
