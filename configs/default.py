@@ -6,7 +6,7 @@ r"""The embedded default: Fashion-MNIST, an MLP with one weight layer per stage,
 Data: the Debian package dataset-fashion-mnist (/usr/share/datasets/fashion-mnist/).
 Model: 784-256-128-10 MLP, three stages (one Dense + ReLU each), micro-batch 1.
 Recipe: batch 128, lr 0.1, momentum 0.9, weight decay 5e-5, converted to micro-batch 1 by the
-scaling rules of DESIGN.md §3 (momentum 0.9^(1/128), the same displacement per sample); cosine
+scaling rules of docs/design.md §4 (momentum 0.9^(1/128), the same displacement per sample); cosine
 schedule over 10 epochs.
 Measured (2-core CPU, no accelerator, `bash scripts/train_default.sh`): test accuracy 89.1% after
 10 epochs, 276 s of training (about 2170 samples/s). The README's table compares plain PB and SGD.

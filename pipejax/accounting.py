@@ -1,4 +1,4 @@
-"""Delays, delay-line sizes, stashed bytes and utilization of each pipeline mode (DESIGN.md §2)."""
+"""Delays, delay-line sizes, stashed bytes and utilization of each mode (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Saved with orbax (each step is written to a temporary directory and renamed, so a crash never
 leaves a half-written checkpoint that looks complete). Beside the state, a JSON ``meta`` item keeps
-the data position and the config, so a run resumes exactly where it stopped (DESIGN.md §7).
+the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7).
 
 Each checkpoint carries two SHA-256 digests in its meta: one of the state's bytes together with the
 data position, one of the rest of the meta. :meth:`Checkpointer.restore_newest` checks both, so a

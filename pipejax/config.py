@@ -6,6 +6,14 @@ ml_collections, so reading a config (``scripts/study.py`` reads dozens) never im
 
 from __future__ import annotations
 
+import ast
+import difflib
+import importlib.util
+import os
+import re
+import sys
+from typing import Any, NoReturn
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -24,12 +32,14 @@ def base_config() -> ml_collections.ConfigDict:
   config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
 
   config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
+  config.optimizer = "sgd"  # the base update: 'sgd' (heavy-ball momentum) or 'adam'
   config.micro_batch_size = 1
   config.micro_batches = 1  # M of the synchronous mode (method 'sync')
 
   # The recipe as it would run with ordinary mini-batches; converted to the micro-batch trained.
   config.reference = ml_collections.ConfigDict(
-      {"batch_size": 128, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4})
+      {"batch_size": 128, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+       "beta2": 0.999})  # beta2: Adam's second-moment decay (optimizer='adam' only)
   config.lr = config_dict.placeholder(float)  # set any of these three to override the conversion
   config.momentum = config_dict.placeholder(float)
   config.weight_decay = config_dict.placeholder(float)
@@ -38,6 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.warmup_epochs = 0.2
   config.pipemare_anneal_epochs = 1.0
   config.seed = 0
+  # Per-stage |w_fwd - w_bwd| / |w_bwd| in the metrics (split 'diagnostics') and TensorBoard: the
+  # staleness a method leaves. Keeps a weight copy per stashed input: memory and time, same numbers.
+  config.diagnostics = False
 
   config.ticks_per_chunk = 2000  # ticks per lax.scan call; checkpoints fall between chunks
   config.eval_every_samples = 60000
@@ -81,3 +94,105 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
     for key, value in tiny.items():  # replace whole fields (model_kwargs), do not merge them
       config[key] = value
   return config
+
+
+# ----------------------------------------------------------------------------- command line
+
+_MODEL_KWARG = re.compile(r"^--config\.model_kwargs\.([A-Za-z_]\w*)=(.*)$", re.S)
+_CONFIG_KEY = re.compile(r"^--config\.([\w.]+)=")
+
+
+def _literal(text: str) -> Any:
+  """A flag value as Python would read it (numbers, tuples, None, booleans), else the string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def _flatten(config, prefix: str = "") -> list[str]:
+  keys = []
+  for key, value in config.items():
+    keys.append(prefix + key)
+    if isinstance(value, ml_collections.ConfigDict):
+      keys.extend(_flatten(value, f"{prefix}{key}."))
+  return keys
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl ``flags_parser`` for binaries with a ``--config`` file flag (``app.run(main, flags_parser=...)``).
+
+  * ``--config.model_kwargs.KEY=VALUE`` may add a keyword the config file did not list (any
+    keyword of the model's builder, e.g. ``normalization``); the model builder checks the names.
+  * A misspelt config key or a config file that cannot be loaded is one line naming the key and
+    the closest known one, not a traceback.
+  """
+  from absl import flags  # the binaries' dependency, not the config files'
+
+  model_kwargs, kept = {}, []
+  for arg in argv:
+    match = _MODEL_KWARG.match(arg)
+    if match:
+      model_kwargs[match.group(1)] = _literal(match.group(2))
+    else:
+      kept.append(arg)
+  # config_flags finds its override flags by scanning sys.argv itself: hide the added keywords.
+  sys.argv[:] = [a for a in sys.argv if not _MODEL_KWARG.match(a)]
+  config_arg = next((a.split("=", 1)[1] for a in kept if a.startswith("--config=")), None)
+  if config_arg and not os.path.isfile(config_arg.partition(":")[0]):
+    _exit(_describe_config_error(FileNotFoundError(config_arg), kept))
+  try:
+    rest = flags.FLAGS(kept)
+    config = flags.FLAGS.config
+  except flags.Error as e:
+    _exit(f"{e}. Run with --helpfull for the flags.")
+  except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    _exit(_describe_config_error(e, kept))
+  if model_kwargs:
+    with config.unlocked():
+      if "model_kwargs" not in config:
+        config.model_kwargs = ml_collections.ConfigDict()
+      for key, value in model_kwargs.items():
+        if key in config.model_kwargs and isinstance(config.model_kwargs[key], str) and \
+            not isinstance(value, str):
+          value = str(value)  # e.g. a string-valued keyword given as a number-like word
+        config.model_kwargs[key] = value
+  return rest
+
+
+def _describe_config_error(error: Exception, argv: list[str]) -> str:
+  config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  path = config_arg.partition(":")[0] if config_arg else None
+  if path and not os.path.isfile(path):
+    return (f"The config file {path!r} does not exist. Give a path such as "
+            "--config=configs/default.py (relative to the directory you run from); append :smoke "
+            "for the quick variant.")
+  overrides = [m.group(1) for a in argv if (m := _CONFIG_KEY.match(a))]
+  if path:
+    try:
+      known = _flatten(_load_config_file(config_arg))
+    except Exception:  # noqa: BLE001 - the file itself is broken; say so below
+      known = None
+    if known is not None:
+      for key in overrides:
+        if key not in known:
+          close = difflib.get_close_matches(key, known, n=1)
+          hint = f" Did you mean --config.{close[0]}?" if close else ""
+          return (f"--config.{key} is not a field of {path}.{hint} The fields are listed in "
+                  "pipejax/config.py (base_config) and the config file.")
+  first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return (f"The config {config_arg!r} or one of its --config.* overrides could not be applied: "
+          f"{first_line}")
+
+
+def _load_config_file(config_arg: str):
+  path, _, arg = config_arg.partition(":")
+  spec = importlib.util.spec_from_file_location("pipejax_config_file", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def _exit(message: str) -> NoReturn:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)

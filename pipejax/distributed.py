@@ -16,7 +16,7 @@ import numpy as np
 from pipejax import sharding
 from pipejax.sharding import MeshError
 
-__all__ = ["MeshError", "any_process", "initialize", "is_coordinator", "make_mesh", "shutdown"]
+__all__ = ["MeshError", "any_process", "initialize", "make_mesh", "shutdown"]
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -66,11 +66,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def shutdown() -> None:
   """Disconnects from the other processes (optional: JAX does it at exit)."""
   jax.distributed.shutdown()
-
-
-def is_coordinator() -> bool:
-  """True in process 0: the one that writes logs, metrics and checkpoint metadata."""
-  return jax.process_index() == 0
 
 
 def any_process(flag: bool) -> bool:

@@ -1,6 +1,6 @@
 """The pipeline engine: fine-grained Pipelined Backpropagation as a pure function over a pytree.
 
-Timing (DESIGN.md §2). Sample n enters stage 0 at tick n; stage s forwards it at tick n + s and
+Timing (docs/design.md §2). Sample n enters stage 0 at tick n; stage s forwards it at tick n+s and
 backwards it at tick n + 2(S-1) - s, so stage s applies D_s = 2(S-1-s) updates in between and keeps
 the inputs of D_s + 1 samples in its delay line. A tick reads only what the previous tick wrote:
 
@@ -89,6 +89,14 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def _relative_distance(a, b) -> jax.Array:
+  """``|a - b| / |b|`` over every leaf of two weight trees (0 where ``b`` is all zeros)."""
+  def squares(tree):
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+  diff, norm = squares(jax.tree.map(jnp.subtract, a, b)), squares(b)
+  return jnp.where(norm > 0, jnp.sqrt(diff / jnp.where(norm > 0, norm, 1.0)), 0.0)
+
+
 def _spec(tree):
   """Shapes and dtypes of a tree of arrays, ShapeDtypeStructs or Python/numpy values.
 
@@ -123,12 +131,18 @@ class Pipeline:
     method: weight views and per-stage update rule (``pipejax.methods``).
     example_inputs: one micro-batch of inputs, shape ``(b, ...)`` (arrays or ShapeDtypeStructs).
     example_labels: the matching labels, shape ``(b, ...)``.
+    track_weight_discrepancy: also report, per stage and tick, the relative distance
+      ``|w_fwd - w_bwd| / |w_bwd|`` between the weights the forward of the sample being
+      backwarded used and the weights its backward uses: staleness made visible. It keeps a copy
+      of the forward's weights beside each stashed input (as PipeDream's stash does), so it costs
+      memory and time; the training numbers are unchanged.
   """
 
   model: Model
   method: Method
   example_inputs: PyTree
   example_labels: PyTree
+  track_weight_discrepancy: bool = False
 
   def __post_init__(self):
     inputs, labels = _canonical(_spec(self.example_inputs)), _canonical(_spec(self.example_labels))
@@ -171,6 +185,10 @@ class Pipeline:
   def stage_input_shapes(self) -> list[PyTree]:
     """ShapeDtypeStructs of each stage's input micro-batch."""
     return list(self._stage_inputs)
+
+  @property
+  def _stashes_weights(self) -> bool:
+    return self.method.stash_forward_weights or self.track_weight_discrepancy
 
   def stash_bytes(self) -> int:
     """Bytes of stashed activations by the formula sum_s (D_s + 1) |x_s|."""
@@ -222,7 +240,7 @@ class Pipeline:
       tx = self.method.optimizer(self.delays[s])
       slots = self.delays[s] + 1
       weights = (jax.tree.map(lambda p: jnp.full((slots,) + p.shape, fill_value, p.dtype), params)
-                 if self.method.stash_forward_weights else None)
+                 if self._stashes_weights else None)
       delay_line = DelayLine(filled(x_spec, (slots,)), jnp.zeros((slots,), bool),
                              jnp.full((slots,), -1, jnp.int32), weights)
       is_last = s == self.num_stages - 1
@@ -269,12 +287,15 @@ class Pipeline:
     line = st.delay_line
     line = DelayLine(put(line.x, inbound.x), line.valid.at[write].set(inbound.valid),
                      line.index.at[write].set(inbound.index),
-                     put(line.weights, forward_params) if method.stash_forward_weights else None)
+                     put(line.weights, forward_params) if self._stashes_weights else None)
     take = lambda buf: jax.tree.map(lambda b: b[read], buf)
     x_old, valid, index = take(line.x), line.valid[read], line.index[read]
     backward_params = (take(line.weights) if method.stash_forward_weights
                        else method.backward_weights(st.params, st.opt_state, delay))
     key = self._stage_key(rng, index, s)
+    if self.track_weight_discrepancy:
+      metrics["weight_discrepancy"] = jnp.where(
+          valid, _relative_distance(take(line.weights), backward_params), 0.0)
 
     # Backward: recompute the stage on the stashed input and take the VJP.
     backward_out = None
@@ -306,7 +327,8 @@ class Pipeline:
     if reduce_grads is not None:
       grads = reduce_grads(grads)
     tx = method.optimizer(delay)
-    updates, opt_state = tx.update(grads, st.opt_state, st.params)
+    extra = {"gradient_params": backward_params} if method.pass_gradient_weights else {}
+    updates, opt_state = tx.update(grads, st.opt_state, st.params, **extra)
     params = optax.apply_updates(st.params, updates)
     if not every_slot_full:
       params, opt_state = optax.tree_utils.tree_where(valid, (params, opt_state),
@@ -341,7 +363,9 @@ class Pipeline:
     stages, stage_metrics = self.advance_stages(0, state.stages, inbound, None, state.tick,
                                                 state.rng, every_slot_full=every_slot_full)
     metrics = dict(stage_metrics[-1])
-    metrics["finite"] = jnp.stack([m["finite"] for m in stage_metrics])
+    for per_stage in ("finite", "weight_discrepancy"):
+      if per_stage in stage_metrics[0]:
+        metrics[per_stage] = jnp.stack([m[per_stage] for m in stage_metrics])
     return PipelineState(stages, state.tick + 1, state.rng), metrics
 
   def metric_shapes(self) -> dict:

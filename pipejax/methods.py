@@ -1,6 +1,6 @@
 """Methods as data: per stage, the weights the forward sees, the weights the backward sees, the update.
 
-Every pipelined training method of DESIGN.md §3 is three choices per stage, each a function of the
+Every training method of docs/design.md §3 is three choices per stage, each a function of the
 stage's delay ``D_s``. The engine never branches on a method's name; it asks the method for
 
 * ``optimizer(delay)``: the stage's optax transformation;
@@ -8,6 +8,8 @@ stage's delay ``D_s``. The engine never branches on a method's name; it asks the
 * ``backward_weights(params, opt_state, delay)``: the weights the backward's recompute uses;
 * ``stash_forward_weights``: keep the forward's weights beside the stashed input and use them in
   the backward (PipeDream's weight stashing; overrides ``backward_weights``);
+* ``pass_gradient_weights``: give the update the weights the gradient was computed on, as the
+  extra argument ``gradient_params`` (DC-ASGD's delay compensation needs them);
 * ``micro_batches_per_step``: an int M means synchronous (GPipe / 1F1B-flush) training: the stream is
   fed in groups of M micro-batches separated by 2(S-1) empty ticks and each stage accumulates M
   gradients before one step.
@@ -45,6 +47,7 @@ class Method:
   backward_weights: WeightView = current_weights
   stash_forward_weights: bool = False
   micro_batches_per_step: int | None = None  # None: asynchronous, never drains.
+  pass_gradient_weights: bool = False
 
 
 class MethodError(ValueError):
@@ -105,69 +108,163 @@ def _pipemare_past(params, opt_state, delay):
   return optim.pipemare_backward_params(params, opt_state, delay)
 
 
+BASE_OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+  """What a preset is built from (see :func:`make_method` for each field)."""
+
+  learning_rate: Any
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  micro_batches: int = 1
+  horizon: int | None = None
+  anneal_steps: int = 1000
+  gamma: float = optim.DEFAULT_GAMMA
+  optimizer: str = "sgd"
+  b2: float = 0.999
+  eps: float = 1e-8
+  dc_strength: float = 0.04
+
+  def base(self, delay: int) -> optax.GradientTransformation:
+    """The plain update: momentum SGD with coupled decay, or AdamW (first moment ``momentum``)."""
+    del delay
+    if self.optimizer == "adam":
+      return optax.adamw(self.learning_rate, b1=self.momentum, b2=self.b2, eps=self.eps,
+                         weight_decay=self.weight_decay)
+    sgd = optax.sgd(self.learning_rate, momentum=self.momentum)
+    return optax.chain(optax.add_decayed_weights(self.weight_decay), sgd) if self.weight_decay \
+        else sgd
+
+  def spike_compensated(self, delay: int) -> optax.GradientTransformation:
+    if self.optimizer == "adam":
+      return optim.adam_sc(self.learning_rate, delay, self.momentum, self.b2, self.eps,
+                           self.weight_decay)
+    return optim.sgd_sc(self.learning_rate, delay, self.momentum, weight_decay=self.weight_decay)
+
+  def predicting(self, inner: Callable[[int], optax.GradientTransformation],
+                 form: str = "update") -> Callable[[int], optax.GradientTransformation]:
+    def factory(delay):
+      return optim.linear_weight_prediction(
+          inner(delay), delay if self.horizon is None else self.horizon, form=form,
+          learning_rate=None if form == "update" else self.learning_rate,
+          momentum=self.momentum if form == "next_velocity" else None)
+    return factory
+
+
+_PRESETS: dict[str, Callable[[Hyperparameters], Method]] = {}
+
+
+def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS):
+  """Registers a preset; ``optimizers`` are the base optimizers it is defined for."""
+  def register(build: Callable[[Hyperparameters], Method]):
+    def checked(h: Hyperparameters) -> Method:
+      if h.optimizer not in optimizers:
+        raise MethodError(f"Method '{name}' is defined for the base optimizer(s) "
+                          f"{', '.join(optimizers)}, not '{h.optimizer}'. Use "
+                          f"optimizer='{optimizers[0]}' or another method.")
+      return build(h)
+    _PRESETS[name] = checked
+    return build
+  return register
+
+
+@_preset("sgd")
+def _sgd(h):
+  return dataclasses.replace(sync(h.base, micro_batches=1), name="sgd")
+
+
+@_preset("sync")
+def _sync(h):
+  return sync(h.base, micro_batches=h.micro_batches)
+
+
+@_preset("pb")
+def _pb(h):
+  return Method("pb", h.base)
+
+
+@_preset("pb_sc")
+def _pb_sc(h):
+  return Method("pb_sc", h.spike_compensated)
+
+
+@_preset("pb_lwp")
+def _pb_lwp(h):
+  return Method("pb_lwp", h.predicting(h.base), forward_weights=_predicted)
+
+
+@_preset("pb_sc_lwp")
+def _pb_sc_lwp(h):
+  return Method("pb_sc_lwp", h.predicting(h.spike_compensated), forward_weights=_predicted)
+
+
+@_preset("pipedream")
+def _pipedream(h):
+  return Method("pipedream", h.base, stash_forward_weights=True)
+
+
+@_preset("spectrain", optimizers=("sgd",))
+def _spectrain(h):
+  # The reference code predicts with the next velocity m v + g (see linear_weight_prediction).
+  return Method("spectrain", h.predicting(h.base, form="next_velocity"),
+                forward_weights=_predicted)
+
+
+@_preset("pipemare", optimizers=("sgd",))
+def _pipemare(h):
+  def update(delay):
+    tx = optim.pipemare(h.learning_rate, delay, h.momentum, h.anneal_steps, h.gamma)
+    return optax.chain(optax.add_decayed_weights(h.weight_decay), tx) if h.weight_decay else tx
+  return Method("pipemare", update, backward_weights=_pipemare_past)
+
+
+@_preset("dcasgd")
+def _dcasgd(h):
+  # The gradient is computed on the forward's (stashed) weights, as an asynchronous worker's is,
+  # then moved to the current weights by the delay compensation.
+  return Method("dcasgd", lambda delay: optax.chain(optim.delay_compensation(h.dc_strength),
+                                                    h.base(delay)),
+                stash_forward_weights=True, pass_gradient_weights=True)
+
+
+METHODS = tuple(_PRESETS)
+
+
 def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay: float = 0.0,
                 micro_batches: int = 1, horizon: int | None = None,
-                anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA) -> Method:
-  """The methods of DESIGN.md §3 by name, with heavy-ball momentum SGD as the base optimizer.
+                anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA,
+                optimizer: str = "sgd", b2: float = 0.999, eps: float = 1e-8,
+                dc_strength: float = 0.04) -> Method:
+  """The methods of docs/design.md §3 by name.
 
   Args:
     name: one of :data:`METHODS`.
     learning_rate: float or optax schedule (in optimizer steps).
-    momentum: heavy-ball momentum ``m`` in ``[0, 1)``.
-    weight_decay: coupled L2 weight decay, added to the gradient.
+    momentum: heavy-ball momentum ``m`` in ``[0, 1)`` (Adam: its first-moment decay b1).
+    weight_decay: coupled L2 weight decay added to the gradient (Adam: decoupled, as AdamW).
     micro_batches: M of the synchronous mode (``sync``); ignored otherwise.
     horizon: Linear Weight Prediction horizon T; None predicts each stage's own delay D_s.
     anneal_steps: PipeMare's learning-rate annealing length K, in steps.
     gamma: PipeMare's discrepancy-correction EMA decay.
+    optimizer: the base update, 'sgd' (heavy-ball momentum) or 'adam'. SpecTrain and PipeMare
+      are defined for momentum SGD only.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    dc_strength: DC-ASGD's lambda.
   """
-  if name not in METHODS:
+  if name not in _PRESETS:
     raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
+  if optimizer not in BASE_OPTIMIZERS:
+    raise MethodError(f"Unknown base optimizer '{optimizer}'. Known: "
+                      f"{', '.join(BASE_OPTIMIZERS)}.")
   if not 0 <= momentum < 1:
     raise MethodError(f"momentum must be in [0, 1); got {momentum}.")
   if horizon is not None and horizon < 0:
     raise MethodError(f"The prediction horizon must be >= 0 (or None for the stage's delay); "
                       f"got {horizon}.")
-
-  def decayed(tx):
-    return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
-
-  def momentum_sgd(delay):
-    del delay
-    return decayed(optax.sgd(learning_rate, momentum=momentum))
-
-  def spike_compensated(delay):
-    return optim.sgd_sc(learning_rate, delay, momentum, weight_decay=weight_decay)
-
-  def predicting(base, form="update"):
-    def factory(delay):
-      return optim.linear_weight_prediction(
-          base(delay), delay if horizon is None else horizon, form=form,
-          learning_rate=learning_rate if form == "velocity" else None)
-    return factory
-
-  if name == "sgd":
-    return dataclasses.replace(sync(momentum_sgd, micro_batches=1), name="sgd")
-  if name == "sync":
-    return sync(momentum_sgd, micro_batches=micro_batches)
-  if name == "pb":
-    return Method("pb", momentum_sgd)
-  if name == "pb_sc":
-    return Method("pb_sc", spike_compensated)
-  if name == "pb_lwp":
-    return Method("pb_lwp", predicting(momentum_sgd), forward_weights=_predicted)
-  if name == "pb_sc_lwp":
-    return Method("pb_sc_lwp", predicting(spike_compensated), forward_weights=_predicted)
-  if name == "pipedream":
-    return Method("pipedream", momentum_sgd, stash_forward_weights=True)
-  if name == "spectrain":
-    return Method("spectrain", predicting(momentum_sgd, form="velocity"),
-                  forward_weights=_predicted)
-  # pipemare
-  return Method("pipemare",
-                lambda delay: decayed(optim.pipemare(learning_rate, delay, momentum,
-                                                     anneal_steps, gamma)),
-                backward_weights=_pipemare_past)
-
-
-METHODS = ("sgd", "sync", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain",
-           "pipemare")
+  return _PRESETS[name](Hyperparameters(
+      learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
+      micro_batches=micro_batches, horizon=horizon, anneal_steps=anneal_steps, gamma=gamma,
+      optimizer=optimizer, b2=b2, eps=eps, dc_strength=dc_strength))

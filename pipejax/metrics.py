@@ -77,6 +77,10 @@ class MetricsWriter:
     for key, value in record.items():
       if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "samples":
         self._tensorboard.add_scalar(f"{record['split']}/{key}", value, int(record["samples"]))
+      elif isinstance(value, list):  # one value per stage
+        for s, v in enumerate(value):
+          self._tensorboard.add_scalar(f"{record['split']}/{key}/stage_{s:02d}", v,
+                                       int(record["samples"]))
 
   def flush(self) -> None:
     """Puts every record written so far on disk (TensorBoard buffers its events)."""
@@ -91,6 +95,8 @@ class MetricsWriter:
 
 
 def _plain(value):
+  if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:
+    return [_plain(v) for v in value]
   try:
     return float(value) if not isinstance(value, (int, str, bool)) else value
   except TypeError:

@@ -43,8 +43,8 @@ FREE_KEYS = ("data_dir", "eval_every_samples", "checkpoint_every_samples", "keep
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
-STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "micro_batch_size",
-                   "micro_batches", "image_size", "seed", "ticks_per_chunk")
+STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "optimizer", "micro_batch_size",
+                   "micro_batches", "image_size", "seed", "ticks_per_chunk", "diagnostics")
 
 
 class ConfigError(ValueError):
@@ -64,10 +64,11 @@ class Hyperparameters:
   weight_decay: float
   steps: int  # optimizer steps of each stage over the run
   warmup_steps: int
+  beta2: float = 0.999  # Adam's second-moment decay (optimizer='adam')
 
 
 def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
-  """Converts the config's reference recipe to its micro-batch (DESIGN.md §3 scaling rules).
+  """Converts the config's reference recipe to its micro-batch (docs/design.md §4, scaling rules).
 
   ``config.lr`` / ``config.momentum`` / ``config.weight_decay``, when set, override the converted
   values. Schedules are kept in samples and converted to steps here.
@@ -77,14 +78,17 @@ def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
   ref = config.reference
   recipe = optim.scale_recipe(
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
-                   weight_decay=ref.weight_decay), group)
+                   weight_decay=ref.weight_decay,
+                   form="ema" if config.optimizer == "adam" else "heavy_ball"), group)
   steps = max(1, int(config.epochs * train_size) // group)
   return Hyperparameters(
       learning_rate=recipe.learning_rate if config.lr is None else config.lr,
       momentum=recipe.momentum if config.momentum is None else config.momentum,
       weight_decay=recipe.weight_decay if config.weight_decay is None else config.weight_decay,
       steps=steps,
-      warmup_steps=int(config.warmup_epochs * train_size) // group)
+      warmup_steps=int(config.warmup_epochs * train_size) // group,
+      # The second moment's half-life is kept in samples, like the first's.
+      beta2=ref.get("beta2", 0.999) ** (group / ref.batch_size))
 
 
 def learning_rate_schedule(config, hp: Hyperparameters):
@@ -119,8 +123,9 @@ _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
 _NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "lr", "weight_decay",
                        "warmup_epochs", "pipemare_anneal_epochs")
-_MOMENTA = ("reference.momentum", "momentum")
-_CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured")}
+_MOMENTA = ("reference.momentum", "momentum", "reference.beta2")
+_CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
+            "optimizer": ("sgd", "adam")}
 
 
 def _field(config, key: str):
@@ -219,6 +224,19 @@ def make_evaluator(model, batch_size: int):
   return evaluate
 
 
+def _mean_over_backwards(per_tick: np.ndarray, delays: list[int], first_tick: int) -> list[float]:
+  """Per stage, the mean of a (ticks, stages) metric over the ticks where the stage backwarded.
+
+  Stage s backwards its first sample at tick D_s; before that its metric is a placeholder 0.
+  """
+  ticks = first_tick + np.arange(per_tick.shape[0])
+  means = []
+  for s, delay in enumerate(delays):
+    active = ticks >= delay
+    means.append(float(per_tick[active, s].mean()) if active.any() else 0.0)
+  return means
+
+
 def _first_non_finite(finite: np.ndarray, first_tick: int, model) -> str | None:
   bad = np.argwhere(~finite)
   if not len(bad):
@@ -277,11 +295,16 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   method = methods_lib.make_method(
       config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
       weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b))
+      anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b),
+      optimizer=config.optimizer, b2=hp.beta2)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
-  pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32))
+  pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32),
+                  track_weight_discrepancy=bool(config.diagnostics))
   sharded = None
   if config.mesh.stage * config.mesh.data > 1:
+    if config.diagnostics:
+      raise ConfigError("config.diagnostics is measured on one device only; set "
+                        "--config.diagnostics=False on a mesh, or train on one device.")
     from pipejax import sharding  # single-device runs never touch meshes
     mesh = sharding.make_mesh(config.mesh.stage, config.mesh.data)
     balance = config.mesh.get("balance", "params")
@@ -374,6 +397,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
     writer.flush()
 
   evaluate = make_evaluator(model, config.eval_batch_size)
+  schedule = learning_rate_schedule(config, hp)  # the base rate, logged beside the loss
+  group_size = b * (config.micro_batches if config.method == "sync" else 1)
 
   def evaluate_now():
     result = evaluate([st.params for st in setup.logical(state).stages], test_source)
@@ -402,7 +427,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       seen = np.asarray(chunk_metrics["valid"])
       if seen.any():
         writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
-                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])))
+                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
+                     learning_rate=float(schedule(samples // group_size)))
+      if "weight_discrepancy" in chunk_metrics:
+        writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
+            np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
       # The rate of this interval alone: a running average would count compile time forever.
       now = time.perf_counter()
       rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)

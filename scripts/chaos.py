@@ -200,6 +200,7 @@ def main():
   process.communicate(timeout=600)
 
   outcomes = collections.Counter()
+  # Kill and corruption trials alternate, so a run cut short still has counts of both.
   for trial in range(args.trials):
     workdir = os.path.join(args.workdir, f"kill{trial}")
     what, killed_code = kill_at_random(workdir, rng, reference_seconds)
@@ -208,7 +209,6 @@ def main():
     outcomes["kill: " + verdict.split(" (")[0].split(":")[0]] += 1
     print(f"kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}", flush=True)
 
-  for trial in range(args.trials):
     source = rng.choice([stopped_dir, reference_dir])
     workdir = os.path.join(args.workdir, f"corrupt{trial}")
     shutil.copytree(source, workdir)

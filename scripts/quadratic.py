@@ -2,17 +2,20 @@ r"""Stability tables and figures of pipelined momentum methods on a convex quadr
 
 Prints, for each method, momentum and delay, the largest stable ``ηλ`` and the best asymptotic
 rate ``ρ`` of the recurrence on ``L(w) = ½ λ w²`` (see ``pipejax/analysis/quadratic.py``), draws
-the figures, and regenerates ``docs/quadratic.md``.
+the figures, and keeps the numbers of ``docs/quadratic.md`` current:
 
-Usage (from the repository root):
+    python scripts/quadratic.py                      # readable tables
+    python scripts/quadratic.py --format=json        # {"stability": [...]}
+    python scripts/quadratic.py --output_dir=/tmp/q  # also the PNG figures
+    python scripts/quadratic.py --write_docs         # docs/quadratic.md's numbers, docs/figures/
+    python scripts/quadratic.py --check_docs         # exit 1 if the page's numbers are stale
 
-  .venv/bin/python scripts/quadratic.py                      # readable tables
-  .venv/bin/python scripts/quadratic.py --format=json        # {"stability": [...]}
-  .venv/bin/python scripts/quadratic.py --output_dir=/tmp/q  # also the PNG figures
-  .venv/bin/python scripts/quadratic.py --write_docs         # docs/quadratic.md + docs/figures/
-
-Without ``pip install -e .`` prefix the commands with ``PYTHONPATH=.``. The full default table
-(6 methods × 3 momenta × 5 delays) takes about 10 s on one CPU core.
+The page carries its own prose. What the script computes sits between markers on the page, and
+``--write_docs`` rewrites only that: blocks between ``<!-- begin NAME -->`` and
+``<!-- end NAME -->`` (tables), and numbers quoted in the text as
+``<!-- lr METHOD m=M D=D -->VALUE<!-- /lr -->`` (the largest stable ``ηλ``). The full default
+table (6 methods × 3 momenta × 5 delays) takes about 15 s on one CPU core, the figures about 30 s
+more.
 """
 
 from __future__ import annotations
@@ -20,35 +23,32 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from typing import Sequence
 
 from absl import app
 from absl import flags
 
-# Lets the script run from a checkout without `pip install -e .`: the repository root is the
-# parent of this file's folder.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-  sys.path.insert(0, _REPO_ROOT)
-
-from pipejax.analysis import quadratic  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pipejax.analysis import quadratic
 
 _FORMAT = flags.DEFINE_enum("format", "text", ["text", "json", "markdown"],
                             "How to print the stability table.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None,
                                   "If set, write the PNG figures into this folder.")
-_WRITE_DOCS = flags.DEFINE_bool("write_docs", False,
-                                "Regenerate docs/quadratic.md and its figures in docs/figures/.")
+_WRITE_DOCS = flags.DEFINE_bool("write_docs", False, "Rewrite the generated parts of "
+                                "docs/quadratic.md and its figures in docs/figures/.")
+_CHECK_DOCS = flags.DEFINE_bool("check_docs", False, "Exit with status 1 if the generated parts "
+                                "of docs/quadratic.md differ from what the code computes now.")
 _METHODS = flags.DEFINE_list("methods", list(quadratic.PIPELINE_METHODS),
                              f"Methods to tabulate, from {', '.join(quadratic.METHODS)}.")
 _MOMENTA = flags.DEFINE_list("momenta", ["0.9", "0.99", "0.999"], "Heavy-ball momenta m.")
 _DELAYS = flags.DEFINE_list("delays", ["0", "1", "4", "16", "64"], "Gradient delays D.")
 
 JSON_KEYS = ("method", "momentum", "delay", "max_stable_lr", "best_rate")
-DOCS_PATH = os.path.join("docs", "quadratic.md")
-FIGURES_DIR = os.path.join("docs", "figures")
-REGENERATE_COMMAND = "PYTHONPATH=. .venv/bin/python scripts/quadratic.py --write_docs"
+_DOCS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+DOCS_PATH = os.path.join(_DOCS_DIR, "quadratic.md")
+FIGURES_DIR = os.path.join(_DOCS_DIR, "figures")
 
 # The multi-dimensional runs: (lr, momentum, delay) per panel, on 32 curvatures log-spaced over
 # [1e-3, 1]. The first is stable for every method; at the second, plain PB is past its limit
@@ -146,155 +146,43 @@ def write_figures(output_dir: str, methods: Sequence[str]) -> dict[str, str]:
   return paths
 
 
-def render_docs(rows, methods, momenta, delays, figures: dict[str, str]) -> str:
-  """The text of docs/quadratic.md (figure paths are made relative to docs/)."""
-  def fig(name):
-    return os.path.relpath(figures[name], "docs").replace(os.sep, "/")
+# The markers of docs/quadratic.md's generated parts (see the module docstring).
+_BLOCK = re.compile(r"(?P<open><!-- begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                    r"(?P<close>\n<!-- end (?P=name) -->)", re.S)
+_INLINE_LR = re.compile(r"(?P<open><!-- lr (?P<method>\w+) m=(?P<momentum>[\d.]+) "
+                        r"D=(?P<delay>\d+) -->)(?P<value>.*?)(?P<close><!-- /lr -->)")
 
-  def lr(method, momentum, delay):
-    return _fmt_lr(_grid(rows, "max_stable_lr", method, momentum, [delay])[0])
 
-  sections = [
-      "# Pipelined momentum on a convex quadratic",
-      "",
-      "<!-- Generated by scripts/quadratic.py --write_docs; edit the script, not this page. -->",
-      "",
-      "Regenerate this page and its figures from the repository root with",
-      "",
-      "```sh",
-      REGENERATE_COMMAND,
-      "```",
-      "",
-      "(about 45 s on two CPU cores; `.venv/bin/python scripts/quadratic.py --format=json` "
-      "prints the same numbers as JSON, and `PYTHONPATH=.` is unneeded once the package is "
-      "installed with `pip install -e .`).",
-      "",
-      "## The model",
-      "",
-      "On `L(w) = ½ λ w²` with heavy-ball momentum (`v ← m v + g`, `w ← w − η u`) and a gradient "
-      "computed from the weights of `D` steps ago, every method of DESIGN.md §3 is a linear "
-      "recurrence in `w`, `v` and the last `D + 1` (or `D + 2`) weights. The spectral radius `ρ` "
-      "of its companion matrix is the asymptotic convergence factor per step; `ρ < 1` is "
-      "stability. Only `ηλ` matters. `pipejax.analysis.quadratic` builds the matrices "
-      "(`companion_matrix`, `spectral_radius`) and, independently, steps each update rule with "
-      "explicit weight histories (`simulated_rate`); the tests check that the two agree to 1e-3 "
-      "relative (in practice to ~1e-4). A scalar weight has no forward/backward inconsistency, so "
-      "this analysis isolates *staleness*.",
-      "",
-      "| method | gradient applied at step t | update |",
-      "|---|---|---|",
-      "| `pb` | `λ w_{t−D}` | plain momentum |",
-      "| `pb_sc` | `λ w_{t−D}` | Spike Compensation `u = m^D v + (1 − m^D)/(1 − m) g` |",
-      "| `pb_lwp` | `λ ŵ_{t−D}`, `ŵ_s = w_s + D (w_s − w_{s−1})` | plain momentum |",
-      "| `pb_sc_lwp` | same prediction, from the applied (spiked) update | Spike Compensation |",
-      "| `spectrain` | `λ ŵ_{t−D}`, `ŵ_s = w_s − η D v_s` | plain momentum |",
-      "| `pipemare` | `λ w_{t−D}` | plain momentum with step `η / D` |",
-      "",
-      "Two rows are equal by construction, and the tables show it:",
-      "",
-      "- **`spectrain` = `pb_lwp`.** Under plain momentum `w_s − w_{s−1} = −η v_s`, so the "
-      "velocity-form prediction is the update-form one. The code builds the two matrices "
-      "independently (SpecTrain's carries a velocity history and has size `2D + 2`) and the "
-      "tests check that their spectral radii agree. The forms differ only under SC.",
-      "- **`pipemare` = `pb` with `ηλ/D`.** PipeMare's rescheduled rate is "
-      "`α_k τ^{−(1 − min(k/K, 1))}`, `τ = max(D, 1)`; this page analyses its *start*, `k = 0`, "
-      "where the step is `α/τ`, and tabulates the *base* `ηλ`. Its discrepancy correction moves "
-      "only the backward's weights, which on a scalar quadratic are the forward's, so it drops "
-      "out. PipeMare's stable base `ηλ` is therefore `D` times PB's, and its best `ρ` equals "
-      "PB's: it buys stability by taking a `D`-times smaller step, not by removing the delay. "
-      "After annealing (`k ≥ K`) it is exactly `pb`.",
-      "",
-      "## Anchors",
-      "",
-      "**No delay.** With `D = 0` every method is heavy ball: stable for `ηλ < 2(1 + m)`, best "
-      "`ρ = √m` (reached on the whole range `(1 − √m)² ≤ ηλ ≤ (1 + √m)²`). The `D = 0` columns "
-      "below match both to 1e-12; the tests hold them to 1e-3.",
-      "",
-      "**Plain delayed momentum is stable only for `ηλ/(1 − m) ≲ 1/D`.** With `D = 1` the limit "
-      "is exactly `1 − m` (the characteristic polynomial is `z² − (1 + m) z + m + ηλ`). For "
-      "larger `D`, `D·ηλ_max/(1 − m)` for `pb` is:",
-      "",
-      _pb_anchor_table(rows, momenta, delays),
-      "",
-      "The ratio is close to 1 while the delay is short compared with the momentum's memory "
-      "`1/(1 − m)`: the weights then drift slowly over `D` steps, `w_{t−D} ≈ w_t − D ẇ`, and in "
-      "`ẅ + (1 − m) ẇ + ηλ w(t − D) ≈ 0` the delay acts as a negative damping `ηλ D` that must "
-      "stay below the momentum's damping `1 − m`. The ratio grows when `D` approaches or exceeds "
-      "`1/(1 − m)` (m = 0.9: 10 steps).",
-      "",
-      "## Tables",
-      "",
-      _tables(rows, methods, momenta, delays, markdown=True),
-      "## What the numbers say",
-      "",
-      f"- **Spike Compensation** enlarges the stable range at every `D > 0`, and more so the "
-      f"higher the momentum: at `D = 16` from {lr('pb', 0.9, 16)} to {lr('pb_sc', 0.9, 16)} "
-      f"(m = 0.9), from {lr('pb', 0.99, 16)} to {lr('pb_sc', 0.99, 16)} (m = 0.99) and from "
-      f"{lr('pb', 0.999, 16)} to {lr('pb_sc', 0.999, 16)} (m = 0.999). Momentum spreads each "
-      "gradient's effect over about `1/(1 − m)` steps and a delay shifts all of it by `D`. SC "
-      "applies, on arrival, the part the gradient would have contributed while in flight; from "
-      "then on the weights follow the undelayed trajectory. Only the first `(1 − m^D)/(1 − m)` "
-      "of the gradient's total weight `1/(1 − m)` is still applied late (all at once, on "
-      "arrival), a fraction `1 − m^D` that vanishes as `m → 1` at fixed `D`: hence the gain "
-      "grows with momentum.",
-      f"- **Linear Weight Prediction** (and SpecTrain, identical here) evaluates the gradient "
-      "at an extrapolation of where the weights will be when it is applied, which cancels the "
-      "first-order effect of the delay: at `D = 16` it takes the limit from "
-      f"{lr('pb', 0.99, 16)} to {lr('pb_lwp', 0.99, 16)} (m = 0.99) and from "
-      f"{lr('pb', 0.999, 16)} to {lr('pb_lwp', 0.999, 16)} (m = 0.999).",
-      f"- **SC + LWP** is the best combination at high momentum (the regime of batch-size-one "
-      f"pipelines, where the batch-size scaling rule gives `m` close to 1): at m = 0.999 its "
-      f"limit is {lr('pb_sc_lwp', 0.999, 16)} at `D = 16` and {lr('pb_sc_lwp', 0.999, 64)} at "
-      f"`D = 64`, against {lr('pb', 0.999, 16)} and {lr('pb', 0.999, 64)} for PB, "
-      f"{lr('pb_sc', 0.999, 64)} for SC and {lr('pb_lwp', 0.999, 64)} for LWP alone at `D = 64`.",
-      f"- **Prediction overshoots when the delay outlasts the momentum's memory.** Extrapolating "
-      "the last update `T = D` steps ahead assumes updates stay steady for `D` steps, which "
-      "momentum guarantees only for `D ≲ 1/(1 − m)`. At m = 0.9 (memory 10 steps), LWP's limit "
-      f"at `D = 64` falls below PB's ({lr('pb_lwp', 0.9, 64)} against {lr('pb', 0.9, 64)}), and "
-      f"SC + LWP's already at `D = 16` ({lr('pb_sc_lwp', 0.9, 16)} against "
-      f"{lr('pb', 0.9, 16)}): under SC the update-form prediction extrapolates the spike too, and "
-      "with little momentum the spike is most of the update (at m = 0.9, D = 16: "
-      "`b g ≈ 8.1 g` against `a v ≈ 1.9 g` in steady state).",
-      "- **Best `ρ` on one curvature is not the figure of merit.** At high momentum the best "
-      "`ηλ` is about `(1 − √m)²`, far below every limit, so all methods reach `ρ ≈ √m`. Methods "
-      "with prediction can even beat `√m` (SC + LWP at `D = 1` reaches about 0.68 at m = 0.9): "
-      "on a single curvature, extra terms in the recurrence can cancel the momentum, as plain GD "
-      "at `ηλ = 1` converges in one step. What matters on a real problem is the *stable range*: "
-      "with curvatures spread over `[λ_min, λ_max]` the step is capped by `λ_max` and the "
-      "slowest direction contracts by about `1 − ηλ_min/(1 − m)` per step, so the attainable "
-      "speed is proportional to the largest stable `ηλ`.",
-      "",
-      "## Figures",
-      "",
-      "ρ against ηλ, one panel per method, one curve per delay (m = 0.9, then m = 0.99). The "
-      "y axis is `ρ − 1` on a symmetric log scale, so the stable side (just below 1 at high "
-      "momentum: `√m − 1 = −0.005` at m = 0.99) and the unstable side are both legible; the "
-      "dashed zero line is `ρ = 1` and the shaded half is stable. Each curve leaves the shaded "
-      "half at that method's `max_stable_lr`:",
-      "",
-      f"![rho vs lr, m=0.9]({fig('rho_vs_lr_m0.9')})",
-      "",
-      f"![rho vs lr, m=0.99]({fig('rho_vs_lr_m0.99')})",
-      "",
-      "The same curves grouped by delay, all methods in each panel (m = 0.99); the black curve "
-      "is undelayed heavy ball, SpecTrain (dashed) lies on PB + LWP, and at `D = 1` PipeMare "
-      "lies on PB:",
-      "",
-      f"![rho by delay]({fig('rho_by_delay_m0.99')})",
-      "",
-      "Loss against step on `½ Σ λ_i w_i²` with 32 curvatures log-spaced over `[1e-3, 1]`, all "
-      "weights starting at 1; during the fill (`t < D`) no gradient has arrived and the weights "
-      "do not move. Left: a step every method tolerates. Right: a step 3× past PB's limit, "
-      "inside SC's and LWP's; PipeMare stays stable because its step is 16× smaller, and is "
-      "correspondingly slow:",
-      "",
-      f"![losses]({fig('losses')})",
-      "",
-      "Settings of the loss panels (lr, m, D): "
-      + ", ".join(f"({a:g}, {b:g}, {c})" for a, b, c in LOSS_SETTINGS) + f"; {LOSS_STEPS} steps.",
-      "",
-  ]
-  return "\n".join(sections)
+def generated_blocks(rows, methods, momenta, delays) -> dict[str, str]:
+  """The text of every generated block of docs/quadratic.md, by marker name."""
+  return {
+      "pb-anchor-table": _pb_anchor_table(rows, momenta, delays),
+      "stability-tables": _tables(rows, methods, momenta, delays, markdown=True).rstrip("\n"),
+      "loss-settings": ("Settings of the loss panels (lr, m, D): "
+                        + ", ".join(f"({a:g}, {b:g}, {c})" for a, b, c in LOSS_SETTINGS)
+                        + f"; {LOSS_STEPS} steps."),
+  }
+
+
+def render_docs(page: str, rows, methods, momenta, delays) -> str:
+  """``page`` with every generated block and quoted number rewritten from ``rows``.
+
+  Raises:
+    ValueError: a marker names a block this script does not generate, or the page has none.
+  """
+  blocks = generated_blocks(rows, methods, momenta, delays)
+  found = [m.group("name") for m in _BLOCK.finditer(page)]
+  unknown = sorted(set(found) - set(blocks))
+  if unknown or not found:
+    raise ValueError(f"{DOCS_PATH} has generated blocks {found}; this script writes "
+                     f"{sorted(blocks)}. Fix the markers on the page (unknown: {unknown}).")
+  page = _BLOCK.sub(lambda m: m["open"] + blocks[m["name"]] + m["close"], page)
+
+  def quoted_lr(m):
+    value = quadratic.max_stable_lr(m["method"], float(m["momentum"]), int(m["delay"]))
+    return m["open"] + _fmt_lr(value) + m["close"]
+
+  return _INLINE_LR.sub(quoted_lr, page)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -316,12 +204,22 @@ def main(argv: Sequence[str]) -> None:
   if _OUTPUT_DIR.value:
     for path in write_figures(_OUTPUT_DIR.value, methods).values():
       print(f"wrote {path}", file=sys.stderr)
-  if _WRITE_DOCS.value:
-    figures = write_figures(FIGURES_DIR, methods)
-    with open(DOCS_PATH, "w", encoding="utf-8") as f:
-      f.write(render_docs(rows, methods, momenta, delays, figures))
-    print(f"wrote {DOCS_PATH} and {len(figures)} figures in {FIGURES_DIR}", file=sys.stderr)
-
+  if _WRITE_DOCS.value or _CHECK_DOCS.value:
+    with open(DOCS_PATH, encoding="utf-8") as f:
+      page = f.read()
+    try:
+      current = render_docs(page, rows, methods, momenta, delays)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+    if _CHECK_DOCS.value and current != page:
+      print(f"{DOCS_PATH} is out of date: run `python scripts/quadratic.py --write_docs`.",
+            file=sys.stderr)
+      sys.exit(1)
+    if _WRITE_DOCS.value:
+      figures = write_figures(FIGURES_DIR, methods)
+      with open(DOCS_PATH, "w", encoding="utf-8") as f:
+        f.write(current)
+      print(f"wrote {DOCS_PATH} and {len(figures)} figures in {FIGURES_DIR}", file=sys.stderr)
 
 if __name__ == "__main__":
   app.run(main)

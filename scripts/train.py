@@ -21,13 +21,12 @@ Exit codes (for job schedulers and study runners):
         same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
-import difflib
-import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from pipejax import config as configlib
 from pipejax import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -74,38 +73,5 @@ def main(argv):
         f"seconds={summary['train_seconds']:.0f}")
 
 
-def parse_flags(argv):
-  """absl's flag parsing; a config file or field that cannot be used is one line, not a trace."""
-  try:
-    rest = flags.FLAGS(argv)
-    _CONFIG.value.get  # pylint: disable=pointless-statement  (a missing file shows when read)
-    return rest
-  except flags.Error as e:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    # A config file that raised: its own last line says what is wrong, the trace does not.
-    problem = lines[0].rstrip(":") + (f": {lines[-1]}" if "Traceback" in str(e) else "")
-  except (AttributeError, KeyError) as e:  # ml_collections: an override names no config field
-    problem = _unknown_field(argv, str(e))
-  except (OSError, ValueError) as e:  # the config file is missing or its argument unknown
-    problem = f"--config cannot be loaded: {' '.join(str(e).split())}"
-  print(f"error: {problem}", file=sys.stderr)
-  sys.exit(EXIT_USAGE)
-
-
-def _unknown_field(argv, message: str) -> str:
-  names = re.findall(r'instead of "(\w+)"', message) or re.findall(r"(\w+)", message)
-  name = names[0] if names else "?"
-  flag = next((a.split("=")[0] for a in argv if re.search(rf"--config\.(.*\.)?{name}\b", a)),
-              f"--config.{name}")
-  suggestion = re.search(r'Did you mean "([^"]+)"', message)
-  if suggestion is None:  # guess from the known fields
-    known = training.base_config().to_dict()
-    close = difflib.get_close_matches(name, list(known), n=1)
-    suggestion_text = f"; the closest known field is {close[0]!r}" if close else ""
-  else:
-    suggestion_text = f"; did you mean {suggestion.group(1)!r}?"
-  return f"{flag}: the config has no field {name!r}{suggestion_text}"
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=configlib.parse_flags)

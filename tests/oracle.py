@@ -1,8 +1,8 @@
-"""A deliberately naive reference for the pipeline (DESIGN.md §2): the ground truth of the tests.
+"""A deliberately naive reference for the pipeline (docs/design.md §2): the tests' ground truth.
 
 Python loops over ticks and stages; a dict per stage from sample index to stashed input; the full
 history of each stage's weights; no ring buffers, no scan, no optax. Update rules and weight views
-are written out in numpy from the formulas of DESIGN.md §3, so the engine and its optax
+are written out in numpy from the formulas of docs/design.md §3, so the engine and its optax
 transformations are checked against an independent statement of the same mathematics.
 """
 
@@ -34,8 +34,50 @@ class Momentum:
     m, d = self.momentum, self.delay
     a, b = (m ** d, (1 - m ** d) / (1 - m)) if self.spike_compensation else (1.0, 0.0)
     self.v = [m * v + gi for v, gi in zip(self.v, g)]
+    self.last_gradient = g
     self.count += 1
     return [wi - self.lr * (a * v + b * gi) for wi, v, gi in zip(w, self.v, g)]
+
+
+@dataclasses.dataclass
+class DelayCompensated(Momentum):
+  """DC-ASGD: g <- g + lam g*g*(w_now - w_then), then heavy-ball momentum."""
+
+  strength: float = 0.04
+  needs_gradient_weights = True
+
+  def step(self, w, g, gradient_weights):
+    g = [gi + self.strength * gi * gi * (wi - wt) for gi, wi, wt in zip(g, w, gradient_weights)]
+    return super().step(w, g)
+
+
+@dataclasses.dataclass
+class Adam:
+  """AdamW written out (bias-corrected moments, decoupled decay); Spike Compensation on the
+  bias-corrected first moment when sc: u = b1^D mu_hat + (1 - b1^D) g."""
+
+  lr: float
+  b1: float
+  b2: float
+  delay: int = 0
+  spike_compensation: bool = False
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+
+  def init(self, w):
+    self.mu = [np.zeros_like(x) for x in w]
+    self.nu = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def step(self, w, g):
+    self.count += 1
+    b1, b2, k = self.b1, self.b2, self.count
+    self.mu = [b1 * m + (1 - b1) * gi for m, gi in zip(self.mu, g)]
+    self.nu = [b2 * n + (1 - b2) * gi * gi for n, gi in zip(self.nu, g)]
+    a = b1 ** self.delay if self.spike_compensation else 1.0
+    first = [a * m / (1 - b1 ** k) + (1 - a) * gi for m, gi in zip(self.mu, g)]
+    return [wi - self.lr * (f / (np.sqrt(n / (1 - b2 ** k)) + self.eps) + self.weight_decay * wi)
+            for wi, f, n in zip(w, first, self.nu)]
 
 
 @dataclasses.dataclass
@@ -90,7 +132,7 @@ class Accumulate:
 @dataclasses.dataclass
 class OracleMethod:
   """forward / backward: 'current', 'stashed' (PipeDream), 'predicted_update',
-  'predicted_velocity', 'pipemare'."""
+  'predicted_velocity', 'predicted_next_velocity' (SpecTrain), 'pipemare'."""
 
   make_rule: callable  # delay -> rule
   forward: str = "current"
@@ -136,6 +178,12 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
     if kind == "predicted_velocity":
       rule = rules[s]
       return [x - rule.lr * horizon * v for x, v in zip(w, rule.v)]
+    if kind == "predicted_next_velocity":  # SpecTrain's reference code: m v + g
+      rule = rules[s]
+      if not rule.count:
+        return w
+      return [x - rule.lr * horizon * (rule.momentum * v + g)
+              for x, v, g in zip(w, rule.v, rule.last_gradient)]
     if kind == "pipemare":
       return [x - delay * d for x, d in zip(w, rules[s].delta)]
     raise ValueError(kind)
@@ -172,7 +220,10 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
         if s > 0:
           cotangents[(s, m)] = g_x
         g = [np.asarray(x, np.float64) for x in jax.tree.leaves(g_w)]
-        new_weights[s] = rules[s].step(weights[s], g)
+        if getattr(rules[s], "needs_gradient_weights", False):
+          new_weights[s] = rules[s].step(weights[s], g, w_b)
+        else:
+          new_weights[s] = rules[s].step(weights[s], g)
         applied[s].append([a - b for a, b in zip(new_weights[s], weights[s])])
     weights = new_weights
     for s in range(num_stages):

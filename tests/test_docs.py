@@ -1,17 +1,371 @@
-"""The README's Python examples run as written, and its commands agree with CI."""
+"""The docs hold: every cited page and section exists, and every documented command runs as written.
 
+Commands are collected from the README, CONTRIBUTING, docs/*.md and the docstrings of configs/ and
+scripts/. They are written for the virtualenv the README's set-up creates, activated (``source
+.venv/bin/activate``), so ``python`` is the interpreter that has pipejax: here, the one running the
+tests.
+"""
+
+import ast
+import glob
+import importlib.util
+import json
 import os
 import re
+import runpy
+import shlex
+import subprocess
+import sys
+
+from absl import flags
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The developers' brief the project grew from; the project says things in its own pages instead.
+BRIEF = "DESIGN" + ".md"
+SKIP_DIRS = {".git", ".venv", "runs", "workdirs", "build", "__pycache__", ".pytest_cache"}
+DOC_PAGES = ["README.md", "CONTRIBUTING.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+# "docs/design.md §2, §3": a page, then the sections cited in it.
+CITATION = re.compile(r"(docs/[\w-]+\.md)((?:(?:\s*,\s*|\s+and\s+|\s+)§\d+(?:\.\d+)*)*)")
+SECTION = re.compile(r"§(\d+(?:\.\d+)*)")
+
+
+def read(path):
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    return f.read()
+
+
+def project_text_files():
+  """Relative paths of the repository's text files (what a clone holds, without build output)."""
+  for folder, dirs, files in os.walk(ROOT):
+    dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+    for name in files:
+      path = os.path.relpath(os.path.join(folder, name), ROOT)
+      try:
+        read(path)
+      except UnicodeDecodeError:
+        continue  # figures and other binaries
+      yield path
+
+
+def headings(path):
+  """Section numbers of a page: '## 2. Title' gives '2', '### 2.1 Title' gives '2.1'."""
+  return set(re.findall(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", read(path), flags=re.M))
+
+
+# ----------------------------------------------------------------------------- citations
+
+
+def test_design_page_has_numbered_sections():
+  sections = headings("docs/design.md")
+  assert {str(n) for n in range(1, 11)} <= sections
+  assert {"2.1", "2.3", "2.5", "3.3", "3.4", "3.7"} <= sections
+
+
+def test_every_cited_page_and_section_exists():
+  cited = 0
+  for path in project_text_files():
+    text = read(path)
+    covered = set()
+    for match in CITATION.finditer(text):
+      page = match.group(1)
+      assert os.path.exists(os.path.join(ROOT, page)), f"{path} cites {page}, which is missing"
+      for section in SECTION.findall(match.group(2)):
+        assert section in headings(page), f"{path} cites {page} §{section}, which is missing"
+        cited += 1
+      covered.update(range(*match.span(2)))
+    for match in SECTION.finditer(text):
+      if path == os.path.join("docs", "design.md"):  # the page's references to itself
+        assert match.group(1) in headings(path), f"{path} cites its own §{match.group(1)}"
+      else:
+        assert match.start() in covered, (
+            f"{path} cites §{match.group(1)} without naming the page: write "
+            f"'docs/design.md §{match.group(1)}'")
+  assert cited >= 20
+
+
+def test_relative_links_of_the_pages_exist():
+  for page in DOC_PAGES:
+    for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue
+      path = os.path.join(ROOT, os.path.dirname(page), target.split("#")[0])
+      assert os.path.exists(path), f"{page} links to {target}, which is missing"
+
+
+def test_nothing_cites_the_developers_brief():
+  offenders = [path for path in project_text_files()
+               if os.path.basename(path) != BRIEF and BRIEF in read(path)]
+  assert not offenders, f"{offenders} mention {BRIEF}; cite docs/design.md's sections instead"
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def documented_command_lines():
+  """(where, line) of every command the pages and docstrings show, continuation lines joined."""
+  sources = []
+  for page in DOC_PAGES:
+    text = read(page)
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    sources += [(page, block) for block in blocks]
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    sources += [(page, span) for span in re.findall(r"`([^`\n]+)`", prose)
+                if re.match(r"(\w+=\S+ )*(python|bash) ", span)]
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
+                     + glob.glob(os.path.join(ROOT, "scripts", "*.py"))):
+    docstring = ast.get_docstring(ast.parse(read(path))) or ""
+    lines = [l.strip() for l in docstring.splitlines()]
+    sources += [(os.path.relpath(path, ROOT), "\n".join(
+        l for l in lines if re.match(r"(\w+=\S+ )*(python|bash) ", l) or l.startswith("--")))]
+  for where, text in sources:
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+      if line.strip():
+        yield where, line.strip()
+
+
+def simple_commands(line):
+  """The commands of a shell line as token lists (split at && and ;), env assignments dropped."""
+  try:
+    tokens = shlex.split(line, comments=True)
+  except ValueError:  # a line that opens a quote closed on another (a remote ssh command)
+    tokens = shlex.split(line.replace('"', ""), comments=True)
+  command = []
+  for token in tokens + ["&&"]:
+    if token in ("&&", ";"):
+      while command and re.match(r"\w+=", command[0]):
+        command = command[1:]
+      if command:
+        yield command
+      command = []
+    else:
+      command.append(token)
+
+
+def documented_commands():
+  """(where, tokens) of every documented python or bash command."""
+  for where, line in documented_command_lines():
+    for tokens in simple_commands(line):
+      if tokens[0] in ("python", "bash") or "python" in tokens[0]:
+        yield where, tokens
+
+
+def train_default_args():
+  """What scripts/train_default.sh passes to scripts/train.py before the user's arguments."""
+  exec_line = [l for l in read("scripts/train_default.sh").splitlines() if l.startswith("exec ")]
+  tokens = shlex.split(exec_line[0])
+  assert tokens[2] == "scripts/train.py" and tokens[-1] == "$@", exec_line
+  return tokens[3:-1]
+
+
+def as_script_call(tokens):
+  """(script, args) of a documented command, with train_default.sh as the train.py it runs."""
+  if tokens[:2] == ["bash", "scripts/train_default.sh"]:
+    return "scripts/train.py", train_default_args() + tokens[2:]
+  if tokens[0] == "python" and tokens[1].startswith("scripts/"):
+    return tokens[1], tokens[2:]
+  return None, None
+
+
+def parse_flags(script, args):
+  """Defines ``script``'s absl flags, parses ``args`` as the script would; returns the values.
+
+  The script's own flags are removed again afterwards, so that scripts whose flags share names
+  can be checked one after the other in this process.
+  """
+  module = "documented_command"
+  before, was_parsed = set(flags.FLAGS), flags.FLAGS.is_parsed()
+  cwd, argv = os.getcwd(), sys.argv
+  os.chdir(ROOT)  # commands are run from the repository root
+  sys.argv = [script] + args  # ml_collections reads the --config.* overrides from here
+  try:
+    runpy.run_path(os.path.join(ROOT, script), run_name=module)
+    flags.FLAGS(sys.argv)
+    return {name: flags.FLAGS[name].value for name in set(flags.FLAGS) - before}
+  finally:
+    os.chdir(cwd)
+    sys.argv = argv
+    for name in set(flags.FLAGS) - before:
+      if flags.FLAGS.find_module_defining_flag(name) == module or name.startswith("config."):
+        delattr(flags.FLAGS, name)
+    if not was_parsed:
+      flags.FLAGS.unparse_flags()
+
+
+def load_script(script):
+  """``script`` as a module, for its functions; the absl flags it defines are removed again."""
+  name = os.path.splitext(os.path.basename(script))[0] + "_script"
+  before = set(flags.FLAGS)
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    for flag in set(flags.FLAGS) - before:  # other scripts define flags of the same names
+      if flags.FLAGS.find_module_defining_flag(flag) == name:
+        delattr(flags.FLAGS, flag)
+  return module
+
+
+def test_commands_are_found_everywhere_they_are_documented():
+  where = {w for w, _ in documented_commands()}
+  assert {"README.md", "CONTRIBUTING.md", "docs/distributed.md", "docs/quadratic.md",
+          "configs/default.py", "configs/mnist1d.py", "scripts/train.py", "scripts/plot.py",
+          "scripts/quadratic.py", "scripts/schedule.py", "scripts/benchmark.py"} <= where
+
+
+def test_documented_commands_are_written_for_the_activated_virtualenv():
+  for path in DOC_PAGES + [os.path.relpath(p, ROOT) for p in
+                           glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
+                           + glob.glob(os.path.join(ROOT, "scripts", "*.py"))]:
+    text = read(path)
+    assert ".venv/bin/python" not in text and "PYTHONPATH" not in text, (
+        f"{path}: write commands as `python ...`, for the activated virtualenv")
+  for where, tokens in documented_commands():
+    assert tokens[0] in ("python", "bash"), f"{where}: {' '.join(tokens)}"
+  readme = read("README.md")
+  assert "source .venv/bin/activate" in readme
+  # The set-up is introduced before the first command that needs the virtualenv.
+  assert readme.index("source .venv/bin/activate") < readme.index("python scripts/")
+
+
+def test_documented_commands_name_real_scripts_configs_and_flags():
+  from pipejax import training  # pylint: disable=import-outside-toplevel
+  checked = 0
+  for where, tokens in documented_commands():
+    if tokens[0] == "python" and tokens[1] == "-m":
+      assert importlib.util.find_spec(tokens[2]), f"{where}: no module {tokens[2]}"
+      continue
+    script = tokens[1]
+    assert os.path.exists(os.path.join(ROOT, script)), f"{where}: no {script}"
+    script, args = as_script_call(tokens)
+    if script is None:  # scripts/test.sh (pytest's arguments), scripts/setup_env.sh
+      continue
+    try:
+      values = parse_flags(script, args)
+    except flags.Error as e:
+      pytest.fail(f"{where}: `{' '.join(tokens)}` does not parse: {e}")
+    if script == "scripts/train.py":
+      training.validate(values["config"])
+    checked += 1
+  assert checked >= 25
+
+
+def readme_training_commands():
+  """The distinct training commands of the README, in order."""
+  commands = []
+  for where, tokens in documented_commands():
+    if where == "README.md" and as_script_call(tokens)[0] == "scripts/train.py" and \
+        tokens not in commands:
+      commands.append(tokens)
+  assert len(commands) >= 4
+  return commands
+
+
+def test_readme_training_runs_each_have_their_own_workdir():
+  workdirs = []
+  for tokens in readme_training_commands():
+    _, args = as_script_call(tokens)
+    workdirs.append([a.split("=", 1)[1] for a in args if a.startswith("--workdir=")][-1])
+  assert len(set(workdirs)) == len(workdirs), workdirs
+
+
+# ----------------------------------------------------------------------------- smoke runs
+
+
+def smoke_variant(args, tmp_path):
+  """The arguments of a documented run as a smoke run writing under ``tmp_path``."""
+  out = []
+  for arg in args:
+    name, _, value = arg.partition("=")
+    if name == "--config" and ":" not in value:
+      value += ":smoke"
+    elif name in ("--workdir", "--output"):
+      value = str(tmp_path / value)
+    elif name == "--workdirs":
+      value = ",".join(str(tmp_path / v) for v in value.split(","))
+    out.append(f"{name}={value}" if value else name)
+  return out
+
+
+def activated_env():
+  """The environment of a shell with the virtualenv activated: ``python`` is this Python."""
+  env = dict(os.environ)
+  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  env["VIRTUAL_ENV"] = os.path.dirname(os.path.dirname(sys.executable))
+  return env
+
+
+@pytest.mark.slow
+def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
+  from pipejax import training  # pylint: disable=import-outside-toplevel
+  commands = readme_training_commands()
+  # One through a real shell as a user types it. The others in this process, through the binary's
+  # own flag parsing and its train_and_evaluate, and shorter still than the smoke runs (one chunk):
+  # they differ from the first in their config, which is what they check.
+  shell_tokens = next(t for t in commands if t[0] == "python")
+  script, args = as_script_call(shell_tokens)
+  line = shlex.join(["python", script] + smoke_variant(args, tmp_path))
+  result = subprocess.run(["bash", "-c", line], cwd=ROOT, env=activated_env(),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "FINAL test_accuracy=" in result.stdout
+  for tokens in commands:
+    if tokens is shell_tokens:
+      continue
+    script, args = as_script_call(tokens)
+    values = parse_flags(script, smoke_variant(args, tmp_path) + [
+        "--config.max_train_examples=250", "--config.max_test_examples=100"])
+    summary = training.train_and_evaluate(values["config"], values["workdir"])
+    assert summary["stopped_by"] is None and 0 <= summary["test_accuracy"] <= 1
+  # The README's plot commands, over the runs just made.
+  plots = [tokens for where, tokens in documented_commands()
+           if where == "README.md" and tokens[1:2] == ["scripts/plot.py"]]
+  assert plots
+  for tokens in plots:
+    args = smoke_variant(tokens[2:], tmp_path)
+    result = subprocess.run(["bash", "-c", shlex.join(["python", tokens[1]] + args)], cwd=ROOT,
+                            env=activated_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = [a.split("=", 1)[1] for a in args if a.startswith("--output=")][0]
+    with open(output, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  summary = json.loads((tmp_path / "runs" / "pb" / "summary.json").read_text())
+  assert summary["method"] == "pb"
+
+
+def test_plot_defaults_to_epochs_and_to_axes_that_show_the_end_of_training(tmp_path):
+  plot = load_script("scripts/plot.py")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(json.dumps({"max_train_examples": 0, "epochs": 10.0}))
+  assert plot.samples_per_epoch(str(workdir)) is None  # running: no summary yet
+  (workdir / "summary.json").write_text(json.dumps({"total_samples": 600000}))
+  assert plot.samples_per_epoch(str(workdir)) == 60000
+  (workdir / "config.json").write_text(json.dumps({"max_train_examples": 2000, "epochs": 1.0}))
+  assert plot.samples_per_epoch(str(workdir)) == 2000
+  # Accuracy climbs from 0.1 to about 0.88: the axis shows the last 70% of each run, where two
+  # runs 0.01 apart differ, not the climb.
+  epochs = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+  first = (epochs, [0.1, 0.7, 0.8, 0.84, 0.86, 0.87, 0.875, 0.878, 0.88, 0.881, 0.882])
+  second = (epochs, [0.1, 0.6, 0.75, 0.82, 0.85, 0.86, 0.865, 0.868, 0.87, 0.871, 0.872])
+  low, high = plot.zoomed_limits([first, second], 0.3, log=False)
+  assert 0.8 < low < 0.82 and 0.882 < high < 0.89
+  low, high = plot.zoomed_limits([first], 0.0, log=False)
+  assert low < 0.1 and high > 0.882
+  assert plot.zoomed_limits([([], [])], 0.3, log=True) is None
+
+
+# ----------------------------------------------------------------------------- examples
 
 
 def python_blocks(path):
-  return re.findall(r"```python\n(.*?)```", open(path).read(), flags=re.S)
+  return re.findall(r"```python\n(.*?)```", read(path), flags=re.S)
 
 
 def test_readme_python_examples_run():
-  blocks = python_blocks(os.path.join(ROOT, "README.md"))
+  blocks = python_blocks("README.md")
   assert len(blocks) >= 2
   for block in blocks:
     namespace = {}
@@ -20,8 +374,8 @@ def test_readme_python_examples_run():
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-  readme = open(os.path.join(ROOT, "README.md")).read()
-  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  readme = read("README.md")
+  ci = read(os.path.join(".ci", "run"))
   assert "bash scripts/test.sh" in readme
   commands = [l.strip() for l in ci.splitlines() if l.strip() and not l.startswith("#")]
   assert commands[-1] == "bash scripts/test.sh"

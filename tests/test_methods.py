@@ -1,4 +1,4 @@
-"""Every method preset through the engine against the naive oracle (DESIGN.md §2, §3)."""
+"""Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
 import jax
 import numpy as np
@@ -11,6 +11,19 @@ from tests.test_engine import assert_trees_close, make_model, make_stream, stage
 
 LR, M = 0.05, 0.9
 ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K
+DC = 3.0  # DC-ASGD's lambda, large so that its correction shows above float rounding
+B1, B2, ADAM_LR = 0.8, 0.95, 0.01
+
+# The presets on Adam (optimizer='adam'), against AdamW written out in numpy.
+ADAM_ORACLES = {
+    "pb": oracle.OracleMethod(lambda d: oracle.Adam(ADAM_LR, B1, B2)),
+    "pb_sc": oracle.OracleMethod(lambda d: oracle.Adam(ADAM_LR, B1, B2, d,
+                                                       spike_compensation=True)),
+    "pb_sc_lwp": oracle.OracleMethod(lambda d: oracle.Adam(ADAM_LR, B1, B2, d,
+                                                           spike_compensation=True),
+                                     forward="predicted_update"),
+    "pipedream": oracle.OracleMethod(lambda d: oracle.Adam(ADAM_LR, B1, B2), backward="stashed"),
+}
 
 ORACLES = {
     "sgd": oracle.OracleMethod(lambda d: oracle.Accumulate(oracle.Momentum(LR, M), 1)),
@@ -22,7 +35,9 @@ ORACLES = {
                                      forward="predicted_update"),
     "pipedream": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M), backward="stashed"),
     "spectrain": oracle.OracleMethod(lambda d: oracle.Momentum(LR, M),
-                                     forward="predicted_velocity"),
+                                     forward="predicted_next_velocity"),
+    "dcasgd": oracle.OracleMethod(lambda d: oracle.DelayCompensated(LR, M, strength=DC),
+                                  backward="stashed"),
     "pipemare": oracle.OracleMethod(lambda d: oracle.PipeMareRule(LR, M, d, ANNEAL, GAMMA),
                                     backward="pipemare"),
 }
@@ -35,7 +50,7 @@ def test_every_preset_has_an_oracle():
 @pytest.mark.parametrize("name", methods.METHODS)
 def test_preset_matches_naive_oracle(name):
   method = methods.make_method(name, learning_rate=LR, momentum=M, micro_batches=2,
-                               anneal_steps=ANNEAL, gamma=GAMMA)
+                               anneal_steps=ANNEAL, gamma=GAMMA, dc_strength=DC)
   model = make_model()
   num_stages = model.num_stages
   x, y = make_stream(3 * num_stages + 2, 2)
@@ -50,13 +65,60 @@ def test_preset_matches_naive_oracle(name):
                              rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("name", sorted(ADAM_ORACLES))
+def test_adam_presets_match_naive_oracle(name):
+  method = methods.make_method(name, learning_rate=ADAM_LR, momentum=B1, b2=B2, optimizer="adam")
+  model = make_model()
+  x, y = make_stream(3 * model.num_stages + 2, 2)
+  pipe = Pipeline(model, method, x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(3))
+  expected, _ = oracle.run_oracle(model, ADAM_ORACLES[name], stage_params(state), x, y)
+  state, _ = pipe.run(state, x, y)
+  assert_trees_close(stage_params(state), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["spectrain", "pipemare"])
+def test_momentum_only_methods_refuse_adam(name):
+  with pytest.raises(methods.MethodError, match="defined for the base optimizer"):
+    methods.make_method(name, learning_rate=0.1, optimizer="adam")
+
+
+def test_weight_discrepancy_is_the_distance_between_forward_and_backward_weights():
+  """PB's backward at tick t uses w(t); the sample's forward used w(t - D): their distance."""
+  model = make_model()
+  x, y = make_stream(3 * model.num_stages, 1)
+  method = methods.make_method("pb", learning_rate=LR, momentum=M)
+  tracked = Pipeline(model, method, x[0], y[0], track_weight_discrepancy=True)
+  plain = Pipeline(model, method, x[0], y[0])
+  state, reference = tracked.init(jax.random.PRNGKey(1)), plain.init(jax.random.PRNGKey(1))
+  history, seen = [], []
+  for t in range(len(x)):
+    history.append([np.concatenate([np.ravel(a) for a in jax.tree.leaves(p)])
+                    for p in stage_params(state)])
+    state, metrics = tracked.tick(state, x[t], y[t])
+    reference, _ = plain.tick(reference, x[t], y[t])
+    seen.append(np.asarray(metrics["weight_discrepancy"]))
+  for t, row in enumerate(seen):
+    for s, delay in enumerate(tracked.delays):
+      if t < delay:
+        assert row[s] == 0  # nothing backwarded yet
+        continue
+      then, now = history[t - delay][s], history[t][s]
+      np.testing.assert_allclose(row[s], np.linalg.norm(then - now) / np.linalg.norm(now),
+                                 rtol=1e-4, atol=1e-7)
+  assert max(r[0] for r in seen) > 1e-4  # stage 0 (delay 6) saw its weights move
+  assert_trees_close(stage_params(state), stage_params(reference), rtol=1e-6, atol=1e-7)
+
+
 def test_methods_differ_from_each_other():
   """The oracle comparison would pass vacuously if every preset did the same thing."""
   model = make_model()
   x, y = make_stream(3 * model.num_stages, 1)
   finals = {}
-  for name in ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "pipemare"):
-    pipe = Pipeline(model, methods.make_method(name, learning_rate=LR, momentum=M), x[0], y[0])
+  for name in ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
+               "dcasgd"):
+    pipe = Pipeline(model, methods.make_method(name, learning_rate=LR, momentum=M,
+                                               dc_strength=DC), x[0], y[0])
     state, _ = pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
     finals[name] = np.concatenate([np.ravel(a) for a in jax.tree.leaves(stage_params(state))])
   names = sorted(finals)

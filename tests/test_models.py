@@ -521,6 +521,10 @@ def test_plain_layer_refuses_an_unfinished_residual_block():
     model.trace_shapes(jax.random.key(0), jnp.zeros((1, 4, 4, 4)))
 
 
-def test_registry_names():
-  assert models.names() == ["mlp", "small_cnn", "vgg", "cifar_resnet20", "cifar_resnet32",
-                            "cifar_resnet44", "cifar_resnet56", "cifar_resnet110", "resnet50"]
+@pytest.mark.parametrize("name", models.names())
+def test_every_registered_name_builds_with_its_defaults_and_is_documented(name):
+  model = models.build(name)
+  assert model.num_stages >= 1
+  assert len({stage.name for stage in model.stages}) == model.num_stages  # names label metrics
+  # build()'s docstring lists what a config may name ('cifar_resnet20' (32, 44, ...) once).
+  assert f"'{name.rstrip('0123456789')}" in models.build.__doc__, name

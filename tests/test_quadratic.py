@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+from pipejax import optim
 from pipejax.analysis import quadratic
+from tests.test_docs import load_script
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,12 +150,16 @@ def test_sgd_ignores_delay():
       "sgd", 0.5, 0.9, 0)
 
 
-def test_spike_compensation_coefficients():
-  a, b = quadratic.spike_compensation_coefficients(0.9, 3)
-  assert a == pytest.approx(0.729)
-  assert b == pytest.approx((1 - 0.729) / 0.1)
-  assert quadratic.spike_compensation_coefficients(0.0, 4) == (0.0, 1.0)
-  assert quadratic.spike_compensation_coefficients(0.9, 0) == (1.0, 0.0)
+def test_spike_compensation_uses_the_library_coefficients_exact_at_the_edges():
+  # The analysis builds SC from optim.spike_coefficients (one definition of the maths); at the
+  # edges it relies on (m = 0, D = 0) they must be exact Python floats.
+  a, b = optim.spike_coefficients(3, 0.9)
+  assert a == pytest.approx(0.729, rel=1e-12) and b == pytest.approx(1 + 0.9 + 0.81, rel=1e-12)
+  assert optim.spike_coefficients(4, 0.0) == (0.0, 1.0)
+  assert optim.spike_coefficients(0, 0.9) == (1.0, 0.0)
+  # And with D = 0 the compensated method is exactly plain momentum.
+  np.testing.assert_array_equal(quadratic.companion_matrix("pb_sc", 0.01, 0.9, 0),
+                                quadratic.companion_matrix("pb", 0.01, 0.9, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,18 +220,33 @@ def test_script_json_output():
         quadratic.best_rate(row["method"], row["momentum"], row["delay"])[0])
 
 
-def test_docs_page_is_generated_and_its_figures_exist():
-  path = os.path.join(REPO_ROOT, "docs", "quadratic.md")
-  if not os.path.exists(path):
-    pytest.skip("docs/quadratic.md not generated yet")
-  with open(path, encoding="utf-8") as f:
+def test_docs_page_numbers_are_current_and_its_figures_exist():
+  # The page's prose is hand-written; its tables and quoted limits must be what the code computes.
+  proc = subprocess.run([sys.executable, os.path.join("scripts", "quadratic.py"), "--check_docs"],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with open(os.path.join(REPO_ROOT, "docs", "quadratic.md"), encoding="utf-8") as f:
     text = f.read()
-  assert "scripts/quadratic.py --write_docs" in text
+  assert text.count("<!-- /lr -->") >= 15 and text.count("<!-- begin ") == 3
   figures = [line.split("](")[1].rstrip(")") for line in text.splitlines()
              if line.startswith("![")]
   assert len(figures) >= 3
   for figure in figures:
     assert os.path.exists(os.path.join(REPO_ROOT, "docs", figure)), figure
+
+
+def test_stale_docs_page_is_detected(tmp_path):
+  module = load_script(os.path.join("scripts", "quadratic.py"))
+  rows = quadratic.stability_table(["pb"], momenta=(0.9,), delays=(0, 1))
+  page = ("x <!-- lr pb m=0.9 D=1 -->9.99<!-- /lr --> y\n"
+          "<!-- begin loss-settings -->\nold\n<!-- end loss-settings -->\n")
+  rendered = module.render_docs(page, rows, ["pb"], [0.9], [0, 1])
+  # D = 1: the limit is exactly 1 - m.
+  assert "<!-- lr pb m=0.9 D=1 -->0.1<!-- /lr -->" in rendered
+  assert "old" not in rendered and "Settings of the loss panels" in rendered
+  assert module.render_docs(rendered, rows, ["pb"], [0.9], [0, 1]) == rendered
+  with pytest.raises(ValueError, match="unknown: \\['nope'\\]"):
+    module.render_docs("<!-- begin nope -->\nx\n<!-- end nope -->", rows, ["pb"], [0.9], [0, 1])
 
 
 def test_plot_writes_png(tmp_path):

@@ -364,8 +364,8 @@ def test_config_key_typo_is_one_line_naming_the_closest_field(tmp_path):
        f"--workdir={tmp_path / 'run'}", "--config.methd=pb"],
       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
   assert result.returncode == 2
-  assert result.stderr.strip() == ("error: --config.methd: the config has no field 'methd'; did "
-                                   "you mean 'method'?")
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith("error: --config.methd is not a field") and "--config.method?" in line
   assert not (tmp_path / "run").exists()
 
 

@@ -36,9 +36,59 @@ def test_schedule_sync_mode_has_bubbles_and_draws_png(tmp_path):
   assert result.returncode == 0, result.stderr
   info = json.loads(result.stdout)
   assert info["utilization"] == pytest.approx(2 / (2 + 4))
+  # The synchronous mode is never stale and holds at most M = 2 inputs per stage.
+  assert info["delays"] == [0, 0, 0]
+  assert info["stash_slots"] == [2, 2, 1]
+  assert info["buffer_slots"] == [5, 3, 1]
   # Ticks 2..5 feed no new sample into stage 0: fill and drain of the first group.
   assert [row[0]["forward"] for row in info["grid"][:8]] == [0, 1, None, None, None, None, 2, 3]
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("schedule,bubble_rate", [("1f1b", 3 / 8), ("zb_h1", 1 / 8)])
+def test_schedule_bubble_rates_of_1f1b_and_zb_h1(schedule, bubble_rate):
+  # F = B = W: 1F1B (p-1)/m, ZB-H1 (p-1)/(3m) with p = 4, m = 8.
+  result = run_script("schedule.py", f"--schedule={schedule}", "--num_stages=4",
+                      "--micro_batches=8", "--format=json")
+  assert result.returncode == 0, result.stderr
+  info = json.loads(result.stdout)
+  assert info["bubble_rate"] == pytest.approx(bubble_rate)
+  assert info["delays"] == [0, 0, 0, 0]
+
+
+def test_schedule_draws_a_gantt_chart_and_prints_its_table(tmp_path):
+  png = tmp_path / "pb.png"
+  result = run_script("schedule.py", "--schedule=pb", "--num_stages=3", f"--output={png}")
+  assert result.returncode == 0, result.stderr
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  rows = [line.split("|") for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+  # Device, layers, F, B, W, bubble, peak activations, weight versions, delay.
+  assert [int(row[6]) for row in rows] == [5, 3, 1]
+  assert [int(row[8]) for row in rows] == [4, 2, 0]
+
+
+def test_schedule_table_of_all_schedules():
+  result = run_script("schedule.py", "--table=schedules", "--num_stages=4", "--micro_batches=8",
+                      "--format=json")
+  assert result.returncode == 0, result.stderr
+  rows = {row["schedule"]: row for row in json.loads(result.stdout)}
+  assert rows["gpipe"]["of_ideal"] == pytest.approx(8 / 11)
+  assert rows["pb"]["delays"] == [6, 4, 2, 0]
+  assert rows["pipedream"]["weight_versions"] == [4, 3, 2, 1]
+
+
+def test_schedule_takes_the_users_layer_costs():
+  # Layer 1 (F 2, B 2, W 2) dominates; LayerPipe's inter-layer split balances 4 against 4.
+  result = run_script("schedule.py", "--schedule=layerpipe_inter", "--layer_costs=1:0:1,2:2:2",
+                      "--num_stages=2", "--format=json")
+  assert result.returncode == 0, result.stderr
+  assert json.loads(result.stdout)["throughput"] == pytest.approx(1 / 4)
+
+
+def test_schedule_rejects_more_devices_than_layers():
+  result = run_script("schedule.py", "--schedule=gpipe", "--num_stages=5", "--num_layers=3")
+  assert result.returncode != 0
+  assert "a device needs at least one layer" in result.stderr
 
 
 def test_schedule_rejects_zero_stages():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import importlib
+import inspect
+import pkgutil
 from typing import Any, Callable
 
 import jax
@@ -769,12 +771,18 @@ def test_hyperparameters_as_arrays_are_not_checked_eagerly():
 # Documentation.
 
 
-@pytest.mark.parametrize('module_name', ['spike', 'prediction', 'delay', 'pipemare', 'scaling'])
+# Every public module of pipejax.optim, so that a new one cannot be missed.
+@pytest.mark.parametrize('module_name', sorted(
+    m.name for m in pkgutil.iter_modules(optim.__path__) if not m.name.startswith('_')))
 def test_docstring_examples_run(module_name):
   # By import path: the package re-exports a function named like its module (pipemare).
   module = importlib.import_module(f'pipejax.optim.{module_name}')
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.failed == 0
+  # Every 'Example:' section holds examples doctest really ran (a missing '>>>' would skip one).
+  with_examples = [t for t in doctest.DocTestFinder().find(module) if t.examples]
+  assert result.attempted > 0
+  assert len(with_examples) == inspect.getsource(module).count('Example:')
 
 
 def test_public_api_is_reexported():

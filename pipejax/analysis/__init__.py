@@ -1,4 +1,4 @@
-"""Analysis tools: the convex-quadratic stability analysis (DESIGN.md §4)."""
+"""Analysis tools: the convex-quadratic stability analysis (docs/design.md §5)."""
 
 from pipejax.analysis.quadratic import (
     METHODS,
@@ -12,6 +12,5 @@ from pipejax.analysis.quadratic import (
     plot_rho_vs_lr,
     simulated_rate,
     spectral_radius,
-    spike_compensation_coefficients,
     stability_table,
 )

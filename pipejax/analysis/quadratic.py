@@ -1,6 +1,6 @@
 """Stability of pipelined momentum methods on the convex quadratic ``L(w) = ½ λ w²``.
 
-On a one-dimensional quadratic every method of DESIGN.md §3 is a *linear* recurrence in the
+On a one-dimensional quadratic every method of docs/design.md §3 is a *linear* recurrence in the
 current weight, the momentum buffer and the few past weights (or velocities) a gradient delay
 needs. Its companion matrix ``A`` maps the state of step ``t`` to the state of step ``t + 1``; the
 spectral radius ``ρ(A)`` is the asymptotic convergence rate per step and ``ρ < 1`` is stability.
@@ -57,6 +57,8 @@ import math
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from pipejax import optim
 
 METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
 PIPELINE_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
@@ -118,20 +120,10 @@ def _lr_scale(method: str, delay: int) -> float:
   return 1.0 / max(delay, 1) if method == "pipemare" else 1.0
 
 
-def spike_compensation_coefficients(momentum: float, delay: int) -> tuple[float, float]:
-  """Returns ``(a, b) = (m^D, (1 − m^D)/(1 − m))`` of Spike Compensation ``u = a v + b g``."""
-  _check_momentum(momentum)
-  _check_delay(delay)
-  a = float(momentum) ** delay  # 0.0 ** 0 == 1.0, so D = 0 is plain momentum for any m.
-  # Written as a finite geometric sum so m = 0 and m close to 1 need no special case.
-  b = float(sum(float(momentum) ** k for k in range(delay)))
-  return a, b
-
-
 def _update_coefficients(method: str, momentum: float, delay: int) -> tuple[float, float]:
   """Returns ``(c_v, c_g)`` with ``u_t = c_v m v_t + c_g g_t`` (``u = a v_{t+1} + b g``)."""
   if method in _SPIKE_COMPENSATED:
-    a, b = spike_compensation_coefficients(momentum, delay)
+    a, b = optim.spike_coefficients(delay, float(momentum))
     return a, a + b
   return 1.0, 1.0
 
@@ -260,7 +252,7 @@ class _Recurrence:
     self.curvature = curvature
     self.lr = lr * _lr_scale(method, self.delay)
     self.momentum = float(momentum)
-    self.sc_a, self.sc_b = (spike_compensation_coefficients(momentum, self.delay)
+    self.sc_a, self.sc_b = (optim.spike_coefficients(self.delay, float(momentum))
                             if method in _SPIKE_COMPENSATED else (1.0, 0.0))
     # weights[-1] is w_t, weights[-1 - k] is w_{t−k}; D + 2 entries cover w_{t−D−1}.
     self.weights = collections.deque(weight_history, maxlen=self.delay + 2)
@@ -365,7 +357,7 @@ def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: 
 
   Coordinates decouple, so this steps the same update rule as :func:`simulated_rate` on a vector.
   The run starts as a pipeline does: all weights 1, zero momentum, and during the fill (steps
-  ``t < D``) no gradient has come back yet, so the update is zero (DESIGN.md §2).
+  ``t < D``) no gradient has come back yet, so the update is zero (docs/design.md §2.5).
 
   Args:
     method: one of :data:`METHODS`.

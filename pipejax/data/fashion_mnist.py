@@ -2,7 +2,7 @@
 
 ``apt-get install dataset-fashion-mnist`` puts the four files of Xiao et al. 2017 in
 ``/usr/share/datasets/fashion-mnist/``; any directory holding the same four files works. This is
-the Fashion-MNIST that real runs use on machines without a data hub (DESIGN.md §6); the tfds
+the Fashion-MNIST that real runs use on machines without a data hub (docs/design.md §9); the tfds
 ``fashion_mnist`` reads the same files once built.
 
 IDX format (big-endian): magic ``0x00000803`` (2051) for images followed by count, rows, columns,

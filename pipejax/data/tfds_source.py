@@ -2,7 +2,7 @@
 
 We read with ``tfds.data_source`` rather than ``tfds.load``/``tf.data``:
 
-* it needs no TensorFlow (1.2 GB we do not otherwise need; DESIGN.md §9): it reads the built
+* it needs no TensorFlow (1.2 GB we do not otherwise need; docs/design.md §9): it reads the built
   ``array_record`` files and decodes examples to numpy itself;
 * it is random access, so the data position of a run is two ints (epoch, index in epoch) and a
   resumed run reads exactly the examples, in the same order, with the same augmentation, as the

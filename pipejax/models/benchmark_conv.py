@@ -1,6 +1,6 @@
 """Measures XLA's conv against :class:`SlicedConv` for training steps inside ``lax.scan``.
 
-DESIGN.md section 9: conv backprop inside ``lax.scan`` is slow on XLA:CPU. This times SGD steps
+docs/design.md §9: conv backprop inside ``lax.scan`` is slow on XLA:CPU. This times SGD steps
 (value_and_grad + update) at micro-batch size 1, both as a ``lax.scan`` over steps (how the
 pipeline's tick loop runs) and as a Python loop over a jitted step, for
 

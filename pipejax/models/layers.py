@@ -2,7 +2,7 @@
 
 Why a second convolution: on XLA:CPU the backward pass of ``lax.conv_general_dilated`` inside a
 ``lax.scan`` (where the pipeline's tick loop lives) runs 20-40x slower than the same computation
-outside a loop (jax-ml/jax#12868, DESIGN.md section 9). :class:`SlicedConv` computes the same
+outside a loop (jax-ml/jax#12868, docs/design.md §9). :class:`SlicedConv` computes the same
 convolution as shifted slices of the padded input concatenated along channels (im2col) followed
 by one matmul, which XLA:CPU runs fast everywhere. It keeps ``flax.linen.Conv``'s parameter layout
 (``kernel`` of shape (kh, kw, cin, cout), ``bias`` of shape (cout,)), so the two are

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import math
 from typing import Any, Callable
 
 import jax
 
-from pipejax.models import cnn, perceptron, resnet
+from pipejax.models import cnn, perceptron, residual, resnet
 from pipejax.stages import Model, ModelError
 
 PyTree = Any
 
 _BUILDERS: dict[str, Callable[..., Model]] = {
     "mlp": perceptron.mlp,
+    "residual_mlp": residual.residual_mlp,
     "small_cnn": cnn.small_cnn,
     "vgg": cnn.vgg,
     **{f"cifar_resnet{depth}": functools.partial(resnet.cifar_resnet, depth=depth)
@@ -31,7 +34,7 @@ def names() -> list[str]:
 def build(name: str, **kwargs) -> Model:
   """Builds the model called ``name`` with the builder's keyword arguments.
 
-  Names: 'mlp', 'small_cnn', 'vgg', 'cifar_resnet20' (32, 44, 56, 110) and 'resnet50'.
+  Names: 'mlp', 'residual_mlp', 'small_cnn', 'vgg', 'cifar_resnet20' (32, 44, 56, 110) and 'resnet50'.
 
   Example:
     >>> model = build('cifar_resnet20', layers_per_stage=2)
@@ -40,7 +43,22 @@ def build(name: str, **kwargs) -> Model:
   """
   if name not in _BUILDERS:
     raise ModelError(f"Unknown model {name!r}; known models: {', '.join(_BUILDERS)}.")
+  accepted = keywords(name)
+  unknown = sorted(set(kwargs) - set(accepted))
+  if unknown:
+    close = {k: difflib.get_close_matches(k, accepted, n=1) for k in unknown}
+    hints = "".join(f" Did you mean '{c[0]}' for '{k}'?" for k, c in close.items() if c)
+    raise ModelError(f"Model {name!r} takes no keyword(s) {', '.join(map(repr, unknown))}.{hints} "
+                     f"Its keywords: {', '.join(accepted)} (set them with "
+                     "--config.model_kwargs.KEYWORD=VALUE).")
   return _BUILDERS[name](**kwargs)
+
+
+def keywords(name: str) -> list[str]:
+  """The keyword arguments the builder of model ``name`` takes (all but ``loss``)."""
+  parameters = inspect.signature(_BUILDERS[name]).parameters
+  return [k for k, p in parameters.items()
+          if k not in ("loss",) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def describe(model: Model, example_input: PyTree,

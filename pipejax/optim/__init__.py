@@ -5,6 +5,7 @@ works under ``optax.inject_hyperparams``; helpers beside them derive the weights
 backward pass should use (as optax's ``schedule_free_eval_params`` does).
 """
 
+from pipejax.optim.compensation import delay_compensation
 from pipejax.optim.delay import DelayGradientsState, delay_gradients
 from pipejax.optim.pipemare import (DEFAULT_GAMMA, PipeMareState, pipemare,
                                     pipemare_backward_params, pipemare_discrepancy,
@@ -24,6 +25,7 @@ __all__ = [
     'SpikeCompensationState',
     'WeightPredictionState',
     'adam_sc',
+    'delay_compensation',
     'delay_gradients',
     'linear_weight_prediction',
     'pipemare',

@@ -19,7 +19,7 @@ import optax
 
 from pipejax.optim import _checks
 
-_FORMS = ('update', 'velocity')
+_FORMS = ('update', 'velocity', 'next_velocity')
 
 
 class WeightPredictionState(NamedTuple):
@@ -45,6 +45,7 @@ def linear_weight_prediction(
     horizon: Any,
     form: str = 'update',
     learning_rate: optax.ScalarOrSchedule | None = None,
+    momentum: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Wraps ``inner`` and records where its weights are predicted to be ``horizon`` steps ahead.
 
@@ -54,22 +55,30 @@ def linear_weight_prediction(
   .. math::
 
     \text{update form:}\quad o_t = T\,u_t, \qquad\qquad
-    \text{velocity form:}\quad o_t = -\eta_t\,T\,v_t
+    \text{velocity form:}\quad o_t = -\eta_t\,T\,v_t, \qquad
+    \text{next-velocity form:}\quad o_t = -\eta_t\,T\,(m\,v_t + g_t)
 
   and the forward pass of the next step runs on :math:`\hat w_{t+1}` (see
   :func:`predicted_params`); ``update`` therefore needs ``params``. :math:`v_t` is the momentum trace of ``inner`` (its state field named
   ``trace``) and :math:`\eta_t` the learning rate of the update just taken, so for plain momentum
   SGD (:math:`u_t = -\eta_t v_t`) both forms agree, even under a learning-rate schedule. Under
-  Spike Compensation they differ: the update form carries the spike, the velocity form (SpecTrain)
-  does not; the paper recommends the update form with SC.
+  Spike Compensation they differ: the update form carries the spike, the velocity form does not;
+  the paper recommends the update form with SC.
+
+  The next-velocity form is SpecTrain as its reference implementation computes it
+  (``load_predicted_weights`` in ntueclab/SpecTrain-PyTorch, ``src/optimizer.py``): the step
+  ahead is taken with the velocity the *next* update would have if its gradient equalled the last
+  one, :math:`m v_t + g_t`, where :math:`g_t` is the raw gradient this update received.
 
   Args:
     inner: the update rule, e.g. ``sgd_sc(lr, D, m)`` or ``optax.sgd(lr, momentum=m)``.
     horizon: prediction horizon ``T >= 0`` in steps, usually the stage's delay ``D``. May be a jax
       array (``optax.inject_hyperparams``).
-    form: ``'update'`` (any inner) or ``'velocity'`` (inner must keep a ``trace``).
+    form: ``'update'`` (any inner), ``'velocity'`` or ``'next_velocity'`` (inner must keep a
+      ``trace``).
     learning_rate: the learning rate of ``inner``, a float or schedule of the step count; required
-      by the velocity form, ignored by the update form.
+      by the velocity forms, ignored by the update form.
+    momentum: the heavy-ball momentum ``m`` of ``inner``; required by the next-velocity form.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`WeightPredictionState`.
@@ -93,23 +102,26 @@ def linear_weight_prediction(
     Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
     <https://arxiv.org/abs/2003.11666>`_, MLSys 2021;
     Chen et al., `Efficient and Robust Parallel DNN Training through Model Parallelism on
-    Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_ (SpecTrain, the velocity form), 2018.
+    Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_ (SpecTrain), 2018.
   """
   owner = 'linear_weight_prediction'
   if form not in _FORMS:
     raise ValueError(f'{owner}: form must be one of {_FORMS}, got {form!r}.')
   _checks.check_range(horizon, 'horizon', owner, low=0)
-  if form == 'velocity':
+  if form != 'update':
     if learning_rate is None:
-      raise ValueError(f"{owner}: form='velocity' needs the inner learning_rate (a float or "
+      raise ValueError(f"{owner}: form={form!r} needs the inner learning_rate (a float or "
                        'schedule) to turn the momentum trace into a step.')
+    if form == 'next_velocity' and momentum is None:
+      raise ValueError(f"{owner}: form='next_velocity' needs the inner momentum m (it predicts "
+                       'the next velocity m v + g).')
     if not callable(learning_rate):
       _checks.check_range(learning_rate, 'learning_rate', owner, low=0)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     inner_state = inner.init(params)
-    if form == 'velocity':
+    if form != 'update':
       _find_velocity(inner_state)  # Fails here rather than on the first update.
     return WeightPredictionState(count=jnp.zeros([], jnp.int32), inner_state=inner_state,
                                  forward_params=jax.tree.map(jnp.copy, params))
@@ -118,14 +130,18 @@ def linear_weight_prediction(
     if params is None:
       raise ValueError(f'{owner}: update needs params (the prediction is made from the weights '
                        'after this update).')
+    gradient = updates
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     if form == 'update':
       offset = jax.tree.map(lambda u: jnp.asarray(horizon, u.dtype) * u, updates)
     else:
       eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
       step_scale = -_checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
-      offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v,
-                            _find_velocity(inner_state))
+      velocity = _find_velocity(inner_state)
+      if form == 'next_velocity':
+        velocity = jax.tree.map(lambda v, g: jnp.asarray(momentum, v.dtype) * v + g.astype(
+            v.dtype), velocity, gradient)
+      offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v, velocity)
     # The same rounding as the forward pass would see computing params_new + offset itself.
     forward = jax.tree.map(lambda p, o: (p + o).astype(p.dtype),
                            optax.apply_updates(params, updates), offset)

@@ -2,7 +2,7 @@ r"""Batch-size scaling rules: carry a recipe tuned at batch ``B`` over to batch 
 
 Fine-grained Pipelined Backpropagation trains with tiny batches (often one sample), while the
 published hyperparameters were tuned for batches of hundreds. Kosson et al. (2021) convert them by
-keeping what each *sample* does to the weights fixed (DESIGN.md §3):
+keeping what each *sample* does to the weights fixed (docs/design.md §4):
 
 * the momentum's half-life in samples: :math:`m_b = m_B^{\,b/B}` (``B/b`` steps of ``m_b`` decay the
   trace as much as one step of ``m_B``);

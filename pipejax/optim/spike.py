@@ -188,7 +188,7 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
                      eps: Any = 1e-8) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose first moment is spike-compensated for gradients ``delay`` steps late.
 
-  Adam's first moment is the EMA form of momentum; its Spike Compensation (DESIGN.md §3) is
+  Adam's first moment is the EMA form of momentum; its Spike Compensation (docs/design.md §3) is
 
   .. math::
 

@@ -1,0 +1,37 @@
+r"""Stability study: the largest learning-rate multiplier at which each method still trains.
+
+    python scripts/study.py --study=configs/studies/stability.py --workdir=docs/studies/stability
+    python scripts/study.py --study=configs/studies/stability.py:smoke --workdir=/tmp/stab_smoke
+
+The deepest setting of the depth study (configs/deep_mlp.py at 32 stages, delays up to 62,
+micro-batch 1, one epoch of Fashion-MNIST), with the batch-128 reference learning rate 0.1
+multiplied by 1, 2, 4, 8 and 16 before the scaling rules convert it to micro-batch 1. A method
+"still trains" at a multiplier when no seed diverged and its mean test accuracy is at least 70%.
+docs/study.md sets the result beside the ranking the convex-quadratic analysis predicts
+(scripts/quadratic.py).
+"""
+
+from pipejax.study import Figure, Study, Table
+
+METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
+           "dcasgd")
+REFERENCE_LR = 0.1
+
+
+def get_study(arg: str | None = None) -> Study:
+  multipliers = (1, 2, 4, 8, 16)
+  config, seeds, methods = "configs/deep_mlp.py", (0,), METHODS
+  if arg == "smoke":
+    config, multipliers, methods = "configs/deep_mlp.py:smoke", (1, 64), ("sgd", "pb")
+  elif arg:
+    raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
+  return Study(
+      name="stability" + (" (smoke)" if arg else ""), config=config,
+      grids=[{"reference.lr": tuple(REFERENCE_LR * k for k in multipliers), "method": methods,
+              "seed": seeds}],
+      min_accuracy=0.7,
+      tables=[Table("Test accuracy (%) by reference learning rate", rows="reference.lr",
+                    columns="method"),
+              Table("Largest reference learning rate that trains", rows="reference.lr",
+                    columns="method", kind="stability")],
+      figures=[Figure("accuracy_vs_lr.png", x="reference.lr", series="method", log_x=True)])

@@ -1,0 +1,95 @@
+"""Training under a schedule's gradient delays, in a plain optax loop (needs JAX).
+
+:func:`pipejax.schedules.delay_profile` gives each stage's delay D_s; :func:`stale_optimizer`
+puts :func:`pipejax.optim.delay_gradients` with D_s in front of the optimizer of stage s
+(``optax.multi_transform`` over the list of per-stage weights), and :func:`train` runs momentum
+SGD with it on a pipejax model.
+
+This emulates **staleness only**: every gradient is computed on one set of weights and then
+applied D_s updates late. That is exactly what PipeDream's weight stashing gives (forward and
+backward use the same, stashed, weights); fine-grained PB also has weight inconsistency (its
+backward uses newer weights than its forward), which this loop does not model; the engine
+(``pipejax.engine.Pipeline``) runs PB itself.
+
+Example:
+  >>> import optax
+  >>> from pipejax import schedules
+  >>> from pipejax.schedules import staleness
+  >>> delays = schedules.delay_profile('pipedream', num_stages=3)
+  >>> delays
+  [2, 1, 0]
+  >>> tx = staleness.stale_optimizer(delays, lambda: optax.sgd(0.01, momentum=0.9))
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipejax import optim
+from pipejax.stages import Model
+
+
+def stale_optimizer(delays: Sequence[int],
+                    make_optimizer: Callable[[], optax.GradientTransformation]
+                    ) -> optax.GradientTransformation:
+  """An optimizer for a list of per-stage weights whose stage s sees gradients D_s steps late."""
+  transforms = {f"stage{s}": optax.chain(optim.delay_gradients(int(d)), make_optimizer())
+                for s, d in enumerate(delays)}
+
+  def labels(params):
+    if len(params) != len(delays):
+      raise ValueError(f"{len(delays)} delays for {len(params)} stages of weights; pass one "
+                       "delay per stage (schedules.delay_profile(name, num_stages=...)).")
+    return [jax.tree.map(lambda _, s=s: f"stage{s}", p) for s, p in enumerate(params)]
+
+  return optax.multi_transform(transforms, labels)
+
+
+def _forward(model: Model, params, x):
+  for stage, p in zip(model.stages, params):
+    x = stage.apply(p, x, None)
+  return x
+
+
+def train(model: Model, delays: Sequence[int], train_data: tuple[np.ndarray, np.ndarray],
+          test_data: tuple[np.ndarray, np.ndarray], *, learning_rate: float, momentum: float,
+          micro_batch: int, epochs: int = 1, seed: int = 0) -> float:
+  """Trains ``model`` with per-stage gradient delays; returns the test accuracy.
+
+  One update per micro-batch, as in the pipelines; ``seed`` sets the initial weights and the
+  order of the training examples.
+  """
+  images, labels = train_data
+  steps = epochs * (len(images) // micro_batch)
+  rng = np.random.default_rng(seed)
+  order = np.concatenate([rng.permutation(len(images)) for _ in range(epochs)])
+  order = order[:steps * micro_batch].reshape(steps, micro_batch)
+  xs = jnp.asarray(images[order])
+  ys = jnp.asarray(labels[order])
+
+  key = jax.random.key(seed)
+  params, x = [], xs[0]
+  for stage, k in zip(model.stages, jax.random.split(key, model.num_stages)):
+    params.append(stage.init(k, x))
+    x = stage.apply(params[-1], x, None)
+  tx = stale_optimizer(delays, lambda: optax.sgd(learning_rate, momentum=momentum))
+
+  def loss_fn(params, x, y):
+    return model.loss(_forward(model, params, x), y)[0]
+
+  def step(carry, batch):
+    params, opt_state = carry
+    grads = jax.grad(loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), None
+
+  (params, _), _ = jax.jit(lambda c, xs, ys: jax.lax.scan(step, c, (xs, ys)))(
+      (params, tx.init(params)), xs, ys)
+  test_images, test_labels = test_data
+  logits = jax.jit(lambda p, x: _forward(model, p, x))(params, jnp.asarray(test_images))
+  return float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(test_labels)))

@@ -1,0 +1,163 @@
+"""The study runner: grids, records, aggregation over seeds, diverged runs, and a real smoke study."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipejax import study as study_lib
+from pipejax.study import Figure, Study, Table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record(method, depth, seed, accuracy, status=study_lib.FINISHED):
+  overrides = {"model_kwargs.depth": depth, "method": method, "seed": seed}
+  return {"run": study_lib.run_id(overrides), "overrides": overrides, "status": status,
+          "test_accuracy": accuracy, "fixed": {}, "config": "c.py"}
+
+
+STUDY = Study(name="t", config="c.py",
+              grids=[{"model_kwargs.depth": (4, 8), "method": ("sgd", "pb"), "seed": (0, 1, 2)}],
+              baseline={"method": "sgd"}, min_accuracy=0.5,
+              tables=[Table("acc", rows="model_kwargs.depth", columns="method")])
+
+
+def test_grids_are_the_union_of_products_without_duplicates():
+  study = Study(name="t", config="c.py", grids=[{"a": (1, 2), "b": ("x",)},
+                                                {"a": (2, 3), "b": ("x",)}])
+  assert [r["a"] for r in study.runs()] == [1, 2, 3]
+  assert study_lib.run_id({"a": 1, "b": (1, 2)}) == "a=1,b=(1,2)"
+  assert study_lib.trainer_flags(Study(name="t", config="c", grids=[], fixed={"epochs": 2.0}),
+                                 {"model_kwargs.hidden": (64,)}) == [
+                                     "--config.epochs=2.0", "--config.model_kwargs.hidden=(64,)"]
+
+
+def test_cells_average_over_seeds_and_never_average_diverged_runs():
+  records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
+             record("pb", 8, 2, None, status=study_lib.DIVERGED)]
+  (cell,) = study_lib.cells(records).values()
+  assert cell.values == [0.80, 0.84] and cell.diverged == 1
+  assert cell.mean == pytest.approx(0.82)
+  assert cell.std == pytest.approx(np.std([0.80, 0.84], ddof=1))
+  assert study_lib.format_cell(cell) == "82.00 ± 2.83 (1/3 div.)"
+  all_diverged = study_lib.cells([record("pb", 8, s, None, study_lib.DIVERGED)
+                                  for s in range(3)])
+  assert study_lib.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
+
+
+def test_gaps_are_paired_by_seed_with_the_baseline_at_the_same_depth():
+  records = [record("sgd", 8, 0, 0.85), record("sgd", 8, 1, 0.80),
+             record("pb", 8, 0, 0.84), record("pb", 8, 1, 0.78),
+             record("sgd", 4, 0, 0.50), record("pb", 4, 0, 0.90)]
+  gaps = study_lib.paired_gaps(records, {"method": "sgd"})
+  cell = study_lib._lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
+  assert cell.values == pytest.approx([-0.01, -0.02])  # not 0.84 - mean(sgd) etc.
+  assert study_lib._lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
+      pytest.approx([0.40])
+
+
+def test_markdown_tables_and_stability_limit():
+  records = [record(m, d, s, acc) for m, d, s, acc in [
+      ("sgd", 4, 0, 0.9), ("sgd", 8, 0, 0.9), ("pb", 4, 0, 0.8), ("pb", 4, 1, 0.82)]]
+  records.append(record("pb", 8, 0, None, study_lib.DIVERGED))
+  text = study_lib.markdown_table(STUDY, records, STUDY.tables[0])
+  lines = text.splitlines()
+  assert lines[0] == "| model_kwargs.depth | sgd | pb |"
+  assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 ± 1.41 |"
+  assert lines[3] == "| 8 | 90.00 (1 seed) | div. 1/1 |"
+  stability = Table("s", rows="model_kwargs.depth", columns="method", kind="stability")
+  assert study_lib.stable_limit(STUDY, records, stability, "pb") == 4
+  assert study_lib.stable_limit(STUDY, records, stability, "sgd") == 8
+
+
+def test_a_failed_run_is_retried_and_a_finished_one_is_not():
+  finished = record("pb", 8, 0, 0.8)
+  failed = dict(finished, status=study_lib.FAILED)
+  overrides = finished["overrides"]
+  assert study_lib.is_done(finished, STUDY, overrides)
+  assert not study_lib.is_done(failed, STUDY, overrides)
+  changed = Study(name="t", config="c.py", grids=STUDY.grids, fixed={"epochs": 3.0})
+  assert not study_lib.is_done(finished, changed, overrides)  # other settings: run again
+
+
+def test_results_survive_a_line_cut_short(tmp_path):
+  study_lib.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
+  with open(tmp_path / study_lib.RESULTS_FILE, "a") as f:
+    f.write('{"run": "cut sho')
+  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8]
+
+
+def test_a_missing_study_file_is_a_clear_error():
+  with pytest.raises(study_lib.StudyError, match="No study file"):
+    study_lib.load_study("configs/studies/nope.py")
+
+
+def test_every_study_file_loads_with_its_smoke_variant():
+  folder = os.path.join(ROOT, "configs", "studies")
+  files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+  assert len(files) >= 2
+  for name in files:
+    for arg in ("", ":smoke"):
+      study = study_lib.load_study(os.path.join(folder, name) + arg)
+      assert study.runs() and os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0]))
+
+
+def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
+  """The CI run of configs/studies/depth.py:smoke: real trainer processes, then a rerun."""
+  workdir = tmp_path / "depth"
+  command = [sys.executable, os.path.join(ROOT, "scripts", "study.py"),
+             "--study=configs/studies/depth.py:smoke", f"--workdir={workdir}", "--parallel=2"]
+  first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  records = study_lib.read_results(str(workdir))
+  assert len(records) == 9
+  statuses = {r["run"]: r["status"] for r in records}
+  assert statuses["model_kwargs.depth=5,method=pb,seed=0,reference.lr=10000.0"] == "diverged"
+  assert sum(s == "finished" for s in statuses.values()) == 8
+  report = (workdir / "report.md").read_text()
+  table = report.split("## Test accuracy (%)")[1].split("##")[0]
+  rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+          for line in table.strip().splitlines()[2:]}
+  assert set(rows) == {"4", "5", "6"}
+  for depth in ("4", "6"):
+    assert all("±" in cell for cell in rows[depth]), rows  # two seeds aggregated
+  assert rows["5"][1] == "div. 1/1"
+  assert (workdir / "gap_vs_depth.png").stat().st_size > 1000
+  assert (workdir / "results.csv").read_text().count("\n") == 10
+  # The rerun finds every run done and starts none.
+  again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0 and "9 already done, 0 to run" in again.stdout
+  assert len(study_lib.read_results(str(workdir))) == 9
+
+
+def test_cli_adds_model_keywords_and_names_misspelt_keys(tmp_path):
+  train = os.path.join(ROOT, "scripts", "train.py")
+  typo = subprocess.run([sys.executable, train, "--config=configs/default.py:smoke",
+                         "--config.methd=pb", f"--workdir={tmp_path}/a"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert typo.returncode == 2
+  assert "--config.methd is not a field" in typo.stderr and "--config.method?" in typo.stderr
+  assert "Traceback" not in typo.stderr
+  keyword = subprocess.run([sys.executable, train, "--config=configs/default.py:smoke",
+                            "--config.model_kwargs.normalizaton=layer",
+                            f"--workdir={tmp_path}/b"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+  assert keyword.returncode != 0 and "Traceback" not in keyword.stderr
+  assert "Did you mean 'normalization'" in keyword.stderr
+
+
+def test_log_timing_splits_setup_compile_and_steady_rate(tmp_path):
+  log = tmp_path / "log.txt"
+  log.write_text("$ old invocation\nI1122 09:00:00.0 1 x] Model: ...\n"
+                 "$ python scripts/train.py ...\n"
+                 "I1122 23:59:50.000000 1 training.py:1] Unable to initialize backend 'tpu'\n"
+                 "I1122 23:59:58.500000 1 training.py:2] Model: 32 stages; method pb\n"
+                 "I1123 00:00:18.500000 1 training.py:3] [2000/60000 samples, epoch 0.03] ...\n"
+                 "I1123 00:00:28.500000 1 training.py:3] [4000/60000 samples, epoch 0.07] ...\n"
+                 "I1123 00:00:38.500000 1 training.py:3] [6000/60000 samples, epoch 0.10] ...\n")
+  assert study_lib.log_timing(str(log)) == {"setup_s": 8.5, "first_chunk_s": 20.0,
+                                            "steady_samples_per_s": 200.0}
