@@ -270,7 +270,7 @@ def test_float_labels_are_refused():
 
 
 def test_state_of_another_pipeline_and_donated_state_are_refused(pipe):
-  x, y = make_stream(4, 2)
+  x, y = make_stream(6, 2)  # the shapes of the label test: its compiled run is reused
   other = Pipeline(make_model((3, 3)), methods.make_method("pb", learning_rate=0.05), x[0], y[0])
   with pytest.raises(PipelineError, match="does not belong to this pipeline"):
     pipe.run(other.init(jax.random.PRNGKey(0)), x, y)
