@@ -161,7 +161,7 @@ def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_pat
   config = digits_config(epochs=480 / 1437, lr=1e30,  # resumes, then blows up
                          allow_changes_on_resume=True)
   with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
-                     rf"last good checkpoint \(step {good_step}\)"):
+                     rf"last good checkpoint \(step {good_step},"):
     training.train_and_evaluate(config, workdir)
   assert saver.all_steps()[-1] == good_step
   like = _pipeline_for(config).init(jax.random.PRNGKey(0))
