@@ -169,6 +169,16 @@ def judge(workdir, code, output, reference, damaged_step=None):
   return f"FAIL: exit {code}: {output.strip().splitlines()[-1][:300] if output.strip() else ''}"
 
 
+def _category(verdict: str) -> str:
+  if verdict.startswith("FAIL"):
+    return "FAIL"
+  if verdict.startswith("refused"):
+    return "refused naming the damaged step"
+  if "damage caught" in verdict:
+    return "exact after falling back from the damaged step"
+  return "exact (bytes never read)" if "never read" in verdict else "exact"
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--trials", type=int, default=10, help="kill trials and corruption trials")
@@ -206,7 +216,7 @@ def main():
     what, killed_code = kill_at_random(workdir, rng, reference_seconds)
     code, output = run(workdir)  # a kill damages no complete checkpoint: one rerun must finish
     verdict = judge(workdir, code, output, reference)
-    outcomes["kill: " + verdict.split(" (")[0].split(":")[0]] += 1
+    outcomes["kill: " + _category(verdict)] += 1
     print(f"kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}", flush=True)
 
     source = rng.choice([stopped_dir, reference_dir])
@@ -215,12 +225,12 @@ def main():
     step, what = corrupt_newest(workdir, rng)
     code, output = run(workdir)
     verdict = judge(workdir, code, output, reference, damaged_step=step)
-    outcomes["corruption: " + verdict.split(",")[0].split(":")[0]] += 1
+    outcomes["corruption: " + _category(verdict)] += 1
     print(f"corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
           flush=True)
 
   print("COUNTS " + ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())))
-  failures = sum(v for k, v in outcomes.items() if k.endswith("FAIL"))
+  failures = sum(v for k, v in outcomes.items() if k.endswith(": FAIL"))
   sys.exit(1 if failures else 0)
 
 
