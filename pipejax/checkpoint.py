@@ -2,25 +2,43 @@
 
 Saved with orbax (each step is written to a temporary directory and renamed, so a crash never
 leaves a half-written checkpoint that looks complete). Beside the state, a JSON ``meta`` item keeps
-the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7). A
-checkpoint that cannot be read, or was written by a different model or method, is a
-:class:`CheckpointError`; a directory that holds checkpoint-like entries but none that orbax can
-read is an error too, never a silent fresh start.
+the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7).
+
+Each checkpoint carries two SHA-256 digests in its meta: one of the state's bytes together with the
+data position, one of the rest of the meta. :meth:`Checkpointer.restore_newest` checks both, so a
+flipped bit on disk is caught instead of trained on; a damaged step is moved aside (to
+``<directory>.damaged/``) and the newest intact step is used, with a warning naming both. When no
+step is intact the run stops with a :class:`CheckpointError`, never with a silent fresh start.
+A temporary directory left by a write that never finished (a kill, a full disk) is not a
+checkpoint: it is removed, with a warning, when the directory is opened.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
-from typing import Any
+import shutil
+from typing import Any, Callable
 
+from absl import logging
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 PyTree = Any
 
+# orbax names the directory of a step it is still writing "<step>.orbax-checkpoint-tmp[-<time>]".
+UNFINISHED_MARK = ".orbax-checkpoint-tmp"
+
 
 class CheckpointError(RuntimeError):
   """A checkpoint cannot be used; the message says why and what to do."""
+
+
+class StorageError(RuntimeError):
+  """The workdir cannot be written (full disk, read-only, no permission); the message says how."""
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -28,16 +46,89 @@ def _abstract(tree: PyTree) -> PyTree:
       a, "sharding", None)), tree)
 
 
+def _plain_json(value) -> Any:
+  """``value`` as it reads back from JSON (tuples become lists), so digests survive the trip."""
+  return json.loads(json.dumps(value, default=str))
+
+
+def _whole_array(leaf) -> np.ndarray:
+  """The full value of a leaf on this host, gathered from the others when it spans processes.
+
+  The digest is of whole arrays, not of each process's shards, so a checkpoint written by N
+  processes verifies when read by M. Every process must call this (it is a collective then).
+  """
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(jax.device_get(leaf))
+
+
+def state_digest(state: PyTree, data_position: Any) -> str:
+  """SHA-256 of every leaf's dtype, shape and bytes (in tree order) and of the data position."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(state):
+    a = np.ascontiguousarray(_whole_array(leaf))
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+  h.update(json.dumps(_plain_json(data_position), sort_keys=True).encode())
+  return h.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k not in ("state_digest", "meta_digest")}
+  return hashlib.sha256(json.dumps(_plain_json(body), sort_keys=True).encode()).hexdigest()
+
+
+def storage_error(action: str, path: str, error: BaseException) -> StorageError | None:
+  """The one-paragraph error for a write that failed for want of space or permission, else None."""
+  text = str(error)
+  if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+      "RESOURCE_EXHAUSTED" in text or "No space left" in text:
+    return StorageError(
+        f"{action} failed: the disk holding {path} is full ({_first_line(error)}). Free some space "
+        "(or point --workdir to a larger disk) and rerun the same command: the run resumes from "
+        "its last complete checkpoint.")
+  if isinstance(error, PermissionError) or (isinstance(error, OSError) and error.errno in (
+      errno.EACCES, errno.EPERM, errno.EROFS)) or "Permission denied" in text or \
+      "Read-only file system" in text:
+    return StorageError(
+        f"{action} failed: {path} cannot be written ({_first_line(error)}). Make the directory "
+        "writable for this user, or choose another --workdir.")
+  return None
+
+
+def _first_line(error: BaseException) -> str:
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
 class Checkpointer:
   """Saves and restores (state, meta) pairs under ``directory``, keeping the last ``max_to_keep``."""
 
-  def __init__(self, directory: str, max_to_keep: int = 3):
+  def __init__(self, directory: str, max_to_keep: int = 3, primary: bool = True):
     self.directory = os.path.abspath(directory)
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                             enable_async_checkpointing=False),
-        item_names=("state", "meta"))
+    if primary:
+      self._remove_unfinished()
+    try:
+      self._manager = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=False),
+          item_names=("state", "meta"))
+    except Exception as e:  # orbax creates the directory: a read-only workdir fails here
+      problem = storage_error("Creating the checkpoint directory", self.directory, e)
+      if problem is None:
+        raise
+      raise problem from None
+
+  def _remove_unfinished(self):
+    if not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      if UNFINISHED_MARK in name:
+        logging.warning("Removing %s: a checkpoint whose writing never finished (the run was "
+                        "killed or the disk was full while saving it); it holds nothing usable.",
+                        os.path.join(self.directory, name))
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step; an error if only unreadable entries are present."""
@@ -53,38 +144,122 @@ class Checkpointer:
     return step
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: PyTree, meta: dict) -> None:
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)))
-    self._manager.wait_until_finished()
+    """Saves ``state`` and ``meta`` as ``step``; ``meta['data_position']`` goes into the digest."""
+    meta = dict(meta)
+    meta["state_digest"] = state_digest(state, meta.get("data_position"))
+    meta["meta_digest"] = _meta_digest(meta)
+    try:
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)))
+      self._manager.wait_until_finished()
+    except Exception as e:
+      problem = storage_error(f"Writing checkpoint step {step}", self.directory, e)
+      if problem is None:
+        raise
+      raise problem from None
 
   def restore_meta(self, step: int) -> dict:
+    """The meta of ``step`` as saved, its digest checked (a :class:`CheckpointError` if damaged).
+
+    The digests themselves are kept under ``meta['digests']``.
+    """
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-      return dict(restored["meta"])
+      meta = dict(restored["meta"])
     except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable".
-      raise self._damaged(step, e) from None
+      raise self._damaged(step, _first_line(e)) from None
+    if "meta_digest" in meta and meta["meta_digest"] != _meta_digest(meta):
+      raise self._damaged(step, "its meta does not match its digest")
+    digests = {k: meta.pop(k) for k in ("state_digest", "meta_digest") if k in meta}
+    if digests:
+      meta["digests"] = digests
+    return meta
 
   def restore(self, step: int, like_state: PyTree) -> tuple[PyTree, dict]:
-    """Restores step ``step`` into the structure, shapes and dtypes of ``like_state``."""
+    """Restores step ``step`` into the structure, shapes and dtypes of ``like_state``.
+
+    Both digests are verified; a mismatch is a :class:`CheckpointError` naming the step.
+    """
     meta = self.restore_meta(step)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_abstract(like_state))))
     except Exception as e:
-      raise self._damaged(step, e) from None
-    return restored["state"], meta
+      raise self._damaged(step, _first_line(e)) from None
+    state = restored["state"]
+    digests = meta.pop("digests", {})
+    if "state_digest" in digests and \
+        digests["state_digest"] != state_digest(state, meta.get("data_position")):
+      raise self._damaged(step, "its arrays do not match the digest saved with them")
+    return state, meta
 
-  def _damaged(self, step, error) -> CheckpointError:
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    return CheckpointError(
-        f"Checkpoint step {step} in {self.directory} cannot be restored ({first_line}). It is "
-        "damaged (an interrupted copy, a full disk) or was written by a different model, method "
-        "or pipeline layout, so its arrays do not fit this run. Resume with the config it was "
-        "written with, delete that step's directory to fall back to an older checkpoint, or "
-        "choose a new --workdir to start afresh.")
+  def restore_newest(self, like_state: PyTree, check_meta: Callable[[int, dict], None]
+                     ) -> tuple[int, PyTree, dict] | None:
+    """The newest intact checkpoint as ``(step, state, meta)``; None when there is none.
+
+    ``check_meta(step, meta)`` runs on each candidate's (verified) meta before its arrays are read;
+    it raises to refuse a checkpoint the run cannot use at all (a different model, say). Damaged
+    steps newer than the one returned are moved to ``<directory>.damaged/`` with a warning, so the
+    run can write those steps again. If every step is damaged, nothing is moved and a
+    :class:`CheckpointError` names them all.
+    """
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      self.latest_step()  # raises on leftovers that are not checkpoints
+      return None
+    damaged = []
+    for step in steps:
+      try:
+        meta = self.restore_meta(step)
+        check_meta(step, meta)
+        state, meta = self.restore(step, like_state)
+      except _DamagedCheckpoint as e:
+        logging.warning("%s", e)
+        damaged.append((step, e))
+        continue
+      for bad_step, _ in damaged:
+        self._set_aside(bad_step)
+      if damaged:
+        logging.warning(
+            "Resuming from checkpoint step %d, the newest intact one; damaged step(s) %s were "
+            "moved to %s.damaged/.", step, ", ".join(str(s) for s, _ in damaged), self.directory)
+      return step, state, meta
+    if len(damaged) == 1:
+      raise damaged[0][1]
+    raise CheckpointError(
+        f"Every checkpoint in {self.directory} is damaged (steps "
+        f"{', '.join(str(s) for s, _ in damaged)}): " + " ".join(
+            f"step {s}: {e.reason}." for s, e in damaged) + " Refusing to start from scratch "
+        "over them: restore the files from a copy, resume with the config they were written "
+        "with, or choose a new --workdir to start afresh.")
+
+  def _set_aside(self, step: int) -> None:
+    aside = self.directory + ".damaged"
+    os.makedirs(aside, exist_ok=True)
+    target, n = os.path.join(aside, str(step)), 1
+    while os.path.exists(target):
+      target, n = os.path.join(aside, f"{step}.{n}"), n + 1
+    shutil.move(os.path.join(self.directory, str(step)), target)
+    self._manager.reload()
+
+  def _damaged(self, step, reason: str) -> CheckpointError:
+    return _DamagedCheckpoint(step, reason, self.directory)
 
   def close(self):
     self._manager.close()
+
+
+class _DamagedCheckpoint(CheckpointError):
+  """One step cannot be used (unreadable, or its digest does not match); others may still be."""
+
+  def __init__(self, step: int, reason: str, directory: str):
+    self.step, self.reason = step, reason
+    super().__init__(
+        f"Checkpoint step {step} in {directory} cannot be restored ({reason}). It is damaged (a "
+        "flipped bit, an interrupted copy, a full disk) or was written by a different model, "
+        "method or pipejax version, so its arrays do not fit this run. Resume with the config it "
+        "was written with, delete that step's directory to fall back to an older checkpoint, or "
+        "choose a new --workdir to start afresh.")

@@ -56,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_every_samples = 60000
   config.checkpoint_every_samples = 60000
   config.keep_checkpoints = 3
+  # A workdir resumes only with the recipe it was trained with; True accepts changed fields (e.g.
+  # a lower lr after a divergence) and records them in workdir/config_changes.jsonl.
+  config.allow_changes_on_resume = False
   config.eval_batch_size = 1000
   # Devices: `stage` devices each own a contiguous group of stages; `data` replicas average
   # gradients. Checkpoints hold the logical state, so a run can resume on another mesh.

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from pipejax import sharding
 from pipejax.sharding import MeshError
 
-__all__ = ["MeshError", "initialize", "make_mesh", "shutdown"]
+__all__ = ["MeshError", "any_process", "initialize", "make_mesh", "shutdown"]
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -65,6 +66,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def shutdown() -> None:
   """Disconnects from the other processes (optional: JAX does it at exit)."""
   jax.distributed.shutdown()
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process if ``flag`` is True on any of them (a collective: all must call it).
+
+  The trainer calls it between chunks with "a signal asked me to stop", so a SIGTERM delivered to
+  one host stops all of them at the same chunk: each saves its part of the checkpoint and exits,
+  instead of the others blocking in the next collective of a process that left. On one process
+  it returns ``flag`` without communicating.
+  """
+  if jax.process_count() == 1:
+    return bool(flag)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+  return bool(np.any(flags))
 
 
 def make_mesh(stage: int, data: int = 1) -> jax.sharding.Mesh:

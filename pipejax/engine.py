@@ -44,7 +44,7 @@ import optax
 
 from pipejax import accounting
 from pipejax.methods import Method
-from pipejax.stages import Model, Variables
+from pipejax.stages import Model, Variables, softmax_cross_entropy
 
 PyTree = Any
 
@@ -447,6 +447,7 @@ class Pipeline:
     loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
     ``finite`` (one flag per stage).
     """
+    self.check_state(state)
     batch = self.checked_batch(inputs, labels, valid, ticks=None)
     return self._jit_tick(state, batch)
 
@@ -463,6 +464,7 @@ class Pipeline:
     float rounding (the two programs fuse differently); which one runs depends only on the state
     and the stream, so a resumed run still repeats the original bit for bit.
     """
+    self.check_state(state)
     batch = self.checked_batch(inputs, labels, valid, ticks=True)
     if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
       return self._jit_run_full(state, batch)
@@ -531,4 +533,69 @@ class Pipeline:
     valid = jnp.asarray(valid, bool)
     if valid.shape != lead:
       raise PipelineError(f"valid must have shape {lead} (one flag per tick); got {valid.shape}.")
+    self._check_class_labels(labels, valid)
     return Batch(inputs, labels, valid)
+
+  # ------------------------------------------------------------------ boundary checks
+
+  @functools.cached_property
+  def _state_spec(self):
+    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+
+  def check_state(self, state: PipelineState) -> None:
+    """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed.
+
+    Structure, shapes and dtypes only: no device work, so it costs nothing per call.
+    """
+    leaves = jax.tree.leaves(state)
+    if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+      raise PipelineError(
+          "The state passed in was donated to an earlier run() call, which freed its buffers. "
+          "Use the state that call returned (state, metrics = pipe.run(state, ...)), or keep a "
+          "copy (jax.tree.map(jnp.copy, state)) before running if you need the old one.")
+    want = self._state_spec
+    if jax.tree.structure(state) != jax.tree.structure(want) or any(
+        np.shape(a) != w.shape or jnp.result_type(a) != w.dtype
+        for a, w in zip(leaves, jax.tree.leaves(want))):
+      raise PipelineError(
+          "The state does not belong to this pipeline: its structure, shapes or dtypes differ "
+          f"from what this pipeline's init() makes ({self.num_stages} stages of this model and "
+          "method). Create the state with this pipeline's init(), or restore a checkpoint "
+          "written by the same model and method.")
+
+  @functools.cached_property
+  def _num_classes(self) -> int | None:
+    """The logits' width when the loss is the built-in classification loss, else None."""
+    if self.model.loss is not softmax_cross_entropy:
+      return None  # a custom loss defines what its labels are
+    logits = jax.eval_shape(self.model.stages[-1].apply, self._params_shapes[-1],
+                            self._stage_inputs[-1], jax.random.PRNGKey(0))
+    return int(logits.shape[-1])
+
+  def _check_class_labels(self, labels, valid) -> None:
+    """Class labels must be integers in [0, classes): JAX would clamp -1 or 50 silently.
+
+    The range is checked on host arrays (what a data loader gives); labels already on a device
+    are checked only in run(), once per call, so a tick never waits for a device transfer.
+    """
+    num_classes = self._num_classes
+    if num_classes is None:
+      return
+    for leaf in jax.tree.leaves(labels):
+      if not jnp.issubdtype(leaf.dtype, jnp.integer):
+        raise PipelineError(
+            f"The labels are {jnp.dtype(leaf.dtype).name}, but the softmax cross-entropy takes "
+            "integer class indices (floats would be truncated). Build the pipeline with integer "
+            "example labels and feed labels.astype(np.int32).")
+      if isinstance(leaf, jax.Array) and np.ndim(valid) == 0:
+        continue
+      values = np.asarray(leaf)
+      if np.ndim(valid):
+        values = values[np.asarray(valid)]
+      elif not bool(valid):
+        continue
+      if values.size and (values.min() < 0 or values.max() >= num_classes):
+        raise PipelineError(
+            f"Labels must be class indices in [0, {num_classes}) for this model's "
+            f"{num_classes} outputs; got values from {values.min()} to {values.max()}. Map the "
+            "labels to 0..classes-1, or build the model with more classes.")

@@ -29,7 +29,10 @@ class MetricsWriter:
   """Appends records to ``workdir/metrics.jsonl`` and TensorBoard event files.
 
   On resume, records past the checkpoint's sample count (written by the run that was stopped
-  after its last checkpoint) are dropped, so the curves have no duplicates.
+  after its last checkpoint) are dropped, so the curves have no duplicates. TensorBoard's files are
+  then rebuilt from ``metrics.jsonl`` (the record of truth): a killed process may have left its
+  event file short, empty or ahead of the checkpoint. :meth:`flush` (called at every checkpoint)
+  puts everything written so far on disk.
   """
 
   def __init__(self, workdir: str, resume_samples: int | None = None, enabled: bool = True):
@@ -37,6 +40,7 @@ class MetricsWriter:
     self.enabled = enabled
     if not enabled:  # another process writes
       return
+    kept = []
     if resume_samples is not None:
       kept = [r for r in read_records(workdir) if r.get("samples", 0) <= resume_samples]
       self._rewrite(kept)
@@ -44,7 +48,15 @@ class MetricsWriter:
       self._rewrite([])
     self._file = open(self.path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the trainer needs it
-    self._tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    tensorboard_dir = os.path.join(workdir, "tensorboard")
+    if os.path.isdir(tensorboard_dir):
+      for name in os.listdir(tensorboard_dir):
+        if name.startswith("events."):
+          os.remove(os.path.join(tensorboard_dir, name))
+    self._tensorboard = SummaryWriter(tensorboard_dir)
+    for record in kept:
+      self._add_scalars(record)
+    self._tensorboard.flush()
 
   def _rewrite(self, records):
     tmp = self.path + ".tmp"
@@ -59,12 +71,21 @@ class MetricsWriter:
     record = {"split": split, "samples": int(samples), **{k: _plain(v) for k, v in scalars.items()}}
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+    self._add_scalars(record)
+
+  def _add_scalars(self, record: dict) -> None:
     for key, value in record.items():
-      if isinstance(value, (int, float)) and key != "samples":
-        self._tensorboard.add_scalar(f"{split}/{key}", value, int(samples))
+      if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "samples":
+        self._tensorboard.add_scalar(f"{record['split']}/{key}", value, int(record["samples"]))
       elif isinstance(value, list):  # one value per stage
         for s, v in enumerate(value):
-          self._tensorboard.add_scalar(f"{split}/{key}/stage_{s:02d}", v, int(samples))
+          self._tensorboard.add_scalar(f"{record['split']}/{key}/stage_{s:02d}", v,
+                                       int(record["samples"]))
+
+  def flush(self) -> None:
+    """Puts every record written so far on disk (TensorBoard buffers its events)."""
+    if self.enabled:
+      self._tensorboard.flush()
 
   def close(self) -> None:
     if not self.enabled:

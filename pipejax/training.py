@@ -10,6 +10,7 @@ stopped (bit-identical on CPU).
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -29,9 +30,16 @@ from pipejax import methods as methods_lib
 from pipejax import metrics as metrics_lib
 from pipejax import models as models_lib
 from pipejax import optim
-from pipejax.checkpoint import Checkpointer, CheckpointError
+from pipejax import workdir as workdir_lib
+from pipejax.checkpoint import Checkpointer, CheckpointError, storage_error
 from pipejax.engine import Pipeline
 from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exported)
+
+# Config keys that may differ on resume without changing what is trained: where the data lives, how
+# often the run reports and saves, how the devices are laid out (checkpoints hold the logical
+# state). Any other change is refused unless config.allow_changes_on_resume is set.
+FREE_KEYS = ("data_dir", "eval_every_samples", "checkpoint_every_samples", "keep_checkpoints",
+             "eval_batch_size", "mesh", "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
@@ -87,28 +95,77 @@ def learning_rate_schedule(config, hp: Hyperparameters):
   if config.schedule == "constant":
     return optax.constant_schedule(hp.learning_rate)
   if config.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(
-        0.0, hp.learning_rate, max(hp.warmup_steps, 1), max(hp.steps, hp.warmup_steps + 1))
+    warmup = max(hp.warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
+    return optax.warmup_cosine_decay_schedule(0.0, hp.learning_rate, warmup,
+                                              max(hp.steps, warmup + 1))
   raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {config.schedule!r}.")
 
 
 def validate(config) -> None:
-  """Checks the config before anything expensive happens."""
+  """Checks every field of the config before anything is created, loaded or compiled."""
   if config.method not in methods_lib.METHODS:
     raise ConfigError(f"config.method={config.method!r} is not a known method. Known methods: "
                       f"{', '.join(methods_lib.METHODS)}.")
   if config.model not in models_lib.names():
     raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
                       f"{', '.join(models_lib.names())}.")
-  for key in ("micro_batch_size", "ticks_per_chunk", "eval_every_samples",
-              "checkpoint_every_samples", "keep_checkpoints"):
-    if int(config[key]) < 1:
-      raise ConfigError(f"config.{key} must be a positive integer; got {config[key]}.")
-  if config.epochs <= 0:
-    raise ConfigError(f"config.epochs must be positive; got {config.epochs}.")
+  _validate_values(config)
   if config.method == "sync" and config.ticks_per_chunk % config.micro_batches:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
                       f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
+
+
+# Field groups of _validate_values; optional fields (None: use the converted recipe) are checked
+# only when set.
+_POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_every_samples",
+                  "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
+                  "reference.batch_size", "mesh.stage", "mesh.data")
+_NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
+_NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "lr", "weight_decay",
+                       "warmup_epochs", "pipemare_anneal_epochs")
+_MOMENTA = ("reference.momentum", "momentum", "reference.beta2")
+_CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
+            "optimizer": ("sgd", "adam")}
+
+
+def _field(config, key: str):
+  value = config
+  for part in key.split("."):
+    value = value.get(part) if hasattr(value, "get") else None
+  return value
+
+
+def _validate_values(config) -> None:
+  """Types and ranges of the numeric and choice fields, each named with its bad value."""
+  def require(ok, key, what):
+    if not ok:
+      raise ConfigError(f"config.{key} must be {what}; got {_field(config, key)!r}. Set it with "
+                        f"--config.{key}=VALUE.")
+
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+  is_real = lambda v: is_int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
+  for key in _POSITIVE_INTS:
+    v = _field(config, key)
+    require(is_int(v) and v >= 1, key, "a positive integer")
+  for key in _NON_NEGATIVE_INTS:
+    v = _field(config, key)
+    require(is_int(v) and v >= 0, key, "a non-negative integer")
+  require(config.seed < 2**32, "seed", "below 2**32")
+  v = config.epochs
+  require(is_real(v) and v > 0, "epochs", "a positive finite number")
+  for key in _NON_NEGATIVE_REALS:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and v >= 0), key, "a finite number >= 0")
+  for key in _MOMENTA:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and 0 <= v < 1), key, "a momentum in [0, 1)")
+  for key, choices in _CHOICES.items():
+    require(_field(config, key) in choices, key, " or ".join(repr(c) for c in choices))
+  for name, value in dict(config.model_kwargs).items():
+    # Every integer a model builder takes is a width, a count or layers per stage.
+    ints = [x for x in (value if isinstance(value, (tuple, list)) else (value,)) if is_int(x)]
+    require(all(x >= 1 for x in ints), f"model_kwargs.{name}",
+            "made of positive integers (widths, counts)")
 
 
 def _config_fingerprint(config) -> dict:
@@ -252,8 +309,6 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     from pipejax import sharding  # single-device runs never touch meshes
     mesh = sharding.make_mesh(config.mesh.stage, config.mesh.data)
     balance = config.mesh.get("balance", "params")
-    if balance not in ("params", "measured"):
-      raise ConfigError(f"config.mesh.balance must be 'params' or 'measured'; got {balance!r}.")
     costs = (sharding.measure_stage_costs(pipe) if balance == "measured"
              else sharding.param_counts(pipe))
     sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None,
@@ -270,10 +325,26 @@ def build(config: ml_collections.ConfigDict) -> Setup:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
 
-  Returns the final summary (also written to ``workdir/summary.json``).
+  The config is validated, then the workdir is checked writable and locked (one run at a time),
+  before anything is built. Returns the final summary (also written to ``workdir/summary.json``);
+  a run stopped by SIGTERM/SIGINT returns early with ``summary['stopped_by']`` set, after saving a
+  checkpoint. A finished workdir is reported again, not retrained or re-evaluated.
   """
+  validate(config)
+  # In a multi-host run every process computes the same metrics; one writes them.
+  primary = jax.process_index() == 0
+  with workdir_lib.claim(workdir, lock=primary):
+    try:
+      return _train(config, workdir, primary)
+    except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
+      problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
+      if problem is None:
+        raise
+      raise problem from None
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> dict:
   setup = build(config)
-  os.makedirs(workdir, exist_ok=True)
 
   train_source, test_source = setup.train_source, setup.test_source
   model, hp, pipe = setup.model, setup.hyperparameters, setup.pipeline
@@ -286,42 +357,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   total_samples -= total_samples % samples_per_chunk or 0
   total_samples = max(total_samples, samples_per_chunk)
 
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
+                              primary=primary)
   state = setup.init(jax.random.PRNGKey(config.seed))
-  samples = 0
-  step = checkpointer.latest_step()
-  if step is not None:
-    meta = checkpointer.restore_meta(step)
-    saved, wanted = meta.get("fingerprint", {}), _config_fingerprint(config)
-    differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
-    if differing:
-      raise CheckpointError(
-          f"The checkpoint in {checkpointer.directory} was written with a different "
-          f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
-          f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
-          "settings, or use a new --workdir for the new ones.")
-    logical_state, meta = checkpointer.restore(step, setup.logical(state))
+  samples, seconds_before = 0, 0.0
+  restored = checkpointer.restore_newest(
+      setup.logical(state), lambda step, meta: _check_resumable(config, checkpointer, step, meta))
+  if restored is not None:
+    step, logical_state, meta = restored
     state = setup.placed(logical_state)
     stream.set_state(meta["data_position"])
     samples = int(meta["samples"])
+    seconds_before = float(meta.get("train_seconds", 0.0))
     logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
                  samples)
+    finished = _finished_summary(workdir, samples, total_samples)
+    if finished is not None:
+      checkpointer.close()
+      return finished
+    if primary:
+      _record_config_changes(config, workdir, meta, samples)
 
-  # In a multi-host run every process computes the same metrics; one writes them.
-  primary = jax.process_index() == 0
-  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if step is not None else None,
+  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if restored else None,
                                      enabled=primary)
   if primary:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(_to_plain(config), f, indent=2, default=str)
   logging.info("Model: %d stages; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
-               "%.3g; %d training samples.", pipe.num_stages, config.method, b,
-               hp.learning_rate, hp.momentum, hp.weight_decay, total_samples)
+               "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
+               "samples.", pipe.num_stages, config.method, b, hp.learning_rate, hp.momentum,
+               hp.weight_decay, hp.steps, hp.warmup_steps, pipe.delays, total_samples)
+
+  start_time = time.perf_counter()
 
   def save(current_state):
     checkpointer.save(samples, setup.logical(current_state), {
         "samples": samples, "data_position": stream.get_state(),
-        "fingerprint": _config_fingerprint(config), "config": _to_plain(config)})
+        "fingerprint": _config_fingerprint(config), "config": _to_plain(config),
+        "train_seconds": seconds_before + time.perf_counter() - start_time})
+    writer.flush()
 
   evaluate = make_evaluator(model, config.eval_batch_size)
   schedule = learning_rate_schedule(config, hp)  # the base rate, logged beside the loss
@@ -339,7 +413,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                             title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
     return result
 
-  start_time, start_samples = time.perf_counter(), samples
+  interval_start = (time.perf_counter(), samples)
   stopped_by = None
   test_result = None
   with _StopRequest() as stop:
@@ -349,17 +423,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       first_tick = int(state.tick)
       state, chunk_metrics = setup.run(state, x, y, valid)
       chunk_metrics = jax.device_get(chunk_metrics)
-      problem = _first_non_finite(np.asarray(chunk_metrics["finite"]), first_tick, model)
-      if problem:
-        last = checkpointer.all_steps()
-        raise TrainingDiverged(
-            f"Training diverged: {problem} produced a non-finite value (NaN or inf) at sample "
-            f"{samples} and beyond. "
-            + (f"The last good checkpoint (step {max(last)}) is kept in {checkpointer.directory}. "
-               if last else "No checkpoint had been written yet. ")
-            + "Lower the learning rate (--config.lr), add warm-up (--config.warmup_epochs), or "
-              "try a method with compensation (pb_sc_lwp); rerunning resumes from that "
-              "checkpoint.")
+      _raise_if_diverged(config, setup, state, chunk_metrics, first_tick, samples, valid,
+                         checkpointer)
       samples += samples_per_chunk
       seen = np.asarray(chunk_metrics["valid"])
       if seen.any():
@@ -369,21 +434,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if "weight_discrepancy" in chunk_metrics:
         writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
             np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
-      elapsed = time.perf_counter() - start_time
-      rate = (samples - start_samples) / max(elapsed, 1e-9)
-      eta = (total_samples - samples) / max(rate, 1e-9)
+      # The rate of this interval alone: a running average would count compile time forever.
+      now = time.perf_counter()
+      rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
+      interval_start = (now, samples)
       logging.info("[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, "
                    "ETA %s", samples, total_samples, samples / len(train_source),
                    float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
                    float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
-                   rate, _duration(eta))
+                   rate, _duration((total_samples - samples) / max(rate, 1e-9)))
       crossed = lambda every: samples // every != (samples - samples_per_chunk) // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
-      if crossed(config.checkpoint_every_samples) or stop.signal_name:
+      if _agree_to_stop(stop.signal_name is not None):
+        stopped_by = stop.signal_name or "a signal to another process"
+        logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
+                        samples)
+      if crossed(config.checkpoint_every_samples) or stopped_by:
         save(state)
-      if stop.signal_name:
-        stopped_by = stop.signal_name
+      if stopped_by:
         logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
                         "command to resume.", stopped_by, samples, checkpointer.directory)
         break
@@ -399,14 +468,164 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "method": config.method, "model": config.model, "dataset": config.dataset,
       "micro_batch_size": b, "num_stages": pipe.num_stages,
       "learning_rate": hp.learning_rate, "momentum": hp.momentum,
-      "train_seconds": time.perf_counter() - start_time,
+      "train_seconds": seconds_before + time.perf_counter() - start_time,
       "test_accuracy": None if test_result is None else test_result["accuracy"],
       "test_loss": None if test_result is None else test_result["loss"],
+      **_run_facts(workdir),
   }
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   return summary
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+  if not isinstance(tree, dict):
+    return {prefix[:-1]: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_flatten(value, f"{prefix}{key}."))
+  return out
+
+
+def _changed_settings(config, meta: dict) -> dict:
+  """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not."""
+  old, new = _flatten(meta.get("config", {})), _flatten(_to_plain(config))
+  return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+
+
+def _is_free(key: str) -> bool:
+  return key.split(".")[0] in FREE_KEYS
+
+
+def _check_resumable(config, checkpointer, step: int, meta: dict) -> None:
+  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe."""
+  saved, wanted = meta.get("fingerprint", {}), _config_fingerprint(config)
+  differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
+  if differing:
+    raise CheckpointError(
+        f"Checkpoint step {step} in {checkpointer.directory} was written with a different "
+        f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
+        f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
+        "settings, or use a new --workdir for the new ones.")
+  changes = {k: v for k, v in _changed_settings(config, meta).items() if not _is_free(k)}
+  if changes and not config.get("allow_changes_on_resume", False):
+    workdir = os.path.dirname(checkpointer.directory)
+    raise ConfigError(
+        f"This run would resume checkpoint step {step} in {workdir} with other settings than it "
+        f"was trained with: {_describe_changes(changes)}. Continuing silently would mix two "
+        "experiments in one run. Rerun with the original values, use a new --workdir for the new "
+        "ones, or pass --config.allow_changes_on_resume=True to continue with them (the change "
+        f"is then logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
+
+
+CHANGES_FILE = "config_changes.jsonl"
+
+
+def _describe_changes(changes: dict) -> str:
+  return "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+
+
+def _record_config_changes(config, workdir: str, meta: dict, samples: int) -> None:
+  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``."""
+  changes = _changed_settings(config, meta)
+  if not changes:
+    return
+  recipe = {k: v for k, v in changes.items() if not _is_free(k)}
+  if recipe:
+    logging.warning("Resuming at %d samples with changed settings (allowed by "
+                    "config.allow_changes_on_resume): %s.", samples, _describe_changes(recipe))
+  logging.info("Resuming at %d samples with changed settings: %s.", samples,
+               _describe_changes(changes))
+  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+    f.write(json.dumps({"samples": samples, "time": time.time(),
+                        "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | None:
+  """The summary of a run that already finished at ``samples``, or None."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if (samples >= total_samples and summary.get("stopped_by") is None
+      and summary.get("samples") == samples and summary.get("test_accuracy") is not None):
+    logging.info("This run finished before (%d samples); reporting its summary, nothing is "
+                 "retrained or re-evaluated.", samples)
+    return summary
+  return None
+
+
+def _run_facts(workdir: str) -> dict:
+  """The summary's record of the run's best test accuracy and of what it ran on."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  accuracies = [r["accuracy"] for r in metrics_lib.read_records(workdir)
+                if r.get("split") == "test" and "accuracy" in r]
+  try:
+    version = importlib.metadata.version("pipejax")
+  except importlib.metadata.PackageNotFoundError:
+    version = "unknown (not installed)"
+  device = jax.devices()[0]
+  return {"best_test_accuracy": max(accuracies) if accuracies else None,
+          "versions": {"pipejax": version, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
+          "device": f"{jax.device_count()} x {device.platform} ({device.device_kind})",
+          "processes": jax.process_count()}
+
+
+def _agree_to_stop(requested: bool) -> bool:
+  """Whether any process was asked to stop; all processes then stop at the same chunk."""
+  if jax.process_count() == 1:
+    return requested
+  from pipejax import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.any_process(requested)
+
+
+@jax.jit
+def _finite_weights(stages) -> jax.Array:
+  """One flag per stage: are its weights and optimizer state finite (one reduction per chunk)."""
+  def finite(tree):
+    flags = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
+             if jnp.issubdtype(a.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+  return jnp.stack([finite((st.params, st.opt_state)) for st in stages])
+
+
+def _raise_if_diverged(config, setup, state, chunk_metrics, first_tick: int, samples: int,
+                       valid, checkpointer) -> None:
+  """A :class:`TrainingDiverged` if the chunk saw a non-finite activation or left bad weights.
+
+  Activations flag a NaN within a tick of its birth; the weights are checked too, once per chunk,
+  because an inf weight can be written in the chunk's last tick and must never be checkpointed.
+  """
+  model = setup.model
+  finite = np.asarray(chunk_metrics["finite"])
+  bad_weights = [s for s, ok in enumerate(np.asarray(_finite_weights(setup.logical(state).stages)))
+                 if not ok]
+  if finite.all() and not bad_weights:
+    return
+  if not finite.all():
+    where = _first_non_finite(finite, first_tick, model)
+    offset = int(np.argwhere(~finite)[:, 0].min())
+  else:
+    where = (", ".join(model.stage_label(s) for s in bad_weights)
+             + f" (its weights) in ticks {first_tick}..{first_tick + len(finite) - 1}")
+    offset = len(finite)
+  seen = samples + config.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
+  steps = checkpointer.all_steps()
+  advice = "Lower the learning rate (--config.reference.lr or --config.lr) or add warm-up " \
+           "(--config.warmup_epochs)"
+  if config.method not in ("pb_sc_lwp", "sgd", "sync"):
+    advice += ", or try a method with delay compensation (--config.method=pb_sc_lwp)"
+  raise TrainingDiverged(
+      f"Training diverged: {where} produced a non-finite value (NaN or inf), after {seen} "
+      "training samples. "
+      + (f"The last good checkpoint (step {max(steps)}, with finite weights) is kept in "
+         f"{checkpointer.directory}; a rerun resumes from it (to resume with other settings, add "
+         "--config.allow_changes_on_resume=True). "
+         if steps else "No checkpoint had been written yet, so a rerun starts from the "
+         "beginning. ")
+      + advice + ".")
 
 
 def _duration(seconds: float) -> str:
@@ -424,8 +643,9 @@ def _user_errors():
   from pipejax.engine import PipelineError
   from pipejax.methods import MethodError
   from pipejax.stages import ModelError
+  from pipejax.checkpoint import StorageError
   return (ConfigError, TrainingDiverged, _CheckpointError, DataError, PipelineError, MethodError,
-          ModelError)
+          ModelError, StorageError, workdir_lib.WorkdirBusy)
 
 
 # Every error a user can cause; the binary prints these as one paragraph, without a traceback.

@@ -8,7 +8,17 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
         --config.mesh.stage=2 --config.mesh.data=1          # stages over 2 devices
 
 A workdir that holds a checkpoint is resumed. SIGTERM or Ctrl-C saves a checkpoint and exits;
-rerunning the same command continues bit-exactly where it stopped.
+rerunning the same command continues bit-exactly where it stopped. A finished workdir is reported
+again, not retrained. One run at a time holds a workdir (a second one is refused).
+
+Exit codes (for job schedulers and study runners):
+
+    0   the run finished (or had finished before); summary.json holds its result.
+    1   an error the message explains: config, data, a damaged or incompatible checkpoint, a
+        divergence, a full or read-only disk, a workdir held by another run.
+    2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
+        same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
 import sys
@@ -32,6 +42,8 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "JAX detect the process layout (Cloud TPU pod slices, SLURM, Open MPI).")
 flags.mark_flags_as_required(["config", "workdir"])
 
+EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
+
 
 class _HideOrbaxChatter:
   """orbax logs every file it renames at INFO; keep its warnings, drop the rest."""
@@ -50,15 +62,15 @@ def main(argv):
   try:
     summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except training.USER_ERRORS as e:
-    logging.error("%s: %s", type(e).__name__, e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+    print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
+    sys.exit(EXIT_ERROR)
   if summary["stopped_by"]:
-    print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to resume.")
-  else:
-    print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
-          f"method={summary['method']} samples={summary['samples']} "
-          f"seconds={summary['train_seconds']:.0f}")
+    print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to "
+          "resume.")
+    sys.exit(EXIT_STOPPED)
+  print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
+        f"method={summary['method']} samples={summary['samples']} "
+        f"seconds={summary['train_seconds']:.0f}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ CLASS_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", 
 def _missing_message(what: str) -> str:
   return (f"Fashion-MNIST IDX data not found: {what}. Install the Debian package with "
           f"`apt-get install dataset-fashion-mnist` (it puts the four files in {DEFAULT_DIR}/), "
-          "or point `data_dir` (the config field / --data_dir flag, or "
+          "or point `data_dir` (--config.data_dir on the command line, or "
           "pipejax.data.load('fashion_mnist_idx', data_dir=...)) at a directory holding "
           f"{', '.join(FILES['train'] + FILES['test'])}.")
 
