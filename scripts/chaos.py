@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from absl import app, flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
              "--config.ticks_per_chunk=100", "--config.checkpoint_every_samples=200",
@@ -179,12 +181,15 @@ def _category(verdict: str) -> str:
   return "exact (bytes never read)" if "never read" in verdict else "exact"
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--trials", type=int, default=10, help="kill trials and corruption trials")
-  parser.add_argument("--workdir", default="/tmp/pipejax-chaos")
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+_TRIALS = flags.DEFINE_integer("trials", 10, "Kill trials, and as many corruption trials.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/pipejax-chaos", "Where the runs go (emptied).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random kill points and corruptions.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  args = argparse.Namespace(trials=_TRIALS.value, workdir=_WORKDIR.value, seed=_SEED.value)
   rng = random.Random(args.seed)
   shutil.rmtree(args.workdir, ignore_errors=True)
   os.makedirs(args.workdir)
@@ -235,4 +240,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)
