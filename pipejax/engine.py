@@ -223,11 +223,16 @@ class Pipeline:
     """Bytes of stashed activations actually held in ``state``'s delay lines."""
     return sum(accounting.tree_bytes(st.delay_line.x) for st in state.stages)
 
-  def _check_loss(self):
+  def _last_stage_output(self):
+    """The last stage's output shape (abstractly, with its variables if it has any)."""
     last = self.model.stages[-1]
     key, x = jax.random.PRNGKey(0), self._stage_inputs[-1]
-    last_out, _ = jax.eval_shape(last.forward, self._params_shapes[-1], x, key,
-                                 jax.eval_shape(last.variables, key, x))
+    out, _ = jax.eval_shape(last.forward, self._params_shapes[-1], x, key,
+                            jax.eval_shape(last.variables, key, x))
+    return out
+
+  def _check_loss(self):
+    last_out = self._last_stage_output()
     try:
       loss, _ = jax.eval_shape(self.model.loss, last_out, self.example_labels)
     except Exception as e:
@@ -568,9 +573,7 @@ class Pipeline:
     """The logits' width when the loss is the built-in classification loss, else None."""
     if self.model.loss is not softmax_cross_entropy:
       return None  # a custom loss defines what its labels are
-    logits = jax.eval_shape(self.model.stages[-1].apply, self._params_shapes[-1],
-                            self._stage_inputs[-1], jax.random.PRNGKey(0))
-    return int(logits.shape[-1])
+    return int(self._last_stage_output().shape[-1])
 
   def _check_class_labels(self, labels, valid) -> None:
     """Class labels must be integers in [0, classes): JAX would clamp -1 or 50 silently.
