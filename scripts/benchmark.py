@@ -97,13 +97,19 @@ def stream(num_ticks, b, shape=(WIDTH,), classes=WIDTH):
   return x, y
 
 
-def best_time(fn, repeats):
-  times = []
+def best_times(fns, repeats):
+  """Best wall time of each of ``fns`` (a dict of calls), the calls interleaved.
+
+  Round-robin repetitions put every candidate under the same load: on a shared machine a load
+  that drifts between two sequential measurements would otherwise show up as a ratio.
+  """
+  times = {name: [] for name in fns}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return min(times)
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: min(t) for name, t in times.items()}
 
 
 class Runner:
@@ -218,8 +224,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
   for fn in timed.values():
     fn()  # compile and warm up (the pipeline: once more)
   row = {"micro_batch_size": b, "ticks": ticks}
-  for name, fn in timed.items():
-    row[f"{name}_samples_per_s"] = ticks * b / best_time(fn, repeats)
+  for name, seconds in best_times(timed, repeats).items():
+    row[f"{name}_samples_per_s"] = ticks * b / seconds
   for name in timed:
     if name != "pipeline":
       row[f"ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_s"]
@@ -251,13 +257,15 @@ def method_speeds(names, samples, repeats):
   """Samples/s and weight passes of Pipeline.run for each method preset at b = 1, after the fill."""
   model = default_model()
   x, y = stream(samples, 1, (28, 28, 1), classes=10)
-  rows = []
+  runners, rows = {}, []
   for name in names:
     pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0], y[0])
-    run_once = Runner(pipe, x, y)
-    run_once.warm_up()
-    rows.append({"method": name, "samples_per_s": samples / best_time(run_once, repeats),
-                 "passes_per_tick": pipeline_passes(pipe, x, y)})
+    runners[name] = Runner(pipe, x, y)
+    runners[name].warm_up()
+    rows.append({"method": name, "passes_per_tick": pipeline_passes(pipe, x, y)})
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    row["samples_per_s"] = samples / seconds[row["method"]]
   reference = next((r["samples_per_s"] for r in rows if r["method"] == "pb"), None)
   for row in rows:
     row["relative_to_pb"] = row["samples_per_s"] / reference if reference else None
@@ -309,14 +317,14 @@ def sharding_speeds(ticks, repeats):
   from pipejax import sharding  # only this benchmark needs meshes
   x, y = stream(ticks, 1)
   pipe = Pipeline(mlp_model(), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
-  rows = []
+  runners = {}
   for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
     runner = pipe if devices is None else sharding.ShardedPipeline(
         pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
-    run_once = Runner(runner, x, y)
-    run_once.warm_up()
-    rows.append({"stage_devices": devices or "Pipeline.run",
-                 "ticks_per_s": ticks / best_time(run_once, repeats)})
+    runners[devices or "Pipeline.run"] = Runner(runner, x, y)
+    runners[devices or "Pipeline.run"].warm_up()
+  rows = [{"stage_devices": name, "ticks_per_s": ticks / seconds}
+          for name, seconds in best_times(runners, repeats).items()]
   for row in rows:
     row["relative_to_pipeline_run"] = row["ticks_per_s"] / rows[0]["ticks_per_s"]
   return rows
