@@ -29,8 +29,8 @@ Passes over the weights: XLA's ``cost_analysis`` of a compiled ``lax.scan`` coun
 so the "bytes accessed" of a compiled chunk is that of one tick (plus the few bytes outside the
 loop). Divided by the bytes of every stage's weights it is the number of weight-sized passes a
 tick makes: at micro-batch 1 activations are a rounding error beside the weights. ``copies`` are
-the bytes of the ``copy`` instructions XLA inserted (loop carries it could not update in place),
-in the same unit.
+the bytes written by the unfused ``copy`` instructions XLA inserted (loop carries it could not
+update in place), in the same unit; each also reads as much, inside ``bytes_accessed``.
 """
 
 import functools
@@ -162,11 +162,21 @@ def weight_bytes(pipe):
 
 
 def copy_bytes(hlo_text):
-  """Bytes written by the ``copy`` instructions of an optimized HLO module."""
-  total = 0
-  for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(", hlo_text):
-    size = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, bf16, s8, ...
-    total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  """Bytes written by the ``copy`` instructions of an optimized HLO module that are passes.
+
+  A copy inside a fused computation (a transpose fused into its consumer) costs no pass of its
+  own; only copies in the other computations (the loop body, the entry) are counted.
+  """
+  total, fused = 0, False
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():  # a computation's header, or its closing brace
+      fused = line.lstrip("%").startswith("fused_")
+      continue
+    match = re.search(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(", line)
+    if match and not fused:
+      dtype, dims = match.groups()
+      size = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, bf16, s8, ...
+      total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
   return total
 
 

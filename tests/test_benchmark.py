@@ -34,11 +34,16 @@ def test_warm_up_compiles_every_program_the_timed_calls_run(benchmark):
   assert (pipe._jit_run._cache_size(), pipe._jit_run_full._cache_size()) == programs
 
 
-def test_copy_bytes_sums_the_copies_of_an_hlo_module(benchmark):
-  hlo = ("  copy.1 = f32[256,128]{1,0} copy(p.2)\n"
+def test_copy_bytes_counts_the_unfused_copies_of_an_hlo_module(benchmark):
+  hlo = ("%fused_computation.1 (p: f32[8,4]) -> f32[4,8] {\n"
+         "  copy.9 = f32[4,8]{1,0} copy(t)\n"  # inside a fusion: no pass of its own
+         "}\n"
+         "%region_0.2 (arg: (f32[256,128])) -> f32[256,128] {\n"
+         "  copy.1 = f32[256,128]{1,0} copy(p.2)\n"
          "  copy.2 = bf16[10]{0} copy(q)\n"
          "  add.3 = f32[256,128]{1,0} add(a, b)\n"
-         "  copy.3 = pred[] copy(v)\n")
+         "  copy.3 = pred[] copy(v)\n"
+         "}\n")
   assert benchmark.copy_bytes(hlo) == 256 * 128 * 4 + 10 * 2 + 1
 
 
