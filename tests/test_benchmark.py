@@ -1,5 +1,6 @@
 """scripts/benchmark.py's instruments (not its timings): warm-up, pass counts, memory formula."""
 
+from absl import flags
 import jax
 import numpy as np
 import optax
@@ -12,7 +13,11 @@ from tests.test_docs import load_script
 
 @pytest.fixture(scope="module")
 def benchmark():
-  return load_script("scripts/benchmark.py")
+  before = set(flags.FLAGS)
+  module = load_script("scripts/benchmark.py")
+  for name in set(flags.FLAGS) - before:  # its --output would clash with other scripts' flags
+    delattr(flags.FLAGS, name)
+  return module
 
 
 def tiny_pipeline(benchmark, ticks=8):
