@@ -1,25 +1,43 @@
 r"""Benchmarks of the pipeline engine, measured side by side in one run; prints one JSON object.
 
-    python scripts/benchmark.py                      # everything (a few minutes on 2 CPU cores)
+    python scripts/benchmark.py                      # everything (about 15 minutes on 2 CPU cores)
     python scripts/benchmark.py --only=throughput --micro_batch_sizes=1
+    python scripts/benchmark.py --only=conv --conv_impls=xla,sliced --conv_micro_batch_sizes=1
     python scripts/benchmark.py --output=benchmark.json
 
 * ``throughput``: ``Pipeline.run`` (Pipelined Backpropagation, one layer per stage) against a plain
   optax training loop in ``lax.scan`` on the same MLP (8 layers of width 256), samples per second at
   each micro-batch size, and their ratio. The pipeline's backward recomputes each stage's forward
-  (4 units of arithmetic instead of backprop's 3), so 0.75 is the honest ceiling of the ratio.
+  (4 units of arithmetic instead of backprop's 3), so 0.75 is the honest ceiling of the ratio
+  where arithmetic dominates. Also the passes over the weights per tick of both compiled programs.
 * ``compile``: seconds to trace and compile ``run`` for S = 4, 16, 64 stages.
+* ``methods``: ``Pipeline.run`` of each method preset at micro-batch 1 on the default config's
+  model (Fashion-MNIST MLP 784-256-128-10, three stages), its speed relative to plain PB, and the
+  passes over the weights per tick of its compiled tick (``passes``, see below).
+* ``conv``: ResNet-20 (GroupNorm) on 28x28x1 inputs, one conv per stage, PB + momentum SGD:
+  ``Pipeline.run`` against a plain jitted optax step on the same network, called from Python
+  (``plain_jit_step``) and inside ``lax.scan`` (``plain_scan``), for each ``--conv_impls``.
+* ``memory``: the compiled memory of a training chunk (``memory_analysis`` of the full-pipeline
+  ``run``) against the formula weights + optimizer state + sum_s (D_s+1)|x_s| + registers, for
+  the default model and ResNet-20 with the default method (pb_sc_lwp).
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
   measures the machinery's overhead, not a speed-up).
-* ``methods``: ``Pipeline.run`` of each method preset at micro-batch 1 on the default config's
-  model (Fashion-MNIST MLP 784-256-128-10, three stages), and its speed relative to plain PB:
-  what each method's weight views and update rule cost.
+
+Passes over the weights: XLA's ``cost_analysis`` of a compiled ``lax.scan`` counts its body once,
+so the "bytes accessed" of a compiled chunk is that of one tick (plus the few bytes outside the
+loop). Divided by the bytes of every stage's weights it is the number of weight-sized passes a
+tick makes: at micro-batch 1 activations are a rounding error beside the weights. ``copies`` are
+the bytes written by the unfused ``copy`` instructions XLA inserted (loop carries it could not
+update in place), in the same unit; each also reads as much, inside ``bytes_accessed``.
 """
 
+import functools
 import json
+import os
 import platform
+import re
 import time
 
 from absl import app, flags
@@ -30,21 +48,29 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import methods, models
+from pipejax import accounting, methods, models
 from pipejax.engine import Pipeline
 
-_ONLY = flags.DEFINE_multi_enum("only", ["throughput", "compile", "methods"],
-                                ["throughput", "compile", "methods", "sharding"],
+BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "sharding"]
+_ONLY = flags.DEFINE_multi_enum("only", BENCHMARKS[:-1], BENCHMARKS,
                                 "Which benchmarks to run ('sharding' only when asked).")
 _METHODS = flags.DEFINE_list("methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream",
-                                         "spectrain", "pipemare"], "Presets for 'methods'.")
+                                         "spectrain", "pipemare", "dcasgd"],
+                             "Presets for 'methods'.")
 _MICRO_BATCH_SIZES = flags.DEFINE_list("micro_batch_sizes", ["1", "32"], "Micro-batch sizes b.")
 _SAMPLES = flags.DEFINE_integer("samples", 8192, "Samples per timed repetition.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (the best is reported).")
 _COMPILE_STAGES = flags.DEFINE_list("compile_stages", ["4", "16", "64"], "S for compile times.")
+_CONV_IMPLS = flags.DEFINE_list("conv_impls", ["auto"],
+                                "Convolutions for 'conv': 'auto', 'xla' and/or 'sliced'.")
+_CONV_MICRO_BATCH_SIZES = flags.DEFINE_list("conv_micro_batch_sizes", ["1", "32"],
+                                            "Micro-batch sizes b for 'conv'.")
+_CONV_SAMPLES = flags.DEFINE_integer("conv_samples", 128,
+                                     "Samples per timed repetition of 'conv'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 
 WIDTH, LAYERS = 256, 8
+RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
 
 
 def mlp_model(num_layers=LAYERS, width=WIDTH):
@@ -54,38 +80,71 @@ def mlp_model(num_layers=LAYERS, width=WIDTH):
   return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(width), name="logits")])
 
 
-def stream(num_ticks, b):
+def default_model():
+  """configs/default.py's model: the 784-256-128-10 MLP, one layer per stage."""
+  return models.build("mlp", hidden=(256, 128), num_classes=10)
+
+
+def resnet20(conv_impl="auto"):
+  return models.build("cifar_resnet20", layers_per_stage=1, normalization="group",
+                      conv_impl=conv_impl)
+
+
+def stream(num_ticks, b, shape=(WIDTH,), classes=WIDTH):
   rng = np.random.default_rng(0)
-  x = rng.standard_normal((num_ticks, b, WIDTH), dtype=np.float32)
-  y = rng.integers(0, WIDTH, (num_ticks, b), dtype=np.int32)
+  x = rng.standard_normal((num_ticks, b) + shape, dtype=np.float32)
+  y = rng.integers(0, classes, (num_ticks, b), dtype=np.int32)
   return x, y
 
 
-def best_time(fn, repeats):
-  times = []
+def best_times(fns, repeats):
+  """Best wall and best CPU seconds of each of ``fns`` (a dict of calls), the calls interleaved.
+
+  Round-robin repetitions put every candidate under the same load: on a shared machine a load
+  that drifts between two sequential measurements would otherwise show up as a ratio. The CPU
+  seconds (of every thread of this process) leave out the time spent waiting for a core, so on
+  a loaded machine their ratios are the steadier ones; on an idle one the wall time is the figure
+  (it includes the parallel work of both cores).
+  """
+  times = {name: [] for name in fns}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return min(times)
+    for name, fn in fns.items():
+      wall, cpu = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn())
+      times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+  return {name: (min(w for w, _ in t), min(c for _, c in t)) for name, t in times.items()}
 
 
-def throughput(b, samples, repeats):
-  model = mlp_model()
-  tx = optax.sgd(0.01, momentum=0.9)
-  ticks = max(samples // b, 1)
-  x, y = stream(ticks, b)
+class Runner:
+  """Calls ``runner.run`` on a stream, keeping the donated state; warms up what it will time."""
 
-  pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
-  state = pipe.init(jax.random.PRNGKey(0))
-  holder = {"state": state}
+  def __init__(self, runner, x, y, rng=jax.random.PRNGKey(0)):
+    self.runner, self.x, self.y = runner, x, y
+    self.state = runner.init(rng)
 
-  def run_pipeline():
-    holder["state"], metrics = pipe.run(holder["state"], x, y)
+  def __call__(self):
+    self.state, metrics = self.runner.run(self.state, self.x, self.y)
     return metrics["loss"]
 
-  params = [st.params for st in state.stages]
+  def pipeline_state(self):
+    unpack = getattr(self.runner, "unpack", None)
+    return unpack(self.state) if unpack else self.state
 
+  def warm_up(self):
+    """Compiles every program the timed calls run, and runs each once.
+
+    ``Pipeline.run`` runs one compiled program while the pipeline fills and another once every
+    slot holds a real micro-batch; timed calls (after the fill) run the second. So this runs until
+    the pipeline is full, then once more.
+    """
+    self()
+    while not Pipeline.every_slot_full(self.pipeline_state()):
+      self()
+    self()
+
+
+def plain_step(model, tx):
+  """One optax step of the whole network, unpipelined: ``(params, opt_state), batch -> loss``."""
   def loss_fn(ps, xb, yb):
     h = xb
     for stage, p in zip(model.stages, ps):
@@ -98,66 +157,198 @@ def throughput(b, samples, repeats):
     u, opt = tx.update(g, opt, p)
     return (optax.apply_updates(p, u), opt), loss
 
-  plain_run = jax.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
+  return step
+
+
+def weight_bytes(pipe):
+  return sum(accounting.tree_bytes(p) for p in pipe._params_shapes)
+
+
+def copy_bytes(hlo_text):
+  """Bytes written by the ``copy`` instructions of an optimized HLO module that are passes.
+
+  A copy inside a fused computation (a transpose fused into its consumer) costs no pass of its
+  own; only copies in the other computations (the loop body, the entry) are counted.
+  """
+  total, fused = 0, False
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():  # a computation's header, or its closing brace
+      fused = line.lstrip("%").startswith("fused_")
+      continue
+    match = re.search(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(", line)
+    if match and not fused:
+      dtype, dims = match.groups()
+      size = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, bf16, s8, ...
+      total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  return total
+
+
+def passes(compiled, per_pass_bytes):
+  """Weight-sized passes of a compiled tick: bytes accessed and copied over the weights' bytes."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return {"bytes_accessed": cost["bytes accessed"] / per_pass_bytes,
+          "copies": copy_bytes(compiled.as_text()) / per_pass_bytes}
+
+
+def pipeline_passes(pipe, x, y):
+  """Passes per tick of both programs of ``Pipeline.run``: after the fill, and while filling."""
+  state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
+  batch = pipe.checked_batch(x[:4], y[:4], None, ticks=True)
+  per_pass = weight_bytes(pipe)
+  full, filling = (passes(jax.jit(functools.partial(pipe._run, every_slot_full=full),
+                                  donate_argnums=0).lower(state, batch).compile(), per_pass)
+                   for full in (True, False))
+  return {"full": full, "filling": filling}
+
+
+def plain_passes(model, tx, params, x, y):
+  scan = jax.jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs),
+                 donate_argnums=0)
+  compiled = scan.lower((params, tx.init(params)), (x[:4], y[:4])).compile()
+  return passes(compiled, accounting.tree_bytes(params))
+
+
+def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
+  """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream."""
+  ticks, b = x.shape[:2]
+  pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+  run_pipeline = Runner(pipe, x, y)
+  params = [st.params for st in run_pipeline.state.stages]
+  step = plain_step(model, tx)
+  scan = jax.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
   plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
 
-  def run_plain():
-    plain["carry"], losses = plain_run(plain["carry"], (x, y))
+  def run_scan():
+    plain["carry"], losses = scan(plain["carry"], (x, y))
     return losses
 
-  run_pipeline(), run_plain()  # compile and warm up
-  t_pipe, t_plain = best_time(run_pipeline, repeats), best_time(run_plain, repeats)
-  return {
-      "micro_batch_size": b,
-      "ticks": ticks,
-      "pipeline_samples_per_s": ticks * b / t_pipe,
-      "plain_samples_per_s": ticks * b / t_plain,
-      "ratio_pipeline_over_plain": t_plain / t_pipe,
-  }
+  jitted_step = jax.jit(step, donate_argnums=0)
+
+  def run_steps():
+    for t in range(ticks):
+      plain["carry"], loss = jitted_step(plain["carry"], (x[t], y[t]))
+    return loss
+
+  run_pipeline.warm_up()
+  timed = {"pipeline": run_pipeline, "plain_scan": run_scan}
+  if with_jit_step:
+    timed["plain_jit_step"] = run_steps
+  for fn in timed.values():
+    fn()  # compile and warm up (the pipeline: once more)
+  row = {"micro_batch_size": b, "ticks": ticks}
+  for name, (wall, cpu) in best_times(timed, repeats).items():
+    row[f"{name}_samples_per_s"] = ticks * b / wall
+    row[f"{name}_samples_per_cpu_s"] = ticks * b / cpu
+  for name in timed:
+    if name != "pipeline":
+      row[f"ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_s"]
+                                            / row[f"{name}_samples_per_s"])
+      row[f"cpu_ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_cpu_s"]
+                                                / row[f"{name}_samples_per_cpu_s"])
+  return row, pipe, params
+
+
+def throughput(b, samples, repeats):
+  tx = optax.sgd(0.01, momentum=0.9)
+  x, y = stream(max(samples // b, 1), b)
+  row, pipe, params = versus_plain(mlp_model(), tx, x, y, repeats)
+  row["ratio_pipeline_over_plain"] = row.pop("ratio_pipeline_over_plain_scan")
+  row["cpu_ratio_pipeline_over_plain"] = row.pop("cpu_ratio_pipeline_over_plain_scan")
+  if b == 1:  # where weight passes, not products, set the pace
+    row["passes_per_tick"] = {"pipeline": pipeline_passes(pipe, x, y)["full"],
+                              "plain_scan": plain_passes(pipe.model, tx, params, x, y)}
+  return row
+
+
+def conv_speeds(b, conv_impl, samples, repeats):
+  """ResNet-20 (GroupNorm, 28x28x1, one conv per stage): Pipeline.run against plain optax."""
+  x, y = stream(max(samples // b, 1), b, RESNET_INPUT, classes=10)
+  row, _, _ = versus_plain(resnet20(conv_impl), optax.sgd(0.01, momentum=0.9), x, y, repeats,
+                           with_jit_step=True)
+  return {"conv_impl": conv_impl, "resolved_conv_impl": models.resolve_conv_impl(conv_impl),
+          **row}
 
 
 def method_speeds(names, samples, repeats):
-  """Samples/s of Pipeline.run for each method preset at micro-batch 1, after the fill."""
-  model = models.build("mlp", hidden=(256, 128), num_classes=10)
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((samples, 1, 28, 28, 1), dtype=np.float32)
-  y = rng.integers(0, 10, (samples, 1), dtype=np.int32)
-  rows = []
+  """Samples/s and weight passes of Pipeline.run for each method preset at b = 1, after the fill."""
+  model = default_model()
+  x, y = stream(samples, 1, (28, 28, 1), classes=10)
+  runners, rows = {}, []
   for name in names:
     pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0], y[0])
-    holder = {"state": pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)[0]}  # compile, fill
-
-    def run_once():
-      holder["state"], metrics = pipe.run(holder["state"], x, y)
-      return metrics["loss"]
-
-    run_once()  # compiles the full-pipeline version
-    rows.append({"method": name, "samples_per_s": samples / best_time(run_once, repeats)})
-  reference = next((r["samples_per_s"] for r in rows if r["method"] == "pb"), None)
+    runners[name] = Runner(pipe, x, y)
+    runners[name].warm_up()
+    rows.append({"method": name, "passes_per_tick": pipeline_passes(pipe, x, y)})
+  seconds = best_times(runners, repeats)
   for row in rows:
-    row["relative_to_pb"] = row["samples_per_s"] / reference if reference else None
+    wall, cpu = seconds[row["method"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = samples / wall, samples / cpu
+  reference = next((r for r in rows if r["method"] == "pb"), None)
+  for row in rows:
+    row["relative_to_pb"] = row["samples_per_s"] / reference["samples_per_s"] if reference \
+        else None
+    row["cpu_relative_to_pb"] = (row["samples_per_cpu_s"] / reference["samples_per_cpu_s"]
+                                 if reference else None)
   return rows
+
+
+def memory(name, model, example_input, num_classes, ticks=64):
+  """Compiled memory of a training chunk of ``ticks`` ticks against the formula, in bytes.
+
+  The formula: weights + optimizer state + stashed inputs sum_s (D_s+1)|x_s| + the registers
+  (each stage's forward and backward outputs of the last tick). The chunk's own input stream and
+  metrics are arguments and outputs of the program too; they are reported, not counted.
+  """
+  x, y = stream(ticks, example_input.shape[0], example_input.shape[1:], classes=num_classes)
+  pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=1e-3, momentum=0.9),
+                  x[0], y[0])
+  state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
+  batch = pipe.checked_batch(x, y, None, ticks=True)
+  compiled = pipe._jit_run_full.lower(state, batch).compile()
+  stats = compiled.memory_analysis()
+  parts = {
+      "weights": sum(accounting.tree_bytes(st.params) for st in state.stages),
+      "optimizer_state": sum(accounting.tree_bytes(st.opt_state) for st in state.stages),
+      "stash": pipe.stash_bytes(),
+      "registers": sum(accounting.tree_bytes((st.forward_out, st.backward_out))
+                       for st in state.stages),
+  }
+  formula = sum(parts.values())
+  stream_bytes = accounting.tree_bytes(batch)
+  metrics_bytes = accounting.tree_bytes(jax.eval_shape(pipe._run, state, batch)[1])
+  # Arguments (state + stream) and outputs (state + metrics) share the donated state's buffers.
+  live = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+          + stats.temp_size_in_bytes)
+  compiled_state = live - stream_bytes - metrics_bytes
+  return {
+      "model": name, "method": "pb_sc_lwp", "ticks": ticks, "formula_bytes": formula,
+      "formula_parts": parts, "compiled_bytes": compiled_state,
+      "ratio_compiled_over_formula": compiled_state / formula,
+      "memory_analysis": {k: getattr(stats, k) for k in (
+          "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+          "temp_size_in_bytes", "peak_memory_in_bytes") if hasattr(stats, k)},
+      "stream_bytes": stream_bytes, "metrics_bytes": metrics_bytes,
+      "temp_over_weights": stats.temp_size_in_bytes / parts["weights"],
+  }
 
 
 def sharding_speeds(ticks, repeats):
   """Ticks/s of Pipeline.run and of ShardedPipeline.run on 1, 2, 4, 8-device stage meshes."""
   from pipejax import sharding  # only this benchmark needs meshes
-  model = mlp_model()
   x, y = stream(ticks, 1)
-  pipe = Pipeline(model, methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
-  rows = []
+  pipe = Pipeline(mlp_model(), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  runners = {}
   for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
     runner = pipe if devices is None else sharding.ShardedPipeline(
         pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
-    holder = {"state": runner.init(jax.random.PRNGKey(0))}
-
-    def run_once():
-      holder["state"], metrics = runner.run(holder["state"], x, y)
-      return metrics["loss"]
-
-    run_once(), run_once()  # compile both versions (filling, then full)
-    rows.append({"stage_devices": devices or "Pipeline.run",
-                 "ticks_per_s": ticks / best_time(run_once, repeats)})
+    runners[devices or "Pipeline.run"] = Runner(runner, x, y)
+    runners[devices or "Pipeline.run"].warm_up()
+  rows = [{"stage_devices": name, "ticks_per_s": ticks / wall, "ticks_per_cpu_s": ticks / cpu}
+          for name, (wall, cpu) in best_times(runners, repeats).items()]
+  for row in rows:
+    row["relative_to_pipeline_run"] = row["ticks_per_s"] / rows[0]["ticks_per_s"]
+    row["cpu_relative_to_pipeline_run"] = row["ticks_per_cpu_s"] / rows[0]["ticks_per_cpu_s"]
   return rows
 
 
@@ -180,25 +371,34 @@ def main(argv):
   result = {
       "device": str(jax.devices()[0].device_kind),
       "backend": jax.default_backend(),
-      "cpu_count": __import__("os").cpu_count(),
+      "device_count": jax.device_count(),
+      "cpu_count": os.cpu_count(),
+      "load_average_at_start": os.getloadavg(),
       "jax": jax.__version__,
       "python": platform.python_version(),
       "model": f"MLP, {LAYERS} layers of width {WIDTH}, one layer per stage, PB + momentum SGD",
   }
-  if "throughput" in _ONLY.value:
-    result["throughput"] = [throughput(int(b), _SAMPLES.value, _REPEATS.value)
-                            for b in _MICRO_BATCH_SIZES.value]
-  if "compile" in _ONLY.value:
-    result["compile"] = [compile_time(int(s)) for s in _COMPILE_STAGES.value]
-  if "sharding" in _ONLY.value:
-    result["sharding"] = sharding_speeds(_SAMPLES.value // 8, _REPEATS.value)
-  if "methods" in _ONLY.value:
-    result["methods"] = method_speeds(_METHODS.value, _SAMPLES.value // 2, _REPEATS.value)
-  text = json.dumps(result, indent=2)
-  print(text)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
-      f.write(text + "\n")
+  sections = {
+      "throughput": lambda: [throughput(int(b), _SAMPLES.value, _REPEATS.value)
+                             for b in _MICRO_BATCH_SIZES.value],
+      "methods": lambda: method_speeds(_METHODS.value, _SAMPLES.value // 2, _REPEATS.value),
+      "memory": lambda: [
+          memory("default MLP 784-256-128-10", default_model(), np.zeros((1, 28, 28, 1)), 10),
+          memory("ResNet-20 (GroupNorm), 28x28x1", resnet20(), np.zeros((1,) + RESNET_INPUT), 10)],
+      "conv": lambda: [conv_speeds(b, impl, _CONV_SAMPLES.value, _REPEATS.value)
+                       for impl in _CONV_IMPLS.value
+                       for b in map(int, _CONV_MICRO_BATCH_SIZES.value)],
+      "sharding": lambda: sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
+      "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
+  }
+  for name, measure in sections.items():
+    if name in _ONLY.value:
+      result[name] = measure()
+      result["load_average_at_end"] = os.getloadavg()
+      if _OUTPUT.value:  # after every section, so that a long run keeps what it measured
+        with open(_OUTPUT.value, "w") as f:
+          f.write(json.dumps(result, indent=2) + "\n")
+  print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,66 @@
+"""scripts/benchmark.py's instruments (not its timings): warm-up, pass counts, memory formula."""
+
+from absl import flags
+import jax
+import numpy as np
+import optax
+import pytest
+
+from pipejax import accounting, methods
+from pipejax.engine import Pipeline
+from tests.test_docs import load_script
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+  before = set(flags.FLAGS)
+  module = load_script("scripts/benchmark.py")
+  for name in set(flags.FLAGS) - before:  # its --output would clash with other scripts' flags
+    delattr(flags.FLAGS, name)
+  return module
+
+
+def tiny_pipeline(benchmark, ticks=8):
+  x, y = benchmark.stream(ticks, 1, (4,), classes=4)
+  pipe = Pipeline(benchmark.mlp_model(num_layers=3, width=4),
+                  methods.pb(optax.sgd(0.1, momentum=0.9)), x[0], y[0])
+  return pipe, x, y
+
+
+def test_warm_up_compiles_every_program_the_timed_calls_run(benchmark):
+  # Three stages fill in 4 ticks; chunks of 3 need two fill calls before the full program runs.
+  pipe, x, y = tiny_pipeline(benchmark, ticks=3)
+  runner = benchmark.Runner(pipe, x, y)
+  runner.warm_up()
+  assert Pipeline.every_slot_full(runner.state)
+  programs = (pipe._jit_run._cache_size(), pipe._jit_run_full._cache_size())
+  assert programs == (1, 1)
+  runner()  # what a timed call runs: nothing new to compile
+  assert (pipe._jit_run._cache_size(), pipe._jit_run_full._cache_size()) == programs
+
+
+def test_copy_bytes_counts_the_unfused_copies_of_an_hlo_module(benchmark):
+  hlo = ("%fused_computation.1 (p: f32[8,4]) -> f32[4,8] {\n"
+         "  copy.9 = f32[4,8]{1,0} copy(t)\n"  # inside a fusion: no pass of its own
+         "}\n"
+         "%region_0.2 (arg: (f32[256,128])) -> f32[256,128] {\n"
+         "  copy.1 = f32[256,128]{1,0} copy(p.2)\n"
+         "  copy.2 = bf16[10]{0} copy(q)\n"
+         "  add.3 = f32[256,128]{1,0} add(a, b)\n"
+         "  copy.3 = pred[] copy(v)\n"
+         "}\n")
+  assert benchmark.copy_bytes(hlo) == 256 * 128 * 4 + 10 * 2 + 1
+
+
+def test_memory_formula_is_the_pipelines_own_accounting(benchmark):
+  model = benchmark.mlp_model(num_layers=3, width=4)
+  row = benchmark.memory("tiny", model, np.zeros((1, 4)), 4, ticks=4)
+  pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=0.1), np.zeros((1, 4)),
+                  np.zeros((1,), np.int32))
+  state = pipe.init(jax.random.PRNGKey(0))
+  parts = row["formula_parts"]
+  assert parts["weights"] == sum(accounting.tree_bytes(st.params) for st in state.stages)
+  assert parts["stash"] == pipe.stash_bytes() == Pipeline.held_stash_bytes(state)
+  assert row["formula_bytes"] == sum(parts.values())
+  # The compiled chunk holds at least the state the formula counts.
+  assert row["ratio_compiled_over_formula"] >= 1.0
