@@ -387,7 +387,7 @@ def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False) -
   sign = "+" if signed else ""
   text = f"{cell.mean * scale:{sign}.2f}"
   if len(cell.values) > 1:
-    text += f" ± {cell.std * scale:.2f}"
+    text += f" ± {cell.std * scale:.2f} (n={len(cell.values)})"
   if cell.diverged:
     text += f" ({cell.diverged}/{total} div.)"
   elif len(cell.values) == 1:
@@ -416,6 +416,8 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
 
 def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   records = select(records, table.where)
+  if not records:
+    return "(no runs recorded yet)"
   rows = _order(study, table.rows, _axis_values(records, table.rows))
   columns = _order(study, table.columns, _axis_values(records, table.columns))
   if table.kind == "stability":

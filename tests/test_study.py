@@ -43,7 +43,7 @@ def test_cells_average_over_seeds_and_never_average_diverged_runs():
   assert cell.values == [0.80, 0.84] and cell.diverged == 1
   assert cell.mean == pytest.approx(0.82)
   assert cell.std == pytest.approx(np.std([0.80, 0.84], ddof=1))
-  assert study_lib.format_cell(cell) == "82.00 ± 2.83 (1/3 div.)"
+  assert study_lib.format_cell(cell) == "82.00 ± 2.83 (n=2) (1/3 div.)"
   all_diverged = study_lib.cells([record("pb", 8, s, None, study_lib.DIVERGED)
                                   for s in range(3)])
   assert study_lib.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
@@ -67,7 +67,7 @@ def test_markdown_tables_and_stability_limit():
   text = study_lib.markdown_table(STUDY, records, STUDY.tables[0])
   lines = text.splitlines()
   assert lines[0] == "| model_kwargs.depth | sgd | pb |"
-  assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 ± 1.41 |"
+  assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 ± 1.41 (n=2) |"
   assert lines[3] == "| 8 | 90.00 (1 seed) | div. 1/1 |"
   stability = Table("s", rows="model_kwargs.depth", columns="method", kind="stability")
   assert study_lib.stable_limit(STUDY, records, stability, "pb") == 4
