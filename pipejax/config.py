@@ -154,7 +154,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         config.model_kwargs = ml_collections.ConfigDict()
       for key, value in model_kwargs.items():
         if key in config.model_kwargs and isinstance(config.model_kwargs[key], str) and \
-            not isinstance(value, str):
+            value is not None and not isinstance(value, str):
           value = str(value)  # e.g. a string-valued keyword given as a number-like word
         config.model_kwargs[key] = value
   return rest
