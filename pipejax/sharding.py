@@ -655,6 +655,9 @@ class ShardedPipeline:
     every device (readable in every process): ``loss`` and the loss's metrics averaged over the
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
+    if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
+      # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
+      return self._jit_run(packed, Batch(inputs, labels, valid))
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
     by_replica = NamedSharding(self.mesh, P(None, DATA))
     batch = Batch(jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.inputs),

@@ -40,6 +40,10 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Initialize jax.distributed even without the three flags above, letting "
     "JAX detect the process layout (Cloud TPU pod slices, SLURM, Open MPI).")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 30, "Multi-host runs: seconds without a heartbeat after which a process "
+    "counts as dead and every other process exits (JAX's coordination service; see "
+    "docs/distributed.md).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -58,7 +62,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
     from pipejax import distributed  # only multi-host runs pay for it
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
   try:
     summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except training.USER_ERRORS as e:
@@ -70,7 +75,8 @@ def main(argv):
     sys.exit(EXIT_STOPPED)
   print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
         f"method={summary['method']} samples={summary['samples']} "
-        f"seconds={summary['train_seconds']:.0f}")
+        f"seconds={summary['train_seconds']:.0f} processes={summary['processes']} "
+        f"mesh=data{summary['mesh']['data']}xstage{summary['mesh']['stage']}")
 
 
 if __name__ == "__main__":
