@@ -63,6 +63,8 @@ def _whole_array(leaf) -> np.ndarray:
   processes verifies when read by M. Every process must call this (it is a collective then).
   """
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    if leaf.is_fully_replicated:  # every process holds all of it: nothing to gather
+      return np.asarray(leaf.addressable_data(0))
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
   return np.asarray(jax.device_get(leaf))

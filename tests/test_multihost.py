@@ -32,8 +32,8 @@ TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
 # A smoke run made smaller: 400 samples in 8 chunks of 25 ticks of b = 2, a 32-16 MLP.
 CONFIG = ["--config=configs/default.py:smoke", "--config.mesh.stage=2", "--config.mesh.data=2",
           "--config.micro_batch_size=2", "--config.max_train_examples=400",
-          "--config.max_test_examples=200", "--config.ticks_per_chunk=25",
-          "--config.model_kwargs.hidden=(32,16)", "--config.eval_every_samples=200",
+          "--config.max_test_examples=100", "--config.ticks_per_chunk=25",
+          "--config.model_kwargs.hidden=(32,16)", "--config.eval_every_samples=400",
           "--config.checkpoint_every_samples=200"]
 TOTAL = 400
 FIRST_PROGRESS = re.compile(r"\[\d+/400 samples")
@@ -128,9 +128,13 @@ def _skip_without_collectives(results):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
   base = tmp_path_factory.mktemp("multihost")
-  cache = base / "jax_cache"
   results = {}
   results["reference"] = _finish(_start(base / "reference", 1, cache))
 
@@ -148,6 +152,7 @@ def runs(tmp_path_factory):
   return results
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_with_a_checkpoint(runs):
   (code0, log0), (code1, log1) = runs["stopped"]
   assert (code0, code1) == (75, 75), log0[-3000:] + log1[-3000:]
@@ -198,8 +203,9 @@ def test_only_process_0_logs_progress_at_info(runs):
   assert "test accuracy" in log1  # but it says what it evaluates
 
 
-def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path):
-  processes = _start(tmp_path / "killed", 2, tmp_path / "jax_cache", ["--heartbeat_timeout=5"])
+@pytest.mark.slow
+def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
+  processes = _start(tmp_path / "killed", 2, cache, ["--heartbeat_timeout=5"])
   _wait_for_line(processes[0][1], FIRST_PROGRESS, processes)
   killed_at = time.monotonic()
   processes[1][0].kill()
