@@ -25,7 +25,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+
+from pipejax import data
+from pipejax.data import augment as augment_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
@@ -125,6 +129,43 @@ def _skip_without_collectives(results):
   log = "\n".join(text for _, text in results)
   if any(code for code, _ in results) and "UNIMPLEMENTED" in log and "ollective" in log:
     pytest.skip(f"this jaxlib has no cross-process CPU collectives: {log[-500:]}")
+
+
+# ----------------------------------------------------------------------------- in this process
+
+
+def _toy_source(num_examples=10):
+  images = np.random.default_rng(1).integers(0, 256, (num_examples, 6, 6, 3), dtype=np.uint8)
+  return data.ArraySource(images, np.arange(num_examples), num_examples, "toy",
+                          normalization=data.Normalization((0.0,) * 3, (1.0,) * 3))
+
+
+@pytest.mark.parametrize("augment", [None, augment_lib.PadCropFlip(pad=2)])
+def test_processes_reading_their_slots_see_the_one_process_stream(augment):
+  source, b = _toy_source(), 4
+  whole = data.DataStream(source, b, seed=3, augment=augment)
+  # Replica slots of b = 4 over data = 2: process 0 reads [0, 1], process 1 reads [2, 3].
+  parts = [data.DataStream(source, b, seed=3, augment=augment) for _ in range(2)]
+  for ticks in (2, 3, 1):  # 6 * 4 = 24 positions: crosses two epochs of 10
+    expected = whole.next_chunk(ticks)
+    got = [part.next_chunk(ticks, slots) for part, slots in zip(parts, ([0, 1], [2, 3]))]
+    for i in range(2):  # inputs, labels
+      np.testing.assert_array_equal(np.concatenate([g[i] for g in got], axis=1), expected[i])
+    assert parts[0].get_state() == parts[1].get_state() == whole.get_state()
+  skipper = data.DataStream(source, b, seed=3)
+  skipper.skip(6)  # a process that holds no first stage only advances
+  assert skipper.get_state() == whole.get_state()
+  with pytest.raises(data.DataError, match=r"slots must be increasing places .* \[0, 4\)"):
+    whole.next_chunk(1, [2, 1])
+
+
+def test_a_run_of_several_processes_without_a_mesh_is_refused():
+  from pipejax import distributed  # pylint: disable=import-outside-toplevel
+  with pytest.raises(distributed.MeshError, match="would train a copy of its own"):
+    distributed.trainer_parts(None)
+
+
+# ----------------------------------------------------------------------------- trainer processes
 
 
 @pytest.fixture(scope="module")
