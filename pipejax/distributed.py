@@ -20,7 +20,7 @@ from pipejax.engine import PipelineState
 from pipejax.sharding import MeshError
 
 __all__ = ["HostFeed", "MeshError", "any_process", "checkpoint_shardings", "initialize",
-           "make_mesh", "shutdown", "trainer_parts"]
+           "lost_process_message", "make_mesh", "shutdown", "trainer_parts"]
 
 # Seconds without a heartbeat after which a process counts as dead (JAX's default is 100).
 HEARTBEAT_TIMEOUT = 30
@@ -76,6 +76,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
           f"(JAX said: {e}). Call it at the very start of main(), before building models or "
           "data.") from e
     raise
+
+
+def lost_process_message(error: BaseException) -> str:
+  """The one-paragraph message for a computation across processes that failed.
+
+  On CPU (gloo) and on most networks a process that dies closes its connections, and the next
+  collective of the others fails at once with an error such as "Connection closed by peer"; the
+  trainer then prints this instead of a traceback. (A peer that vanishes without closing them is
+  caught by the heartbeat instead: see :func:`initialize`.)
+  """
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+  return (f"A computation across the {jax.process_count()} processes of this run failed in "
+          f"process {jax.process_index()} ({first}). This almost always means that another "
+          "process of the run died (killed, out of memory, its host lost): its own log says why. "
+          "Checkpoints written before are intact; start all processes again with the same "
+          "commands to resume from the last one.")
 
 
 def shutdown() -> None:

@@ -15,15 +15,18 @@ Exit codes (for job schedulers and study runners):
 
     0   the run finished (or had finished before); summary.json holds its result.
     1   an error the message explains: config, data, a damaged or incompatible checkpoint, a
-        divergence, a full or read-only disk, a workdir held by another run.
+        divergence, a full or read-only disk, a workdir held by another run, another process of
+        a multi-host run that died (rerun all of them to resume).
     2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
     75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
         same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
+import jax
 from ml_collections import config_flags
 
 from pipejax import config as configlib
@@ -69,6 +72,14 @@ def main(argv):
   except training.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
     sys.exit(EXIT_ERROR)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    print(f"error: {distributed.lost_process_message(e)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # A normal exit would wait in JAX's shutdown barrier for the process that is gone.
+    os._exit(EXIT_ERROR)  # pylint: disable=protected-access
   if summary["stopped_by"]:
     print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to "
           "resume.")

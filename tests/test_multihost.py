@@ -252,6 +252,8 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
   processes[1][0].kill()
   results = _finish(processes, timeout=120)
   survivor_code, survivor_log = results[0]
-  assert survivor_code != 0, survivor_log[-3000:]
   assert time.monotonic() - killed_at < 60
-  assert "stopped sending heartbeats" in survivor_log, survivor_log[-3000:]
+  # On localhost the dead process's connections close, so the next collective fails at once and
+  # the trainer says what happened; JAX's heartbeat (5 s here) is the backstop for silent deaths.
+  assert survivor_code == 1, survivor_log[-3000:]
+  assert "another process of the run died" in survivor_log, survivor_log[-3000:]
