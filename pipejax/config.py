@@ -23,6 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.dataset = "fashion_mnist_idx"  # a name of pipejax.data.load
   config.data_dir = ""  # empty: the data set's default location
+  # tfds data sets missing from data_dir are downloaded and built there (needs internet, and
+  # TensorFlow for most); False fails at once with how to build them on another machine.
+  config.download_data = True
   config.image_size = 0  # 0: the data set's native size (ImageNet: resize to this)
   config.max_train_examples = 0  # 0: all; else the first N (quick runs)
   config.max_test_examples = 0

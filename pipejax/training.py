@@ -38,8 +38,8 @@ from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exporte
 # Config keys that may differ on resume without changing what is trained: where the data lives, how
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
-FREE_KEYS = ("data_dir", "eval_every_samples", "checkpoint_every_samples", "keep_checkpoints",
-             "eval_batch_size", "mesh", "allow_changes_on_resume")
+FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
+             "keep_checkpoints", "eval_batch_size", "mesh", "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
@@ -284,6 +284,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   """Data, model, method and pipeline of ``config`` (no training; cheap: shapes are abstract)."""
   validate(config)
   train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
+                                            download=config.get("download_data", True),
                                             **({"image_size": config.image_size}
                                                if config.image_size else {}))
   if config.max_train_examples:
