@@ -4,9 +4,11 @@ r"""CIFAR-10 ResNet-20 (GroupNorm), one conv per stage (the paper's fine-grained
         --config.data_dir=~/tensorflow_datasets
     python scripts/train.py --config=configs/cifar10_resnet20.py:smoke --workdir=/tmp/r20
 
-Data: tfds 'cifar10' prepared in array_record format (see docs in pipejax/data/tfds_source.py:
-`tfds build cifar10 --file_format=array_record` on a machine with internet). Not run here (no
-data on this machine); the 'tiny' variant is what the tests run on tfds mock data. The recipe is
+Data: tfds 'cifar10' in array_record format. A machine with internet and TensorFlow downloads and
+builds it into --config.data_dir on the first run; elsewhere build it with `tfds build cifar10
+--file_format=array_record --data_dir=DIR` on a machine that can, and copy DIR here
+(pipejax/data/tfds_source.py). Not run here (no data on this machine); the 'tiny' variant is what
+the tests run on tfds mock data. The recipe is
 He et al.'s (batch 128, lr 0.1, momentum 0.9, weight decay 5e-4) converted to micro-batch 1.
 Kosson et al. report ResNet-20 with PB + SC + LWP at batch 1 matching SGD (about 91-92%). On a GPU
 the run takes hours; on this 2-core CPU it is impractical (the 'smoke' variant runs in < 1 minute).

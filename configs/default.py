@@ -8,6 +8,9 @@ Model: 784-256-128-10 MLP, three stages (one Dense + ReLU each), micro-batch 1.
 Recipe: batch 128, lr 0.1, momentum 0.9, weight decay 5e-5, converted to micro-batch 1 by the
 scaling rules of docs/design.md §4 (momentum 0.9^(1/128), the same displacement per sample); cosine
 schedule over 10 epochs.
+Learning rates: --config.reference.lr is the batch-128 recipe's (0.1); --config.micro_batch.lr is
+the rate that trains at micro-batch 1 (unset: converted from the recipe, 6.4e-6 here). Change the
+first to retune the recipe; set the second only to override the conversion.
 Measured (2-core CPU, no accelerator, `bash scripts/train_default.sh`): test accuracy 89.1% after
 10 epochs, 276 s of training (about 2170 samples/s). The README's table compares plain PB and SGD.
 """

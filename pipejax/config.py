@@ -23,6 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.dataset = "fashion_mnist_idx"  # a name of pipejax.data.load
   config.data_dir = ""  # empty: the data set's default location
+  # tfds data sets missing from data_dir are downloaded and built there (needs internet, and
+  # TensorFlow for most); False fails at once with how to build them on another machine.
+  config.download_data = True
   config.image_size = 0  # 0: the data set's native size (ImageNet: resize to this)
   config.max_train_examples = 0  # 0: all; else the first N (quick runs)
   config.max_test_examples = 0
@@ -36,13 +39,19 @@ def base_config() -> ml_collections.ConfigDict:
   config.micro_batch_size = 1
   config.micro_batches = 1  # M of the synchronous mode (method 'sync')
 
-  # The recipe as it would run with ordinary mini-batches; converted to the micro-batch trained.
+  # Two sets of optimizer settings, so that a number is never read at the wrong batch size:
+  # reference.* is the recipe as it would run with ordinary mini-batches (batch 128, lr 0.1: the
+  # numbers a paper or another framework gives); micro_batch.* is what actually trains at
+  # micro_batch_size, converted from the reference by the scaling rules (docs/design.md §4).
+  # Leave micro_batch.* unset to use the conversion; set one to override it (e.g. a per-sample
+  # rate found by a sweep). `--config.micro_batch.lr=0.1` at b = 1 is about 15000 times the
+  # converted rate and diverges: the batch-128 lr is --config.reference.lr.
   config.reference = ml_collections.ConfigDict(
       {"batch_size": 128, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
        "beta2": 0.999})  # beta2: Adam's second-moment decay (optimizer='adam' only)
-  config.lr = config_dict.placeholder(float)  # set any of these three to override the conversion
-  config.momentum = config_dict.placeholder(float)
-  config.weight_decay = config_dict.placeholder(float)
+  config.micro_batch = ml_collections.ConfigDict({
+      "lr": config_dict.placeholder(float), "momentum": config_dict.placeholder(float),
+      "weight_decay": config_dict.placeholder(float)})
   config.schedule = "cosine"  # or "constant"; kept in samples, converted to steps
   config.epochs = 10.0
   config.warmup_epochs = 0.2
@@ -176,8 +185,10 @@ def _describe_config_error(error: Exception, argv: list[str]) -> str:
     if known is not None:
       for key in overrides:
         if key not in known:
-          close = difflib.get_close_matches(key, known, n=1)
-          hint = f" Did you mean --config.{close[0]}?" if close else ""
+          # Same last name first (`lr`: reference.lr or micro_batch.lr), then the closest spelling.
+          close = [k for k in known if k.rpartition(".")[2] == key.rpartition(".")[2]] or \
+              difflib.get_close_matches(key, known, n=1)
+          hint = f" Did you mean {' or '.join(f'--config.{k}' for k in close)}?" if close else ""
           return (f"--config.{key} is not a field of {path}.{hint} The fields are listed in "
                   "pipejax/config.py (base_config) and the config file.")
   first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -82,6 +82,25 @@ class MetricsWriter:
           self._tensorboard.add_scalar(f"{record['split']}/{key}/stage_{s:02d}", v,
                                        int(record["samples"]))
 
+  def write_hparams(self, hparams: dict, results: dict) -> None:
+    """The run's settings beside its final results, for TensorBoard's HParams tab.
+
+    Written once, when a run finishes (a rerun of a finished run writes it again, in place), so
+    that the runs of a sweep or a study can be compared side by side by their settings.
+    """
+    if not self.enabled:
+      return
+    hparams_dir = os.path.join(self._tensorboard.logdir, HPARAMS_RUN)
+    if os.path.isdir(hparams_dir):
+      for name in os.listdir(hparams_dir):
+        if name.startswith("events."):
+          os.remove(os.path.join(hparams_dir, name))
+    # TensorBoard takes numbers, strings and booleans; tuples (e.g. hidden widths) become text.
+    plain = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+             for k, v in hparams.items()}
+    self._tensorboard.add_hparams(plain, {f"hparam/{k}": float(v) for k, v in results.items()},
+                                  name=HPARAMS_RUN)
+
   def flush(self) -> None:
     """Puts every record written so far on disk (TensorBoard buffers its events)."""
     if self.enabled:
@@ -92,6 +111,9 @@ class MetricsWriter:
       return
     self._file.close()
     self._tensorboard.close()
+
+
+HPARAMS_RUN = "hparams"  # the sub-directory of workdir/tensorboard with the settings and results
 
 
 def _plain(value):

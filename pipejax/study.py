@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 Overrides = dict[str, Any]
 
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
+SKIPPED = "skipped"  # not run: the same point failed at a smaller value of Study.skip_beyond_failure
 RESULTS_FILE = "results.jsonl"
 
 
@@ -87,6 +88,10 @@ class Study:
     tables, figures: What the report shows.
     min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
       accuracy is at least this.
+    skip_beyond_failure: A grid key along which failure is taken to persist (a learning rate):
+      a run whose point, with a smaller value of this key and the same seed, already diverged or
+      ended below ``min_accuracy`` is not run but recorded as skipped. Saves the costly runs of
+      a stability sweep that cannot change its answer.
   """
 
   name: str
@@ -97,6 +102,7 @@ class Study:
   tables: Sequence[Table] = ()
   figures: Sequence[Figure] = ()
   min_accuracy: float = 0.0
+  skip_beyond_failure: str | None = None
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order)."""
@@ -185,9 +191,33 @@ def append_result(workdir: str, record: dict) -> None:
 
 
 def is_done(record: dict | None, study: Study, overrides: Overrides) -> bool:
-  """A run is done when it finished or diverged with the same settings; failures are retried."""
-  return bool(record) and record["status"] in (FINISHED, DIVERGED) and \
+  """A run is done when it finished, diverged or was skipped with the same settings; failures
+  are retried."""
+  return bool(record) and record["status"] in (FINISHED, DIVERGED, SKIPPED) and \
       record.get("fixed") == _jsonable(study.fixed) and record.get("config") == study.config
+
+
+def failed_below(study: Study, records: Iterable[dict], overrides: Overrides) -> Any:
+  """The smaller ``study.skip_beyond_failure`` value at which this point failed, else None."""
+  key = study.skip_beyond_failure
+  if key is None or key not in overrides:
+    return None
+  others = _key({k: v for k, v in overrides.items() if k != key})
+  for r in records:
+    value = r["overrides"].get(key)
+    if (r["status"] in (DIVERGED, SKIPPED, FINISHED) and value is not None
+        and value < overrides[key]
+        and _key({k: v for k, v in r["overrides"].items() if k != key}) == others
+        and (r["status"] != FINISHED or not _is_number(r.get("test_accuracy"))
+             or r["test_accuracy"] < study.min_accuracy)):
+      return value
+  return None
+
+
+def skipped_record(study: Study, overrides: Overrides, failed_at: Any) -> dict:
+  return {"run": run_id(overrides), "overrides": _jsonable(overrides),
+          "fixed": _jsonable(study.fixed), "config": study.config, "status": SKIPPED,
+          "reason": f"failed at {study.skip_beyond_failure}={failed_at}", "wall_seconds": 0.0}
 
 
 def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode: int,
@@ -432,11 +462,18 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
     grouped = cells(records, table.metric)
   else:
     raise StudyError(f"Table kind {table.kind!r} is not one of 'mean', 'gap', 'stability'.")
+  # Points whose every run was skipped: a smaller value of the swept key already failed.
+  status_by_point = {}
+  for rec in records:
+    point = (rec["overrides"].get(table.rows), rec["overrides"].get(table.columns))
+    status_by_point.setdefault(point, set()).add(rec["status"])
+  skipped = {p for p, statuses in status_by_point.items() if statuses == {SKIPPED}}
   header = f"| {table.rows} | " + " | ".join(str(c) for c in columns) + " |"
   lines = [header, "|" + "---|" * (len(columns) + 1)]
   for r in rows:
     entries = [format_cell(_lookup(grouped, {table.rows: r, table.columns: c}), table.scale,
-                           signed=table.kind == "gap") for c in columns]
+                           signed=table.kind == "gap")
+               if (r, c) not in skipped else "not run (failed below)" for c in columns]
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
   return "\n".join(lines)
 

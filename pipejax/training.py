@@ -38,8 +38,8 @@ from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exporte
 # Config keys that may differ on resume without changing what is trained: where the data lives, how
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
-FREE_KEYS = ("data_dir", "eval_every_samples", "checkpoint_every_samples", "keep_checkpoints",
-             "eval_batch_size", "mesh", "allow_changes_on_resume")
+FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
+             "keep_checkpoints", "eval_batch_size", "mesh", "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
@@ -70,7 +70,7 @@ class Hyperparameters:
 def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
   """Converts the config's reference recipe to its micro-batch (docs/design.md §4, scaling rules).
 
-  ``config.lr`` / ``config.momentum`` / ``config.weight_decay``, when set, override the converted
+  ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
   values. Schedules are kept in samples and converted to steps here.
   """
   b = config.micro_batch_size
@@ -80,15 +80,20 @@ def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
                    weight_decay=ref.weight_decay,
                    form="ema" if config.optimizer == "adam" else "heavy_ball"), group)
-  steps = max(1, int(config.epochs * train_size) // group)
+  # Every length the schedules need is kept in samples and converted by one rule.
+  steps = max(1, optim.steps_for_samples(int(config.epochs * train_size), group))
   return Hyperparameters(
-      learning_rate=recipe.learning_rate if config.lr is None else config.lr,
-      momentum=recipe.momentum if config.momentum is None else config.momentum,
-      weight_decay=recipe.weight_decay if config.weight_decay is None else config.weight_decay,
+      learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
+      momentum=_override(config.micro_batch.momentum, recipe.momentum),
+      weight_decay=_override(config.micro_batch.weight_decay, recipe.weight_decay),
       steps=steps,
-      warmup_steps=int(config.warmup_epochs * train_size) // group,
+      warmup_steps=optim.steps_for_samples(int(config.warmup_epochs * train_size), group),
       # The second moment's half-life is kept in samples, like the first's.
       beta2=ref.get("beta2", 0.999) ** (group / ref.batch_size))
+
+
+def _override(value, converted):
+  return converted if value is None else value
 
 
 def learning_rate_schedule(config, hp: Hyperparameters):
@@ -121,9 +126,10 @@ _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
                   "reference.batch_size", "mesh.stage", "mesh.data")
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
-_NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "lr", "weight_decay",
+_NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "micro_batch.lr",
+                       "micro_batch.weight_decay",
                        "warmup_epochs", "pipemare_anneal_epochs")
-_MOMENTA = ("reference.momentum", "momentum", "reference.beta2")
+_MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.beta2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
             "optimizer": ("sgd", "adam")}
 
@@ -278,6 +284,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   """Data, model, method and pipeline of ``config`` (no training; cheap: shapes are abstract)."""
   validate(config)
   train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
+                                            download=config.get("download_data", True),
                                             **({"image_size": config.image_size}
                                                if config.image_size else {}))
   if config.max_train_examples:
@@ -290,13 +297,14 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   if config.method == "sgd":
     # The reference without a pipeline: the whole network as one stage, where the engine is
     # exactly plain optax training (tests/test_engine.py proves the identity).
-    model_kwargs["layers_per_stage"] = 1 << 30
+    model_kwargs["layers_per_stage"] = None
   model = models_lib.build(config.model, num_classes=train_source.num_classes, **model_kwargs)
   hp = resolve_hyperparameters(config, len(train_source))
   method = methods_lib.make_method(
       config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
       weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=max(1, int(config.pipemare_anneal_epochs * len(train_source)) // b),
+      anneal_steps=max(1, optim.steps_for_samples(
+          int(config.pipemare_anneal_epochs * len(train_source)), b)),
       optimizer=config.optimizer, b2=hp.beta2)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32),
@@ -433,18 +441,19 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       _raise_if_diverged(config, setup, state, chunk_metrics, first_tick, samples, valid,
                          checkpointer)
       samples += samples_per_chunk
-      seen = np.asarray(chunk_metrics["valid"])
-      if seen.any():
-        writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
-                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
-                     learning_rate=float(schedule(samples // group_size)))
-      if "weight_discrepancy" in chunk_metrics:
-        writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
-            np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
       # The rate of this interval alone: a running average would count compile time forever.
       now = time.perf_counter()
       rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
       interval_start = (now, samples)
+      seen = np.asarray(chunk_metrics["valid"])
+      if seen.any():
+        writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
+                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
+                     learning_rate=float(schedule(samples // group_size)),
+                     samples_per_second=rate)
+      if "weight_discrepancy" in chunk_metrics:
+        writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
+            np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
       # Every process computes the same numbers; the others' lines are for --verbosity=1.
       logging.log(logging.INFO if primary else logging.DEBUG,
                   "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
@@ -470,6 +479,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       if checkpointer.latest_step() != samples:
         save(state)
       test_result = evaluate_now()
+      writer.write_hparams(
+          {**_flatten(_to_plain(config)), "num_stages": pipe.num_stages,
+           "resolved.lr": hp.learning_rate, "resolved.momentum": hp.momentum,
+           "resolved.weight_decay": hp.weight_decay},
+          {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
   writer.close()
   checkpointer.close()
   summary = {
@@ -623,7 +637,7 @@ def _raise_if_diverged(config, setup, state, chunk_metrics, first_tick: int, sam
     offset = len(finite)
   seen = samples + config.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
   steps = checkpointer.all_steps()
-  advice = "Lower the learning rate (--config.reference.lr or --config.lr) or add warm-up " \
+  advice = "Lower the learning rate (--config.reference.lr or --config.micro_batch.lr) or add warm-up " \
            "(--config.warmup_epochs)"
   if config.method not in ("pb_sc_lwp", "sgd", "sync"):
     advice += ", or try a method with delay compensation (--config.method=pb_sc_lwp)"

@@ -114,6 +114,14 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
     while todo and len(running) < parallel and not stop.requested:
       overrides = todo.pop(0)
       rid = study_lib.run_id(overrides)
+      failed_at = study_lib.failed_below(study, done.values(), overrides)
+      if failed_at is not None:
+        record = study_lib.skipped_record(study, overrides, failed_at)
+        study_lib.append_result(workdir, record)
+        done[rid] = record
+        already_done += 1
+        print(f"{status_line()} skipped {rid}: {record['reason']}", flush=True)
+        continue
       run_dir = os.path.join(workdir, "runs", rid)
       os.makedirs(run_dir, exist_ok=True)
       argv = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
@@ -143,6 +151,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
       record = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),
                                          process.returncode, wall, tail)
       study_lib.append_result(workdir, record)
+      done[rid] = record
       durations.append(wall)
       if record["status"] == study_lib.FAILED:
         failed += 1

@@ -321,16 +321,35 @@ def test_cifar_default_augmentation_on_mock_data(tfds):
 
 
 @pytest.mark.parametrize("name", ["cifar10", "imagenet2012"])
-def test_tfds_missing_data_set_fails_at_once(tfds, tmp_path, name):
+def test_tfds_missing_data_set_without_downloads_fails_at_once(tfds, tmp_path, name):
   start = time.monotonic()
   with pytest.raises(data.DataError) as info:
-    data.load(name, data_dir=tmp_path)
+    data.load(name, data_dir=tmp_path, download=False)
   assert time.monotonic() - start < 10, "must not wait for download retries"
   message = str(info.value)
   assert f"tfds build {name} --file_format=array_record" in message
   assert str(tmp_path) in message and "data_dir" in message and "not built" in message
+  assert "download=False" in message
   assert ("downloads/manual" in message) == (name == "imagenet2012")
   assert not any(tmp_path.iterdir()), "nothing may be written or downloaded"
+
+
+def test_tfds_missing_data_set_is_downloaded_and_a_failed_download_explained(
+    tfds, tmp_path, monkeypatch):
+  asked = []
+
+  def download_and_prepare(builder, *args, **kwargs):
+    # What a machine without internet sees: the host name does not resolve.
+    asked.append((builder.name, builder.data_dir))
+    raise ConnectionError("Failed to resolve 'storage.googleapis.com'")
+
+  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download_and_prepare)
+  with pytest.raises(data.DataError) as info:
+    data.load("cifar10", data_dir=tmp_path)
+  assert asked and asked[0][0] == "cifar10" and asked[0][1].startswith(str(tmp_path))
+  message = str(info.value)
+  assert "downloading and building it here failed: ConnectionError: Failed to resolve" in message
+  assert "tfds build cifar10 --file_format=array_record" in message and str(tmp_path) in message
 
 
 def test_tfds_image_size_only_for_imagenet(tfds):

@@ -251,13 +251,13 @@ def images(shape, seed=0):
 # Split == unsplit.
 
 
-@pytest.mark.parametrize("layers_per_stage", [1, 2])
+@pytest.mark.parametrize("layers_per_stage", [1, 2, None])  # None: one stage, no pipeline
 @pytest.mark.parametrize("normalization", [None, "layer"])
 def test_mlp_equals_reference(layers_per_stage, normalization):
   hidden = (16, 12, 8)
   model = models.mlp(hidden, num_classes=5, layers_per_stage=layers_per_stage,
                      normalization=normalization)
-  assert model.num_stages == math.ceil(4 / layers_per_stage)
+  assert model.num_stages == math.ceil(4 / (layers_per_stage or 4))
   ref = RefMLP(hidden, 5, normalization == "layer")
   assert_split_equals_reference(model, ref, lambda p: map_mlp(p, hidden, normalization), images(
       (3, 6, 6, 1)))

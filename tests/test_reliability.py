@@ -115,7 +115,7 @@ def test_unfinished_first_checkpoint_is_removed_and_the_run_starts(finished, tmp
 def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
   workdir = str(tmp_path / "run")
   # The largest finite rate: the first update makes weights inf before any activation shows it.
-  config = digits_config(lr=3e38, ticks_per_chunk=1, checkpoint_every_samples=1,
+  config = digits_config(**{"micro_batch.lr": 3e38}, ticks_per_chunk=1, checkpoint_every_samples=1,
                          eval_every_samples=10**6)
   with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) \(its weights\).*after "
                      r"\d+ training samples.*last good checkpoint"):
@@ -130,7 +130,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
 
 
 def test_divergence_message_fits_the_run(tmp_path):
-  config = digits_config(lr=1e30, method="pb_sc_lwp", checkpoint_every_samples=10**6)
+  config = digits_config(**{"micro_batch.lr": 1e30}, method="pb_sc_lwp", checkpoint_every_samples=10**6)
   with pytest.raises(training.TrainingDiverged) as raised:
     training.train_and_evaluate(config, str(tmp_path / "run"))
   message = str(raised.value)
@@ -144,9 +144,9 @@ def test_divergence_message_fits_the_run(tmp_path):
 def test_changed_recipe_on_resume_is_refused_with_old_and_new_values(finished, tmp_path):
   workdir = copy_of(finished, tmp_path)
   before = open(os.path.join(workdir, "config.json")).read()
-  with pytest.raises(training.ConfigError, match=r"epochs 0\.167\d* -> 0\.5; lr None -> "
-                     r"0\.001.*--config.allow_changes_on_resume=True"):
-    training.train_and_evaluate(digits_config(lr=0.001, epochs=0.5), workdir)
+  with pytest.raises(training.ConfigError, match=r"epochs 0\.167\d* -> 0\.5; micro_batch\.lr "
+                     r"None -> 0\.001.*--config.allow_changes_on_resume=True"):
+    training.train_and_evaluate(digits_config(**{"micro_batch.lr": 0.001}, epochs=0.5), workdir)
   assert open(os.path.join(workdir, "config.json")).read() == before
 
 
@@ -214,9 +214,10 @@ def test_storage_error_recognises_permissions_and_full_disks():
 # ------------------------------------------------------------------ 6. config validation
 
 @pytest.mark.parametrize("key, value", [
-    ("epochs", float("nan")), ("weight_decay", -1.0), ("reference.batch_size", 0),
+    ("epochs", float("nan")), ("micro_batch.weight_decay", -1.0), ("reference.batch_size", 0),
     ("eval_batch_size", 0), ("warmup_epochs", -0.5), ("mesh.data", 0), ("mesh.stage", -2),
-    ("mesh.balance", "nope"), ("lr", -0.1), ("lr", float("nan")), ("lr", float("inf")),
+    ("mesh.balance", "nope"), ("micro_batch.lr", -0.1), ("micro_batch.lr", float("nan")),
+    ("micro_batch.lr", float("inf")),
     ("model_kwargs.hidden", (0,)), ("seed", -1), ("reference.momentum", 1.0),
 ])
 def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, value):
@@ -282,19 +283,36 @@ def test_state_of_another_pipeline_and_donated_state_are_refused(pipe):
 
 # ------------------------------------------------------------------ 8. TensorBoard
 
-def tensorboard_steps(workdir, tag):
+def tensorboard_events(directory):
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  steps = []
-  directory = os.path.join(workdir, "tensorboard")
   for name in sorted(os.listdir(directory)):
+    if not name.startswith("events."):
+      continue
     data = open(os.path.join(directory, name), "rb").read()
     offset = 0
     while offset + 12 <= len(data):  # TFRecord: length u64, crc u32, payload, crc u32
       length = int.from_bytes(data[offset:offset + 8], "little")
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      yield event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
       offset += 16 + length
-      steps += [event.step for v in event.summary.value if v.tag == tag]
-  return steps
+
+
+def tensorboard_steps(workdir, tag):
+  return [event.step for event in tensorboard_events(os.path.join(workdir, "tensorboard"))
+          for v in event.summary.value if v.tag == tag]
+
+
+def test_tensorboard_has_rate_and_the_runs_settings_beside_its_result(finished):
+  workdir, summary = finished
+  assert tensorboard_steps(workdir, "train/samples_per_second") == [40, 80, 120, 160, 200, 240]
+  assert tensorboard_steps(workdir, "train/learning_rate") == [40, 80, 120, 160, 200, 240]
+  events = list(tensorboard_events(os.path.join(workdir, "tensorboard", metrics_lib.HPARAMS_RUN)))
+  results = {v.tag: v.simple_value for e in events for v in e.summary.value if v.HasField(
+      "simple_value")}
+  assert results["hparam/test_accuracy"] == pytest.approx(summary["test_accuracy"], rel=1e-6)
+  # The plugin's session-start record carries the settings, the method among them.
+  plugin = b"".join(v.metadata.plugin_data.content for e in events for v in e.summary.value
+                    if v.metadata.plugin_data.plugin_name == "hparams")
+  assert b"method" in plugin and b"pb_sc_lwp" in plugin and b"resolved.lr" in plugin
 
 
 def test_tensorboard_is_rebuilt_from_metrics_on_resume(finished, tmp_path):
@@ -367,6 +385,17 @@ def test_config_key_typo_is_one_line_naming_the_closest_field(tmp_path):
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith("error: --config.methd is not a field") and "--config.method?" in line
   assert not (tmp_path / "run").exists()
+
+
+def test_a_bare_optimizer_key_names_both_the_recipe_and_the_micro_batch_field():
+  # `--config.lr` was the per-micro-batch rate once; a user typing it means one of the two.
+  from pipejax import config as config_lib
+  message = config_lib._describe_config_error(
+      AttributeError("lr"), [f"--config={os.path.join(ROOT, 'configs', 'default.py')}",
+                             "--config.lr=0.1"])
+  assert "--config.lr is not a field" in message
+  assert "Did you mean" in message
+  assert "--config.reference.lr" in message and "--config.micro_batch.lr" in message
 
 
 # ------------------------------------------------------------------ 10. the stop across processes

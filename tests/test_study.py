@@ -74,6 +74,27 @@ def test_markdown_tables_and_stability_limit():
   assert study_lib.stable_limit(STUDY, records, stability, "sgd") == 8
 
 
+def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
+  sweep = Study(name="t", config="c.py", grids=[{"model_kwargs.depth": (4, 8, 16),
+                                                 "method": ("sgd", "pb"), "seed": (0, 1)}],
+                min_accuracy=0.5, skip_beyond_failure="model_kwargs.depth",
+                tables=[Table("acc", rows="model_kwargs.depth", columns="method")])
+  records = [record("sgd", 4, 0, 0.9), record("pb", 4, 0, 0.3),  # pb seed 0: trains badly at 4
+             record("pb", 4, 1, 0.8), record("pb", 8, 1, None, study_lib.DIVERGED)]
+  point = lambda m, d, s: {"model_kwargs.depth": d, "method": m, "seed": s}
+  assert study_lib.failed_below(sweep, records, point("pb", 8, 0)) == 4
+  assert study_lib.failed_below(sweep, records, point("pb", 16, 1)) == 8
+  assert study_lib.failed_below(sweep, records, point("pb", 8, 1)) is None  # its own run
+  assert study_lib.failed_below(sweep, records, point("sgd", 8, 0)) is None  # sgd trained
+  assert study_lib.failed_below(STUDY, records, point("pb", 8, 0)) is None  # the study opts in
+  skipped = study_lib.skipped_record(sweep, point("pb", 16, 0), 4)
+  assert skipped["reason"] == "failed at model_kwargs.depth=4"
+  assert study_lib.is_done(skipped, sweep, skipped["overrides"])
+  records += [skipped, study_lib.skipped_record(sweep, point("pb", 16, 1), 8)]
+  lines = study_lib.markdown_table(sweep, records, sweep.tables[0]).splitlines()
+  assert lines[-1] == "| 16 | — | not run (failed below) |"
+
+
 def test_a_failed_run_is_retried_and_a_finished_one_is_not():
   finished = record("pb", 8, 0, 0.8)
   failed = dict(finished, status=study_lib.FAILED)

@@ -39,8 +39,9 @@ def digits_config(**overrides):
   config.eval_every_samples = 80
   config.checkpoint_every_samples = 40
   config.eval_batch_size = 128
-  for key, value in overrides.items():
-    config[key] = value
+  for key, value in overrides.items():  # dotted keys reach nested fields: "micro_batch.lr"
+    parent, _, leaf = key.rpartition(".")
+    (config[parent] if parent else config)[leaf] = value
   return config
 
 
@@ -163,7 +164,7 @@ def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_pat
   training.train_and_evaluate(digits_config(), workdir)
   saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
   good_step = saver.latest_step()
-  config = digits_config(epochs=480 / 1437, lr=1e30,  # resumes, then blows up
+  config = digits_config(epochs=480 / 1437, **{"micro_batch.lr": 1e30},  # resumes, then blows up
                          allow_changes_on_resume=True)
   with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
                      rf"last good checkpoint \(step {good_step},"):

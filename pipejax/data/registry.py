@@ -45,10 +45,11 @@ _LOADERS: dict[str, tuple[Callable, int | None]] = {
     "digits": (_digits, 8),
 }
 NAMES = tuple(_LOADERS)
+TFDS_NAMES = ("fashion_mnist", "cifar10", "cifar100", "imagenet2012")
 
 
 def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: int | None = None,
-         **kw) -> tuple[Source, Source]:
+         download: bool = True, **kw) -> tuple[Source, Source]:
   """Loads a data set as ``(train_source, test_source)``.
 
   Args:
@@ -60,6 +61,8 @@ def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: in
       own); ignored by ``mnist1d`` and ``digits``, which need no files.
     image_size: Side of ImageNet examples (default 224). Other data sets keep their native size;
       passing it to them is an error unless it equals that size.
+    download: tfds names: download and build a data set missing from ``data_dir`` (needs
+      internet, and TensorFlow for most data sets); False: fail at once, saying how to build it.
     **kw: Loader options: ``num_samples``, ``seed``, ``train_split`` for ``mnist1d``.
 
   Raises:
@@ -69,6 +72,8 @@ def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: in
   if name not in _LOADERS:
     raise DataError(f"Unknown data set '{name}'; the known ones are {', '.join(NAMES)}.")
   loader, native_size = _LOADERS[name]
+  if name in TFDS_NAMES:
+    kw["download"] = download
   if name == "imagenet2012":
     return loader(data_dir, image_size=image_size, **kw)
   if image_size is not None and image_size != native_size:

@@ -8,12 +8,13 @@ We read with ``tfds.data_source`` rather than ``tfds.load``/``tf.data``:
   resumed run reads exactly the examples, in the same order, with the same augmentation, as the
   run that never stopped; a ``tf.data`` iterator's position is an opaque TF checkpoint instead.
 
-Data sets are never downloaded from here: the machines reach no data hub, and a tfds download
-retries for minutes before failing. A data set that is not built in ``data_dir`` fails at once
-with a :class:`DataError` that says how to build it elsewhere (``tfds build ...
---file_format=array_record``, which does need TensorFlow and internet) and where to point
-``data_dir``. Tests use ``tfds.testing.mock_data``, which fakes ``tfds.data_source`` without
-TensorFlow.
+A data set that is not built in ``data_dir`` is downloaded and built there (``download=True``,
+the default), as tfds does, in the ``array_record`` format that random access needs. Where that
+cannot work (no internet, or no TensorFlow, which tfds needs to build most data sets), it fails
+at once (tfds' download retries are turned off: they wait minutes) with a :class:`DataError` that
+says why and how to build the data set on another machine (``tfds build ...
+--file_format=array_record``) and where to point ``data_dir``. ``download=False`` only reads.
+Tests use ``tfds.testing.mock_data``, which fakes ``tfds.data_source`` without TensorFlow.
 
 Preprocessing: CIFAR and Fashion-MNIST examples are stored uint8 at their native size; CIFAR's
 ``default_augment`` is pad-4 + random crop + flip. ImageNet images vary in size: eval takes the
@@ -60,29 +61,38 @@ DEFAULT_IMAGENET_SIZE = 224
 
 
 def _import_tfds():
-  """Imports tfds with downloads made to fail at once instead of retrying for ~200 s."""
+  """Imports tfds with downloads made to fail at once instead of retrying for ~200 s.
+
+  A machine without internet then learns so in about a second (the name does not resolve), not
+  after minutes of retries.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top
 
-  # We also pass download=False, so this only guards paths of tfds that download on their own.
   downloader.MAX_RETRIES = 0
   return tfds
 
 
+def _first_line(error: Exception) -> str:
+  return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
 def _not_prepared_message(name: str, split: str, data_dir: str | None, error: Exception,
-                          prepared: bool) -> str:
+                          prepared: bool, download_error: Exception | None = None) -> str:
   where = data_dir or "tfds' default data_dir (~/tensorflow_datasets or $TFDS_DATA_DIR)"
   if prepared:
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    reason = f"it is built there but cannot be read by index: {type(error).__name__}: {first_line}"
+    reason = f"it is built there but cannot be read by index: {_first_line(error)}"
+  elif download_error is not None:
+    reason = ("it is not built there, and downloading and building it here failed: "
+              f"{_first_line(download_error)}")
   else:
-    reason = "it is not built there"
+    reason = "it is not built there, and downloads are off (download=False)"
   manual = (" imagenet2012 cannot be downloaded by tfds: first put ILSVRC2012_img_train.tar and "
             "ILSVRC2012_img_val.tar from image-net.org in DIR/downloads/manual/."
             if name == "imagenet2012" else "")
   return (f"tfds data set '{name}' (split '{split}') is not available for random access in "
-          f"{where} ({reason}). Machines here reach no data hub, so "
-          "pipejax never downloads; build it on a machine with internet and TensorFlow "
+          f"{where} ({reason}). Where this machine cannot download (no internet) or build (tfds "
+          "needs TensorFlow to build most data sets), build it on a machine with internet "
           f"(`pip install tensorflow-cpu tensorflow-datasets`, then `tfds build {name} "
           f"--file_format=array_record --data_dir=DIR`, or in Python "
           f"`tfds.builder('{name}', data_dir=DIR, file_format='array_record')"
@@ -108,14 +118,16 @@ class TfdsSource(Source):
       ``"train[:90%]"``).
     data_dir: Where the data set is built; ``None`` for tfds' default.
     image_size: ImageNet only: side of the square examples (default 224).
+    download: Download and build the data set in ``data_dir`` when it is not built there.
 
   Raises:
     DataError: if the name is not one of the four, ``image_size`` is given for another data
-      set, or the data set is not built in ``data_dir`` (the message says how to build it).
+      set, or the data set is not built in ``data_dir`` and cannot be downloaded and built (the
+      message says why, and how to build it elsewhere).
   """
 
   def __init__(self, name: str, split: str, *, data_dir: str | os.PathLike | None = None,
-               image_size: int | None = None):
+               image_size: int | None = None, download: bool = True):
     if name not in SPECS:
       raise DataError(f"No tfds source '{name}'; the known ones are {', '.join(sorted(SPECS))}.")
     spec = SPECS[name]
@@ -145,8 +157,10 @@ class TfdsSource(Source):
       # tfds reports a data set it cannot serve in several ways (a NotImplementedError about the
       # TFRecord format when nothing is built, FileNotFoundError, ValueError for a bad split);
       # all get the same advice, with the reason told apart by whether anything is built.
-      raise DataError(_not_prepared_message(name, split, data_dir, e,
-                                            _is_prepared(tfds, name, data_dir))) from e
+      prepared = _is_prepared(tfds, name, data_dir)
+      if prepared or not download:
+        raise DataError(_not_prepared_message(name, split, data_dir, e, prepared)) from e
+      self._data = _download_and_open(tfds, name, split, data_dir, e)
 
   def __len__(self) -> int:
     return len(self._data)
@@ -161,11 +175,22 @@ class TfdsSource(Source):
     return augment_lib.center_crop_resize(example, self.image_size)
 
 
+def _download_and_open(tfds, name: str, split: str, data_dir: str | None, read_error: Exception):
+  try:
+    tfds.builder(name, data_dir=data_dir, file_format="array_record").download_and_prepare()
+    return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+  except Exception as e:  # pylint: disable=broad-except
+    # No internet, no TensorFlow, a full disk, a manual download tfds cannot do: the message
+    # names the cause and the way round it.
+    raise DataError(_not_prepared_message(name, split, data_dir, read_error, False, e)) from e
+
+
 def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
-              image_size: int | None = None) -> tuple[TfdsSource, TfdsSource]:
+              image_size: int | None = None,
+              download: bool = True) -> tuple[TfdsSource, TfdsSource]:
   """The train split and the test split (``validation`` for ImageNet) of a tfds data set."""
   spec = SPECS.get(name)
   if spec is None:
     raise DataError(f"No tfds source '{name}'; the known ones are {', '.join(sorted(SPECS))}.")
-  return (TfdsSource(name, "train", data_dir=data_dir, image_size=image_size),
-          TfdsSource(name, spec.test_split, data_dir=data_dir, image_size=image_size))
+  return tuple(TfdsSource(name, split, data_dir=data_dir, image_size=image_size,
+                          download=download) for split in ("train", spec.test_split))

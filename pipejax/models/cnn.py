@@ -50,7 +50,7 @@ def conv_net_layers(config: Sequence[int | str], dense: Sequence[int], num_class
 
 
 def small_cnn(widths: Sequence[int] = (32, 64), dense: Sequence[int] = (128,),
-              num_classes: int = 10, layers_per_stage: int = 1,
+              num_classes: int = 10, layers_per_stage: int | None = 1,
               normalization: str | None = "group", norm_groups: int = 8,
               conv_impl: str = "auto", loss: LossFn = softmax_cross_entropy) -> Model:
   """A small CNN for 28x28 images (Fashion-MNIST class, 91-93% test accuracy).
@@ -62,7 +62,7 @@ def small_cnn(widths: Sequence[int] = (32, 64), dense: Sequence[int] = (128,),
     widths: Output channels of the conv layers (two or three for the usual net).
     dense: Widths of the hidden dense layers (with LayerNorm unless ``normalization`` is None).
     num_classes: Number of logits.
-    layers_per_stage: Consecutive weight layers per stage.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage, no pipeline).
     normalization: 'group' (default), 'layer' (GroupNorm with one group), 'online' or None. 'batch'
       raises :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.
@@ -78,7 +78,7 @@ def small_cnn(widths: Sequence[int] = (32, 64), dense: Sequence[int] = (128,),
 
 
 def vgg(config: str | Sequence[int | str] = "vgg11", dense: Sequence[int] = (),
-        num_classes: int = 10, width_multiplier: float = 1.0, layers_per_stage: int = 1,
+        num_classes: int = 10, width_multiplier: float = 1.0, layers_per_stage: int | None = 1,
         normalization: str | None = "group", norm_groups: int = 8, conv_impl: str = "auto",
         loss: LossFn = softmax_cross_entropy) -> Model:
   """A VGG-style net for 32x32 images (CIFAR): 3x3 conv layers with max pools, then dense.
@@ -93,7 +93,7 @@ def vgg(config: str | Sequence[int | str] = "vgg11", dense: Sequence[int] = (),
     dense: Widths of hidden dense layers before the logits.
     num_classes: Number of logits.
     width_multiplier: Scales every conv width (rounded, at least 1), e.g. 1/8 for tests.
-    layers_per_stage: Consecutive weight layers per stage.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage, no pipeline).
     normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.

@@ -19,7 +19,7 @@ def mlp_layers(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,
 
 
 def mlp(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,
-        layers_per_stage: int = 1, normalization: str | None = None,
+        layers_per_stage: int | None = 1, normalization: str | None = None,
         loss: LossFn = softmax_cross_entropy) -> Model:
   """An MLP on flattened inputs (the first stage flattens all but the micro-batch axis).
 
@@ -29,7 +29,7 @@ def mlp(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,
   Args:
     hidden: Widths of the hidden layers (each: dense, optional normalization, ReLU).
     num_classes: Width of the final dense layer (logits, no activation).
-    layers_per_stage: Consecutive weight layers per stage.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage, no pipeline).
     normalization: None, 'layer' (LayerNorm) or 'online' (Online Normalization, whose stages
       keep running statistics). 'batch' raises :class:`pipejax.ModelError` (BatchNorm at
       micro-batch size 1 is degenerate).

@@ -67,7 +67,7 @@ class Head(nn.Module):
 
 
 def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_classes: int = 10,
-                 layers_per_stage: int = 1, normalization: str | None = "layer",
+                 layers_per_stage: int | None = 1, normalization: str | None = "layer",
                  loss: LossFn = softmax_cross_entropy) -> Model:
   """A residual MLP of ``depth`` weight layers (stages at ``layers_per_stage=1``).
 
@@ -76,7 +76,7 @@ def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_class
     width: Width of the residual stream.
     expansion: Hidden width of each block, as a multiple of ``width``.
     num_classes: Logits of the head.
-    layers_per_stage: Consecutive weight layers per stage.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage, no pipeline).
     normalization: 'layer' (pre-norm LayerNorm in each block and before the head), 'online'
       (Online Normalization there instead) or None.
     loss: Loss on the logits.

@@ -48,7 +48,7 @@ def cifar_resnet_layers(depth: int = 20, width: int = 16, num_classes: int = 10,
 
 
 def cifar_resnet(depth: int = 20, width: int = 16, num_classes: int = 10,
-                 layers_per_stage: int = 1, normalization: str | None = "group",
+                 layers_per_stage: int | None = 1, normalization: str | None = "group",
                  norm_groups: int = 8, shortcut: str = "projection", conv_impl: str = "auto",
                  loss: LossFn = softmax_cross_entropy) -> Model:
   """He et al.'s CIFAR ResNet (depth 6n + 2) with GroupNorm, one conv per stage by default.
@@ -62,7 +62,8 @@ def cifar_resnet(depth: int = 20, width: int = 16, num_classes: int = 10,
     depth: 20, 32, 44, 56 or 110 (any 6n + 2 >= 8; 8 is a one-block-per-group test variant).
     width: Channels of the first group (16 in the paper; e.g. 4 for tests).
     num_classes: Number of logits.
-    layers_per_stage: Consecutive weight layers per stage; blocks may straddle stages.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage); blocks may straddle
+      stages.
     normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups; ``gcd(norm_groups, channels)`` are used.
@@ -105,7 +106,7 @@ def resnet50_layers(num_classes: int = 1000, width: int = 64,
 
 
 def resnet50(num_classes: int = 1000, width: int = 64,
-             blocks_per_group: Sequence[int] = RESNET50_BLOCKS, layers_per_stage: int = 1,
+             blocks_per_group: Sequence[int] = RESNET50_BLOCKS, layers_per_stage: int | None = 1,
              normalization: str | None = "group", norm_groups: int = 32,
              shortcut: str = "projection", conv_impl: str = "auto",
              loss: LossFn = softmax_cross_entropy) -> Model:
@@ -120,7 +121,8 @@ def resnet50(num_classes: int = 1000, width: int = 64,
     num_classes: Number of logits.
     width: Bottleneck width of the first group (64; e.g. 4 for tests).
     blocks_per_group: Blocks per group ((3, 4, 6, 3); e.g. (1, 1) for tests).
-    layers_per_stage: Consecutive weight layers per stage; blocks may straddle stages.
+    layers_per_stage: Consecutive weight layers per stage (None: one stage); blocks may straddle
+      stages.
     normalization: 'group' (default), 'layer', 'online' or None; 'batch' raises
       :class:`pipejax.ModelError`.
     norm_groups: GroupNorm groups (32, Wu & He); ``gcd(norm_groups, channels)`` are used.

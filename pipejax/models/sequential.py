@@ -39,22 +39,26 @@ class Chain(nn.Module):
     return x
 
 
-def stack_layers(layers: NamedLayers, layers_per_stage: int = 1,
+def stack_layers(layers: NamedLayers, layers_per_stage: int | None = 1,
                  loss: LossFn = softmax_cross_entropy) -> Model:
   """Groups consecutive named layers into stages of ``layers_per_stage`` layers each.
 
   Args:
     layers: ``(name, module)`` pairs in forward order; names must be unique.
     layers_per_stage: Layers per stage (the last stage takes what is left). 1 is the paper's
-      fine-grained pipeline: one weight layer per stage.
+      fine-grained pipeline: one weight layer per stage; None puts every layer in one stage (no
+      pipeline: the engine then trains exactly as plain backprop does).
     loss: The model's loss on the last stage's output.
 
   Returns:
     A :class:`pipejax.Model`; stage k is named after its layers ('a' or 'a..b').
   """
+  if layers_per_stage is None:
+    layers_per_stage = max(len(layers), 1)
   if isinstance(layers_per_stage, bool) or not isinstance(layers_per_stage, int) or (
       layers_per_stage < 1):
-    raise ModelError(f"layers_per_stage must be a positive int, got {layers_per_stage!r}.")
+    raise ModelError(f"layers_per_stage must be a positive int or None, got "
+                     f"{layers_per_stage!r}.")
   names = [name for name, _ in layers]
   duplicates = sorted({n for n in names if names.count(n) > 1})
   if duplicates:
