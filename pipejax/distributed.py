@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
+from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
@@ -210,7 +211,11 @@ def trainer_parts(sharded) -> tuple[HostFeed, Any]:
         "(mesh.stage = mesh.data = 1), so every process would train a copy of its own. Set "
         f"--config.mesh.stage and --config.mesh.data so that stage * data = {jax.device_count()}, "
         "the devices of all processes together.")
-  return HostFeed(sharded), functools.partial(checkpoint_shardings, sharded)
+  feed = HostFeed(sharded)
+  logging.info("Process %d of %d loads slots %s of every micro-batch of %d (the first stage of "
+               "data replica(s) %s is on its devices).", jax.process_index(), jax.process_count(),
+               feed.slots, sharded.pipeline.micro_batch_size, feed.replicas)
+  return feed, functools.partial(checkpoint_shardings, sharded)
 
 
 

@@ -262,6 +262,9 @@ def test_one_process_resumes_a_two_process_checkpoint(runs):
 
 def test_only_process_0_logs_progress_at_info(runs):
   (_, log0), (_, log1) = runs["resumed_on_two"]
+  # make_mesh keeps a stage's data replicas on one process: process 0 holds the first stage.
+  assert "Process 0 of 2 loads slots [0, 1] of every micro-batch of 2" in log0
+  assert "Process 1 of 2 loads slots [] of every micro-batch of 2" in log1
   assert FIRST_PROGRESS.search(log0)
   assert not FIRST_PROGRESS.search(log1)  # at DEBUG: shown with --verbosity=1
   assert "test accuracy" in log1  # but it says what it evaluates
@@ -269,8 +272,14 @@ def test_only_process_0_logs_progress_at_info(runs):
 
 @pytest.mark.slow
 def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
-  processes = _start(tmp_path / "killed", 2, cache, ["--heartbeat_timeout=5"])
+  # A data-only mesh, so that both processes load data (on the data x stage mesh above, the first
+  # stage's devices, and so all loading, are process 0's).
+  processes = _start(tmp_path / "killed", 2, cache, [
+      "--heartbeat_timeout=5", "--config.mesh.stage=1", "--config.mesh.data=4",
+      "--config.micro_batch_size=4"])
   _wait_for_line(processes[0][1], FIRST_PROGRESS, processes)
+  for (_, log), slots in zip(processes, ("[0, 1]", "[2, 3]")):
+    assert f"loads slots {slots} of every micro-batch of 4" in log.read_text()
   killed_at = time.monotonic()
   processes[1][0].kill()
   results = _finish(processes, timeout=120)
