@@ -1,9 +1,13 @@
-"""Many processes (hosts) as one JAX program: start-up and the global ``('data', 'stage')`` mesh.
+"""Many processes (hosts) as one JAX program: start-up, the global mesh, data, checkpoints, failure.
 
 Every process runs the same training program. :func:`initialize` connects the processes (it must
 come before any other JAX call); afterwards ``jax.devices()`` lists the devices of all processes,
 :func:`make_mesh` lays them out as ``('data', 'stage')``, and
-:class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. See docs/distributed.md.
+:class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. For the trainer,
+:class:`HostFeed` loads only the examples this process's devices consume, and
+:func:`checkpoint_shardings` places the state so that all processes save and restore it together;
+:func:`any_process` makes them stop together and :func:`lost_process_message` says what happened
+when one of them died. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ class HostFeed:
     return jax.make_array_from_single_device_arrays(shape, by_replica, blocks)
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- the trainer's parts
 
 
 def trainer_parts(sharded) -> tuple[HostFeed, Any]:
@@ -216,7 +220,6 @@ def trainer_parts(sharded) -> tuple[HostFeed, Any]:
                "data replica(s) %s is on its devices).", jax.process_index(), jax.process_count(),
                feed.slots, sharded.pipeline.micro_batch_size, feed.replicas)
   return feed, functools.partial(checkpoint_shardings, sharded)
-
 
 
 def checkpoint_shardings(sharded, state: PipelineState) -> PipelineState:
