@@ -11,6 +11,11 @@ flipped bit on disk is caught instead of trained on; a damaged step is moved asi
 step is intact the run stops with a :class:`CheckpointError`, never with a silent fresh start.
 A temporary directory left by a write that never finished (a kill, a full disk) is not a
 checkpoint: it is removed, with a warning, when the directory is opened.
+
+In a run of several processes every process calls every method (they are collectives). Given
+``placement`` (:func:`pipejax.distributed.checkpoint_shardings`), each process writes the parts
+of the state that live on its devices; the meta, with its digests, is written once, by process 0.
+The digests are of whole arrays, so a checkpoint written by N processes verifies and restores on M.
 """
 
 from __future__ import annotations
@@ -58,9 +63,20 @@ def _whole_array(leaf) -> np.ndarray:
   processes verifies when read by M. Every process must call this (it is a collective then).
   """
   if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    if leaf.is_fully_replicated:  # every process holds all of it: nothing to gather
+      return np.asarray(leaf.addressable_data(0))
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
   return np.asarray(jax.device_get(leaf))
+
+
+def _to_global(state: PyTree, shardings: PyTree) -> PyTree:
+  """Each process's full copy of ``state`` as global arrays placed by ``shardings``."""
+  def place(leaf, where):
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, where, lambda index: host[index],
+                                        dtype=host.dtype)
+  return jax.tree.map(place, state, shardings)
 
 
 def state_digest(state: PyTree, data_position: Any) -> str:
@@ -104,8 +120,12 @@ def _first_line(error: BaseException) -> str:
 class Checkpointer:
   """Saves and restores (state, meta) pairs under ``directory``, keeping the last ``max_to_keep``."""
 
-  def __init__(self, directory: str, max_to_keep: int = 3, primary: bool = True):
+  def __init__(self, directory: str, max_to_keep: int = 3, primary: bool = True,
+               placement: Callable[[PyTree], PyTree] | None = None):
+    """``placement(state)``: the shardings of a multi-process run's state (None on one process)."""
     self.directory = os.path.abspath(directory)
+    self.primary = primary
+    self._placement = placement
     if primary:
       self._remove_unfinished()
     try:
@@ -151,6 +171,8 @@ class Checkpointer:
     meta = dict(meta)
     meta["state_digest"] = state_digest(state, meta.get("data_position"))
     meta["meta_digest"] = _meta_digest(meta)
+    if self._placement is not None:
+      state = _to_global(state, self._placement(state))
     try:
       self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        meta=ocp.args.JsonSave(meta)))
@@ -184,12 +206,18 @@ class Checkpointer:
     Both digests are verified; a mismatch is a :class:`CheckpointError` naming the step.
     """
     meta = self.restore_meta(step)
+    target = _abstract(like_state)
+    if self._placement is not None:
+      target = jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                            target, self._placement(like_state))
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_abstract(like_state))))
+          state=ocp.args.StandardRestore(target)))
     except Exception as e:
       raise self._damaged(step, _first_line(e)) from None
     state = restored["state"]
+    if self._placement is not None:  # every process gets the whole logical state, as on one
+      state = jax.tree.map(lambda a: jax.numpy.asarray(_whole_array(a)), state)
     digests = meta.pop("digests", {})
     if "state_digest" in digests and \
         digests["state_digest"] != state_digest(state, meta.get("data_position")):
@@ -237,13 +265,23 @@ class Checkpointer:
         "with, or choose a new --workdir to start afresh.")
 
   def _set_aside(self, step: int) -> None:
+    if jax.process_count() > 1:  # every process found the same damage; one moves it
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      if self.primary:
+        self._move_aside(step)
+      multihost_utils.sync_global_devices(f"pipejax checkpoint {step} set aside")
+      self._manager.reload()
+      return
+    self._move_aside(step)
+    self._manager.reload()
+
+  def _move_aside(self, step: int) -> None:
     aside = self.directory + ".damaged"
     os.makedirs(aside, exist_ok=True)
     target, n = os.path.join(aside, str(step)), 1
     while os.path.exists(target):
       target, n = os.path.join(aside, f"{step}.{n}"), n + 1
     shutil.move(os.path.join(self.directory, str(step)), target)
-    self._manager.reload()
 
   def _damaged(self, step, reason: str) -> CheckpointError:
     return _DamagedCheckpoint(step, reason, self.directory)

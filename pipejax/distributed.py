@@ -1,28 +1,41 @@
-"""Many processes (hosts) as one JAX program: start-up and the global ``('data', 'stage')`` mesh.
+"""Many processes (hosts) as one JAX program: start-up, the global mesh, data, checkpoints, failure.
 
 Every process runs the same training program. :func:`initialize` connects the processes (it must
 come before any other JAX call); afterwards ``jax.devices()`` lists the devices of all processes,
 :func:`make_mesh` lays them out as ``('data', 'stage')``, and
-:class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. See docs/distributed.md.
+:class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. For the trainer,
+:class:`HostFeed` loads only the examples this process's devices consume, and
+:func:`checkpoint_shardings` places the state so that all processes save and restore it together;
+:func:`any_process` makes them stop together and :func:`lost_process_message` says what happened
+when one of them died. See docs/distributed.md.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Any, Sequence
 
+from absl import logging
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax import sharding
+from pipejax.engine import PipelineState
 from pipejax.sharding import MeshError
 
-__all__ = ["MeshError", "any_process", "initialize", "make_mesh", "shutdown"]
+__all__ = ["HostFeed", "MeshError", "any_process", "checkpoint_shardings", "initialize",
+           "lost_process_message", "make_mesh", "shutdown", "trainer_parts"]
+
+# Seconds without a heartbeat after which a process counts as dead (JAX's default is 100).
+HEARTBEAT_TIMEOUT = 30
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
                num_cpu_devices: int | None = None, cpu_collectives: str = "gloo",
-               initialization_timeout: int = 300) -> None:
+               initialization_timeout: int = 300,
+               heartbeat_timeout: int = HEARTBEAT_TIMEOUT) -> None:
   """Connects this process to the others; call it first, before any other JAX call.
 
   On a Cloud TPU pod slice or under SLURM/Open MPI, leave the first three arguments None: JAX
@@ -39,6 +52,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     cpu_collectives: the cross-process collectives CPU devices use: ``'gloo'`` (TCP, ships with
       jaxlib) or ``'mpi'``. Without one, CPU computations that span processes cannot run.
     initialization_timeout: seconds to wait for every process to connect.
+    heartbeat_timeout: seconds after which a process that stopped sending heartbeats (killed,
+      crashed, its host gone) counts as dead. The coordination service then ends every other
+      process with "Terminating process because the JAX distributed service detected fatal
+      errors ... The following tasks are unhealthy (stopped sending heartbeats)", instead of
+      leaving them blocked in a collective that can never complete. Shorter detects a death
+      sooner; it must stay well above the longest pause of a live process (a GC, a slow disk).
 
   Raises:
     RuntimeError: JAX was already used in this process (its backends are fixed by then).
@@ -53,7 +72,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout)
+                               initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout)
   except RuntimeError as e:
     if "before" in str(e) or "already" in str(e):
       raise RuntimeError(
@@ -61,6 +81,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
           f"(JAX said: {e}). Call it at the very start of main(), before building models or "
           "data.") from e
     raise
+
+
+def lost_process_message(error: BaseException) -> str:
+  """The one-paragraph message for a computation across processes that failed.
+
+  On CPU (gloo) and on most networks a process that dies closes its connections, and the next
+  collective of the others fails at once with an error such as "Connection closed by peer"; the
+  trainer then prints this instead of a traceback. (A peer that vanishes without closing them is
+  caught by the heartbeat instead: see :func:`initialize`.)
+  """
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+  return (f"A computation across the {jax.process_count()} processes of this run failed in "
+          f"process {jax.process_index()} ({first}). This almost always means that another "
+          "process of the run died (killed, out of memory, its host lost): its own log says why. "
+          "Checkpoints written before are intact; start all processes again with the same "
+          "commands to resume from the last one.")
 
 
 def shutdown() -> None:
@@ -90,3 +126,111 @@ def make_mesh(stage: int, data: int = 1) -> jax.sharding.Mesh:
     MeshError: ``stage * data`` is not the global device count (the message gives the count).
   """
   return sharding.make_mesh(stage, data)
+
+
+# ----------------------------------------------------------------------------- data per process
+
+
+def _stage_axis_devices(mesh: Mesh, index: int) -> np.ndarray:
+  """The devices at position ``index`` of the stage axis, one per data replica."""
+  return np.take(np.asarray(mesh.devices), index, axis=mesh.axis_names.index(sharding.STAGE))
+
+
+class HostFeed:
+  """Feeds this process's devices with its share of every chunk of a shared data stream.
+
+  A micro-batch enters the pipeline only at the device on stage-axis position 0 of each data
+  replica (the devices further along receive activations, and the labels travel with them).
+  Replica ``r`` takes slots ``[r * b / data, (r + 1) * b / data)`` of every micro-batch of ``b``.
+  This process therefore reads exactly the slots of the replicas whose first stage it holds, and
+  nothing on a process that holds no first stage (a stage-only mesh across hosts reads on the
+  process of stage 0 alone). The other devices receive zeros, which they never read.
+
+  Args:
+    sharded: the :class:`~pipejax.sharding.ShardedPipeline` to feed.
+  """
+
+  def __init__(self, sharded):
+    self.sharded = sharded
+    self.mesh = sharded.mesh
+    b, data = sharded.pipeline.micro_batch_size, sharded.data
+    per_replica = b // data
+    first_stage = _stage_axis_devices(self.mesh, 0)
+    me = jax.process_index()
+    self.replicas = [r for r, device in enumerate(first_stage) if device.process_index == me]
+    # Slots of each replica this process reads, in the order of next_chunk's columns.
+    self.slots = [s for r in self.replicas for s in range(r * per_replica, (r + 1) * per_replica)]
+    self._replica_of = {device: r for r, device in enumerate(first_stage)}
+    self._per_replica = per_replica
+
+  def next_chunk(self, stream, num_ticks: int):
+    """``(inputs, labels, valid)`` of the next ``num_ticks`` micro-batches, laid out on the mesh.
+
+    Every process must call it with its own copy of the same stream (same seed and position); each
+    reads only :attr:`slots`, but all advance by whole micro-batches. The method's schedule
+    (``Pipeline.schedule``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
+    """
+    pipe = self.sharded.pipeline
+    if self.slots:
+      x, y = stream.next_chunk(num_ticks, self.slots)
+    else:  # this process holds no first stage: skip the chunk without loading it
+      stream.skip(num_ticks)
+      x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
+      y = np.zeros((num_ticks, 0), np.int32)
+    x, y, valid = pipe.schedule(x, y)
+    pipe._check_class_labels(y, valid)  # pylint: disable=protected-access
+    return (self._global(x), self._global(y),
+            jax.make_array_from_callback(valid.shape, NamedSharding(self.mesh, P()),
+                                         lambda index: valid[index]))
+
+  def _global(self, local: np.ndarray) -> jax.Array:
+    """The ``(ticks, b, ...)`` global array of which this process holds the columns :attr:`slots`."""
+    ticks, b = local.shape[0], self.sharded.pipeline.micro_batch_size
+    shape = (ticks, b) + local.shape[2:]
+    by_replica = NamedSharding(self.mesh, P(None, sharding.DATA))
+    blocks = []
+    for device in by_replica.addressable_devices:
+      r = self._replica_of.get(device)
+      if r is None:  # not a first stage: its copy of the micro-batch is never read
+        block = np.zeros((ticks, self._per_replica) + local.shape[2:], local.dtype)
+      else:
+        start = self.replicas.index(r) * self._per_replica
+        block = local[:, start:start + self._per_replica]
+      blocks.append(jax.device_put(block, device))
+    return jax.make_array_from_single_device_arrays(shape, by_replica, blocks)
+
+
+# ----------------------------------------------------------------------------- the trainer's parts
+
+
+def trainer_parts(sharded) -> tuple[HostFeed, Any]:
+  """The trainer's per-process data feed and checkpoint placement for ``sharded``.
+
+  Raises:
+    MeshError: ``sharded`` is None, i.e. the config has no mesh over the processes' devices.
+  """
+  if sharded is None:
+    raise MeshError(
+        f"This run has {jax.process_count()} processes but its config trains on one device "
+        "(mesh.stage = mesh.data = 1), so every process would train a copy of its own. Set "
+        f"--config.mesh.stage and --config.mesh.data so that stage * data = {jax.device_count()}, "
+        "the devices of all processes together.")
+  feed = HostFeed(sharded)
+  logging.info("Process %d of %d loads slots %s of every micro-batch of %d (the first stage of "
+               "data replica(s) %s is on its devices).", jax.process_index(), jax.process_count(),
+               feed.slots, sharded.pipeline.micro_batch_size, feed.replicas)
+  return feed, functools.partial(checkpoint_shardings, sharded)
+
+
+def checkpoint_shardings(sharded, state: PipelineState) -> PipelineState:
+  """Where each leaf of a logical state lives when the processes save or restore it together.
+
+  Every leaf is replicated over the whole mesh. orbax refuses to save an array that lives on one
+  process's devices only (it cannot tell such an array from an unrelated per-process value), and
+  it splits the writing of a replicated array between its replicas (each writes a slice along an
+  axis the replica count divides; an array no axis of which divides is written by one process).
+  So every process writes its share of the arrays and holds the whole logical state, which it
+  needs anyway to lay the state out on a mesh of any shape.
+  """
+  everywhere = NamedSharding(sharded.mesh, P())
+  return jax.tree.map(lambda _: everywhere, state)

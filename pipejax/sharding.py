@@ -620,7 +620,7 @@ class ShardedPipeline:
 
     In a multi-process run every process must call it (it gathers the other processes' parts).
     """
-    host = {k: _to_host(v) for k, v in self._by_key(packed).items()}
+    host = _tree_to_host(self._by_key(packed))
     stages = []
     for d, (a, z) in enumerate(self.partition):
       layouts = (self._body_layouts[d], self._packet_layouts[d], self._cotangent_layouts[d])
@@ -655,6 +655,9 @@ class ShardedPipeline:
     every device (readable in every process): ``loss`` and the loss's metrics averaged over the
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
+    if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
+      # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
+      return self._jit_run(packed, Batch(inputs, labels, valid))
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
     by_replica = NamedSharding(self.mesh, P(None, DATA))
     batch = Batch(jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.inputs),
@@ -769,8 +772,27 @@ class ShardedPipeline:
 
 def _to_host(array) -> np.ndarray:
   if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    if array.is_fully_replicated:  # every process holds all of it
+      return np.asarray(array.addressable_data(0))
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
   return np.asarray(array)
+
+
+def _tree_to_host(arrays: dict) -> dict:
+  """Host copies of the arrays, those spread over processes gathered in one collective.
+
+  (Gathering each array on its own would compile and run one small program per buffer.)
+  """
+  spread = {k: v for k, v in arrays.items()
+            if isinstance(v, jax.Array) and not v.is_fully_addressable}
+  if spread:
+    replicated = {k: v.sharding.update(spec=P()) for k, v in spread.items()}
+    spread = jax.jit(_identity, out_shardings=replicated)(spread)
+  return {k: _to_host(spread.get(k, v)) for k, v in arrays.items()}
+
+
+def _identity(tree):
+  return tree  # one function object, so that jit compiles each gather once
 
 
 # ----------------------------------------------------------------------------- accounting

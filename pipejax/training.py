@@ -365,8 +365,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   total_samples -= total_samples % samples_per_chunk or 0
   total_samples = max(total_samples, samples_per_chunk)
 
+  feed = placement = None
+  if jax.process_count() > 1:  # each process feeds and saves its own devices' part
+    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    feed, placement = distributed.trainer_parts(setup.sharded)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
-                              primary=primary)
+                              primary=primary, placement=placement)
   state = setup.init(jax.random.PRNGKey(config.seed))
   samples, seconds_before = 0, 0.0
   restored = checkpointer.restore_newest(
@@ -426,8 +430,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   test_result = None
   with _StopRequest() as stop:
     while samples < total_samples:
-      x, y = stream.next_chunk(config.ticks_per_chunk)
-      x, y, valid = pipe.schedule(x, y)
+      if feed is None:
+        x, y = stream.next_chunk(config.ticks_per_chunk)
+        x, y, valid = pipe.schedule(x, y)
+      else:
+        x, y, valid = feed.next_chunk(stream, config.ticks_per_chunk)
       first_tick = int(state.tick)
       state, chunk_metrics = setup.run(state, x, y, valid)
       chunk_metrics = jax.device_get(chunk_metrics)
@@ -447,11 +454,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       if "weight_discrepancy" in chunk_metrics:
         writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
             np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
-      logging.info("[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, "
-                   "ETA %s", samples, total_samples, samples / len(train_source),
-                   float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
-                   float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
-                   rate, _duration((total_samples - samples) / max(rate, 1e-9)))
+      # Every process computes the same numbers; the others' lines are for --verbosity=1.
+      logging.log(logging.INFO if primary else logging.DEBUG,
+                  "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
+                  samples, total_samples, samples / len(train_source),
+                  float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
+                  float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
+                  rate, _duration((total_samples - samples) / max(rate, 1e-9)))
       crossed = lambda every: samples // every != (samples - samples_per_chunk) // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
@@ -481,6 +490,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
       "method": config.method, "model": config.model, "dataset": config.dataset,
       "micro_batch_size": b, "num_stages": pipe.num_stages,
+      "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
       "learning_rate": hp.learning_rate, "momentum": hp.momentum,
       "train_seconds": seconds_before + time.perf_counter() - start_time,
       "test_accuracy": None if test_result is None else test_result["accuracy"],

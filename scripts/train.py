@@ -15,15 +15,18 @@ Exit codes (for job schedulers and study runners):
 
     0   the run finished (or had finished before); summary.json holds its result.
     1   an error the message explains: config, data, a damaged or incompatible checkpoint, a
-        divergence, a full or read-only disk, a workdir held by another run.
+        divergence, a full or read-only disk, a workdir held by another run, another process of
+        a multi-host run that died (rerun all of them to resume).
     2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
     75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
         same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
+import jax
 from ml_collections import config_flags
 
 from pipejax import config as configlib
@@ -40,6 +43,10 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Initialize jax.distributed even without the three flags above, letting "
     "JAX detect the process layout (Cloud TPU pod slices, SLURM, Open MPI).")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 30, "Multi-host runs: seconds without a heartbeat after which a process "
+    "counts as dead and every other process exits (JAX's coordination service; see "
+    "docs/distributed.md).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -58,19 +65,29 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
     from pipejax import distributed  # only multi-host runs pay for it
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
   try:
     summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except training.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
     sys.exit(EXIT_ERROR)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    print(f"error: {distributed.lost_process_message(e)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # A normal exit would wait in JAX's shutdown barrier for the process that is gone.
+    os._exit(EXIT_ERROR)  # pylint: disable=protected-access
   if summary["stopped_by"]:
     print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to "
           "resume.")
     sys.exit(EXIT_STOPPED)
   print(f"FINAL test_accuracy={summary['test_accuracy']:.4f} test_loss={summary['test_loss']:.4f} "
         f"method={summary['method']} samples={summary['samples']} "
-        f"seconds={summary['train_seconds']:.0f}")
+        f"seconds={summary['train_seconds']:.0f} processes={summary['processes']} "
+        f"mesh=data{summary['mesh']['data']}xstage{summary['mesh']['stage']}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ how the examples were grouped into chunks:
 position is therefore the whole state: two ints, saved in the checkpoint by
 :meth:`DataStream.get_state`, and restoring it gives bit-identical chunks whatever chunk sizes were
 used before or after.
+
+Several processes (hosts) split one stream without talking to each other: every process keeps the
+same stream, advances it by the whole chunk, and reads only the *slots* of each micro-batch its own
+devices consume (``next_chunk(ticks, slots=...)``). Slot ``j`` of tick ``t`` of a chunk starting at
+position ``p`` is the example at position ``p + t * b + j``, whichever process reads it. The
+micro-batches are therefore the same for any number of processes, and the saved position (the
+global one, equal on every process) resumes on any other number.
 """
 
 from __future__ import annotations
@@ -136,52 +143,69 @@ class DataStream:
       self._permutation_epoch = epoch
     return self._permutation
 
-  def _advance(self, count: int) -> list[tuple[int, int, np.ndarray]]:
-    """Consumes ``count`` positions; returns (epoch, first position, example indices) spans."""
+  def _advance(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Consumes ``count`` positions; returns each one's (epoch, position in epoch, example)."""
     num_examples = len(self.source)
-    spans = []
+    epochs, positions, indices = [], [], []
     while count > 0:
       take = min(count, num_examples - self._index_in_epoch)
       start = self._index_in_epoch
-      spans.append((self._epoch, start,
-                    self._permutation_of(self._epoch)[start:start + take].copy()))
+      epochs.append(np.full((take,), self._epoch, np.int64))
+      positions.append(np.arange(start, start + take))
+      indices.append(self._permutation_of(self._epoch)[start:start + take])
       count -= take
       self._index_in_epoch += take
       if self._index_in_epoch == num_examples:
         # Roll over at once so that the saved position is canonical.
         self._epoch += 1
         self._index_in_epoch = 0
-    return spans
+    return np.concatenate(epochs), np.concatenate(positions), np.concatenate(indices)
 
-  def next_chunk(self, num_ticks: int) -> tuple[np.ndarray, np.ndarray]:
+  def next_chunk(self, num_ticks: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
     """The next ``num_ticks`` micro-batches, crossing epoch boundaries seamlessly.
 
+    Args:
+      num_ticks: micro-batches to hand out (the stream advances by ``num_ticks * batch_size``).
+      slots: the places in each micro-batch to read (sorted, in ``[0, batch_size)``), for a
+        process that feeds only part of every micro-batch; default all of them. The other slots'
+        examples are skipped, not loaded.
+
     Returns:
-      ``inputs`` of shape ``(num_ticks, batch_size, *example_shape)``, normalised float32, and
-      ``labels`` of shape ``(num_ticks, batch_size)``, int32.
+      ``inputs`` of shape ``(num_ticks, len(slots), *example_shape)``, normalised float32, and
+      ``labels`` of shape ``(num_ticks, len(slots))``, int32 (``len(slots)`` is ``batch_size``
+      by default).
     """
     if num_ticks < 1:
       raise DataError(f"num_ticks must be at least 1, got {num_ticks}.")
-    spans = self._advance(num_ticks * self.batch_size)
+    chosen = np.arange(self.batch_size) if slots is None else np.asarray(slots, np.int64)
+    if chosen.ndim != 1 or not len(chosen) or np.any(np.diff(chosen) <= 0) or \
+        chosen[0] < 0 or chosen[-1] >= self.batch_size:
+      raise DataError(f"slots must be increasing places in a micro-batch of {self.batch_size}, "
+                      f"i.e. in [0, {self.batch_size}); got {slots!r}.")
+    epochs, positions, indices = (a.reshape(num_ticks, self.batch_size)[:, chosen].reshape(-1)
+                                  for a in self._advance(num_ticks * self.batch_size))
     if self.augment is None:
-      examples, labels = self.source.take(np.concatenate([indices for _, _, indices in spans]))
+      examples, labels = self.source.take(indices)
     else:
-      examples, labels = self._augmented(spans)
+      examples, labels = self._augmented(epochs, positions, indices)
     shape = self.source.example_shape
     if examples.shape[1:] != shape:
       raise DataError(f"{self.source.name}: examples came out with shape {examples.shape[1:]}, "
                       f"expected {shape}; the augmentation must keep the example shape.")
     inputs = self.source.normalization(examples)
-    return (inputs.reshape(num_ticks, self.batch_size, *shape),
-            labels.astype(np.int32).reshape(num_ticks, self.batch_size))
+    return (inputs.reshape(num_ticks, len(chosen), *shape),
+            labels.astype(np.int32).reshape(num_ticks, len(chosen)))
 
-  def _augmented(self, spans) -> tuple[np.ndarray, np.ndarray]:
+  def skip(self, num_ticks: int) -> None:
+    """Advances past ``num_ticks`` micro-batches without loading them."""
+    self._advance(num_ticks * self.batch_size)
+
+  def _augmented(self, epochs, positions, indices) -> tuple[np.ndarray, np.ndarray]:
     examples, labels = [], []
-    for epoch, start, indices in spans:
-      for offset, index in enumerate(indices):
-        example, label = self.source.raw(int(index))
-        examples.append(self.augment(example, augment_rng(self.seed, epoch, start + offset)))
-        labels.append(label)
+    for epoch, position, index in zip(epochs, positions, indices):
+      example, label = self.source.raw(int(index))
+      examples.append(self.augment(example, augment_rng(self.seed, int(epoch), int(position))))
+      labels.append(label)
     return np.stack(examples), np.asarray(labels, np.int32)
 
 
