@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import accounting
+from pipejax import accounting, engine
 from pipejax.engine import (Batch, DelayLine, Packet, Pipeline, PipelineError, PipelineState,
                             StageState)
 
@@ -459,7 +459,7 @@ class ShardedPipeline:
       self.partition = partition_stages(costs, self.num_groups)
     self.layout = layout  # "auto" resolves to "slots" or "flat" in _build_layouts
     self._build_layouts()
-    self._jit_run = jax.jit(self._run, donate_argnums=0,
+    self._jit_run = engine.jit(self._run, donate_argnums=0,
                             out_shardings=(self._state_shardings(), self._replicated))
     # Compiled, not op by op: eager init dispatches hundreds of tiny computations.
     self._jit_init = jax.jit(pipeline.init)
