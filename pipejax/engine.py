@@ -184,8 +184,51 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
+class PipelineRunner:
+  """The one interface of a pipeline, on one device (:class:`Pipeline`) or over a device mesh
+  (:class:`pipejax.sharding.ShardedPipeline`); training code needs nothing else.
+
+  * ``init(rng)``: a fresh state, in the runner's own layout;
+  * ``run(state, inputs, labels, valid=None)``: ``T`` ticks, ``(state, metrics stacked along T)``;
+    the state is donated;
+  * ``tick(state, inputs, labels, valid=True)``: one tick;
+  * ``drain(state)``: finishes every backward in flight (written once, here);
+  * ``to_logical(state)``: the device-independent :class:`PipelineState` (what checkpoints hold);
+  * ``from_logical(logical_state)``: back into the runner's layout.
+
+  ``pipeline`` is the single-device :class:`Pipeline` with the model, method and micro-batch shape.
+  """
+
+  pipeline: Pipeline
+
+  def init(self, rng: jax.Array, fill_value: float = 0.0):
+    raise NotImplementedError
+
+  def run(self, state, inputs, labels, valid=None):
+    raise NotImplementedError
+
+  def tick(self, state, inputs, labels, valid=True):
+    raise NotImplementedError
+
+  def to_logical(self, state) -> PipelineState:
+    raise NotImplementedError
+
+  def from_logical(self, logical_state: PipelineState):
+    raise NotImplementedError
+
+  def drain(self, state):
+    """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
+    pipeline = self.pipeline
+    ticks = accounting.fill_ticks(pipeline.num_stages)
+    if ticks == 0:
+      return state, None
+    empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
+    return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
+                    jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline:
+class Pipeline(PipelineRunner):
   """A model, a method and the shape of one micro-batch: everything static about a pipeline.
 
   Construction traces every stage abstractly, so a stage that does not fit the next one, S = 0 or
@@ -510,14 +553,16 @@ class Pipeline:
       return self._jit_run_full(state, batch)
     return self._jit_run(state, batch)
 
-  def drain(self, state: PipelineState):
-    """Finishes every backward in flight by feeding 2(S-1) empty ticks."""
-    ticks = accounting.fill_ticks(self.num_stages)
-    if ticks == 0:
-      return state, None
-    empty = lambda spec: jnp.zeros((ticks,) + spec.shape, spec.dtype)
-    return self.run(state, jax.tree.map(empty, self.example_inputs),
-                    jax.tree.map(empty, self.example_labels), jnp.zeros((ticks,), bool))
+  @property
+  def pipeline(self) -> Pipeline:
+    return self
+
+  def to_logical(self, state: PipelineState) -> PipelineState:
+    """The state itself: on one device the layout is the logical one."""
+    return state
+
+  def from_logical(self, logical_state: PipelineState) -> PipelineState:
+    return logical_state
 
   def schedule(self, inputs, labels):
     """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.

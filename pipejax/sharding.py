@@ -58,8 +58,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax import accounting, engine
-from pipejax.engine import (Batch, DelayLine, Packet, Pipeline, PipelineError, PipelineState,
-                            StageState)
+from pipejax.engine import (Batch, DelayLine, Packet, Pipeline, PipelineError,
+                            PipelineRunner, PipelineState, StageState)
 
 PyTree = Any
 STAGE, DATA = "stage", "data"
@@ -407,7 +407,7 @@ class PackedState(NamedTuple):
 # ----------------------------------------------------------------------------- the pipeline
 
 
-class ShardedPipeline:
+class ShardedPipeline(PipelineRunner):
   """A :class:`~pipejax.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
 
   Args:
@@ -435,7 +435,7 @@ class ShardedPipeline:
     self.pipeline = pipeline
     self.mesh = _normalized_mesh(mesh)
     self.num_groups = self.mesh.shape[STAGE]
-    self.data = self.mesh.shape[DATA]
+    self.num_replicas = self.mesh.shape[DATA]
     num_stages = pipeline.num_stages
     if self.num_groups > num_stages:
       raise MeshError(
@@ -444,11 +444,11 @@ class ShardedPipeline:
           f"mesh.stage <= {num_stages} (and put the other devices on the data axis), or split the "
           "model into more stages.")
     b = pipeline.micro_batch_size
-    if b % self.data:
+    if b % self.num_replicas:
       raise MeshError(
-          f"The data axis has {self.data} replicas but the micro-batch has b = {b} samples, which "
-          f"does not divide evenly. Choose a micro-batch size that is a multiple of {self.data} or "
-          f"a data axis size that divides {b}.")
+          f"The data axis has {self.num_replicas} replicas but the micro-batch has b = {b} "
+          "samples, which does not divide evenly. Choose a micro-batch size that is a multiple "
+          f"of {self.num_replicas} or a data axis size that divides {b}.")
     if partition is not None:
       self.partition = check_partition(partition, num_stages, self.num_groups)
     else:
@@ -459,8 +459,10 @@ class ShardedPipeline:
       self.partition = partition_stages(costs, self.num_groups)
     self.layout = layout  # "auto" resolves to "slots" or "flat" in _build_layouts
     self._build_layouts()
-    self._jit_run = engine.jit(self._run, donate_argnums=0,
-                            out_shardings=(self._state_shardings(), self._replicated))
+    out_shardings = (self._state_shardings(), self._replicated)
+    self._jit_run = engine.jit(self._run, donate_argnums=0, out_shardings=out_shardings)
+    self._jit_run_full = engine.jit(functools.partial(self._run, every_slot_full=True),
+                                    donate_argnums=0, out_shardings=out_shardings)
     # Compiled, not op by op: eager init dispatches hundreds of tiny computations.
     self._jit_init = jax.jit(pipeline.init)
 
@@ -473,14 +475,14 @@ class ShardedPipeline:
     groups = [abstract.stages[a:z] for a, z in self.partition]
     parts = [_split_group(g) for g in groups]
     role_parts = [_split_group([_roles(st) for st in g]) for g in groups]
-    if self.data > 1:
+    if self.num_replicas > 1:
       stateful = [s for s, st in enumerate(abstract.stages) if st.variables is not None]
       if stateful:
         raise MeshError(
             f"{self.pipeline.model.stage_label(stateful[0])} keeps state (running statistics such "
             "as Online Normalization's) that depends on every sample it sees, in order. Data "
-            f"replicas (data = {self.data}) each see only their part of every micro-batch, so "
-            "their statistics would differ from each other and from one device's. Put every "
+            f"replicas (data = {self.num_replicas}) each see only their part of every micro-batch, "
+            "so their statistics would differ from each other and from one device's. Put every "
             "device on the stage axis (data = 1) for a stateful model, or use a stateless "
             "normalization ('layer' or 'group').")
       for s, st in enumerate(abstract.stages):
@@ -497,7 +499,7 @@ class ShardedPipeline:
 
       def region(index, base):
         prefix = None if policy == "flat" else ("body", "packet", "cotangent")[index]
-        layouts = [_layout(p[index], r[index], self.data, base, prefix)
+        layouts = [_layout(p[index], r[index], self.num_replicas, base, prefix)
                    for p, r in zip(parts, role_parts)]
         end = dict(base)
         for layout in layouts:
@@ -539,7 +541,7 @@ class ShardedPipeline:
 
   def _global_shape(self, key) -> tuple[int, ...]:
     n = self._buffer_sizes[key]
-    return (self.num_groups, n) if key[0] == SHARED else (self.data, self.num_groups, n)
+    return (self.num_groups, n) if key[0] == SHARED else (self.num_replicas, self.num_groups, n)
 
   @property
   def _replicated(self) -> NamedSharding:
@@ -564,6 +566,11 @@ class ShardedPipeline:
             {_buffer_name(k): v for k, v in buffers.items() if k[0] == LOCAL})
 
   # ------------------------------------------------------------------ facts
+
+  @property
+  def data(self) -> int:
+    """The former name of :attr:`num_replicas`, kept so that older code keeps working."""
+    return self.num_replicas
 
   @property
   def num_stages(self) -> int:
@@ -606,8 +613,9 @@ class ShardedPipeline:
             host[slot.key][d, span] = leaf.reshape(-1)
             continue
           if slot.role.cotangent:
-            leaf = leaf * np.asarray(self.data, leaf.dtype)
-          for r, part_r in enumerate(np.split(leaf, self.data, axis=slot.role.batch_axis)):
+            leaf = leaf * np.asarray(self.num_replicas, leaf.dtype)
+          parts = np.split(leaf, self.num_replicas, axis=slot.role.batch_axis)
+          for r, part_r in enumerate(parts):
             host[slot.key][r, d, span] = part_r.reshape(-1)
     buffers = {k: self._to_global(v, NamedSharding(self.mesh, self._spec(k)))
                for k, v in host.items()}
@@ -633,14 +641,22 @@ class ShardedPipeline:
             leaves.append(host[slot.key][d, span].reshape(slot.shape))
             continue
           leaf = np.concatenate([host[slot.key][r, d, span].reshape(slot.shape)
-                                 for r in range(self.data)], axis=slot.role.batch_axis)
+                                 for r in range(self.num_replicas)], axis=slot.role.batch_axis)
           if slot.role.cotangent:
-            leaf = leaf / np.asarray(self.data, leaf.dtype)
+            leaf = leaf / np.asarray(self.num_replicas, leaf.dtype)
           leaves.append(leaf)
         parts.append(layout.treedef.unflatten(leaves))
       stages.extend(_join_group(*parts))
     state = PipelineState(tuple(stages), _to_host(packed.tick), _to_host(packed.rng))
     return jax.tree.map(jnp.asarray, state)
+
+  def to_logical(self, packed: PackedState) -> PipelineState:
+    """:meth:`unpack`: the device-independent state (the :class:`PipelineRunner` interface)."""
+    return self.unpack(packed)
+
+  def from_logical(self, logical_state: PipelineState) -> PackedState:
+    """:meth:`pack`: the logical state laid out over this mesh."""
+    return self.pack(logical_state)
 
   def _to_global(self, host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
@@ -656,10 +672,13 @@ class ShardedPipeline:
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    valid_flags = batch.valid
     by_replica = NamedSharding(self.mesh, P(None, DATA))
     batch = Batch(jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.inputs),
                   jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.labels),
                   self._to_global(np.asarray(batch.valid), self._replicated))
+    if bool(np.all(np.asarray(valid_flags))) and self.every_slot_full(packed):
+      return self._jit_run_full(packed, batch)
     return self._jit_run(packed, batch)
 
   def tick(self, packed: PackedState, inputs, labels, valid=True):
@@ -669,23 +688,31 @@ class ShardedPipeline:
                                np.asarray(valid, bool)[None])
     return packed, jax.tree.map(lambda a: a[0], metrics)
 
-  def drain(self, packed: PackedState):
-    """Finishes every backward in flight by feeding 2(S-1) empty ticks."""
-    ticks = accounting.fill_ticks(self.num_stages)
-    if ticks == 0:
-      return packed, None
-    empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
-    return self.run(packed, jax.tree.map(empty, self.pipeline.example_inputs),
-                    jax.tree.map(empty, self.pipeline.example_labels), np.zeros((ticks,), bool))
+  def every_slot_full(self, packed: PackedState) -> bool:
+    """:meth:`Pipeline.every_slot_full` of the packed state, reading only its flags.
 
-  def _run(self, packed: PackedState, batch: Batch):
+    The flags are the state's boolean leaves (delay-line and packet ``valid``); only those small
+    buffers come to the host. Any other boolean leaf that is False (none of the built-in
+    optimizers keeps one) would only keep the guarded program running.
+    """
+    flags = {k: _to_host(v) for k, v in self._by_key(packed).items() if k[1] == "bool"}
+    for d in range(self.num_groups):
+      for layout in (self._body_layouts[d], self._packet_layouts[d], self._cotangent_layouts[d]):
+        for slot in layout.slots:
+          if slot.key in flags:
+            span = flags[slot.key][..., d, slot.offset:slot.offset + slot.size]
+            if not span.all():
+              return False
+    return True
+
+  def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
     buffers = self._by_key(packed)
     buffer_specs = {k: self._spec(k) for k in buffers}
     batch_specs = Batch(jax.tree.map(lambda _: P(None, DATA), batch.inputs),
                         jax.tree.map(lambda _: P(None, DATA), batch.labels), P())
     metric_specs = {k: P(None, STAGE) for k in self._metric_template}
     run_on_device = jax.shard_map(
-        self._device_run, mesh=self.mesh,
+        functools.partial(self._device_run, every_slot_full=every_slot_full), mesh=self.mesh,
         in_specs=(buffer_specs, P(), P(), batch_specs),
         out_specs=(buffer_specs, P(), P(None, STAGE), metric_specs),
         check_vma=False)  # replicas stay equal through pmean; the checker cannot see that
@@ -700,10 +727,11 @@ class ShardedPipeline:
     shared, local = self._families(buffers)
     return PackedState(shared, local, tick, packed.rng), metrics
 
-  def _device_run(self, buffers, tick, rng, batch: Batch):
+  def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
     """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
     buffers = {k: v.reshape(v.shape[-1]) for k, v in buffers.items()}
-    branches = [functools.partial(self._advance_group, d) for d in range(self.num_groups)]
+    branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
+                for d in range(self.num_groups)]
     group_index = jax.lax.axis_index(STAGE)
 
     def one_tick(carry, tick_batch):
@@ -717,7 +745,7 @@ class ShardedPipeline:
       return (buffers, tick + 1), (finite, last)
 
     (buffers, tick), (finite, last) = jax.lax.scan(one_tick, (buffers, tick), batch)
-    if self.data > 1:  # each replica's loss is its b/data samples' mean; equal sizes: mean of means
+    if self.num_replicas > 1:  # a replica's loss is its b/data samples' mean: mean of means
       last = {k: jax.lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.inexact) else v
               for k, v in last.items()}
     buffers = {k: v.reshape((1,) * (1 if k[0] == SHARED else 2) + v.shape)
@@ -736,7 +764,7 @@ class ShardedPipeline:
             jax.lax.ppermute(cut(self._cotangent_region), STAGE, backward))
 
   def _advance_group(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
-                     rng):
+                     rng, every_slot_full: bool = False):
     """lax.switch branch d: unpack group d at static offsets, advance it one tick, pack it back."""
     body_layout = self._body_layouts[d]
     packet_layout, cotangent_layout = self._packet_layouts[d], self._cotangent_layouts[d]
@@ -750,10 +778,10 @@ class ShardedPipeline:
     if d < self.num_groups - 1:  # what group d+1's first stage sent back last tick
       region_starts = {k: a for k, (a, _) in self._cotangent_region.items()}
       cotangent = _read(cotangent_msg, self._cotangent_layouts[d + 1], region_starts)
-    reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.data > 1 else None
+    reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
     group, stage_metrics = self.pipeline.advance_stages(start, group, inbound, cotangent, tick, rng,
-                                                        reduce_grads)
+                                                        reduce_grads, every_slot_full)
     body, packet, cotangent_out = _split_group(group)
     buffers = _write(buffers, body_layout, body)
     buffers = _write(buffers, packet_layout, packet)
@@ -798,7 +826,7 @@ def boundary_bytes_per_tick(sharded: ShardedPipeline) -> dict[str, int]:
   * ``forward_padded`` / ``backward_padded``: what ``ppermute`` actually sends, each message padded
     to the largest group's register.
   """
-  state, data = sharded._abstract_state, sharded.data
+  state, data = sharded._abstract_state, sharded.num_replicas
   forward = backward = 0
   for a, _ in sharded.partition[1:]:
     sender, receiver = state.stages[a - 1], state.stages[a]
@@ -830,7 +858,7 @@ def device_memory(sharded: ShardedPipeline) -> list[dict[str, Any]]:
   device actually holds) and ``messages`` (the two transient boundary buffers of a tick).
   Activations count the device's own ``b / data`` samples.
   """
-  state, data = sharded._abstract_state, sharded.data
+  state, data = sharded._abstract_state, sharded.num_replicas
   allocated = sum(n * np.dtype(k[1]).itemsize for k, n in sharded._buffer_sizes.items())
   messages = sum((z - a) * np.dtype(k[1]).itemsize
                  for regions in (sharded._packet_region, sharded._cotangent_region)
