@@ -332,15 +332,30 @@ def memory(name, model, example_input, num_classes, ticks=64):
   }
 
 
+def sharded_passes(sharded, x, y):
+  """Passes per tick of a ShardedPipeline's full-pipeline program, over all stages' weights."""
+  from pipejax import sharding  # only this benchmark needs meshes
+  packed = jax.eval_shape(lambda: sharded.init(jax.random.PRNGKey(0)))
+  batch = sharded.pipeline.checked_batch(x[:4], y[:4], None, ticks=True)
+  by_replica = jax.sharding.NamedSharding(sharded.mesh,
+                                          jax.sharding.PartitionSpec(None, sharding.DATA))
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_replica),
+                       batch)
+  compiled = sharded._jit_run_full.lower(packed, batch).compile()
+  return passes(compiled, weight_bytes(sharded.pipeline))
+
+
 def sharding_speeds(ticks, repeats):
   """Ticks/s of Pipeline.run and of ShardedPipeline.run on 1, 2, 4, 8-device stage meshes."""
   from pipejax import sharding  # only this benchmark needs meshes
   x, y = stream(ticks, 1)
   pipe = Pipeline(mlp_model(), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
-  runners = {}
+  runners, sharded = {}, {}
   for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
     runner = pipe if devices is None else sharding.ShardedPipeline(
         pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
+    if devices is not None:
+      sharded[devices] = runner
     runners[devices or "Pipeline.run"] = Runner(runner, x, y)
     runners[devices or "Pipeline.run"].warm_up()
   rows = [{"stage_devices": name, "ticks_per_s": ticks / wall, "ticks_per_cpu_s": ticks / cpu}
@@ -348,7 +363,37 @@ def sharding_speeds(ticks, repeats):
   for row in rows:
     row["relative_to_pipeline_run"] = row["ticks_per_s"] / rows[0]["ticks_per_s"]
     row["cpu_relative_to_pipeline_run"] = row["ticks_per_cpu_s"] / rows[0]["ticks_per_cpu_s"]
+    if row["stage_devices"] in sharded:
+      row["passes_per_tick"] = sharded_passes(sharded[row["stage_devices"]], x, y)
+    else:
+      row["passes_per_tick"] = pipeline_passes(pipe, x, y)["full"]
   return rows
+
+
+def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
+  """ShardedPipeline of two balanced halves (layers/2 layers each) on 2 devices against 1 device.
+
+  One dense layer per stage; the partition puts the first half on device 0 and the second on
+  device 1, so with two devices each one's products run on its own core.
+  """
+  from pipejax import sharding  # only this benchmark needs meshes
+  x, y = stream(ticks, b, (width,), classes=width)
+  pipe = Pipeline(mlp_model(layers, width), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  half = layers // 2
+  runners = {"Pipeline.run": Runner(pipe, x, y)}
+  for devices, partition in ((1, None), (2, [(0, half), (half, layers)])):
+    runners[devices] = Runner(sharding.ShardedPipeline(
+        pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]), partition=partition), x, y)
+  for runner in runners.values():
+    runner.warm_up()
+  seconds = best_times(runners, repeats)
+  row = {"micro_batch_size": b, "ticks": ticks, "width": width, "layers": layers}
+  for name, (wall, cpu) in seconds.items():
+    row[f"{name}_ticks_per_s"] = ticks / wall
+    row[f"{name}_ticks_per_cpu_s"] = ticks / cpu
+  row["speedup_2_over_1_device"] = row["2_ticks_per_s"] / row["1_ticks_per_s"]
+  row["one_device_mesh_over_pipeline_run"] = row["1_ticks_per_s"] / row["Pipeline.run_ticks_per_s"]
+  return row
 
 
 def compile_time(num_stages):
@@ -387,7 +432,10 @@ def main(argv):
       "conv": lambda: [conv_speeds(b, impl, _CONV_SAMPLES.value, _REPEATS.value)
                        for impl in _CONV_IMPLS.value
                        for b in map(int, _CONV_MICRO_BATCH_SIZES.value)],
-      "sharding": lambda: sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
+      "sharding": lambda: {
+          "stage_meshes": sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
+          "two_halves": [two_halves_speedup(b, _SAMPLES.value // 16, _REPEATS.value)
+                         for b in (1, 2, 4) if jax.device_count() >= 2]},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
   }
   for name, measure in sections.items():
