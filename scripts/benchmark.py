@@ -334,13 +334,8 @@ def memory(name, model, example_input, num_classes, ticks=64):
 
 def sharded_passes(sharded, x, y):
   """Passes per tick of a ShardedPipeline's full-pipeline program, over all stages' weights."""
-  from pipejax import sharding  # only this benchmark needs meshes
-  packed = jax.eval_shape(lambda: sharded.init(jax.random.PRNGKey(0)))
-  batch = sharded.pipeline.checked_batch(x[:4], y[:4], None, ticks=True)
-  by_replica = jax.sharding.NamedSharding(sharded.mesh,
-                                          jax.sharding.PartitionSpec(None, sharding.DATA))
-  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_replica),
-                       batch)
+  packed = sharded.init(jax.random.PRNGKey(0))
+  batch = sharded.placed_batch(x[:4], y[:4])
   compiled = sharded._jit_run_full.lower(packed, batch).compile()
   return passes(compiled, weight_bytes(sharded.pipeline))
 

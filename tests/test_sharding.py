@@ -257,7 +257,7 @@ def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(ei
 
 
 def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
-  """Once every slot is full, run() switches to the unguarded program, on a mesh as on one device."""
+  """Once every slot is full, run() switches to the unguarded program, on a mesh as on one."""
   pipe = make_pipeline("pb_sc_lwp")
   sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 2, eight_devices[:4]))
   assert not sharded.every_slot_full(sharded.pack(initial_state("pb_sc_lwp")))
