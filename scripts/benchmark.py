@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import accounting, methods, models
+from pipejax import accounting, engine, methods, models
 from pipejax.engine import Pipeline
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "sharding"]
@@ -201,14 +201,14 @@ def pipeline_passes(pipe, x, y):
   return {"full": full, "filling": filling}
 
 
-def plain_passes(model, tx, params, x, y):
-  scan = jax.jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs),
-                 donate_argnums=0)
+def plain_passes(model, tx, params, x, y, jit=jax.jit):
+  """Passes per tick of the plain loop (``jit=engine.jit``: compiled as the pipeline is)."""
+  scan = jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs), donate_argnums=0)
   compiled = scan.lower((params, tx.init(params)), (x[:4], y[:4])).compile()
   return passes(compiled, accounting.tree_bytes(params))
 
 
-def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
+def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False):
   """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream."""
   ticks, b = x.shape[:2]
   pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
@@ -218,9 +218,12 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
   scan = jax.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
   plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
 
-  def run_scan():
+  def run_scan(scan=scan):
     plain["carry"], losses = scan(plain["carry"], (x, y))
     return losses
+
+  # The same loop compiled with the pipeline's compiler options (no copy of the weight carries).
+  scan_in_place = engine.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
 
   jitted_step = jax.jit(step, donate_argnums=0)
 
@@ -231,6 +234,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
 
   run_pipeline.warm_up()
   timed = {"pipeline": run_pipeline, "plain_scan": run_scan}
+  if with_in_place_scan:
+    timed["plain_scan_compiled_as_the_pipeline"] = functools.partial(run_scan, scan_in_place)
   if with_jit_step:
     timed["plain_jit_step"] = run_steps
   for fn in timed.values():
@@ -251,12 +256,14 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
 def throughput(b, samples, repeats):
   tx = optax.sgd(0.01, momentum=0.9)
   x, y = stream(max(samples // b, 1), b)
-  row, pipe, params = versus_plain(mlp_model(), tx, x, y, repeats)
+  row, pipe, params = versus_plain(mlp_model(), tx, x, y, repeats, with_in_place_scan=True)
   row["ratio_pipeline_over_plain"] = row.pop("ratio_pipeline_over_plain_scan")
   row["cpu_ratio_pipeline_over_plain"] = row.pop("cpu_ratio_pipeline_over_plain_scan")
   if b == 1:  # where weight passes, not products, set the pace
     row["passes_per_tick"] = {"pipeline": pipeline_passes(pipe, x, y)["full"],
-                              "plain_scan": plain_passes(pipe.model, tx, params, x, y)}
+                              "plain_scan": plain_passes(pipe.model, tx, params, x, y),
+                              "plain_scan_compiled_as_the_pipeline": plain_passes(
+                                  pipe.model, tx, params, x, y, jit=engine.jit)}
   return row
 
 
