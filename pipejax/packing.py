@@ -128,9 +128,9 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
 
 
 def _cut(buffer, start: int, size: int, shape):
-  if start == 0 and size == buffer.shape[0]:  # a whole buffer: a reshape, which XLA aliases
+  if start == 0 and size == buffer.size:  # a whole buffer: a reshape, which XLA aliases
     return buffer.reshape(shape)
-  return jax.lax.slice_in_dim(buffer, start, start + size).reshape(shape)
+  return jax.lax.slice_in_dim(buffer.reshape(-1), start, start + size).reshape(shape)
 
 
 def read_tree(buffers, layout: _Layout, shift: dict | None = None):
@@ -150,8 +150,8 @@ def write_tree(buffers, layout: _Layout, tree):
                           f"{tuple(leaf.shape)} {jnp.dtype(leaf.dtype).name} in one tick; the "
                           "engine and optimizers must keep every state leaf's shape and dtype.")
     buffer = buffers[slot.key]
-    if slot.offset == 0 and slot.size == buffer.shape[0]:
-      buffers[slot.key] = leaf.reshape(-1)
+    if slot.offset == 0 and slot.size == buffer.size:
+      buffers[slot.key] = leaf.reshape(buffer.shape)
     else:
       buffers[slot.key] = jax.lax.dynamic_update_slice(buffer, leaf.reshape(-1), (slot.offset,))
   return buffers
@@ -256,6 +256,22 @@ class Packing:
   def message_bytes(self) -> int:
     """Bytes of the two boundary messages a device sends per tick (each padded to the largest)."""
     return self.region_bytes(self.packet_region) + self.region_bytes(self.cotangent_region)
+
+  def carry_shapes(self) -> dict[BufferKey, tuple[int, ...]]:
+    """The buffers that hold one whole leaf of the same shape on every device, and that shape.
+
+    A tick can carry those in the leaf's own shape instead of 1-D: then no update ends in a
+    reshape, which XLA would fuse into (duplicating the momentum update into the weight update's
+    fusion, so that the old momentum and weights had to be copied every tick).
+    """
+    shapes: dict[BufferKey, set] = {}
+    for layouts in (self.body_layouts, self.packet_layouts, self.cotangent_layouts):
+      for layout in layouts:
+        for slot in layout.slots:
+          whole = slot.offset == 0 and slot.size == self.buffer_sizes[slot.key]
+          shapes.setdefault(slot.key, set()).add(slot.shape if whole else None)
+    return {key: next(iter(found)) for key, found in shapes.items()
+            if len(found) == 1 and None not in found}
 
   @staticmethod
   def roles(st: StageState) -> StageState:

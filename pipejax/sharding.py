@@ -162,7 +162,7 @@ class ShardedPipeline(PipelineRunner):
     metrics = self.pipeline.metric_shapes()
     self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
 
-  def _spec(self, key) -> P:
+  def _partition_spec(self, key) -> P:
     return P(STAGE) if key[0] == SHARED else P(DATA, STAGE)
 
   def _global_shape(self, key) -> tuple[int, ...]:
@@ -176,7 +176,8 @@ class ShardedPipeline(PipelineRunner):
   def _state_shardings(self) -> PackedState:
     families = {SHARED: {}, LOCAL: {}}
     for key in self._buffer_sizes:
-      families[key[0]][packing.buffer_name(key)] = NamedSharding(self.mesh, self._spec(key))
+      families[key[0]][packing.buffer_name(key)] = NamedSharding(self.mesh,
+                                                                 self._partition_spec(key))
     return PackedState(families[SHARED], families[LOCAL], self._replicated, self._replicated)
 
   def _by_key(self, packed: PackedState) -> dict[tuple[str, str, str], Any]:
@@ -243,7 +244,7 @@ class ShardedPipeline(PipelineRunner):
           parts = np.split(leaf, self.num_replicas, axis=slot.role.batch_axis)
           for r, part_r in enumerate(parts):
             host[slot.key][r, d, span] = part_r.reshape(-1)
-    buffers = {k: self._to_global(v, NamedSharding(self.mesh, self._spec(k)))
+    buffers = {k: self._to_global(v, NamedSharding(self.mesh, self._partition_spec(k)))
                for k, v in host.items()}
     shared, local = self._families(buffers)
     return PackedState(shared, local, self._to_global(np.asarray(state.tick), self._replicated),
@@ -336,7 +337,7 @@ class ShardedPipeline(PipelineRunner):
 
   def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
     buffers = self._by_key(packed)
-    buffer_specs = {k: self._spec(k) for k in buffers}
+    buffer_specs = {k: self._partition_spec(k) for k in buffers}
     batch_specs = Batch(jax.tree.map(lambda _: P(None, DATA), batch.inputs),
                         jax.tree.map(lambda _: P(None, DATA), batch.labels), P())
     metric_specs = {k: P(None, STAGE) for k in self._metric_template}
@@ -358,7 +359,8 @@ class ShardedPipeline(PipelineRunner):
 
   def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
     """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
-    buffers = {k: v.reshape(v.shape[-1]) for k, v in buffers.items()}
+    carry_shapes = self.packing.carry_shapes()
+    buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
     branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
                 for d in range(self.num_groups)]
     group_index = jax.lax.axis_index(STAGE)
@@ -377,7 +379,7 @@ class ShardedPipeline(PipelineRunner):
     if self.num_replicas > 1:  # a replica's loss is its b/data samples' mean: mean of means
       last = {k: jax.lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.inexact) else v
               for k, v in last.items()}
-    buffers = {k: v.reshape((1,) * (1 if k[0] == SHARED else 2) + v.shape)
+    buffers = {k: v.reshape((1,) * (1 if k[0] == SHARED else 2) + (v.size,))
                for k, v in buffers.items()}
     return buffers, tick, finite, {k: v[:, None] for k, v in last.items()}
 
@@ -385,7 +387,7 @@ class ShardedPipeline(PipelineRunner):
     """Sends the registers the group wrote last tick: packet to d+1, cotangent to d-1."""
     if self.num_groups == 1:
       return None, None
-    cut = lambda regions: {k: jax.lax.slice_in_dim(buffers[k], a, z)
+    cut = lambda regions: {k: jax.lax.slice_in_dim(buffers[k].reshape(-1), a, z)
                            for k, (a, z) in regions.items()}
     forward = [(d, d + 1) for d in range(self.num_groups - 1)]
     backward = [(d + 1, d) for d in range(self.num_groups - 1)]
