@@ -80,3 +80,76 @@ def schedule_grid(num_stages: int, num_ticks: int) -> list[list[tuple[int | None
       row.append((fwd if fwd >= 0 else None, bwd if bwd >= 0 else None))
     grid.append(row)
   return grid
+
+
+# ----------------------------------------------------------------------------- over a mesh
+# ``sharded`` is a pipejax.sharding.ShardedPipeline; its ``packing`` (pipejax.packing.Packing) says
+# where every leaf lives and what the padded buffers cost.
+
+
+def boundary_bytes_per_tick(sharded) -> dict[str, int]:
+  """Bytes that cross device boundaries in one tick, over the whole mesh.
+
+  Returns a dict:
+
+  * ``forward``: packets (activations, labels, valid flag, sample index) from each group's last
+    stage to the next group, summed over the boundaries and the data replicas;
+  * ``backward``: cotangents from each group's first stage to the previous group;
+  * ``gradient_all_reduce``: the data axis's gradient averaging, ``2 (data - 1) |g_s|`` summed over
+    the stages (what a ring all-reduce sends in total; 0 without a data axis);
+  * ``total``: the sum of the three;
+  * ``forward_padded`` / ``backward_padded``: what ``ppermute`` actually sends, each message padded
+    to the largest group's register.
+  """
+  layout = sharded.packing
+  state, data = layout.abstract_state, layout.num_replicas
+  forward = backward = 0
+  for a, _ in sharded.partition[1:]:
+    sender, receiver = state.stages[a - 1], state.stages[a]
+    forward += data * layout.replica_bytes(sender.forward_out, layout.roles(sender).forward_out)
+    backward += tree_bytes(receiver.backward_out)
+  all_reduce = sum(2 * (data - 1) * tree_bytes(st.params) for st in state.stages)
+  messages = (len(layout.partition) - 1) * data
+  return {
+      "forward": forward,
+      "backward": backward,
+      "gradient_all_reduce": all_reduce,
+      "total": forward + backward + all_reduce,
+      "forward_padded": messages * layout.region_bytes(layout.packet_region),
+      "backward_padded": messages * layout.region_bytes(layout.cotangent_region),
+  }
+
+
+def device_memory(sharded) -> list[dict[str, Any]]:
+  """Bytes each stage-axis device holds (the same on every data replica of it).
+
+  Per device: ``stages`` (its ``(start, stop)``), ``weights``, ``optimizer``, ``delay_lines``
+  (stashed inputs with their flags), ``weight_stash`` (PipeDream's weight copies), ``variables``
+  (stateful stages' variables, live and stashed with the inputs), ``registers``
+  (forward packets and cotangents), their sum ``logical``, ``allocated`` (the padded buffers every
+  device actually holds) and ``messages`` (the two transient boundary buffers of a tick).
+  Activations count the device's own ``b / data`` samples.
+  """
+  layout = sharded.packing
+  state = layout.abstract_state
+  report = []
+  for a, z in layout.partition:
+    row = {"stages": (a, z), "weights": 0, "optimizer": 0, "delay_lines": 0, "weight_stash": 0,
+           "variables": 0, "registers": 0}
+    for st in state.stages[a:z]:
+      roles = layout.roles(st)
+      line, line_roles = st.delay_line, roles.delay_line
+      row["weights"] += tree_bytes(st.params)
+      row["optimizer"] += tree_bytes(st.opt_state)
+      row["delay_lines"] += layout.replica_bytes((line.x, line.valid, line.index),
+                                                 (line_roles.x, line_roles.valid, line_roles.index))
+      row["weight_stash"] += tree_bytes(line.weights)
+      row["variables"] += tree_bytes((st.variables, line.variables))
+      row["registers"] += layout.replica_bytes((st.forward_out, st.backward_out),
+                                               (roles.forward_out, roles.backward_out))
+    row["logical"] = sum(row[k] for k in ("weights", "optimizer", "delay_lines", "weight_stash",
+                                          "variables", "registers"))
+    row["allocated"] = layout.allocated_bytes()
+    row["messages"] = layout.message_bytes()
+    report.append(row)
+  return report

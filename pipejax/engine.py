@@ -63,13 +63,41 @@ class Packet(NamedTuple):
 
 
 class DelayLine(NamedTuple):
-  """A ring buffer of the D_s + 1 inputs (and, for PipeDream, weights) a stage holds in flight."""
+  """A ring buffer of the D_s + 1 inputs (and, for PipeDream, weights) a stage holds in flight.
+
+  Slot ``t mod (D_s + 1)`` is written at tick t and read back D_s ticks later, as slot
+  ``(t + 1) mod (D_s + 1)`` of tick t + D_s (the same slot when D_s = 0).
+  """
 
   x: PyTree  # leaves of shape (D_s + 1, b, ...)
   valid: jax.Array  # (D_s + 1,) bool
   index: jax.Array  # (D_s + 1,) int32
   weights: PyTree  # (D_s + 1, ...) weight copies for weight stashing, else None
   variables: PyTree = None  # (D_s + 1, ...) the forward variables each forward saw; None: stateless
+
+  @property
+  def slots(self) -> int:
+    return self.valid.shape[0]
+
+  def write(self, tick, packet: Packet, weights: PyTree = None,
+            variables: PyTree = None) -> DelayLine:
+    """Stores the packet's input (and the weights and variables its forward used) at ``tick``.
+
+    ``dynamic_update_index_in_dim`` writes the slot in place; ``.at[slot].set`` would compile to a
+    scatter that also reads the old slot (to guard against an out-of-range index).
+    """
+    slot = tick % self.slots
+    put = lambda buf, value: jax.tree.map(
+        lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, slot, 0), buf, value)
+    return DelayLine(put(self.x, packet.x), put(self.valid, packet.valid),
+                     put(self.index, packet.index),
+                     None if self.weights is None else put(self.weights, weights),
+                     None if self.variables is None else put(self.variables, variables))
+
+  def read(self, tick) -> DelayLine:
+    """The entry written D_s ticks before ``tick``: a DelayLine of single leaves, no slot axis."""
+    slot = (tick + 1) % self.slots
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), self)
 
 
 class StageState(NamedTuple):
@@ -93,6 +121,20 @@ class Batch(NamedTuple):
   inputs: PyTree  # (b, ...) per tick
   labels: PyTree  # (b, ...) per tick
   valid: jax.Array  # bool per tick: False feeds an empty slot (drain, bubbles)
+
+
+def jit(fn, **kwargs):
+  """``jax.jit`` with the compiler options every pipeline program is built with.
+
+  On a CPU, XLA's default copy insertion copies every loop-carried weight whose old value is read
+  by work the update does not depend on (the forward, the input gradient, a weight stash): two
+  extra passes over the weights per tick, about a fifth of PB's tick at micro-batch 1 (see
+  docs/performance.md). Region-based copy insertion sees that those reads end before the in-place
+  update and keeps no copy. It changes which buffers are copied, never a value.
+  """
+  if jax.default_backend() == "cpu":
+    kwargs.setdefault("compiler_options", {"xla_cpu_copy_insertion_use_region_analysis": True})
+  return jax.jit(fn, **kwargs)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -142,8 +184,51 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
+class PipelineRunner:
+  """The one interface of a pipeline, on one device (:class:`Pipeline`) or over a device mesh
+  (:class:`pipejax.sharding.ShardedPipeline`); training code needs nothing else.
+
+  * ``init(rng)``: a fresh state, in the runner's own layout;
+  * ``run(state, inputs, labels, valid=None)``: ``T`` ticks, ``(state, metrics stacked along T)``;
+    the state is donated;
+  * ``tick(state, inputs, labels, valid=True)``: one tick;
+  * ``drain(state)``: finishes every backward in flight (written once, here);
+  * ``to_logical(state)``: the device-independent :class:`PipelineState` (what checkpoints hold);
+  * ``from_logical(logical_state)``: back into the runner's layout.
+
+  ``pipeline`` is the single-device :class:`Pipeline` with the model, method and micro-batch shape.
+  """
+
+  pipeline: Pipeline
+
+  def init(self, rng: jax.Array, fill_value: float = 0.0):
+    raise NotImplementedError
+
+  def run(self, state, inputs, labels, valid=None):
+    raise NotImplementedError
+
+  def tick(self, state, inputs, labels, valid=True):
+    raise NotImplementedError
+
+  def to_logical(self, state) -> PipelineState:
+    raise NotImplementedError
+
+  def from_logical(self, logical_state: PipelineState):
+    raise NotImplementedError
+
+  def drain(self, state):
+    """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
+    pipeline = self.pipeline
+    ticks = accounting.fill_ticks(pipeline.num_stages)
+    if ticks == 0:
+      return state, None
+    empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
+    return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
+                    jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline:
+class Pipeline(PipelineRunner):
   """A model, a method and the shape of one micro-batch: everything static about a pipeline.
 
   Construction traces every stage abstractly, so a stage that does not fit the next one, S = 0 or
@@ -186,9 +271,9 @@ class Pipeline:
     object.__setattr__(self, "_params_shapes", params)
     object.__setattr__(self, "_stage_inputs", stage_inputs)
     self._check_loss()
-    object.__setattr__(self, "_jit_tick", jax.jit(self._tick))
-    object.__setattr__(self, "_jit_run", jax.jit(self._run, donate_argnums=0))
-    object.__setattr__(self, "_jit_run_full", jax.jit(
+    object.__setattr__(self, "_jit_tick", jit(self._tick))
+    object.__setattr__(self, "_jit_run", jit(self._run, donate_argnums=0))
+    object.__setattr__(self, "_jit_run_full", jit(
         functools.partial(self._run, every_slot_full=True), donate_argnums=0))
 
   # ------------------------------------------------------------------ static facts
@@ -304,7 +389,6 @@ class Pipeline:
     """
     stage, method = self.model.stages[s], self.method
     delay = self.delays[s]
-    slots = delay + 1
     is_first, is_last = s == 0, s == self.num_stages - 1
     variables = st.variables  # None for a stateless stage
     metrics = {}
@@ -318,23 +402,17 @@ class Pipeline:
       forward_out = Packet(y, inbound.labels, inbound.valid, inbound.index)
       forward_ok = jnp.logical_or(~inbound.valid, _all_finite(y))
 
-    # Stash the input (and the forward variables it met); read back the one written D ticks ago
-    # (the same slot when D = 0).
-    write, read = tick % slots, (tick + 1) % slots
-    put = lambda buf, v: jax.tree.map(lambda b, a: b.at[write].set(a), buf, v)
-    line = st.delay_line
-    line = DelayLine(put(line.x, inbound.x), line.valid.at[write].set(inbound.valid),
-                     line.index.at[write].set(inbound.index),
-                     put(line.weights, forward_params) if self._stashes_weights else None,
-                     None if variables is None else put(line.variables, variables.forward))
-    take = lambda buf: jax.tree.map(lambda b: b[read], buf)
-    x_old, valid, index = take(line.x), line.valid[read], line.index[read]
-    backward_params = (take(line.weights) if method.stash_forward_weights
+    # Stash the input (and the forward variables it met); read back the one written D ticks ago.
+    line = st.delay_line.write(tick, inbound, forward_params,
+                               None if variables is None else variables.forward)
+    oldest = line.read(tick)
+    x_old, valid, index = oldest.x, oldest.valid, oldest.index
+    backward_params = (oldest.weights if method.stash_forward_weights
                        else method.backward_weights(st.params, st.opt_state, delay))
     key = self._stage_key(rng, index, s)
     if self.track_weight_discrepancy:
       metrics["weight_discrepancy"] = jnp.where(
-          valid, _relative_distance(take(line.weights), backward_params), 0.0)
+          valid, _relative_distance(oldest.weights, backward_params), 0.0)
 
     # Backward: recompute the stage on the stashed input and take the VJP. A stateful stage also
     # differentiates with respect to its backward variables: that cotangent is their increment.
@@ -342,7 +420,7 @@ class Pipeline:
       if variables is None:
         return stage.forward(w, x, key, None)
       params, backward_variables = w
-      return stage.forward(params, x, key, Variables(take(line.variables), backward_variables))
+      return stage.forward(params, x, key, Variables(oldest.variables, backward_variables))
 
     trainable = backward_params if variables is None else (backward_params, variables.backward)
     backward_out = None
@@ -475,14 +553,16 @@ class Pipeline:
       return self._jit_run_full(state, batch)
     return self._jit_run(state, batch)
 
-  def drain(self, state: PipelineState):
-    """Finishes every backward in flight by feeding 2(S-1) empty ticks."""
-    ticks = accounting.fill_ticks(self.num_stages)
-    if ticks == 0:
-      return state, None
-    empty = lambda spec: jnp.zeros((ticks,) + spec.shape, spec.dtype)
-    return self.run(state, jax.tree.map(empty, self.example_inputs),
-                    jax.tree.map(empty, self.example_labels), jnp.zeros((ticks,), bool))
+  @property
+  def pipeline(self) -> Pipeline:
+    return self
+
+  def to_logical(self, state: PipelineState) -> PipelineState:
+    """The state itself: on one device the layout is the logical one."""
+    return state
+
+  def from_logical(self, logical_state: PipelineState) -> PipelineState:
+    return logical_state
 
   def schedule(self, inputs, labels):
     """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.

@@ -265,19 +265,24 @@ class Setup:
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
 
+  @property
+  def runner(self):
+    """The pipeline training runs, on one device or over the mesh: one interface
+    (:class:`pipejax.engine.PipelineRunner`)."""
+    return self.pipeline if self.sharded is None else self.sharded
+
   def init(self, rng):
-    return self.pipeline.init(rng) if self.sharded is None else self.sharded.init(rng)
+    return self.runner.init(rng)
 
   def run(self, state, inputs, labels, valid):
-    runner = self.pipeline if self.sharded is None else self.sharded
-    return runner.run(state, inputs, labels, valid)
+    return self.runner.run(state, inputs, labels, valid)
 
   def logical(self, state):
     """The device-independent PipelineState (what checkpoints hold: any mesh can resume it)."""
-    return state if self.sharded is None else self.sharded.unpack(state)
+    return self.runner.to_logical(state)
 
   def placed(self, logical_state):
-    return logical_state if self.sharded is None else self.sharded.pack(logical_state)
+    return self.runner.from_logical(logical_state)
 
 
 def build(config: ml_collections.ConfigDict) -> Setup:

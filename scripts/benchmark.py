@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import accounting, methods, models
+from pipejax import accounting, engine, methods, models
 from pipejax.engine import Pipeline
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "sharding"]
@@ -196,20 +196,19 @@ def pipeline_passes(pipe, x, y):
   state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
   batch = pipe.checked_batch(x[:4], y[:4], None, ticks=True)
   per_pass = weight_bytes(pipe)
-  full, filling = (passes(jax.jit(functools.partial(pipe._run, every_slot_full=full),
-                                  donate_argnums=0).lower(state, batch).compile(), per_pass)
-                   for full in (True, False))
+  full, filling = (passes(program.lower(state, batch).compile(), per_pass)
+                   for program in (pipe._jit_run_full, pipe._jit_run))
   return {"full": full, "filling": filling}
 
 
-def plain_passes(model, tx, params, x, y):
-  scan = jax.jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs),
-                 donate_argnums=0)
+def plain_passes(model, tx, params, x, y, jit=jax.jit):
+  """Passes per tick of the plain loop (``jit=engine.jit``: compiled as the pipeline is)."""
+  scan = jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs), donate_argnums=0)
   compiled = scan.lower((params, tx.init(params)), (x[:4], y[:4])).compile()
   return passes(compiled, accounting.tree_bytes(params))
 
 
-def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
+def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False):
   """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream."""
   ticks, b = x.shape[:2]
   pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
@@ -219,9 +218,12 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
   scan = jax.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
   plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
 
-  def run_scan():
+  def run_scan(scan=scan):
     plain["carry"], losses = scan(plain["carry"], (x, y))
     return losses
+
+  # The same loop compiled with the pipeline's compiler options (no copy of the weight carries).
+  scan_in_place = engine.jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
 
   jitted_step = jax.jit(step, donate_argnums=0)
 
@@ -232,6 +234,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
 
   run_pipeline.warm_up()
   timed = {"pipeline": run_pipeline, "plain_scan": run_scan}
+  if with_in_place_scan:
+    timed["plain_scan_compiled_as_the_pipeline"] = functools.partial(run_scan, scan_in_place)
   if with_jit_step:
     timed["plain_jit_step"] = run_steps
   for fn in timed.values():
@@ -252,12 +256,14 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False):
 def throughput(b, samples, repeats):
   tx = optax.sgd(0.01, momentum=0.9)
   x, y = stream(max(samples // b, 1), b)
-  row, pipe, params = versus_plain(mlp_model(), tx, x, y, repeats)
+  row, pipe, params = versus_plain(mlp_model(), tx, x, y, repeats, with_in_place_scan=True)
   row["ratio_pipeline_over_plain"] = row.pop("ratio_pipeline_over_plain_scan")
   row["cpu_ratio_pipeline_over_plain"] = row.pop("cpu_ratio_pipeline_over_plain_scan")
   if b == 1:  # where weight passes, not products, set the pace
     row["passes_per_tick"] = {"pipeline": pipeline_passes(pipe, x, y)["full"],
-                              "plain_scan": plain_passes(pipe.model, tx, params, x, y)}
+                              "plain_scan": plain_passes(pipe.model, tx, params, x, y),
+                              "plain_scan_compiled_as_the_pipeline": plain_passes(
+                                  pipe.model, tx, params, x, y, jit=engine.jit)}
   return row
 
 
@@ -333,15 +339,25 @@ def memory(name, model, example_input, num_classes, ticks=64):
   }
 
 
+def sharded_passes(sharded, x, y):
+  """Passes per tick of a ShardedPipeline's full-pipeline program, over all stages' weights."""
+  packed = sharded.init(jax.random.PRNGKey(0))
+  batch = sharded.placed_batch(x[:4], y[:4])
+  compiled = sharded._jit_run_full.lower(packed, batch).compile()
+  return passes(compiled, weight_bytes(sharded.pipeline))
+
+
 def sharding_speeds(ticks, repeats):
   """Ticks/s of Pipeline.run and of ShardedPipeline.run on 1, 2, 4, 8-device stage meshes."""
   from pipejax import sharding  # only this benchmark needs meshes
   x, y = stream(ticks, 1)
   pipe = Pipeline(mlp_model(), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
-  runners = {}
+  runners, sharded = {}, {}
   for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
     runner = pipe if devices is None else sharding.ShardedPipeline(
         pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
+    if devices is not None:
+      sharded[devices] = runner
     runners[devices or "Pipeline.run"] = Runner(runner, x, y)
     runners[devices or "Pipeline.run"].warm_up()
   rows = [{"stage_devices": name, "ticks_per_s": ticks / wall, "ticks_per_cpu_s": ticks / cpu}
@@ -349,7 +365,37 @@ def sharding_speeds(ticks, repeats):
   for row in rows:
     row["relative_to_pipeline_run"] = row["ticks_per_s"] / rows[0]["ticks_per_s"]
     row["cpu_relative_to_pipeline_run"] = row["ticks_per_cpu_s"] / rows[0]["ticks_per_cpu_s"]
+    if row["stage_devices"] in sharded:
+      row["passes_per_tick"] = sharded_passes(sharded[row["stage_devices"]], x, y)
+    else:
+      row["passes_per_tick"] = pipeline_passes(pipe, x, y)["full"]
   return rows
+
+
+def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
+  """ShardedPipeline of two balanced halves (layers/2 layers each) on 2 devices against 1 device.
+
+  One dense layer per stage; the partition puts the first half on device 0 and the second on
+  device 1, so with two devices each one's products run on its own core.
+  """
+  from pipejax import sharding  # only this benchmark needs meshes
+  x, y = stream(ticks, b, (width,), classes=width)
+  pipe = Pipeline(mlp_model(layers, width), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  half = layers // 2
+  runners = {"Pipeline.run": Runner(pipe, x, y)}
+  for devices, partition in ((1, None), (2, [(0, half), (half, layers)])):
+    runners[devices] = Runner(sharding.ShardedPipeline(
+        pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]), partition=partition), x, y)
+  for runner in runners.values():
+    runner.warm_up()
+  seconds = best_times(runners, repeats)
+  row = {"micro_batch_size": b, "ticks": ticks, "width": width, "layers": layers}
+  for name, (wall, cpu) in seconds.items():
+    row[f"{name}_ticks_per_s"] = ticks / wall
+    row[f"{name}_ticks_per_cpu_s"] = ticks / cpu
+  row["speedup_2_over_1_device"] = row["2_ticks_per_s"] / row["1_ticks_per_s"]
+  row["one_device_mesh_over_pipeline_run"] = row["1_ticks_per_s"] / row["Pipeline.run_ticks_per_s"]
+  return row
 
 
 def compile_time(num_stages):
@@ -361,7 +407,7 @@ def compile_time(num_stages):
   build_s = time.perf_counter() - start
   batch = pipe.checked_batch(x, y, None, ticks=True)
   start = time.perf_counter()
-  jax.jit(pipe._run, donate_argnums=0).lower(state, batch).compile()
+  pipe._jit_run.lower(state, batch).compile()
   return {"num_stages": num_stages, "build_and_init_s": build_s,
           "trace_and_compile_s": time.perf_counter() - start}
 
@@ -388,7 +434,10 @@ def main(argv):
       "conv": lambda: [conv_speeds(b, impl, _CONV_SAMPLES.value, _REPEATS.value)
                        for impl in _CONV_IMPLS.value
                        for b in map(int, _CONV_MICRO_BATCH_SIZES.value)],
-      "sharding": lambda: sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
+      "sharding": lambda: {
+          "stage_meshes": sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
+          "two_halves": [two_halves_speedup(b, _SAMPLES.value // 16, _REPEATS.value)
+                         for b in (1, 2, 4) if jax.device_count() >= 2]},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
   }
   for name, measure in sections.items():

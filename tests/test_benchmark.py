@@ -64,3 +64,14 @@ def test_memory_formula_is_the_pipelines_own_accounting(benchmark):
   assert row["formula_bytes"] == sum(parts.values())
   # The compiled chunk holds at least the state the formula counts.
   assert row["ratio_compiled_over_formula"] >= 1.0
+
+
+def test_the_compiled_tick_keeps_no_copy_of_the_weights(benchmark):
+  # XLA's default copy insertion on a CPU copied every weight carry each tick (a pass to read and
+  # one to write); the pipeline's programs are compiled so that the update works in place.
+  x, y = benchmark.stream(4, 1, (64,), classes=64)
+  pipe = Pipeline(benchmark.mlp_model(num_layers=3, width=64),
+                  methods.make_method("pb_sc_lwp", learning_rate=0.1), x[0], y[0])
+  counted = benchmark.pipeline_passes(pipe, x, y)
+  assert counted["full"]["copies"] < 0.1 and counted["filling"]["copies"] < 0.1, counted
+  assert counted["full"]["bytes_accessed"] >= 7  # at least what the method must touch

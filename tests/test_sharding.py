@@ -247,12 +247,31 @@ def test_mesh_tick_and_drain_match_one_device(eight_devices):
 def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(eight_devices):
   pipe = make_pipeline("pb_sc_lwp")
   sharded = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices))
-  assert (sharded.data, sharded.num_groups) == (2, 4)
+  assert (sharded.num_replicas, sharded.num_groups) == (2, 4)
+  assert sharded.data == 2  # the former name still works
   packed, metrics = sharded.run(sharded.pack(initial_state("pb_sc_lwp")), *make_stream())
   # Each replica saw half of every micro-batch; the averaged gradients are the whole batch's.
   expected_state, expected_metrics = single_device_run("pb_sc_lwp")
   assert_states_equal(sharded.unpack(packed), expected_state)
   assert_states_equal(metrics, expected_metrics)
+
+
+def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
+  """Once every slot is full, run() switches to the unguarded program, on a mesh as on one."""
+  pipe = make_pipeline("pb_sc_lwp")
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 2, eight_devices[:4]))
+  assert not sharded.every_slot_full(sharded.pack(initial_state("pb_sc_lwp")))
+  filled, _ = single_device_run("pb_sc_lwp")  # after the fill: every slot holds a sample
+  packed = sharded.from_logical(filled)
+  assert sharded.every_slot_full(packed) and Pipeline.every_slot_full(filled)
+  stream = make_stream(NUM_STAGES, seed=1)
+  packed, metrics = sharded.run(packed, *stream)
+  expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, filled), *stream)
+  assert_states_equal(sharded.to_logical(packed), host(expected_state))
+  assert_states_equal(metrics, host(expected_metrics))
+  assert np.asarray(metrics["valid"]).all()
+  # Both runners compiled their full-pipeline program for this call (and only for it).
+  assert sharded._jit_run_full._cache_size() == 1 and pipe._jit_run_full._cache_size() >= 1
 
 
 @pytest.mark.parametrize("layout", ["flat", "slots"])

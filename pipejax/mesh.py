@@ -1,0 +1,78 @@
+"""The device mesh of a sharded pipeline: a ``('data', 'stage')`` grid of devices.
+
+``stage`` devices each own a contiguous group of logical stages; ``data`` devices run replicas of
+the pipeline on parts of every micro-batch (``pipejax.sharding``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+import numpy as np
+
+from pipejax.engine import PipelineError
+
+STAGE, DATA = "stage", "data"
+
+
+class MeshError(PipelineError):
+  """A mesh, partition or micro-batch that does not fit the pipeline; says how to fix it."""
+
+
+
+def make_mesh(stage: int, data: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ``('data', 'stage')`` mesh over ``devices`` (default: all global devices).
+
+  ``data`` is the innermost (fastest) axis of ``jax.make_mesh``'s topology-aware order: each tick
+  all-reduces every stage's gradient over ``data`` but sends only one activation packet along
+  ``stage``, so the data replicas of one stage should share the fastest links (one host). Axes are
+  ``Auto``: the pipeline places its buffers itself.
+
+  Raises:
+    MeshError: ``stage * data`` differs from the number of devices, or an axis is < 1.
+  """
+  for name, size in (("stage", stage), ("data", data)):
+    if not isinstance(size, (int, np.integer)) or size < 1:
+      raise MeshError(f"mesh.{name} must be an integer >= 1; got {size!r}.")
+  devices = list(jax.devices() if devices is None else devices)
+  if stage * data != len(devices):
+    count = len(devices)
+    fits = [f"stage={count // d} x data={d}" for d in range(1, count + 1) if count % d == 0]
+    raise MeshError(
+        f"A mesh of stage={stage} x data={data} needs {stage * data} devices, but there are "
+        f"{count} ({_describe_devices(devices)}). Choose mesh.stage * mesh.data = {count}: "
+        f"{', '.join(fits[:4])}{', ...' if len(fits) > 4 else ''}.")
+  grid = np.array(devices, dtype=object).reshape(stage, data)
+  if devices == list(jax.devices()):
+    try:  # the physical topology's order on TPU and GPU
+      grid = jax.make_mesh((stage, data), (STAGE, DATA),
+                           axis_types=(AxisType.Auto, AxisType.Auto)).devices
+    except (ValueError, NotImplementedError):  # a shape the topology helper cannot lay out
+      pass
+  return Mesh(np.asarray(grid).T, (DATA, STAGE), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _describe_devices(devices) -> str:
+  kinds = sorted({d.platform for d in devices})
+  processes = len({d.process_index for d in devices})
+  return f"{'/'.join(kinds) or 'none'} on {processes} process{'es' if processes != 1 else ''}"
+
+
+def normalized_mesh(mesh: Mesh) -> Mesh:
+  """The mesh as ``('data', 'stage')`` with Auto axes (a missing ``data`` axis has size 1)."""
+  if not isinstance(mesh, Mesh):
+    raise MeshError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}. Build one with "
+                    "pipejax.sharding.make_mesh(stage, data).")
+  names = tuple(mesh.axis_names)
+  extra = [n for n in names if n not in (STAGE, DATA)]
+  if STAGE not in names or extra:
+    raise MeshError(f"The mesh must have a '{STAGE}' axis and optionally a '{DATA}' axis; it has "
+                    f"axes {names}. Build one with pipejax.sharding.make_mesh(stage, data).")
+  devices = np.asarray(mesh.devices)
+  if DATA not in names:
+    devices = devices[None]
+  elif names.index(DATA) != 0:
+    devices = devices.T
+  return Mesh(devices, (DATA, STAGE), axis_types=(AxisType.Auto, AxisType.Auto))

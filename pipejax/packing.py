@@ -1,0 +1,287 @@
+"""How a sharded pipeline's state is packed into per-device buffers (``pipejax.sharding``).
+
+Groups of stages differ in shapes, while ``shard_map`` wants one array shape on every device. So
+each group's slice of the :class:`~pipejax.engine.PipelineState` is flattened into 1-D buffers
+padded to the largest group's and stacked along a leading ``stage`` dimension, in two families:
+``shared`` buffers (the same on every data replica: weights, optimizer states, flags) and ``local``
+ones (everything with a micro-batch axis, split over the replicas). :class:`Packing` is the plan:
+which buffer and offset every leaf of every group gets, and what the buffers cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipejax import accounting
+from pipejax.engine import DelayLine, Packet, PipelineError, PipelineState, StageState
+
+PyTree = Any
+SHARED, LOCAL = "shared", "local"
+BufferKey = tuple[str, str, str]  # (family, dtype, buffer name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Role:
+  """How a state leaf is distributed: its micro-batch axis (None: same on every replica)."""
+
+  batch_axis: int | None
+  cotangent: bool = False  # a replica holds data x the whole-micro-batch value
+
+
+def _roles(st: StageState) -> StageState:
+  """A StageState-shaped tree of :class:`_Role` leaves."""
+  every = lambda tree, role: jax.tree.map(lambda _: role, tree)
+  shared, line = _Role(None), st.delay_line
+  packet = st.forward_out
+  return StageState(
+      params=every(st.params, shared),
+      opt_state=every(st.opt_state, shared),
+      delay_line=DelayLine(every(line.x, _Role(1)), every(line.valid, shared),
+                           every(line.index, shared), every(line.weights, shared),
+                           every(line.variables, shared)),
+      forward_out=None if packet is None else Packet(
+          every(packet.x, _Role(0)), every(packet.labels, _Role(0)), every(packet.valid, shared),
+          every(packet.index, shared)),
+      backward_out=every(st.backward_out, _Role(0, cotangent=True)),
+      variables=every(st.variables, shared))
+
+
+def split_group(group: Sequence[StageState]):
+  """(body, outgoing forward packet, outgoing cotangent) of a group of stage states."""
+  body = list(group)
+  outgoing_packet, outgoing_cotangent = body[-1].forward_out, body[0].backward_out
+  body[-1] = body[-1]._replace(forward_out=None)
+  body[0] = body[0]._replace(backward_out=None)
+  return tuple(body), outgoing_packet, outgoing_cotangent
+
+
+def join_group(body, outgoing_packet, outgoing_cotangent) -> tuple[StageState, ...]:
+  group = list(body)
+  group[-1] = group[-1]._replace(forward_out=outgoing_packet)
+  group[0] = group[0]._replace(backward_out=outgoing_cotangent)
+  return tuple(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Where one leaf lives: its buffer, offset and size in it, and its per-device shape."""
+
+  key: tuple[str, str, str]  # (family, dtype, buffer name): one packed buffer
+  offset: int
+  size: int
+  shape: tuple[int, ...]
+  role: _Role
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  treedef: Any
+  slots: tuple[_Slot, ...]
+
+  def sizes(self) -> dict[tuple[str, str, str], int]:
+    out = {}
+    for slot in self.slots:
+      out[slot.key] = out.get(slot.key, 0) + slot.size
+    return out
+
+
+def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None = None) -> _Layout:
+  """Assigns each leaf of ``spec_tree`` a buffer and an offset in it.
+
+  With ``slot_prefix`` None ("flat"), leaves follow one another in one buffer per (family, dtype),
+  starting at ``base[key]``. Otherwise ("slots") each leaf gets a buffer of its own at offset 0:
+  the i-th largest leaf of each (family, dtype) goes to buffer ``f"{slot_prefix}{i}"``, so across
+  groups large leaves share buffers with large ones and the padding stays small.
+  """
+  leaves, treedef = jax.tree.flatten(spec_tree)
+  roles = treedef.flatten_up_to(role_tree)
+  shapes, families = [], []
+  for leaf, role in zip(leaves, roles):
+    shape = list(leaf.shape)
+    if role.batch_axis is not None:
+      shape[role.batch_axis] //= data
+    shapes.append(tuple(shape))
+    families.append((SHARED if role.batch_axis is None else LOCAL, jnp.dtype(leaf.dtype).name))
+  rank = {}
+  if slot_prefix is not None:
+    for family in set(families):
+      members = [i for i, f in enumerate(families) if f == family]
+      for r, i in enumerate(sorted(members, key=lambda i: -math.prod(shapes[i]))):
+        rank[i] = r
+  cursor, slots = dict(base), []
+  for i, (shape, role) in enumerate(zip(shapes, roles)):
+    size = math.prod(shape)
+    if slot_prefix is None:
+      key = families[i] + ("",)
+      offset = cursor.get(key, 0)
+      cursor[key] = offset + size
+    else:
+      key, offset = families[i] + (f"{slot_prefix}{rank[i]}",), 0
+    slots.append(_Slot(key, offset, size, shape, role))
+  return _Layout(treedef, tuple(slots))
+
+
+def _cut(buffer, start: int, size: int, shape):
+  if start == 0 and size == buffer.size:  # a whole buffer: a reshape, which XLA aliases
+    return buffer.reshape(shape)
+  return jax.lax.slice_in_dim(buffer.reshape(-1), start, start + size).reshape(shape)
+
+
+def read_tree(buffers, layout: _Layout, shift: dict | None = None):
+  """The tree ``layout`` describes, cut from ``buffers`` (whose offset 0 is ``shift[key]``)."""
+  shift = shift or {}
+  leaves = [_cut(buffers[s.key], s.offset - shift.get(s.key, 0), s.size, s.shape)
+            for s in layout.slots]
+  return layout.treedef.unflatten(leaves)
+
+
+def write_tree(buffers, layout: _Layout, tree):
+  """Writes ``tree``'s leaves in place (``dynamic_update_slice``, never a concatenation)."""
+  buffers = dict(buffers)
+  for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
+    if jnp.dtype(leaf.dtype).name != slot.key[1] or tuple(leaf.shape) != slot.shape:
+      raise PipelineError(f"A stage's state changed from {slot.shape} {slot.key[1]} to "
+                          f"{tuple(leaf.shape)} {jnp.dtype(leaf.dtype).name} in one tick; the "
+                          "engine and optimizers must keep every state leaf's shape and dtype.")
+    buffer = buffers[slot.key]
+    if slot.offset == 0 and slot.size == buffer.size:
+      buffers[slot.key] = leaf.reshape(buffer.shape)
+    else:
+      buffers[slot.key] = jax.lax.dynamic_update_slice(buffer, leaf.reshape(-1), (slot.offset,))
+  return buffers
+
+
+def buffer_name(key) -> str:
+  """``'float32'`` (flat) or ``'float32/body3'`` (slots): the key in PackedState's dicts."""
+  return key[1] if not key[2] else f"{key[1]}/{key[2]}"
+
+
+class PackedState(NamedTuple):
+  """A :class:`~pipejax.engine.PipelineState` laid out over a ``('data', 'stage')`` mesh.
+
+  ``shared[name]`` has global shape ``(stage, n)`` (sharded over ``stage``, replicated over
+  ``data``); ``local[name]`` has global shape ``(data, stage, n)``. Names are the dtype
+  (``'float32'``) in the flat layout, dtype and slot (``'float32/body3'``) in the slots layout.
+  ``tick`` and ``rng`` are replicated. Use :meth:`ShardedPipeline.unpack` for the logical state.
+  """
+
+  shared: dict[str, jax.Array]
+  local: dict[str, jax.Array]
+  tick: jax.Array
+  rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """Where every state leaf of every group lives in the packed buffers, and what they cost.
+
+  Built by :meth:`plan`. ``body_layouts[d]``, ``packet_layouts[d]`` and ``cotangent_layouts[d]``
+  place group d's stage states without the two registers that leave the group, its outgoing
+  forward packet and its outgoing cotangent. Those sit in ``packet_region`` and
+  ``cotangent_region`` (``{buffer: (start, stop)}``), at the same place on every device, so every
+  device cuts its outgoing message the same way. ``buffer_sizes`` gives the elements of each
+  buffer on one device.
+  """
+
+  abstract_state: PipelineState  # ShapeDtypeStructs of the logical state
+  partition: tuple[tuple[int, int], ...]
+  num_replicas: int
+  policy: str  # "slots" (a buffer per leaf) or "flat" (a buffer per dtype)
+  body_layouts: tuple[_Layout, ...]
+  packet_layouts: tuple[_Layout, ...]
+  cotangent_layouts: tuple[_Layout, ...]
+  packet_region: dict[BufferKey, tuple[int, int]]
+  cotangent_region: dict[BufferKey, tuple[int, int]]
+  buffer_sizes: dict[BufferKey, int]
+
+  @classmethod
+  def plan(cls, abstract_state: PipelineState, partition: Sequence[tuple[int, int]],
+           num_replicas: int, policy: str = "auto") -> Packing:
+    """The packing of ``policy``: ``'slots'``, ``'flat'`` or ``'auto'`` (slots unless their
+    padding costs over 25% more memory than flat's)."""
+    groups = [abstract_state.stages[a:z] for a, z in partition]
+    parts = [split_group(g) for g in groups]
+    role_parts = [split_group([_roles(st) for st in g]) for g in groups]
+
+    def plan_of(policy):
+      def region(index, base):
+        prefix = None if policy == "flat" else ("body", "packet", "cotangent")[index]
+        layouts = [_layout(p[index], r[index], num_replicas, base, prefix)
+                   for p, r in zip(parts, role_parts)]
+        end = dict(base)
+        for layout in layouts:
+          for key, size in layout.sizes().items():
+            end[key] = max(end.get(key, 0), base.get(key, 0) + size)
+        return tuple(layouts), end
+
+      # Flat: the outgoing packet at [0, F) of each buffer, the outgoing cotangent at [F, F + C),
+      # the rest after. Slots: buffers of their own. Either way, the same on every device.
+      packet_layouts, packet_end = region(1, {})
+      cotangent_layouts, cotangent_end = region(2, packet_end)
+      body_layouts, body_end = region(0, cotangent_end)
+      return cls(abstract_state, tuple(partition), num_replicas, policy, body_layouts,
+                 packet_layouts, cotangent_layouts,
+                 {k: (0, v) for k, v in packet_end.items() if v > 0},
+                 {k: (packet_end.get(k, 0), v) for k, v in cotangent_end.items()
+                  if v > packet_end.get(k, 0)},
+                 {k: v for k, v in body_end.items() if v > 0})
+
+    if policy != "auto":
+      return plan_of(policy)
+    # Buffers of their own let XLA update weights and delay lines in place (one flat buffer per
+    # dtype makes it copy the whole buffer every tick), but pair leaves of different sizes across
+    # groups; fall back to flat when that padding would cost over a quarter more memory.
+    slots, flat = plan_of("slots"), plan_of("flat")
+    return flat if slots.allocated_bytes() > 1.25 * flat.allocated_bytes() else slots
+
+  @staticmethod
+  def region_bytes(sizes: dict[BufferKey, int | tuple[int, int]]) -> int:
+    """Bytes of buffers or regions given as ``{key: elements}`` or ``{key: (start, stop)}``."""
+    total = 0
+    for key, size in sizes.items():
+      count = size[1] - size[0] if isinstance(size, tuple) else size
+      total += count * np.dtype(key[1]).itemsize
+    return total
+
+  def allocated_bytes(self) -> int:
+    """Bytes of the padded buffers every device holds."""
+    return self.region_bytes(self.buffer_sizes)
+
+  def message_bytes(self) -> int:
+    """Bytes of the two boundary messages a device sends per tick (each padded to the largest)."""
+    return self.region_bytes(self.packet_region) + self.region_bytes(self.cotangent_region)
+
+  def carry_shapes(self) -> dict[BufferKey, tuple[int, ...]]:
+    """The buffers that hold one whole leaf of the same shape on every device, and that shape.
+
+    A tick can carry those in the leaf's own shape instead of 1-D: then no update ends in a
+    reshape, which XLA would fuse into (duplicating the momentum update into the weight update's
+    fusion, so that the old momentum and weights had to be copied every tick).
+    """
+    shapes: dict[BufferKey, set] = {}
+    for layouts in (self.body_layouts, self.packet_layouts, self.cotangent_layouts):
+      for layout in layouts:
+        for slot in layout.slots:
+          whole = slot.offset == 0 and slot.size == self.buffer_sizes[slot.key]
+          shapes.setdefault(slot.key, set()).add(slot.shape if whole else None)
+    return {key: next(iter(found)) for key, found in shapes.items()
+            if len(found) == 1 and None not in found}
+
+  @staticmethod
+  def roles(st: StageState) -> StageState:
+    """A StageState-shaped tree saying how each leaf is distributed over data replicas."""
+    return _roles(st)
+
+  def replica_bytes(self, tree: PyTree, role_tree: PyTree) -> int:
+    """Bytes of ``tree`` one data replica holds (a micro-batch axis is split over them)."""
+    total = 0
+    for leaf, role in zip(jax.tree.leaves(tree), jax.tree.leaves(role_tree)):
+      n = accounting.tree_bytes(leaf)
+      total += n // self.num_replicas if role.batch_axis is not None else n
+    return total
