@@ -22,7 +22,7 @@ from absl import flags
 from pipejax import config as configlib
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 # The developers' brief the project grew from; the project says things in its own pages instead.
 BRIEF = "DESIGN" + ".md"
 SKIP_DIRS = {".git", ".venv", "runs", "workdirs", "build", "__pycache__", ".pytest_cache"}

@@ -12,16 +12,14 @@ from pipejax import accounting, methods
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.models import online_norm
 from tests import oracle
+from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
 
-IN_DIM, NUM_CLASSES = 6, 4
 WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
 LR, MOMENTUM = 0.05, 0.9
 
 
 def make_model(widths=WIDTHS):
-  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
-            for w in widths]
-  return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
+  return dense_model(widths)
 
 
 def make_stream(num_ticks, b, seed=0):

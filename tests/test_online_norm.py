@@ -3,7 +3,6 @@ a stream, and a normalization='online' run resuming bit-exactly after SIGTERM. (
 the naive oracle with stateful stages: tests/test_engine.py; on a mesh: tests/test_sharding.py.)"""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,6 @@ import pytest
 import pipejax
 from pipejax.models import online_norm
 from pipejax.stages import Variables
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- numpy reference
 

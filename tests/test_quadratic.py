@@ -13,7 +13,7 @@ from pipejax import optim
 from pipejax.analysis import quadratic
 from tests.test_docs import load_script
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT as REPO_ROOT
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,10 +27,12 @@ from pipejax.models import online_norm
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.sharding import MeshError, ShardedPipeline
 from tests import _two_process_worker as worker
+from tests import helpers
+from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(helpers.ROOT)
 DEVICES = 8
-IN_DIM, NUM_CLASSES, MICRO_BATCH = 6, 4, 4
+MICRO_BATCH = 4
 WIDTHS = (5, 7, 3, 9, 4, 6, 8, 5)  # 9 stages with the head: more than 8 devices, all shapes uneven
 NUM_STAGES = len(WIDTHS) + 1
 NUM_TICKS = 3 * NUM_STAGES + 2  # from a fresh state: the fill, then every stage in steady state
@@ -40,9 +42,7 @@ PARTITIONS = {2: None, 4: [(0, 1), (1, 5), (5, 6), (6, 9)], 8: None}
 
 
 def make_model(widths=WIDTHS):
-  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
-            for w in widths]
-  return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
+  return dense_model(widths)
 
 
 def make_stateful_model(widths=WIDTHS):

@@ -1,6 +1,5 @@
 """The study runner: grids, records, aggregation over seeds, diverged runs, and a real smoke study."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,9 +8,9 @@ import numpy as np
 import pytest
 
 from pipejax import study as study_lib
-from pipejax.study import Figure, Study, Table
+from pipejax.study import Study, Table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 def record(method, depth, seed, accuracy, status=study_lib.FINISHED):

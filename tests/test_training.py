@@ -17,7 +17,7 @@ from pipejax.engine import Pipeline
 from pipejax.stages import ModelError
 from tests.test_engine import make_model, make_stream
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 
 
 def load_config(name, arg=None):
