@@ -424,10 +424,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
     writer.write("test", samples, **result)
     logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
                  result["accuracy"])
-    if primary:
-      metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
-                            os.path.join(workdir, "curves.png"),
-                            title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
     return result
 
   interval_start = (time.perf_counter(), samples)
@@ -490,6 +486,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
            "resolved.weight_decay": hp.weight_decay},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
   writer.close()
+  if primary and stopped_by is None:
+    # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
+    metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+                          os.path.join(workdir, "curves.png"),
+                          title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
   checkpointer.close()
   summary = {
       "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
