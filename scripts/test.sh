@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # Eight fake CPU devices, so the multi-device tests run in the same process as the others.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
-exec .venv/bin/python -m pytest -q "$@"
+# One worker per core (at most 4), each test file on one worker so that its module fixtures are
+# built once: the suite is mostly compiling and starting trainer processes, one core at a time.
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile "$@"
