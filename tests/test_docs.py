@@ -206,8 +206,10 @@ def load_script(script):
   try:
     spec.loader.exec_module(module)
   finally:
-    for flag in set(flags.FLAGS) - before:  # other scripts define flags of the same names
-      if flags.FLAGS.find_module_defining_flag(flag) == name:
+    # Other scripts define flags of the same names. absl records a flag defined while
+    # exec_module runs the script as defined by the import machinery, not by the script.
+    for flag in set(flags.FLAGS) - before:
+      if flags.FLAGS.find_module_defining_flag(flag) in (name, "importlib._bootstrap"):
         delattr(flags.FLAGS, flag)
   return module
 
