@@ -15,7 +15,7 @@ meaning for a dense layer's features taken one sample at a time beyond LayerNorm
 compare the three. ``:deep`` compares the same three as the pre-norm of the depth study's residual
 MLP (configs/deep_mlp.py at 8 stages), on the same budget (``:deep_smoke`` for a quick run).
 ``:conv`` adds GroupNorm, where it differs from LayerNorm: configs/fashion_resnet20.py's ResNet-20
-(20 stages, one conv per stage) at width 8 instead of 16, on 10,000 samples, two seeds: none /
+(20 stages, one conv per stage) at width 8 instead of 16, on 10,000 samples, three seeds: none /
 GroupNorm (8 groups) / LayerNorm / Online Norm (``:conv_smoke`` for a quick run).
 docs/normalization.md discusses the results.
 """
@@ -48,7 +48,7 @@ def get_study(arg: str | None = None) -> Study:
     grid = {"model_kwargs.hidden": MODELS}
     rows, config, name = "model_kwargs.hidden", "configs/default.py", "normalization"
   grid.update({"model_kwargs.normalization": normalizations,
-               "seed": (0, 1) if conv else (0, 1, 2)})
+               "seed": (0, 1, 2)})
   if arg and arg.endswith("smoke"):
     fixed.update(max_train_examples=2000, epochs=0.5, max_test_examples=1000)
     grid["seed"] = (0,)
