@@ -4,6 +4,7 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
     python scripts/benchmark.py --only=throughput --micro_batch_sizes=1
     python scripts/benchmark.py --only=conv --conv_impls=xla,sliced --conv_micro_batch_sizes=1
     python scripts/benchmark.py --output=benchmark.json
+    python scripts/benchmark.py --only=normalization   # about 10 minutes: 10 compiled pipelines
 
 * ``throughput``: ``Pipeline.run`` (Pipelined Backpropagation, one layer per stage) against a plain
   optax training loop in ``lax.scan`` on the same MLP (8 layers of width 256), samples per second at
@@ -20,6 +21,10 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
 * ``memory``: the compiled memory of a training chunk (``memory_analysis`` of the full-pipeline
   ``run``) against the formula weights + optimizer state + sum_s (D_s+1)|x_s| + registers, for
   the default model and ResNet-20 with the default method (pb_sc_lwp).
+* ``normalization``: the speed cost of each normalizer per tick, PB + SC + LWP at micro-batch 1
+  after the fill: ``Pipeline.run`` of the default MLP, a deeper MLP (seven hidden layers of 128)
+  and ResNet-20 at width 8, with no normalization, LayerNorm, GroupNorm (ResNet only) and Online
+  Norm, each relative to the same model without normalization. Only when asked.
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
@@ -51,9 +56,11 @@ import pipejax
 from pipejax import accounting, engine, methods, models
 from pipejax.engine import Pipeline
 
-BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "sharding"]
-_ONLY = flags.DEFINE_multi_enum("only", BENCHMARKS[:-1], BENCHMARKS,
-                                "Which benchmarks to run ('sharding' only when asked).")
+BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding"]
+OPT_IN = ("normalization", "sharding")  # each adds minutes, and 'sharding' needs fake devices
+_ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
+                                "Which benchmarks to run ('normalization' and 'sharding' only "
+                                "when asked).")
 _METHODS = flags.DEFINE_list("methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream",
                                          "spectrain", "pipemare", "dcasgd"],
                              "Presets for 'methods'.")
@@ -299,6 +306,44 @@ def method_speeds(names, samples, repeats):
   return rows
 
 
+NORMALIZED_MODELS = {  # name -> (builder, its kwargs, input shape, normalizations)
+    "default MLP 784-256-128-10": ("mlp", {"hidden": (256, 128)}, (28, 28, 1),
+                                   (None, "layer", "online")),
+    "deep MLP, 7 x 128": ("mlp", {"hidden": (128,) * 7}, (28, 28, 1), (None, "layer", "online")),
+    "ResNet-20, width 8": ("cifar_resnet20", {"width": 8}, RESNET_INPUT,
+                           (None, "group", "layer", "online")),
+}
+
+
+def normalization_speeds(samples, conv_samples, repeats):
+  """Samples/s of Pipeline.run (PB + SC + LWP, b = 1) per model and normalizer, after the fill.
+
+  Every case is warmed up first, then the timed calls are interleaved (``best_times``), so a
+  machine whose load drifts slows every case alike.
+  """
+  rows, runners = [], {}
+  for label, (builder, kwargs, shape, normalizations) in NORMALIZED_MODELS.items():
+    ticks = conv_samples if builder == "cifar_resnet20" else samples
+    x, y = stream(ticks, 1, shape, classes=10)
+    for normalization in normalizations:
+      model = models.build(builder, layers_per_stage=1, normalization=normalization,
+                           num_classes=10, **kwargs)
+      pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=1e-3, momentum=0.9),
+                      x[0], y[0])
+      runners[label, normalization] = Runner(pipe, x, y)
+      runners[label, normalization].warm_up()
+      rows.append({"model": label, "normalization": normalization, "samples": ticks})
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    wall, cpu = seconds[row["model"], row["normalization"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = row["samples"] / wall, row["samples"] / cpu
+  for row in rows:
+    base = next(r for r in rows if r["model"] == row["model"] and r["normalization"] is None)
+    row["relative_to_none"] = row["samples_per_s"] / base["samples_per_s"]
+    row["cpu_relative_to_none"] = row["samples_per_cpu_s"] / base["samples_per_cpu_s"]
+  return rows
+
+
 def memory(name, model, example_input, num_classes, ticks=64):
   """Compiled memory of a training chunk of ``ticks`` ticks against the formula, in bytes.
 
@@ -431,6 +476,8 @@ def main(argv):
       "memory": lambda: [
           memory("default MLP 784-256-128-10", default_model(), np.zeros((1, 28, 28, 1)), 10),
           memory("ResNet-20 (GroupNorm), 28x28x1", resnet20(), np.zeros((1,) + RESNET_INPUT), 10)],
+      "normalization": lambda: normalization_speeds(_SAMPLES.value // 2, _CONV_SAMPLES.value,
+                                                    _REPEATS.value),
       "conv": lambda: [conv_speeds(b, impl, _CONV_SAMPLES.value, _REPEATS.value)
                        for impl in _CONV_IMPLS.value
                        for b in map(int, _CONV_MICRO_BATCH_SIZES.value)],
