@@ -18,6 +18,7 @@ Conventions of the report:
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import importlib.util
@@ -242,6 +243,9 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   else:
     record["status"] = FAILED
     record["error"] = log_tail[-2000:]
+  # Where the run's times come from: the devices the trainer saw, and this host's cores.
+  device = (summary or {}).get("device")
+  record["machine"] = (f"{device}, " if device else "") + f"{os.cpu_count()} CPU cores"
   staleness = _mean_staleness(run_dir)
   if staleness is not None:
     record["weight_discrepancy"] = staleness
@@ -569,6 +573,10 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
                f"{counts[DIVERGED]} diverged, {counts[FAILED]} failed; "
                f"{wall / 3600:.2f} h of run time (sum over runs). Cells: mean ± std over seeds "
                "in points; diverged runs are counted, never averaged.")
+  machines = collections.Counter(r.get("machine", "not recorded") for r in records
+                                 if r["status"] != SKIPPED)
+  if machines:
+    parts += ["", "Machines (runs): " + "; ".join(f"{m} ({n})" for m, n in machines.items()) + "."]
   for table in study.tables:
     parts += ["", f"## {table.title}", "", markdown_table(study, records, table)]
   figures = [f for f in study.figures
