@@ -34,7 +34,10 @@ def get_study(arg: str | None = None) -> Study:
   return Study(
       name="stability" + (" (smoke)" if arg else ""), config=config,
       grids=[{"reference.lr": tuple(REFERENCE_LR * k for k in multipliers), "method": methods,
-              "seed": seeds}],
+              "seed": seeds}] + ([] if arg else [
+                  # Two more seeds where plain PB fails and PB + SC + LWP still trains.
+                  {"reference.lr": (REFERENCE_LR * 32,), "method": ("pb", "pb_sc_lwp"),
+                   "seed": (1, 2)}]),
       fixed={} if arg else {"epochs": 0.25, "warmup_epochs": 0.05},
       min_accuracy=0.7,
       # A method that fails at one learning rate is not run at the larger ones.
