@@ -23,7 +23,10 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
-  measures the machinery's overhead, not a speed-up).
+  measures the machinery's overhead, not a speed-up). ``two_halves``: the parallel speed-up, two
+  balanced halves of an 8x512 MLP on 2 devices against 1 (b = 1, 2, 4), with both programs'
+  passes. A mesh of several stage devices runs two ticks per loop iteration
+  (``ShardedPipeline.ticks_per_iteration``); its passes are per tick all the same.
 
 Passes over the weights: XLA's ``cost_analysis`` of a compiled ``lax.scan`` counts its body once,
 so the "bytes accessed" of a compiled chunk is that of one tick (plus the few bytes outside the
@@ -344,7 +347,8 @@ def sharded_passes(sharded, x, y):
   packed = sharded.init(jax.random.PRNGKey(0))
   batch = sharded.placed_batch(x[:4], y[:4])
   compiled = sharded._jit_run_full.lower(packed, batch).compile()
-  return passes(compiled, weight_bytes(sharded.pipeline))
+  # One loop iteration runs ticks_per_iteration ticks (two over several devices).
+  return passes(compiled, weight_bytes(sharded.pipeline) * sharded.ticks_per_iteration)
 
 
 def sharding_speeds(ticks, repeats):
@@ -393,6 +397,10 @@ def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
   for name, (wall, cpu) in seconds.items():
     row[f"{name}_ticks_per_s"] = ticks / wall
     row[f"{name}_ticks_per_cpu_s"] = ticks / cpu
+  # Over all weights; a device of the two holds half of them, so it makes twice as many passes
+  # over its own.
+  row["passes_per_tick"] = {devices: sharded_passes(runners[devices].runner, x, y)
+                            for devices in (1, 2)}
   row["speedup_2_over_1_device"] = row["2_ticks_per_s"] / row["1_ticks_per_s"]
   row["one_device_mesh_over_pipeline_run"] = row["1_ticks_per_s"] / row["Pipeline.run_ticks_per_s"]
   return row
