@@ -32,10 +32,14 @@ from the carry, i.e. what its group wrote last tick, and ``lax.ppermute`` moves 
 ``lax.axis_index('stage')`` runs branch d, which unpacks group d at static offsets, takes its
 inbound packet (the batch on device 0) and cotangent (None on the last device) from the received
 messages, calls ``advance_stages``, and writes the new group state back (a whole buffer by a
-reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation) so that XLA can
-keep the carry in place (it still copies a conditional's outputs once per tick). Step (1) reads
+reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
 exactly what the single-device tick reads (registers written by the previous tick), so the
 timing, and with it every number, is that of :meth:`~pipejax.engine.Pipeline.run`.
+
+XLA writes a conditional's results into buffers of its own, never into its operands', so a loop
+that carried the state through the switch copied every weight and optimizer state back once per
+tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
+writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
 
 A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
 gradient of the whole micro-batch's mean loss that the single-device state holds; :meth:`pack` and
@@ -445,17 +449,25 @@ class ShardedPipeline(PipelineRunner):
 
 
 def _ping_pong(one_tick, buffers, tick, batch: Batch):
-  """``T`` ticks of ``one_tick`` through a ``lax.switch``, writing two sets of buffers in turn.
+  """``T`` ticks of ``one_tick`` (whose ``lax.switch`` returns new buffers), two per iteration.
 
   XLA cannot update a conditional's operands in place: the branch that runs writes its results
-  into the conditional's own output buffers. In a loop that carries the state through the
-  conditional, those results are then copied back into the loop's buffers, every weight and
-  optimizer state once per tick (2.2 to 2.8 passes over a device's weights on top of 8: see
-  docs/performance.md). So the loop carries a second, spare set: the first tick of each pair
-  reads set A and writes set B, the second reads B and writes A, and each conditional's outputs
-  are the buffers of the set it writes, whose old contents nothing reads any more. The spare set
-  takes the memory the conditional's output buffers took before. A leaf a tick rewrites only in
-  part (a delay line's slot) is still read and written whole, as it was before.
+  into the conditional's own output buffers. A loop that carries the state through the
+  conditional then copies them back into the loop's buffers, every weight and optimizer state
+  once per tick (2.2 passes over a device's weights, docs/performance.md). So the loop carries a
+  second, spare set: the first tick of an iteration reads set A and writes set B, the second reads
+  B and writes A, and what each conditional writes is the set whose old contents nothing reads
+  any more. The spare set takes the memory that the conditional's output buffers took. A buffer
+  that a tick rewrites only in part (a delay line's slot) is still read and written whole.
+
+  Why not the alternatives. Stacking homogeneous stages under ``vmap`` with no switch at all needs
+  every device to run the same code, which no model here does: the first device reads the batch,
+  the last holds the head and the loss, and stages often differ in shape (784-256-128-10).
+  Returning only small results from the switch and updating the buffers outside it would move
+  the optimizer's update out of the stage's code: the switch would return the weight gradients,
+  an array as large as the weights, written and read once more per tick, and the engine's tick
+  would have to be cut in two. Two sets of buffers work for every model and method as they are.
+  An odd ``T`` runs its last tick after the loop (a third copy of the program's branches).
   """
   num_ticks = jax.tree.leaves(batch)[0].shape[0]
   pairs, odd = divmod(num_ticks, 2)

@@ -171,19 +171,28 @@ def copy_bytes(hlo_text):
   """Bytes written by the ``copy`` instructions of an optimized HLO module that are passes.
 
   A copy inside a fused computation (a transpose fused into its consumer) costs no pass of its
-  own; only copies in the other computations (the loop body, the entry) are counted.
+  own; only copies in the other computations (the loop body, the entry) are counted. Of the
+  branches of a conditional only one runs: each conditional counts its costliest branch, as
+  ``cost_analysis`` does.
   """
-  total, fused = 0, False
+  per_computation, branch_sets, name, fused = {}, [], None, False
   for line in hlo_text.splitlines():
     if line and not line[0].isspace():  # a computation's header, or its closing brace
-      fused = line.lstrip("%").startswith("fused_")
+      name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+      fused = name.lstrip("%").startswith("fused_")
       continue
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+      branch_sets.append([b.strip() for b in branches.group(1).split(",")])
     match = re.search(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(", line)
     if match and not fused:
       dtype, dims = match.groups()
       size = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, bf16, s8, ...
-      total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
+      count = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      per_computation[name] = per_computation.get(name, 0) + size * count
+  in_branches = {b for branch_set in branch_sets for b in branch_set}
+  return (sum(v for k, v in per_computation.items() if k not in in_branches)
+          + sum(max(per_computation.get(b, 0) for b in branch_set) for branch_set in branch_sets))
 
 
 def passes(compiled, per_pass_bytes):
