@@ -32,10 +32,14 @@ from the carry, i.e. what its group wrote last tick, and ``lax.ppermute`` moves 
 ``lax.axis_index('stage')`` runs branch d, which unpacks group d at static offsets, takes its
 inbound packet (the batch on device 0) and cotangent (None on the last device) from the received
 messages, calls ``advance_stages``, and writes the new group state back (a whole buffer by a
-reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation) so that XLA can
-keep the carry in place (it still copies a conditional's outputs once per tick). Step (1) reads
+reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
 exactly what the single-device tick reads (registers written by the previous tick), so the
 timing, and with it every number, is that of :meth:`~pipejax.engine.Pipeline.run`.
+
+XLA writes a conditional's results into buffers of its own, never into its operands', so a loop
+that carried the state through the switch copied every weight and optimizer state back once per
+tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
+writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
 
 A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
 gradient of the whole micro-batch's mean loss that the single-device state holds; :meth:`pack` and
@@ -203,6 +207,12 @@ class ShardedPipeline(PipelineRunner):
   def num_stages(self) -> int:
     return self.pipeline.num_stages
 
+  @property
+  def ticks_per_iteration(self) -> int:
+    """Ticks per iteration of the compiled loop of :meth:`run`: 2 on a stage axis of several
+    devices, which advances two ticks per iteration (see :func:`_ping_pong`), else 1."""
+    return 1 if self.num_groups == 1 else 2
+
   def stage_to_device(self) -> list[int]:
     """Index on the stage axis of the device that owns each logical stage."""
     return [d for d, (a, z) in enumerate(self.partition) for _ in range(a, z)]
@@ -369,17 +379,24 @@ class ShardedPipeline(PipelineRunner):
                 for d in range(self.num_groups)]
     group_index = jax.lax.axis_index(STAGE)
 
-    def one_tick(carry, tick_batch):
-      buffers, tick = carry
+    def one_tick(buffers, tick, tick_batch):
+      """The state after one tick (a new set of buffers), and the tick's metrics."""
       packet_msg, cotangent_msg = self._exchange(buffers)
       operands = (buffers, packet_msg, cotangent_msg, tick_batch, tick, rng)
       if self.num_groups == 1:
         buffers, finite, last = branches[0](*operands)
       else:
         buffers, finite, last = jax.lax.switch(group_index, branches, *operands)
-      return (buffers, tick + 1), (finite, last)
+      return buffers, (finite, last)
 
-    (buffers, tick), (finite, last) = jax.lax.scan(one_tick, (buffers, tick), batch)
+    if self.num_groups == 1:
+      def step(carry, tick_batch):
+        buffers, outputs = one_tick(*carry, tick_batch)
+        return (buffers, carry[1] + 1), outputs
+
+      (buffers, tick), (finite, last) = jax.lax.scan(step, (buffers, tick), batch)
+    else:
+      buffers, tick, (finite, last) = _ping_pong(one_tick, buffers, tick, batch)
     if self.num_replicas > 1:  # a replica's loss is its b/data samples' mean: mean of means
       last = {k: jax.lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.inexact) else v
               for k, v in last.items()}
@@ -429,6 +446,50 @@ class ShardedPipeline(PipelineRunner):
     else:
       last = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._metric_template.items()}
     return buffers, finite, last
+
+
+def _ping_pong(one_tick, buffers, tick, batch: Batch):
+  """``T`` ticks of ``one_tick`` (whose ``lax.switch`` returns new buffers), two per iteration.
+
+  XLA cannot update a conditional's operands in place: the branch that runs writes its results
+  into the conditional's own output buffers. A loop that carries the state through the
+  conditional then copies them back into the loop's buffers, every weight and optimizer state
+  once per tick (2.2 passes over a device's weights, docs/performance.md). So the loop carries a
+  second, spare set: the first tick of an iteration reads set A and writes set B, the second reads
+  B and writes A, and what each conditional writes is the set whose old contents nothing reads
+  any more. The spare set takes the memory that the conditional's output buffers took. A buffer
+  that a tick rewrites only in part (a delay line's slot) is still read and written whole.
+
+  Why not the alternatives. Stacking homogeneous stages under ``vmap`` with no switch at all needs
+  every device to run the same code, which no model here does: the first device reads the batch,
+  the last holds the head and the loss, and stages often differ in shape (784-256-128-10).
+  Returning only small results from the switch and updating the buffers outside it would move
+  the optimizer's update out of the stage's code: the switch would return the weight gradients,
+  an array as large as the weights, written and read once more per tick, and the engine's tick
+  would have to be cut in two. Two sets of buffers work for every model and method as they are.
+  An odd ``T`` runs its last tick after the loop (a third copy of the program's branches).
+  """
+  num_ticks = jax.tree.leaves(batch)[0].shape[0]
+  pairs, odd = divmod(num_ticks, 2)
+  outputs = []
+  if pairs:
+    def two_ticks(carry, pair_batch):
+      (buffers, spare), tick = carry
+      first, second = (jax.tree.map(lambda a, i=i: a[i], pair_batch) for i in (0, 1))
+      spare, first_outputs = one_tick(buffers, tick, first)
+      buffers, second_outputs = one_tick(spare, tick + 1, second)
+      both = jax.tree.map(lambda a, b: jnp.stack([a, b]), first_outputs, second_outputs)
+      return ((buffers, spare), tick + 2), both
+
+    in_pairs = jax.tree.map(lambda a: a[:2 * pairs].reshape((pairs, 2) + a.shape[1:]), batch)
+    spare = jax.tree.map(jnp.zeros_like, buffers)  # overwritten whole by the first tick
+    ((buffers, _), tick), paired = jax.lax.scan(two_ticks, ((buffers, spare), tick), in_pairs)
+    outputs.append(jax.tree.map(lambda a: a.reshape((2 * pairs,) + a.shape[2:]), paired))
+  if odd:
+    buffers, last_outputs = one_tick(buffers, tick, jax.tree.map(lambda a: a[-1], batch))
+    outputs.append(jax.tree.map(lambda a: a[None], last_outputs))
+    tick = tick + 1
+  return buffers, tick, jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
 
 
 def _to_host(array) -> np.ndarray:

@@ -28,7 +28,10 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
-  measures the machinery's overhead, not a speed-up).
+  measures the machinery's overhead, not a speed-up). ``two_halves``: the parallel speed-up, two
+  balanced halves of an 8x512 MLP on 2 devices against 1 (b = 1, 2, 4), with both programs'
+  passes. A mesh of several stage devices runs two ticks per loop iteration
+  (``ShardedPipeline.ticks_per_iteration``); its passes are per tick all the same.
 
 Passes over the weights: XLA's ``cost_analysis`` of a compiled ``lax.scan`` counts its body once,
 so the "bytes accessed" of a compiled chunk is that of one tick (plus the few bytes outside the
@@ -175,19 +178,28 @@ def copy_bytes(hlo_text):
   """Bytes written by the ``copy`` instructions of an optimized HLO module that are passes.
 
   A copy inside a fused computation (a transpose fused into its consumer) costs no pass of its
-  own; only copies in the other computations (the loop body, the entry) are counted.
+  own; only copies in the other computations (the loop body, the entry) are counted. Of the
+  branches of a conditional only one runs: each conditional counts its costliest branch, as
+  ``cost_analysis`` does.
   """
-  total, fused = 0, False
+  per_computation, branch_sets, name, fused = {}, [], None, False
   for line in hlo_text.splitlines():
     if line and not line[0].isspace():  # a computation's header, or its closing brace
-      fused = line.lstrip("%").startswith("fused_")
+      name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+      fused = name.lstrip("%").startswith("fused_")
       continue
+    branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if branches:
+      branch_sets.append([b.strip() for b in branches.group(1).split(",")])
     match = re.search(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(", line)
     if match and not fused:
       dtype, dims = match.groups()
       size = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) // 8  # f32, bf16, s8, ...
-      total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
+      count = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      per_computation[name] = per_computation.get(name, 0) + size * count
+  in_branches = {b for branch_set in branch_sets for b in branch_set}
+  return (sum(v for k, v in per_computation.items() if k not in in_branches)
+          + sum(max(per_computation.get(b, 0) for b in branch_set) for branch_set in branch_sets))
 
 
 def passes(compiled, per_pass_bytes):
@@ -389,7 +401,8 @@ def sharded_passes(sharded, x, y):
   packed = sharded.init(jax.random.PRNGKey(0))
   batch = sharded.placed_batch(x[:4], y[:4])
   compiled = sharded._jit_run_full.lower(packed, batch).compile()
-  return passes(compiled, weight_bytes(sharded.pipeline))
+  # One loop iteration runs ticks_per_iteration ticks (two over several devices).
+  return passes(compiled, weight_bytes(sharded.pipeline) * sharded.ticks_per_iteration)
 
 
 def sharding_speeds(ticks, repeats):
@@ -438,6 +451,10 @@ def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
   for name, (wall, cpu) in seconds.items():
     row[f"{name}_ticks_per_s"] = ticks / wall
     row[f"{name}_ticks_per_cpu_s"] = ticks / cpu
+  # Over all weights; a device of the two holds half of them, so it makes twice as many passes
+  # over its own.
+  row["passes_per_tick"] = {devices: sharded_passes(runners[devices].runner, x, y)
+                            for devices in (1, 2)}
   row["speedup_2_over_1_device"] = row["2_ticks_per_s"] / row["1_ticks_per_s"]
   row["one_device_mesh_over_pipeline_run"] = row["1_ticks_per_s"] / row["Pipeline.run_ticks_per_s"]
   return row
