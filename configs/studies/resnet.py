@@ -7,14 +7,15 @@ instead of 16, trained on 10,000 samples (half an epoch of a 20,000-sample subse
 the normalization study's convolutional row (configs/studies/normalization.py:conv), so that its
 GroupNorm cells are this study's PB + SC + LWP cells at other seeds. Fewer methods and seeds than
 the MLP rows: on the 2-core reference CPU convolutions at batch 1 are the slow part (see
-docs/performance.md), so this study runs SGD, plain PB and PB + SC + LWP, two seeds each.
+docs/performance.md), so this study runs SGD, plain PB and PB + SC + LWP first (three seeds),
+then the rivals.
 """
 
 from pipejax.study import Study, Table
 
 
 def get_study(arg: str | None = None) -> Study:
-  config, seeds = "configs/fashion_resnet20.py", (0, 1)
+  config, seeds = "configs/fashion_resnet20.py", (0, 1, 2)
   fixed = {"model_kwargs.width": 8, "max_train_examples": 20000, "epochs": 0.5,
            "eval_every_samples": 10 ** 7, "checkpoint_every_samples": 10 ** 7}
   if arg == "smoke":
@@ -24,7 +25,10 @@ def get_study(arg: str | None = None) -> Study:
   return Study(
       name="resnet" + (" (smoke)" if arg else ""), config=config, fixed=fixed,
       grids=[{"model": ("cifar_resnet20",), "method": ("sgd", "pb", "pb_sc_lwp"),
-              "seed": seeds}],
+              "seed": seeds}] + ([] if arg else [
+                  {"model": ("cifar_resnet20",),
+                   "method": ("pb_sc", "pb_lwp", "pipedream", "spectrain", "pipemare"),
+                   "seed": seeds}]),
       baseline={"method": "sgd"},
       tables=[Table("Test accuracy (%)", rows="model", columns="method"),
               Table("Gap to SGD (points)", rows="model", columns="method", kind="gap")])
