@@ -79,23 +79,36 @@ class DelayLine(NamedTuple):
   def slots(self) -> int:
     return self.valid.shape[0]
 
-  def write(self, tick, packet: Packet, weights: PyTree = None,
-            variables: PyTree = None) -> DelayLine:
-    """Stores the packet's input (and the weights and variables its forward used) at ``tick``.
+  def entry(self, packet: Packet, weights: PyTree = None, variables: PyTree = None) -> DelayLine:
+    """What one tick stores: the packet's input, flag and index, and the weights and variables
+    its forward used where this line keeps them, as single leaves (no slot axis)."""
+    as_stored = lambda line, value: None if line is None else jax.tree.map(
+        lambda b, a: jnp.asarray(a, b.dtype), line, value)
+    return DelayLine(as_stored(self.x, packet.x), as_stored(self.valid, packet.valid),
+                     as_stored(self.index, packet.index), as_stored(self.weights, weights),
+                     as_stored(self.variables, variables))
+
+  def write(self, tick, entry: DelayLine) -> DelayLine:
+    """Stores ``entry`` in slot ``tick mod (D_s + 1)``.
 
     ``dynamic_update_index_in_dim`` writes the slot in place; ``.at[slot].set`` would compile to a
     scatter that also reads the old slot (to guard against an out-of-range index).
     """
     slot = tick % self.slots
-    put = lambda buf, value: jax.tree.map(
-        lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, slot, 0), buf, value)
-    return DelayLine(put(self.x, packet.x), put(self.valid, packet.valid),
-                     put(self.index, packet.index),
-                     None if self.weights is None else put(self.weights, weights),
-                     None if self.variables is None else put(self.variables, variables))
+    return jax.tree.map(lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, slot, 0),
+                        self, entry)
 
-  def read(self, tick) -> DelayLine:
-    """The entry written D_s ticks before ``tick``: a DelayLine of single leaves, no slot axis."""
+  def read(self, tick, entry: DelayLine) -> DelayLine:
+    """The entry written D_s ticks before ``tick``, when this tick writes ``entry``.
+
+    It is read from the line as it is before this tick's write (slot ``(t + 1) mod (D_s + 1)`` is
+    not the slot written; with D_s = 0 the entry read is ``entry`` itself), so no read depends on
+    the write. On a mesh, a stage's code runs inside a ``lax.switch`` whose results XLA cannot
+    write into its operands; there the switch returns only the entry and the line is written
+    after it (``pipejax.sharding``).
+    """
+    if self.slots == 1:
+      return entry
     slot = (tick + 1) % self.slots
     return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), self)
 
@@ -376,7 +389,7 @@ class Pipeline(PipelineRunner):
 
   def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
                     tick: jax.Array, rng: jax.Array, reduce_grads=None,
-                    every_slot_full: bool = False):
+                    every_slot_full: bool = False, delay_line_entries: bool = False):
     """Stage s's work in one tick: forward, stash, backward, update.
 
     Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
@@ -386,6 +399,8 @@ class Pipeline(PipelineRunner):
     weight gradient across pipeline replicas (``lax.pmean`` over a ``data`` mesh axis).
     ``every_slot_full`` promises that the micro-batch backwarded is a real one (see
     :meth:`Pipeline.run`), which drops the guard that keeps empty slots from updating weights.
+    ``delay_line_entries`` returns, in place of the new delay line, the entry this tick writes
+    into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).
     """
     stage, method = self.model.stages[s], self.method
     delay = self.delays[s]
@@ -403,9 +418,10 @@ class Pipeline(PipelineRunner):
       forward_ok = jnp.logical_or(~inbound.valid, _all_finite(y))
 
     # Stash the input (and the forward variables it met); read back the one written D ticks ago.
-    line = st.delay_line.write(tick, inbound, forward_params,
-                               None if variables is None else variables.forward)
-    oldest = line.read(tick)
+    entry = st.delay_line.entry(inbound, forward_params,
+                                None if variables is None else variables.forward)
+    oldest = st.delay_line.read(tick, entry)
+    line = entry if delay_line_entries else st.delay_line.write(tick, entry)
     x_old, valid, index = oldest.x, oldest.valid, oldest.index
     backward_params = (oldest.weights if method.stash_forward_weights
                        else method.backward_weights(st.params, st.opt_state, delay))
@@ -473,7 +489,7 @@ class Pipeline(PipelineRunner):
 
   def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
                      cotangent: PyTree, tick, rng, reduce_grads=None,
-                     every_slot_full: bool = False):
+                     every_slot_full: bool = False, delay_line_entries: bool = False):
     """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
 
     ``inbound`` is the packet entering the group's first stage, ``cotangent`` the gradient entering
@@ -485,7 +501,7 @@ class Pipeline(PipelineRunner):
       stage_in = inbound if i == 0 else stages[i - 1].forward_out
       stage_cot = cotangent if i == len(stages) - 1 else stages[i + 1].backward_out
       new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng, reduce_grads,
-                                     every_slot_full)
+                                     every_slot_full, delay_line_entries)
       new_stages.append(new_st)
       stage_metrics.append(m)
     return tuple(new_stages), stage_metrics

@@ -32,19 +32,20 @@ class _Role:
 
   batch_axis: int | None
   cotangent: bool = False  # a replica holds data x the whole-micro-batch value
+  ring: bool = False  # a delay line: a tick writes one slot (its leading axis) and keeps the rest
 
 
 def _roles(st: StageState) -> StageState:
   """A StageState-shaped tree of :class:`_Role` leaves."""
   every = lambda tree, role: jax.tree.map(lambda _: role, tree)
-  shared, line = _Role(None), st.delay_line
+  shared, line, ring = _Role(None), st.delay_line, _Role(None, ring=True)
   packet = st.forward_out
   return StageState(
       params=every(st.params, shared),
       opt_state=every(st.opt_state, shared),
-      delay_line=DelayLine(every(line.x, _Role(1)), every(line.valid, shared),
-                           every(line.index, shared), every(line.weights, shared),
-                           every(line.variables, shared)),
+      delay_line=DelayLine(every(line.x, _Role(1, ring=True)), every(line.valid, ring),
+                           every(line.index, ring), every(line.weights, ring),
+                           every(line.variables, ring)),
       forward_out=None if packet is None else Packet(
           every(packet.x, _Role(0)), every(packet.labels, _Role(0)), every(packet.valid, shared),
           every(packet.index, shared)),
@@ -97,7 +98,9 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
   With ``slot_prefix`` None ("flat"), leaves follow one another in one buffer per (family, dtype),
   starting at ``base[key]``. Otherwise ("slots") each leaf gets a buffer of its own at offset 0:
   the i-th largest leaf of each (family, dtype) goes to buffer ``f"{slot_prefix}{i}"``, so across
-  groups large leaves share buffers with large ones and the padding stays small.
+  groups large leaves share buffers with large ones and the padding stays small. Delay lines go to
+  buffers of their own, ``f"ring{i}"``, so that a mesh tick can write the one slot it changes
+  (see :attr:`Packing.ring_windows`).
   """
   leaves, treedef = jax.tree.flatten(spec_tree)
   roles = treedef.flatten_up_to(role_tree)
@@ -110,8 +113,9 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
     families.append((SHARED if role.batch_axis is None else LOCAL, jnp.dtype(leaf.dtype).name))
   rank = {}
   if slot_prefix is not None:
-    for family in set(families):
-      members = [i for i, f in enumerate(families) if f == family]
+    kinds = [f + (role.ring,) for f, role in zip(families, roles)]
+    for kind in set(kinds):
+      members = [i for i, k in enumerate(kinds) if k == kind]
       for r, i in enumerate(sorted(members, key=lambda i: -math.prod(shapes[i]))):
         rank[i] = r
   cursor, slots = dict(base), []
@@ -122,7 +126,8 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
       offset = cursor.get(key, 0)
       cursor[key] = offset + size
     else:
-      key, offset = families[i] + (f"{slot_prefix}{rank[i]}",), 0
+      prefix = "ring" if role.ring else slot_prefix
+      key, offset = families[i] + (f"{prefix}{rank[i]}",), 0
     slots.append(_Slot(key, offset, size, shape, role))
   return _Layout(treedef, tuple(slots))
 
@@ -141,10 +146,15 @@ def read_tree(buffers, layout: _Layout, shift: dict | None = None):
   return layout.treedef.unflatten(leaves)
 
 
-def write_tree(buffers, layout: _Layout, tree):
-  """Writes ``tree``'s leaves in place (``dynamic_update_slice``, never a concatenation)."""
+def write_tree(buffers, layout: _Layout, tree, skip=()):
+  """Writes ``tree``'s leaves in place (``dynamic_update_slice``, never a concatenation).
+
+  Leaves in the buffers ``skip`` are left out (delay lines: see :func:`ring_windows`).
+  """
   buffers = dict(buffers)
   for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
+    if slot.key in skip:
+      continue
     if jnp.dtype(leaf.dtype).name != slot.key[1] or tuple(leaf.shape) != slot.shape:
       raise PipelineError(f"A stage's state changed from {slot.shape} {slot.key[1]} to "
                           f"{tuple(leaf.shape)} {jnp.dtype(leaf.dtype).name} in one tick; the "
@@ -154,6 +164,50 @@ def write_tree(buffers, layout: _Layout, tree):
       buffers[slot.key] = leaf.reshape(buffer.shape)
     else:
       buffers[slot.key] = jax.lax.dynamic_update_slice(buffer, leaf.reshape(-1), (slot.offset,))
+  return buffers
+
+
+def ring_windows(buffers, layout: _Layout, tree, tick, widths: dict[BufferKey, int]):
+  """What one tick writes into each delay-line buffer: ``{key: (window, start)}``.
+
+  ``tree`` holds, in place of each delay line, the entry the tick writes into it
+  (``Pipeline.advance_stages(..., delay_line_entries=True)``), which goes to slot ``tick mod
+  slots`` (:meth:`pipejax.engine.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
+  elements: the entry, then the buffer's own elements up to the window's width (a group whose
+  slots are narrower than another's keeps its next slot as it was). A buffer carried in its leaf's
+  own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's index.
+  A buffer that holds none of this group's delay lines gets its first window back unchanged.
+  """
+  windows = {}
+  for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
+    if slot.key not in widths:
+      continue
+    index, row, buffer = tick % slot.shape[0], leaf, buffers[slot.key]
+    if buffer.ndim > 1:
+      windows[slot.key] = (row, index)
+      continue
+    row = row.reshape(-1)
+    start = slot.offset + index * row.size
+    if widths[slot.key] > row.size:
+      kept = jax.lax.dynamic_slice_in_dim(buffer, start + row.size, widths[slot.key] - row.size)
+      row = jnp.concatenate([row, kept])
+    windows[slot.key] = (row, start)
+  for key, width in widths.items():
+    if key not in windows:
+      buffer = buffers[key]
+      kept = buffer[0] if buffer.ndim > 1 else jax.lax.slice_in_dim(buffer, 0, width)
+      windows[key] = (kept, jnp.zeros((), jnp.int32))
+  return windows
+
+
+def write_windows(buffers, windows):
+  """Writes :func:`ring_windows`' windows in place."""
+  buffers = dict(buffers)
+  for key, (window, start) in windows.items():
+    if buffers[key].ndim > 1:
+      buffers[key] = jax.lax.dynamic_update_index_in_dim(buffers[key], window, start, 0)
+    else:
+      buffers[key] = jax.lax.dynamic_update_slice_in_dim(buffers[key], window, start, 0)
   return buffers
 
 
@@ -199,6 +253,10 @@ class Packing:
   packet_region: dict[BufferKey, tuple[int, int]]
   cotangent_region: dict[BufferKey, tuple[int, int]]
   buffer_sizes: dict[BufferKey, int]
+  # Delay-line buffers (slots policy) and the width of the window a tick writes into each: the
+  # largest slot any group keeps there. A group with smaller slots rewrites the elements after
+  # its slot as they were; the buffer is padded so that a window never runs past its end.
+  ring_windows: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def plan(cls, abstract_state: PipelineState, partition: Sequence[tuple[int, int]],
@@ -225,12 +283,20 @@ class Packing:
       packet_layouts, packet_end = region(1, {})
       cotangent_layouts, cotangent_end = region(2, packet_end)
       body_layouts, body_end = region(0, cotangent_end)
+      windows, before_last_slot = {}, {}
+      for slot in (s for layout in body_layouts for s in layout.slots):
+        if policy != "flat" and slot.role.ring:
+          row = slot.size // slot.shape[0]
+          windows[slot.key] = max(windows.get(slot.key, 0), row)
+          before_last_slot[slot.key] = max(before_last_slot.get(slot.key, 0), slot.size - row)
+      for key, width in windows.items():
+        body_end[key] = max(body_end[key], before_last_slot[key] + width)
       return cls(abstract_state, tuple(partition), num_replicas, policy, body_layouts,
                  packet_layouts, cotangent_layouts,
                  {k: (0, v) for k, v in packet_end.items() if v > 0},
                  {k: (packet_end.get(k, 0), v) for k, v in cotangent_end.items()
                   if v > packet_end.get(k, 0)},
-                 {k: v for k, v in body_end.items() if v > 0})
+                 {k: v for k, v in body_end.items() if v > 0}, windows)
 
     if policy != "auto":
       return plan_of(policy)

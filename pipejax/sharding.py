@@ -40,6 +40,9 @@ XLA writes a conditional's results into buffers of its own, never into its opera
 that carried the state through the switch copied every weight and optimizer state back once per
 tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
 writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
+Delay lines (PipeDream's weight stashes among them) are not in the two sets: a tick changes one
+slot of each, so the switch returns that slot alone and the loop writes it in place after the
+switch (``packing.ring_windows``), instead of rewriting the whole line into the other set.
 
 A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
 gradient of the whole micro-batch's mean loss that the single-device state holds; :meth:`pack` and
@@ -375,28 +378,32 @@ class ShardedPipeline(PipelineRunner):
     """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
     carry_shapes = self.packing.carry_shapes()
     buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
+    rings = {k: buffers.pop(k) for k in self.packing.ring_windows}
     branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
                 for d in range(self.num_groups)]
     group_index = jax.lax.axis_index(STAGE)
 
-    def one_tick(buffers, tick, tick_batch):
-      """The state after one tick (a new set of buffers), and the tick's metrics."""
+    def one_tick(buffers, rings, tick, tick_batch):
+      """The state after one tick (a new set of buffers, the delay lines written in place), and
+      the tick's metrics."""
       packet_msg, cotangent_msg = self._exchange(buffers)
-      operands = (buffers, packet_msg, cotangent_msg, tick_batch, tick, rng)
+      operands = ({**buffers, **rings}, packet_msg, cotangent_msg, tick_batch, tick, rng)
       if self.num_groups == 1:
-        buffers, finite, last = branches[0](*operands)
+        buffers, windows, finite, last = branches[0](*operands)
       else:
-        buffers, finite, last = jax.lax.switch(group_index, branches, *operands)
-      return buffers, (finite, last)
+        buffers, windows, finite, last = jax.lax.switch(group_index, branches, *operands)
+      return buffers, packing.write_windows(rings, windows), (finite, last)
 
     if self.num_groups == 1:
       def step(carry, tick_batch):
-        buffers, outputs = one_tick(*carry, tick_batch)
-        return (buffers, carry[1] + 1), outputs
+        buffers, rings, tick = carry
+        buffers, rings, outputs = one_tick(buffers, rings, tick, tick_batch)
+        return (buffers, rings, tick + 1), outputs
 
-      (buffers, tick), (finite, last) = jax.lax.scan(step, (buffers, tick), batch)
+      (buffers, rings, tick), (finite, last) = jax.lax.scan(step, (buffers, rings, tick), batch)
     else:
-      buffers, tick, (finite, last) = _ping_pong(one_tick, buffers, tick, batch)
+      buffers, rings, tick, (finite, last) = _ping_pong(one_tick, buffers, rings, tick, batch)
+    buffers.update(rings)
     if self.num_replicas > 1:  # a replica's loss is its b/data samples' mean: mean of means
       last = {k: jax.lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.inexact) else v
               for k, v in last.items()}
@@ -433,22 +440,26 @@ class ShardedPipeline(PipelineRunner):
       cotangent = packing.read_tree(cotangent_msg, self._cotangent_layouts[d + 1], region_starts)
     reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
+    rings = self.packing.ring_windows
     group, stage_metrics = self.pipeline.advance_stages(start, group, inbound, cotangent, tick, rng,
-                                                        reduce_grads, every_slot_full)
+                                                        reduce_grads, every_slot_full,
+                                                        delay_line_entries=bool(rings))
     body, packet, cotangent_out = packing.split_group(group)
-    buffers = packing.write_tree(buffers, body_layout, body)
+    windows = packing.ring_windows(buffers, body_layout, body, tick, rings)
+    buffers = packing.write_tree(buffers, body_layout, body, skip=rings)
     buffers = packing.write_tree(buffers, packet_layout, packet)
     buffers = packing.write_tree(buffers, cotangent_layout, cotangent_out)
+    buffers = {k: v for k, v in buffers.items() if k not in rings}
     finite = jnp.stack([m["finite"] for m in stage_metrics])
     finite = jnp.pad(finite, (0, self._max_group - finite.shape[0]))
     if d == self.num_groups - 1:
       last = {k: v for k, v in stage_metrics[-1].items() if k != "finite"}
     else:
       last = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._metric_template.items()}
-    return buffers, finite, last
+    return buffers, windows, finite, last
 
 
-def _ping_pong(one_tick, buffers, tick, batch: Batch):
+def _ping_pong(one_tick, buffers, rings, tick, batch: Batch):
   """``T`` ticks of ``one_tick`` (whose ``lax.switch`` returns new buffers), two per iteration.
 
   XLA cannot update a conditional's operands in place: the branch that runs writes its results
@@ -457,8 +468,9 @@ def _ping_pong(one_tick, buffers, tick, batch: Batch):
   once per tick (2.2 passes over a device's weights, docs/performance.md). So the loop carries a
   second, spare set: the first tick of an iteration reads set A and writes set B, the second reads
   B and writes A, and what each conditional writes is the set whose old contents nothing reads
-  any more. The spare set takes the memory that the conditional's output buffers took. A buffer
-  that a tick rewrites only in part (a delay line's slot) is still read and written whole.
+  any more. The spare set takes the memory that the conditional's output buffers took. The delay
+  lines (``rings``), of which a tick rewrites one slot, are not in the sets: the conditional
+  returns the slot, and ``one_tick`` writes it in place after the conditional.
 
   Why not the alternatives. Stacking homogeneous stages under ``vmap`` with no switch at all needs
   every device to run the same code, which no model here does: the first device reads the batch,
@@ -474,22 +486,24 @@ def _ping_pong(one_tick, buffers, tick, batch: Batch):
   outputs = []
   if pairs:
     def two_ticks(carry, pair_batch):
-      (buffers, spare), tick = carry
+      (buffers, spare), rings, tick = carry
       first, second = (jax.tree.map(lambda a, i=i: a[i], pair_batch) for i in (0, 1))
-      spare, first_outputs = one_tick(buffers, tick, first)
-      buffers, second_outputs = one_tick(spare, tick + 1, second)
+      spare, rings, first_outputs = one_tick(buffers, rings, tick, first)
+      buffers, rings, second_outputs = one_tick(spare, rings, tick + 1, second)
       both = jax.tree.map(lambda a, b: jnp.stack([a, b]), first_outputs, second_outputs)
-      return ((buffers, spare), tick + 2), both
+      return ((buffers, spare), rings, tick + 2), both
 
     in_pairs = jax.tree.map(lambda a: a[:2 * pairs].reshape((pairs, 2) + a.shape[1:]), batch)
     spare = jax.tree.map(jnp.zeros_like, buffers)  # overwritten whole by the first tick
-    ((buffers, _), tick), paired = jax.lax.scan(two_ticks, ((buffers, spare), tick), in_pairs)
+    ((buffers, _), rings, tick), paired = jax.lax.scan(two_ticks, ((buffers, spare), rings, tick),
+                                                       in_pairs)
     outputs.append(jax.tree.map(lambda a: a.reshape((2 * pairs,) + a.shape[2:]), paired))
   if odd:
-    buffers, last_outputs = one_tick(buffers, tick, jax.tree.map(lambda a: a[-1], batch))
+    buffers, rings, last_outputs = one_tick(buffers, rings, tick,
+                                            jax.tree.map(lambda a: a[-1], batch))
     outputs.append(jax.tree.map(lambda a: a[None], last_outputs))
     tick = tick + 1
-  return buffers, tick, jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
+  return buffers, rings, tick, jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
 
 
 def _to_host(array) -> np.ndarray:

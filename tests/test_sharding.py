@@ -289,23 +289,26 @@ def unfused_copy_sizes(hlo_text: str) -> list[int]:
   return sizes
 
 
-def test_mesh_loop_copies_no_weights(eight_devices):
-  """On two devices the compiled loop copies no weight- or momentum-sized buffer.
+@pytest.mark.parametrize("method_name", ["pb", "pipedream"])
+def test_mesh_loop_copies_no_weights(eight_devices, method_name):
+  """On two devices the compiled loop copies no weight- or momentum-sized buffer, nor a delay line.
 
   Carried through ``lax.switch`` and back into the loop's buffers, every weight and momentum was
-  copied once per tick; the loop now alternates between two sets of buffers. The only weight-sized
-  leaves of this model are its 32x32 kernels and their momenta; the other copies XLA keeps
-  (delay lines at b = 1, flags, indices) are smaller.
+  copied once per tick, and so was every delay line, PipeDream's weight stashes included (a stash
+  holds D + 1 copies of a stage's weights). The loop now alternates between two sets of buffers
+  for the weights and writes the one slot a tick changes into each delay line after the switch.
+  The weight-sized leaves of this model are its 32x32 kernels and their momenta, the stashes are
+  several of them; what copies XLA keeps (flags, indices, biases) are smaller.
   """
   width = 32
-  pipe = make_pipeline("pb", b=1, widths=(width,) * 3)  # 6->32, 32->32 | 32->32, 32->4
+  pipe = make_pipeline(method_name, b=1, widths=(width,) * 3)  # 6->32, 32->32 | 32->32, 32->4
   sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]))
   assert sharded.partition == [(0, 2), (2, 4)]
   x, y = make_stream(4, b=1)
   program = sharded._jit_run_full.lower(sharded.init(jax.random.PRNGKey(0)),
                                         sharded.placed_batch(x, y))
   sizes = unfused_copy_sizes(program.compile().as_text())
-  assert sizes and max(sizes) < width * width, sorted(sizes)[-8:]
+  assert max(sizes, default=0) < width * width, sorted(sizes)[-8:]
 
 
 @pytest.mark.parametrize("layout", ["flat", "slots"])
@@ -328,8 +331,18 @@ def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
   if layout == "flat":  # one buffer per family and dtype
     assert set(packed.shared) == {"bool", "float32", "int32"}
     assert set(packed.local) == {"float32", "int32"}
-  else:  # one per state leaf of the largest group
+  else:  # one per state leaf of the largest group; delay lines in buffers of their own
     assert len(packed.shared) + len(packed.local) > 5
+    plan = sharded.packing
+    for layout, (a, z) in zip(plan.body_layouts, sharded.partition):
+      lines = jax.tree.leaves(tuple(st.delay_line for st in state.stages[a:z]))
+      ring_slots = [slot for slot in layout.slots if slot.key in plan.ring_windows]
+      assert len(ring_slots) == len(lines)  # every delay-line leaf, and nothing else
+      assert all(slot.role.ring for slot in ring_slots)
+      for slot in ring_slots:  # the window a tick writes never runs past the buffer
+        row = slot.size // slot.shape[0]
+        assert row <= plan.ring_windows[slot.key]
+        assert slot.size - row + plan.ring_windows[slot.key] <= plan.buffer_sizes[slot.key]
 
 
 def test_mesh_accounting_by_hand(eight_devices):
