@@ -430,6 +430,26 @@ def sharding_speeds(ticks, repeats):
   return rows
 
 
+def sharded_method_passes(names, device_counts=(1, 2, 8)):
+  """Passes per tick of each method's mesh program (the 8x256 MLP, b = 1), over all weights.
+
+  A delay line that a tick rewrote whole, PipeDream's weight stash above all, shows here as
+  passes the 1-device program does not make.
+  """
+  from pipejax import sharding  # only this benchmark needs meshes
+  x, y = stream(4, 1)
+  rows = []
+  for name in names:
+    pipe = Pipeline(mlp_model(), methods.make_method(name, learning_rate=1e-3, momentum=0.9),
+                    x[0], y[0])
+    row = {"method": name, "pipeline_run": pipeline_passes(pipe, x, y)["full"]}
+    for devices in (n for n in device_counts if n <= jax.device_count()):
+      mesh = sharding.make_mesh(devices, 1, jax.devices()[:devices])
+      row[f"{devices}_devices"] = sharded_passes(sharding.ShardedPipeline(pipe, mesh), x, y)
+    rows.append(row)
+  return rows
+
+
 def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
   """ShardedPipeline of two balanced halves (layers/2 layers each) on 2 devices against 1 device.
 
@@ -501,7 +521,8 @@ def main(argv):
       "sharding": lambda: {
           "stage_meshes": sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
           "two_halves": [two_halves_speedup(b, _SAMPLES.value // 16, _REPEATS.value)
-                         for b in (1, 2, 4) if jax.device_count() >= 2]},
+                         for b in (1, 2, 4) if jax.device_count() >= 2],
+          "method_passes": sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
   }
   for name, measure in sections.items():
