@@ -502,6 +502,7 @@ def main(argv):
       "device_count": jax.device_count(),
       "cpu_count": os.cpu_count(),
       "load_average_at_start": os.getloadavg(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),  # fake devices, threading options
       "jax": jax.__version__,
       "python": platform.python_version(),
       "model": f"MLP, {LAYERS} layers of width {WIDTH}, one layer per stage, PB + momentum SGD",
