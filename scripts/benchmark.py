@@ -450,6 +450,58 @@ def sharded_method_passes(names, device_counts=(1, 2, 8)):
   return rows
 
 
+def fake_device_speedup(steps, repeats, width=512, layers=8, b=4):
+  """A chain of ``layers`` products per step in a ``shard_map`` scan: 1 device against 2.
+
+  The control for ``two_halves``: it shows whether this machine's fake devices run their
+  programs in parallel at all. Each step's products depend on one another, so one device has no
+  independent work to overlap; two devices take half the chain each. Variants add the two
+  ``ppermute``s a pipeline tick makes, and a ``lax.switch`` on the device's index around the
+  products, as the mesh's tick has.
+  """
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  def program(devices, exchange, switch):
+    per_device = layers // devices
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("stage",))
+
+    def on_device(w, x):
+      w, x = w[0], x[0]
+
+      def chain(x):
+        for layer in range(per_device):
+          x = jnp.tanh(x @ w[layer])
+        return x
+
+      def step(x, _):
+        x = jax.lax.switch(jax.lax.axis_index("stage"), [chain] * devices, x) if switch \
+            else chain(x)
+        if exchange and devices > 1:
+          ring = [(d, (d + 1) % devices) for d in range(devices)]
+          x = x + jax.lax.ppermute(x, "stage", ring)
+          x = x + jax.lax.ppermute(x, "stage", [(b_, a) for a, b_ in ring])
+        return x, ()
+
+      return jax.lax.scan(step, x, None, length=steps)[0][None]
+
+    run = jax.jit(jax.shard_map(on_device, mesh=mesh, in_specs=(P("stage"), P("stage")),
+                                out_specs=P("stage"), check_vma=False))
+    w = jnp.full((devices, per_device, width, width), 1e-3, jnp.float32)
+    x = jnp.ones((devices, b, width), jnp.float32)
+    run(w, x).block_until_ready()
+    return lambda: run(w, x)
+
+  rows = []
+  for exchange, switch in ((False, False), (True, False), (True, True)):
+    seconds = best_times({1: program(1, exchange, switch), 2: program(2, exchange, switch)},
+                         repeats)
+    rows.append({"exchange": exchange, "switch": switch, "steps": steps,
+                 **{f"{n}_device_ms_per_step": 1e3 * seconds[n][0] / steps for n in (1, 2)},
+                 **{f"{n}_device_cores_busy": seconds[n][1] / seconds[n][0] for n in (1, 2)},
+                 "speedup_2_over_1_device": seconds[1][0] / seconds[2][0]})
+  return rows
+
+
 def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
   """ShardedPipeline of two balanced halves (layers/2 layers each) on 2 devices against 1 device.
 
@@ -523,6 +575,11 @@ def main(argv):
           "stage_meshes": sharding_speeds(_SAMPLES.value // 8, _REPEATS.value),
           "two_halves": [two_halves_speedup(b, _SAMPLES.value // 16, _REPEATS.value)
                          for b in (1, 2, 4) if jax.device_count() >= 2],
+          "two_halves_by_depth": [two_halves_speedup(1, _SAMPLES.value // 16, _REPEATS.value,
+                                                     layers=layers)
+                                  for layers in (4, 16) if jax.device_count() >= 2],
+          "fake_device_control": (fake_device_speedup(3000, _REPEATS.value)
+                                  if jax.device_count() >= 2 else []),
           "method_passes": sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
   }
