@@ -479,7 +479,7 @@ def fake_device_speedup(steps, repeats, width=512, layers=8, b=4):
         if exchange and devices > 1:
           ring = [(d, (d + 1) % devices) for d in range(devices)]
           x = x + jax.lax.ppermute(x, "stage", ring)
-          x = x + jax.lax.ppermute(x, "stage", [(b_, a) for a, b_ in ring])
+          x = x + jax.lax.ppermute(x, "stage", [(dst, src) for src, dst in ring])
         return x, ()
 
       return jax.lax.scan(step, x, None, length=steps)[0][None]
