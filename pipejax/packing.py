@@ -100,7 +100,7 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
   the i-th largest leaf of each (family, dtype) goes to buffer ``f"{slot_prefix}{i}"``, so across
   groups large leaves share buffers with large ones and the padding stays small. Delay lines go to
   buffers of their own, ``f"ring{i}"``, so that a mesh tick can write the one slot it changes
-  (see :attr:`Packing.ring_windows`).
+  (see :attr:`Packing.ring_widths`).
   """
   leaves, treedef = jax.tree.flatten(spec_tree)
   roles = treedef.flatten_up_to(role_tree)
@@ -182,11 +182,11 @@ def ring_windows(buffers, layout: _Layout, tree, tick, widths: dict[BufferKey, i
   for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
     if slot.key not in widths:
       continue
-    index, row, buffer = tick % slot.shape[0], leaf, buffers[slot.key]
+    index, buffer = tick % slot.shape[0], buffers[slot.key]
     if buffer.ndim > 1:
-      windows[slot.key] = (row, index)
+      windows[slot.key] = (leaf, index)
       continue
-    row = row.reshape(-1)
+    row = leaf.reshape(-1)
     start = slot.offset + index * row.size
     if widths[slot.key] > row.size:
       kept = jax.lax.dynamic_slice_in_dim(buffer, start + row.size, widths[slot.key] - row.size)
@@ -256,7 +256,7 @@ class Packing:
   # Delay-line buffers (slots policy) and the width of the window a tick writes into each: the
   # largest slot any group keeps there. A group with smaller slots rewrites the elements after
   # its slot as they were; the buffer is padded so that a window never runs past its end.
-  ring_windows: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
+  ring_widths: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def plan(cls, abstract_state: PipelineState, partition: Sequence[tuple[int, int]],

@@ -378,7 +378,7 @@ class ShardedPipeline(PipelineRunner):
     """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
     carry_shapes = self.packing.carry_shapes()
     buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
-    rings = {k: buffers.pop(k) for k in self.packing.ring_windows}
+    rings = {k: buffers.pop(k) for k in self.packing.ring_widths}
     branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
                 for d in range(self.num_groups)]
     group_index = jax.lax.axis_index(STAGE)
@@ -440,16 +440,16 @@ class ShardedPipeline(PipelineRunner):
       cotangent = packing.read_tree(cotangent_msg, self._cotangent_layouts[d + 1], region_starts)
     reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
-    rings = self.packing.ring_windows
+    ring_widths = self.packing.ring_widths
     group, stage_metrics = self.pipeline.advance_stages(start, group, inbound, cotangent, tick, rng,
                                                         reduce_grads, every_slot_full,
-                                                        delay_line_entries=bool(rings))
+                                                        delay_line_entries=bool(ring_widths))
     body, packet, cotangent_out = packing.split_group(group)
-    windows = packing.ring_windows(buffers, body_layout, body, tick, rings)
-    buffers = packing.write_tree(buffers, body_layout, body, skip=rings)
+    windows = packing.ring_windows(buffers, body_layout, body, tick, ring_widths)
+    buffers = packing.write_tree(buffers, body_layout, body, skip=ring_widths)
     buffers = packing.write_tree(buffers, packet_layout, packet)
     buffers = packing.write_tree(buffers, cotangent_layout, cotangent_out)
-    buffers = {k: v for k, v in buffers.items() if k not in rings}
+    buffers = {k: v for k, v in buffers.items() if k not in ring_widths}
     finite = jnp.stack([m["finite"] for m in stage_metrics])
     finite = jnp.pad(finite, (0, self._max_group - finite.shape[0]))
     if d == self.num_groups - 1:

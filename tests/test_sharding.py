@@ -336,13 +336,13 @@ def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
     plan = sharded.packing
     for layout, (a, z) in zip(plan.body_layouts, sharded.partition):
       lines = jax.tree.leaves(tuple(st.delay_line for st in state.stages[a:z]))
-      ring_slots = [slot for slot in layout.slots if slot.key in plan.ring_windows]
+      ring_slots = [slot for slot in layout.slots if slot.key in plan.ring_widths]
       assert len(ring_slots) == len(lines)  # every delay-line leaf, and nothing else
       assert all(slot.role.ring for slot in ring_slots)
       for slot in ring_slots:  # the window a tick writes never runs past the buffer
         row = slot.size // slot.shape[0]
-        assert row <= plan.ring_windows[slot.key]
-        assert slot.size - row + plan.ring_windows[slot.key] <= plan.buffer_sizes[slot.key]
+        assert row <= plan.ring_widths[slot.key]
+        assert slot.size - row + plan.ring_widths[slot.key] <= plan.buffer_sizes[slot.key]
 
 
 def test_mesh_accounting_by_hand(eight_devices):
