@@ -39,6 +39,8 @@ loop). Divided by the bytes of every stage's weights it is the number of weight-
 tick makes: at micro-batch 1 activations are a rounding error beside the weights. ``copies`` are
 the bytes written by the unfused ``copy`` instructions XLA inserted (loop carries it could not
 update in place), in the same unit; each also reads as much, inside ``bytes_accessed``.
+``operations`` counts the kernels a tick launches (``operations_per_tick``): on a GPU at small
+micro-batches they, not the passes, set the pace.
 """
 
 import functools
@@ -48,7 +50,7 @@ import platform
 import re
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -101,10 +103,15 @@ def resnet20(conv_impl="auto"):
 
 
 def stream(num_ticks, b, shape=(WIDTH,), classes=WIDTH):
+  """Random inputs and labels for ``num_ticks`` micro-batches of ``b``, on the default device.
+
+  Placed there once, so that no timed call copies the stream from the host (on a GPU that copy
+  would cost more than the ticks themselves at small micro-batches).
+  """
   rng = np.random.default_rng(0)
   x = rng.standard_normal((num_ticks, b) + shape, dtype=np.float32)
   y = rng.integers(0, classes, (num_ticks, b), dtype=np.int32)
-  return x, y
+  return jax.device_put(x), jax.device_put(y)
 
 
 def best_times(fns, repeats):
@@ -202,12 +209,67 @@ def copy_bytes(hlo_text):
           + sum(max(per_computation.get(b, 0) for b in branch_set) for branch_set in branch_sets))
 
 
+# Instructions that launch nothing: they name, group or reinterpret buffers other work produced.
+_FREE_OPERATIONS = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast",
+                              "opt-barrier", "after-all", "partition-id", "replica-id"})
+
+
+def operations_per_tick(hlo_text):
+  """Operations of the loop body of a compiled chunk: one tick's kernel launches on a GPU.
+
+  A fusion is one kernel and a library call (a cuBLAS product) is one; a loop inside the tick
+  counts its body and condition, and a conditional itself and its costliest branch (one runs).
+  At small micro-batches a GPU spends its tick launching kernels rather than computing, so this
+  count, not the passes over the weights, sets the pace there. Of several loops the costliest
+  body is the tick.
+  """
+  computations, name = {}, None  # computation -> [(opcode, {role: [callees]})]
+  for line in hlo_text.splitlines():
+    if line.startswith(("%", "ENTRY ")):
+      name = line.split()[1] if line.startswith("ENTRY ") else line.split()[0]
+      computations[name] = []
+      entry = name if line.startswith("ENTRY ") else locals().get("entry")
+    elif name and re.match(r"\s+(ROOT )?%", line):
+      opcode = re.search(r" = .*?\s([a-z][a-z0-9-]*)\(", line)
+      callees = {role: re.findall(r"%[\w.-]+", targets) for role, targets in re.findall(
+          r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
+          r"(\{[^}]*\}|%[\w.-]+)", line)}
+      computations[name].append((opcode.group(1) if opcode else "", callees))
+
+  def count(computation):
+    total = 0
+    for opcode, callees in computations.get(computation, []):
+      called = [c for targets in callees.values() for c in targets]
+      if opcode in _FREE_OPERATIONS:
+        continue
+      if opcode in ("while", "call"):
+        total += sum(count(c) for c in called)
+      elif opcode == "conditional":
+        total += 1 + max((count(c) for c in called), default=0)
+      else:
+        total += 1
+    return total
+
+  def loop_bodies(computation):
+    for opcode, callees in computations.get(computation, []):
+      if opcode == "while":
+        yield from callees.get("body", [])
+      elif opcode in ("call", "conditional"):
+        for targets in callees.values():
+          for c in targets:
+            yield from loop_bodies(c)
+
+  return max((count(body) for body in loop_bodies(entry)), default=count(entry))
+
+
 def passes(compiled, per_pass_bytes):
   """Weight-sized passes of a compiled tick: bytes accessed and copied over the weights' bytes."""
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
+  hlo_text = compiled.as_text()
   return {"bytes_accessed": cost["bytes accessed"] / per_pass_bytes,
-          "copies": copy_bytes(compiled.as_text()) / per_pass_bytes}
+          "copies": copy_bytes(hlo_text) / per_pass_bytes,
+          "operations": operations_per_tick(hlo_text)}
 
 
 def pipeline_passes(pipe, x, y):
@@ -288,6 +350,7 @@ def throughput(b, samples, repeats):
 
 def conv_speeds(b, conv_impl, samples, repeats):
   """ResNet-20 (GroupNorm, 28x28x1, one conv per stage): Pipeline.run against plain optax."""
+  logging.info("conv: %s convolutions at micro-batch %d", conv_impl, b)
   x, y = stream(max(samples // b, 1), b, RESNET_INPUT, classes=10)
   row, _, _ = versus_plain(resnet20(conv_impl), optax.sgd(0.01, momentum=0.9), x, y, repeats,
                            with_jit_step=True)
@@ -585,7 +648,10 @@ def main(argv):
   }
   for name, measure in sections.items():
     if name in _ONLY.value:
+      start = time.perf_counter()
+      logging.info("benchmark %r: started", name)
       result[name] = measure()
+      logging.info("benchmark %r: done in %.0f s", name, time.perf_counter() - start)
       result["load_average_at_end"] = os.getloadavg()
       if _OUTPUT.value:  # after every section, so that a long run keeps what it measured
         with open(_OUTPUT.value, "w") as f:

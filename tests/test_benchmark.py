@@ -75,3 +75,40 @@ def test_the_compiled_tick_keeps_no_copy_of_the_weights(benchmark):
   counted = benchmark.pipeline_passes(pipe, x, y)
   assert counted["full"]["copies"] < 0.1 and counted["filling"]["copies"] < 0.1, counted
   assert counted["full"]["bytes_accessed"] >= 7  # at least what the method must touch
+
+
+def test_operations_per_tick_counts_the_kernels_of_the_loop_body(benchmark):
+  hlo = ("%fused_computation (p: f32[4]) -> f32[4] {\n"
+         "  %p = f32[4]{0} parameter(0)\n"
+         "  %a = f32[4]{0} add(%p, %p)\n"  # inside the fusion: part of its one kernel
+         "  ROOT %m = f32[4]{0} multiply(%a, %a)\n"
+         "}\n"
+         "%cheap (p.1: f32[4]) -> f32[4] {\n"
+         "  ROOT %p.1 = f32[4]{0} parameter(0)\n"
+         "}\n"
+         "%costly (p.2: f32[4]) -> f32[4] {\n"
+         "  %p.2 = f32[4]{0} parameter(0)\n"
+         "  %n = f32[4]{0} negate(%p.2)\n"
+         "  ROOT %e = f32[4]{0} exponential(%n)\n"
+         "}\n"
+         "%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {\n"
+         "  %t = (s32[], f32[4]{0}) parameter(0)\n"
+         "  %i = s32[] get-tuple-element(%t), index=0\n"
+         "  %x = f32[4]{0} get-tuple-element(%t), index=1\n"
+         "  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation\n"
+         "  %d = f32[4]{0} custom-call(%f, %f), custom_call_target=\"__cublas$gemm\"\n"
+         "  %c = f32[4]{0} conditional(%i, %d, %d), branch_computations={%cheap, %costly}\n"
+         "  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %c)\n"
+         "}\n"
+         "%cond (t.1: (s32[], f32[4])) -> pred[] {\n"
+         "  %t.1 = (s32[], f32[4]{0}) parameter(0)\n"
+         "  ROOT %k = pred[] constant(true)\n"
+         "}\n"
+         "ENTRY %main (x.1: f32[4]) -> (s32[], f32[4]) {\n"
+         "  %x.1 = f32[4]{0} parameter(0)\n"
+         "  %z = s32[] constant(0)\n"
+         "  %init = (s32[], f32[4]{0}) tuple(%z, %x.1)\n"
+         "  ROOT %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body\n"
+         "}\n")
+  # The fusion, the library call, the conditional and its costlier branch's two operations.
+  assert benchmark.operations_per_tick(hlo) == 1 + 1 + 1 + 2
