@@ -5,6 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # Eight fake CPU devices, so the multi-device tests run in the same process as the others.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
+# One compilation cache for the run, started empty: the tests start trainer processes that compile
+# the same programs again (a study's runs, a run resumed after a stop), and a cache hit skips that.
+export JAX_COMPILATION_CACHE_DIR="$PWD/.pytest_cache/jax_compilation_cache"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
+rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # One worker per core (at most 4), each test file on one worker so that its module fixtures are
 # built once: the suite is mostly compiling and starting trainer processes, one core at a time.
 exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile "$@"
