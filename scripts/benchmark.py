@@ -82,6 +82,7 @@ _CONV_SAMPLES = flags.DEFINE_integer("conv_samples", 128,
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 
 WIDTH, LAYERS = 256, 8
+SHORTEST_TIMED_CALL_S = 0.05
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
 
 
@@ -129,7 +130,14 @@ def best_times(fns, repeats):
       wall, cpu = time.perf_counter(), time.process_time()
       jax.block_until_ready(fn())
       times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-  return {name: (min(w for w, _ in t), min(c for _, c in t)) for name, t in times.items()}
+  best = {name: (min(w for w, _ in t), min(c for _, c in t)) for name, t in times.items()}
+  too_short = [str(name) for name, (wall, _) in best.items() if wall < SHORTEST_TIMED_CALL_S]
+  if too_short:  # a fast accelerator at the CPU's default sample counts
+    logging.warning(
+        "Timed calls of %s took under %.0f ms each, too short for a steady figure (the call's "
+        "fixed cost weighs in). Give more samples: --samples, or --conv_samples for 'conv'.",
+        ", ".join(too_short), 1000 * SHORTEST_TIMED_CALL_S)
+  return best
 
 
 class Runner:

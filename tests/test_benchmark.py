@@ -1,5 +1,7 @@
 """scripts/benchmark.py's instruments (not its timings): warm-up, pass counts, memory formula."""
 
+import time
+
 from absl import flags
 import jax
 import numpy as np
@@ -112,3 +114,10 @@ def test_operations_per_tick_counts_the_kernels_of_the_loop_body(benchmark):
          "}\n")
   # The fusion, the library call, the conditional and its costlier branch's two operations.
   assert benchmark.operations_per_tick(hlo) == 1 + 1 + 1 + 2
+
+
+def test_best_times_warns_when_a_timed_call_is_too_short(benchmark, caplog):
+  seconds = benchmark.best_times({"quick": lambda: 0, "slow": lambda: time.sleep(0.06)}, 2)
+  assert seconds["slow"][0] >= 0.06 > seconds["quick"][0]
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warned) == 1 and "quick" in warned[0] and "slow" not in warned[0], warned
