@@ -222,6 +222,11 @@ _FREE_OPERATIONS = frozenset({"parameter", "get-tuple-element", "tuple", "consta
                               "opt-barrier", "after-all", "partition-id", "replica-id"})
 
 
+# An instruction's called computations: ``body=%b``, ``branch_computations={%x, %y}``, ...
+_CALLED_COMPUTATIONS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|"
+                                  r"true_computation|false_computation)=(\{[^}]*\}|%[\w.-]+)")
+
+
 def operations_per_tick(hlo_text):
   """Operations of the loop body of a compiled chunk: one tick's kernel launches on a GPU.
 
@@ -231,17 +236,17 @@ def operations_per_tick(hlo_text):
   count, not the passes over the weights, sets the pace there. Of several loops the costliest
   body is the tick.
   """
-  computations, name = {}, None  # computation -> [(opcode, {role: [callees]})]
+  computations, name, entry = {}, None, None  # computation -> [(opcode, {role: [callees]})]
   for line in hlo_text.splitlines():
     if line.startswith(("%", "ENTRY ")):
       name = line.split()[1] if line.startswith("ENTRY ") else line.split()[0]
       computations[name] = []
-      entry = name if line.startswith("ENTRY ") else locals().get("entry")
+      if line.startswith("ENTRY "):
+        entry = name
     elif name and re.match(r"\s+(ROOT )?%", line):
       opcode = re.search(r" = .*?\s([a-z][a-z0-9-]*)\(", line)
-      callees = {role: re.findall(r"%[\w.-]+", targets) for role, targets in re.findall(
-          r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation)="
-          r"(\{[^}]*\}|%[\w.-]+)", line)}
+      callees = {role: re.findall(r"%[\w.-]+", targets)
+                 for role, targets in re.findall(_CALLED_COMPUTATIONS, line)}
       computations[name].append((opcode.group(1) if opcode else "", callees))
 
   def count(computation):
