@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Sequence
@@ -12,14 +11,15 @@ import jax.numpy as jnp
 
 from pipejax.engine import Pipeline, PipelineState
 from pipejax.mesh import MeshError
+from pipejax.schedules.costs import contiguous_split
 
 
 def partition_stages(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:
   """Contiguous groups ``(start, stop)`` of stages minimising the largest group's cost.
 
-  Exact dynamic programme over split points (O(G S^2)); among partitions with the same largest
-  cost it prefers the one whose costliest groups are shortest, so stages that cost nothing are
-  spread rather than piled onto one device.
+  Exact (:func:`pipejax.schedules.costs.contiguous_split`); among partitions with the same
+  largest cost it prefers the one whose costliest groups are shortest, so stages that cost nothing
+  are spread rather than piled onto one device.
 
   Args:
     costs: non-negative cost per logical stage (parameter counts, measured seconds, ...).
@@ -35,26 +35,7 @@ def partition_stages(costs: Sequence[float], num_groups: int) -> list[tuple[int,
   if not 1 <= num_groups <= num_stages:
     raise MeshError(f"Cannot split {num_stages} stages into {num_groups} non-empty groups: the "
                     f"stage axis must have between 1 and {num_stages} devices.")
-  prefix = [0.0] + list(itertools.accumulate(costs))
-  worst = (math.inf, math.inf)
-  # best[g][i]: the best (largest group cost, its length) for the first i stages in g groups.
-  best = [[worst] * (num_stages + 1) for _ in range(num_groups + 1)]
-  split = [[0] * (num_stages + 1) for _ in range(num_groups + 1)]
-  best[0][0] = (0.0, 0)
-  for g in range(1, num_groups + 1):
-    for i in range(g, num_stages - (num_groups - g) + 1):
-      for j in range(g - 1, i):
-        if best[g - 1][j] == worst:
-          continue
-        candidate = max(best[g - 1][j], (prefix[i] - prefix[j], i - j))
-        if candidate < best[g][i]:
-          best[g][i], split[g][i] = candidate, j
-  bounds, stop = [], num_stages
-  for g in range(num_groups, 0, -1):
-    start = split[g][stop]
-    bounds.append((start, stop))
-    stop = start
-  return bounds[::-1]
+  return contiguous_split(costs, num_groups)
 
 
 def imbalance(costs: Sequence[float], partition: Sequence[tuple[int, int]]) -> float:

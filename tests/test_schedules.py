@@ -133,6 +133,8 @@ def test_errors_say_what_to_change():
     simulate("zb", uniform(3), 3)
   with pytest.raises(ScheduleError, match="micro_batches must be >= 1"):
     simulate("gpipe", uniform(3), 3, micro_batches=0)
+  with pytest.raises(ScheduleError, match=r"finite and >= 0; layers \[1\]"):
+    simulate("gpipe", [LayerCost(1, 1, 1), LayerCost(float("nan"), 1, 1)], 2)
 
 
 def test_simulator_imports_no_jax():

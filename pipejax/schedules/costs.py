@@ -10,6 +10,8 @@ until the sample's backward has used it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from typing import Sequence
 
 
@@ -68,9 +70,11 @@ def check_costs(layers: Sequence[LayerCost], num_devices: int):
   if not layers:
     raise ScheduleError("No layer costs given: pass one LayerCost per layer.")
   bad = [i for i, c in enumerate(layers)
-         if min(c.forward, c.input_grad, c.weight_grad, c.transfer) < 0]
+         if not all(math.isfinite(t) and t >= 0
+                    for t in (c.forward, c.input_grad, c.weight_grad, c.transfer))]
   if bad:
-    raise ScheduleError(f"Layer costs must be >= 0; layers {bad} have a negative cost.")
+    raise ScheduleError(f"Layer costs must be finite and >= 0; layers {bad} have a negative, "
+                        "infinite or NaN cost.")
   if num_devices < 1:
     raise ScheduleError(f"Need at least one device; got num_devices={num_devices}.")
   if num_devices > len(layers):
@@ -79,34 +83,41 @@ def check_costs(layers: Sequence[LayerCost], num_devices: int):
         "Use fewer devices, or more (finer) layers.")
 
 
-def balanced_split(layers: Sequence[LayerCost], num_devices: int) -> list[tuple[int, int]]:
-  """Contiguous ``[begin, end)`` layer ranges, one per device, minimizing the largest F + B + W.
+def contiguous_split(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:
+  """Contiguous ``(start, stop)`` groups of ``costs``, none empty, minimizing the largest sum.
 
-  Dynamic programming over (layers, devices): the usual PipeDream / GPipe stage assignment. Ties
-  go to the split that puts more layers early.
+  An exact dynamic programme over split points (O(G S^2)), the usual PipeDream / GPipe stage
+  assignment. Among splits with the same largest sum it takes the one whose costliest groups are
+  shortest, so items that cost nothing are spread rather than piled onto one group. The caller
+  checks its inputs: finite costs >= 0 and 1 <= num_groups <= len(costs).
   """
+  num_items = len(costs)
+  prefix = [0.0] + list(itertools.accumulate(float(c) for c in costs))
+  worst = (math.inf, math.inf)
+  # best[g][i]: the best (largest group sum, that group's length) for the first i items in g groups.
+  best = [[worst] * (num_items + 1) for _ in range(num_groups + 1)]
+  split = [[0] * (num_items + 1) for _ in range(num_groups + 1)]
+  best[0][0] = (0.0, 0)
+  for g in range(1, num_groups + 1):
+    for i in range(g, num_items - (num_groups - g) + 1):
+      for j in range(g - 1, i):
+        if best[g - 1][j] == worst:
+          continue
+        candidate = max(best[g - 1][j], (prefix[i] - prefix[j], i - j))
+        if candidate < best[g][i]:
+          best[g][i], split[g][i] = candidate, j
+  bounds, stop = [], num_items
+  for g in range(num_groups, 0, -1):
+    start = split[g][stop]
+    bounds.append((start, stop))
+    stop = start
+  return bounds[::-1]
+
+
+def balanced_split(layers: Sequence[LayerCost], num_devices: int) -> list[tuple[int, int]]:
+  """Contiguous ``[begin, end)`` layer ranges, one per device, minimizing the largest F + B + W."""
   check_costs(layers, num_devices)
-  n = len(layers)
-  prefix = [0.0]
-  for c in layers:
-    prefix.append(prefix[-1] + c.total)
-  inf = float("inf")
-  # best[k][i]: the smallest possible largest load when layers [0, i) go to k devices.
-  best = [[inf] * (n + 1) for _ in range(num_devices + 1)]
-  cut = [[0] * (n + 1) for _ in range(num_devices + 1)]
-  best[0][0] = 0.0
-  for k in range(1, num_devices + 1):
-    for i in range(k, n + 1):
-      for j in range(k - 1, i):
-        load = max(best[k - 1][j], prefix[i] - prefix[j])
-        if load < best[k][i] - 1e-12:
-          best[k][i], cut[k][i] = load, j
-  ranges, end = [], n
-  for k in range(num_devices, 0, -1):
-    begin = cut[k][end]
-    ranges.append((begin, end))
-    end = begin
-  return ranges[::-1]
+  return contiguous_split([c.total for c in layers], num_devices)
 
 
 def fixed_split(num_layers: int, layers_per_stage: int) -> list[tuple[int, int]]:
