@@ -134,7 +134,10 @@ def load_study(spec: str) -> Study:
   if not hasattr(module, "get_study"):
     raise StudyError(f"{path} defines no get_study(arg); a study file returns a "
                      "pipejax.study.Study from get_study (see configs/studies/depth.py).")
-  study = module.get_study(arg or None)
+  try:
+    study = module.get_study(arg or None)
+  except ValueError as e:  # the study files' way of refusing an unknown variant
+    raise StudyError(f"{path}: {e}") from None
   if not isinstance(study, Study):
     raise StudyError(f"{path}: get_study returned {type(study).__name__}, not a Study.")
   for run in study.runs():
@@ -467,9 +470,11 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   else:
     raise StudyError(f"Table kind {table.kind!r} is not one of 'mean', 'gap', 'stability'.")
   # Points whose every run was skipped: a smaller value of the swept key already failed.
+  # Keyed by JSON text, as _key is: an axis's values may be lists (a model's hidden widths).
+  point_of = lambda row, column: (json.dumps(row), json.dumps(column))
   status_by_point = {}
   for rec in records:
-    point = (rec["overrides"].get(table.rows), rec["overrides"].get(table.columns))
+    point = point_of(rec["overrides"].get(table.rows), rec["overrides"].get(table.columns))
     status_by_point.setdefault(point, set()).add(rec["status"])
   skipped = {p for p, statuses in status_by_point.items() if statuses == {SKIPPED}}
   header = f"| {table.rows} | " + " | ".join(str(c) for c in columns) + " |"
@@ -477,7 +482,7 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   for r in rows:
     entries = [format_cell(_lookup(grouped, {table.rows: r, table.columns: c}), table.scale,
                            signed=table.kind == "gap")
-               if (r, c) not in skipped else "not run (failed below)" for c in columns]
+               if point_of(r, c) not in skipped else "not run (failed below)" for c in columns]
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
   return "\n".join(lines)
 

@@ -81,6 +81,20 @@ def _log_tail(path: str, size: int = 4000) -> str:
     return ""
 
 
+def _stop_trainers(processes, timeout: float = 120.0) -> None:
+  """SIGTERM to each trainer still running (it saves a checkpoint and exits), then waits."""
+  for process in processes:
+    if process.poll() is None:
+      process.send_signal(signal.SIGTERM)
+  deadline = time.time() + timeout
+  for process in processes:
+    try:
+      process.wait(max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+
+
 def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
               where: dict[str, str] | None = None) -> int:
   """Runs every run not yet done (of those matching ``where``); returns the number that failed."""
@@ -110,63 +124,69 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
     return (f"[{finished}/{len(planned)} done, {len(running)} running, {failed} failed, "
             f"ETA {eta}]")
 
-  while (todo or running) and not (stop.requested and not running):
-    while todo and len(running) < parallel and not stop.requested:
-      overrides = todo.pop(0)
-      rid = study_lib.run_id(overrides)
-      failed_at = study_lib.failed_below(study, done.values(), overrides)
-      if failed_at is not None:
-        record = study_lib.skipped_record(study, overrides, failed_at)
+  try:
+    while (todo or running) and not (stop.requested and not running):
+      while todo and len(running) < parallel and not stop.requested:
+        overrides = todo.pop(0)
+        rid = study_lib.run_id(overrides)
+        failed_at = study_lib.failed_below(study, done.values(), overrides)
+        if failed_at is not None:
+          record = study_lib.skipped_record(study, overrides, failed_at)
+          study_lib.append_result(workdir, record)
+          done[rid] = record
+          already_done += 1
+          print(f"{status_line()} skipped {rid}: {record['reason']}", flush=True)
+          continue
+        run_dir = os.path.join(workdir, "runs", rid)
+        os.makedirs(run_dir, exist_ok=True)
+        argv = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+                f"--config={os.path.join(ROOT, study.config)}", f"--workdir={run_dir}",
+                *study_lib.trainer_flags(study, overrides)]
+        log_path = os.path.join(run_dir, "log.txt")
+        with open(log_path, "ab") as log:
+          log.write(f"$ {shlex.join(argv)}\n".encode())
+          process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=ROOT, start_new_session=True)
+        running[rid] = (process, overrides, time.time(), log_path)
+        print(f"{status_line()} started {rid}", flush=True)
+      if stop.requested:
+        for process, *_ in running.values():
+          if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+      time.sleep(0.5)
+      for rid, (process, overrides, start, log_path) in list(running.items()):
+        if process.poll() is None:
+          continue
+        del running[rid]
+        wall = time.time() - start
+        tail = _log_tail(log_path)
+        if stop.requested or process.returncode == EXIT_STOPPED:
+          print(f"{status_line()} stopped {rid} (resumes on rerun)", flush=True)
+          continue
+        record = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),
+                                           process.returncode, wall, tail)
         study_lib.append_result(workdir, record)
         done[rid] = record
-        already_done += 1
-        print(f"{status_line()} skipped {rid}: {record['reason']}", flush=True)
-        continue
-      run_dir = os.path.join(workdir, "runs", rid)
-      os.makedirs(run_dir, exist_ok=True)
-      argv = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-              f"--config={os.path.join(ROOT, study.config)}", f"--workdir={run_dir}",
-              *study_lib.trainer_flags(study, overrides)]
-      log_path = os.path.join(run_dir, "log.txt")
-      with open(log_path, "ab") as log:
-        log.write(f"$ {shlex.join(argv)}\n".encode())
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=ROOT, start_new_session=True)
-      running[rid] = (process, overrides, time.time(), log_path)
-      print(f"{status_line()} started {rid}", flush=True)
-    if stop.requested:
-      for process, *_ in running.values():
-        if process.poll() is None:
-          process.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    for rid, (process, overrides, start, log_path) in list(running.items()):
-      if process.poll() is None:
-        continue
-      del running[rid]
-      wall = time.time() - start
-      tail = _log_tail(log_path)
-      if stop.requested or process.returncode == EXIT_STOPPED:
-        print(f"{status_line()} stopped {rid} (resumes on rerun)", flush=True)
-        continue
-      record = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),
-                                         process.returncode, wall, tail)
-      study_lib.append_result(workdir, record)
-      done[rid] = record
-      durations.append(wall)
-      if record["status"] == study_lib.FAILED:
-        failed += 1
-        last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
-        print(f"{status_line()} FAILED {rid} (exit {process.returncode}, log {log_path}): "
-              f"{last_line[0][:300]}", flush=True)
-      else:
-        accuracy = record.get("test_accuracy")
-        result = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
-        print(f"{status_line()} {record['status']} {rid}: {result} ({_duration(wall)})",
-              flush=True)
-      study_lib.write_report(study, workdir, command)
-    if running and time.time() - last_status > 120:
-      last_status = time.time()
-      print(f"{status_line()} running for {_duration(time.time() - started_at)}", flush=True)
+        durations.append(wall)
+        if record["status"] == study_lib.FAILED:
+          failed += 1
+          last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
+          print(f"{status_line()} FAILED {rid} (exit {process.returncode}, log {log_path}): "
+                f"{last_line[0][:300]}", flush=True)
+        else:
+          accuracy = record.get("test_accuracy")
+          result = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
+          print(f"{status_line()} {record['status']} {rid}: {result} ({_duration(wall)})",
+                flush=True)
+        study_lib.write_report(study, workdir, command)
+      if running and time.time() - last_status > 120:
+        last_status = time.time()
+        print(f"{status_line()} running for {_duration(time.time() - started_at)}", flush=True)
+  except BaseException:
+    # The study itself failed (a bug, a full disk). Its trainers run in sessions of their own and
+    # would go on unwatched, their results never recorded: ask each to checkpoint and stop.
+    _stop_trainers([process for process, *_ in running.values()])
+    raise
   study_lib.write_report(study, workdir, command)
   print(f"{status_line()} report: {os.path.join(workdir, 'report.md')}", flush=True)
   return failed

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +96,20 @@ def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
   assert lines[-1] == "| 16 | — | not run (failed below) |"
 
 
+def test_tables_take_list_valued_axes_as_results_jsonl_gives_them_back():
+  # A tuple override (a model's hidden widths) comes back from results.jsonl as a list.
+  widths = Study(name="t", config="c.py", grids=[{"model_kwargs.hidden": ((8,), (8, 8)),
+                                                  "method": ("sgd", "pb"), "seed": (0,)}],
+                 tables=[Table("acc", rows="model_kwargs.hidden", columns="method")])
+  records = [{"run": f"{m}{h}", "overrides": {"model_kwargs.hidden": list(h), "method": m,
+                                              "seed": 0},
+              "status": study_lib.FINISHED, "test_accuracy": acc, "fixed": {}, "config": "c.py"}
+             for m, h, acc in [("sgd", (8,), 0.9), ("pb", (8,), 0.8), ("sgd", (8, 8), 0.7)]]
+  lines = study_lib.markdown_table(widths, records, widths.tables[0]).splitlines()
+  assert lines[2] == "| [8] | 90.00 (1 seed) | 80.00 (1 seed) |"
+  assert lines[3] == "| [8, 8] | 70.00 (1 seed) | — |"
+
+
 def test_a_failed_run_is_retried_and_a_finished_one_is_not():
   finished = record("pb", 8, 0, 0.8)
   failed = dict(finished, status=study_lib.FAILED)
@@ -115,6 +130,8 @@ def test_results_survive_a_line_cut_short(tmp_path):
 def test_a_missing_study_file_is_a_clear_error():
   with pytest.raises(study_lib.StudyError, match="No study file"):
     study_lib.load_study("configs/studies/nope.py")
+  with pytest.raises(study_lib.StudyError, match=r"depth.py: Unknown study argument 'smok'"):
+    study_lib.load_study(os.path.join(ROOT, "configs", "studies", "depth.py:smok"))
 
 
 def test_every_study_file_loads_with_its_smoke_variant():
@@ -156,6 +173,28 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert again.returncode == 0 and "9 already done, 0 to run" in again.stdout
   assert len(study_lib.read_results(str(workdir))) == 9
+
+
+def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
+  """The trainers run in sessions of their own: a crashing study must not leave them running."""
+  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
+  study_script = load_script("scripts/study.py")
+  polite = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').write('saved'),"
+            " sys.exit(75)))\n"
+            "open(sys.argv[1] + '.up', 'w').close()\n"
+            "time.sleep(60)\n")
+  deaf = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "open(sys.argv[1] + '.up', 'w').close(); time.sleep(60)")
+  polite_process = subprocess.Popen([sys.executable, "-c", polite, str(tmp_path / "a")],
+                                    start_new_session=True)
+  deaf_process = subprocess.Popen([sys.executable, "-c", deaf, str(tmp_path / "b")],
+                                  start_new_session=True)
+  while not ((tmp_path / "a.up").exists() and (tmp_path / "b.up").exists()):
+    time.sleep(0.05)
+  study_script._stop_trainers([polite_process, deaf_process], timeout=3)
+  assert polite_process.returncode == 75 and (tmp_path / "a").read_text() == "saved"
+  assert deaf_process.returncode == -9  # killed once the timeout passed
 
 
 def test_cli_adds_model_keywords_and_names_misspelt_keys(tmp_path):
