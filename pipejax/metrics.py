@@ -46,6 +46,7 @@ class MetricsWriter:
       self._rewrite(kept)
     elif os.path.exists(self.path):
       self._rewrite([])
+    self._kept = {(r.get("split"), r.get("samples")) for r in kept}
     self._file = open(self.path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the trainer needs it
     tensorboard_dir = os.path.join(workdir, "tensorboard")
@@ -64,6 +65,10 @@ class MetricsWriter:
       for r in records:
         f.write(json.dumps(r) + "\n")
     os.replace(tmp, self.path)
+
+  def has_record(self, split: str, samples: int) -> bool:
+    """Whether a ``split`` record at ``samples`` was kept from before a resume."""
+    return self.enabled and (split, samples) in self._kept
 
   def write(self, split: str, samples: int, **scalars) -> None:
     if not self.enabled:

@@ -426,7 +426,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   def evaluate_now():
     stages = setup.logical(state).stages
     result = evaluate([st.params for st in stages], test_source, [st.variables for st in stages])
-    writer.write("test", samples, **result)
+    # A rerun of a run killed after its final evaluation (and before summary.json) evaluates the
+    # same state again: its record is already there, kept by the resume.
+    if not writer.has_record("test", samples):
+      writer.write("test", samples, **result)
     logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
                  result["accuracy"])
     return result
@@ -490,27 +493,29 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
            "resolved.lr": hp.learning_rate, "resolved.momentum": hp.momentum,
            "resolved.weight_decay": hp.weight_decay},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
-  writer.close()
-  if primary and stopped_by is None:
-    # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
-    metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
-                          os.path.join(workdir, "curves.png"),
-                          title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
-  checkpointer.close()
-  summary = {
-      "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
-      "method": config.method, "model": config.model, "dataset": config.dataset,
-      "micro_batch_size": b, "num_stages": pipe.num_stages,
-      "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
-      "learning_rate": hp.learning_rate, "momentum": hp.momentum,
-      "train_seconds": seconds_before + time.perf_counter() - start_time,
-      "test_accuracy": None if test_result is None else test_result["accuracy"],
-      "test_loss": None if test_result is None else test_result["loss"],
-      **_run_facts(workdir),
-  }
-  if primary:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    # Still under the stop request: a SIGTERM while the run writes its last files must not kill
+    # it between its final checkpoint and summary.json (the run has finished; it exits 0).
+    writer.close()
+    if primary and stopped_by is None:
+      # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
+      metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+                            os.path.join(workdir, "curves.png"),
+                            title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
+    checkpointer.close()
+    summary = {
+        "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
+        "method": config.method, "model": config.model, "dataset": config.dataset,
+        "micro_batch_size": b, "num_stages": pipe.num_stages,
+        "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+        "learning_rate": hp.learning_rate, "momentum": hp.momentum,
+        "train_seconds": seconds_before + time.perf_counter() - start_time,
+        "test_accuracy": None if test_result is None else test_result["accuracy"],
+        "test_loss": None if test_result is None else test_result["loss"],
+        **_run_facts(workdir),
+    }
+    if primary:
+      with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
   return summary
 
 

@@ -29,12 +29,16 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
              "--config.ticks_per_chunk=100", "--config.checkpoint_every_samples=200",
              "--config.eval_every_samples=500")
+
+
+# Measured, not computed: they differ between any two runs, interrupted or not.
+TIMING_FIELDS = frozenset({"samples_per_second"})
 
 
 def command(workdir):
@@ -58,6 +62,12 @@ def checkpoints(workdir):
   return os.path.join(workdir, "checkpoints")
 
 
+def comparable_records(workdir):
+  """The run's metrics records without the fields that measure time."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
+
+
 def result(workdir):
   """What a finished run produced: final state digest (verified), summary numbers, metrics."""
   from pipejax import checkpoint  # pylint: disable=g-import-not-at-top
@@ -66,7 +76,7 @@ def result(workdir):
   step = saver.latest_step()
   state, meta = saver.restore(step, _like_state())  # raises if the digest does not match
   summary = json.load(open(os.path.join(workdir, "summary.json")))
-  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  records = comparable_records(workdir)
   saver.close()
   del jax
   return {"step": step, "digest": checkpoint.state_digest(state, meta["data_position"]),
@@ -240,4 +250,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore of the judge's at INFO
   app.run(main)

@@ -181,6 +181,49 @@ def test_rerunning_a_finished_run_reports_it_and_changes_no_file(finished, tmp_p
   assert set(summary["versions"]) == {"pipejax", "jax", "jaxlib"} and summary["device"]
 
 
+def test_a_run_killed_before_its_summary_finishes_with_one_final_test_record(finished, tmp_path):
+  workdir = copy_of(finished, tmp_path)
+  os.remove(os.path.join(workdir, "summary.json"))  # killed after its final evaluation
+  records = metrics_lib.read_records(workdir)
+  summary = training.train_and_evaluate(digits_config(), workdir)
+  assert metrics_lib.read_records(workdir) == records  # no second final test record
+  assert (summary["test_accuracy"], summary["test_loss"]) == (finished[1]["test_accuracy"],
+                                                             finished[1]["test_loss"])
+
+
+def test_a_sigterm_while_the_run_writes_its_last_files_lets_it_finish(tmp_path, monkeypatch):
+  original = metrics_lib.plot_runs
+
+  def plot_and_get_signalled(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # with the default handler, this would kill the run
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(metrics_lib, "plot_runs", plot_and_get_signalled)
+  workdir = str(tmp_path / "run")
+  summary = training.train_and_evaluate(digits_config(), workdir)
+  assert summary["stopped_by"] is None and summary["samples"] == summary["total_samples"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f)["test_accuracy"] == summary["test_accuracy"]
+
+
+def test_chaos_judges_runs_by_their_numbers_not_their_timing(finished, tmp_path):
+  """scripts/chaos.py's comparison: a rerun's records differ from the reference's in speed only."""
+  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
+  chaos = load_script("scripts/chaos.py")
+  workdir = copy_of(finished, tmp_path)
+  records = metrics_lib.read_records(workdir)
+  assert any("samples_per_second" in r for r in records)
+
+  def rewrite(change):
+    with open(os.path.join(workdir, metrics_lib.METRICS_FILE), "w") as f:
+      f.writelines(json.dumps(change(dict(r))) + "\n" for r in records)
+
+  rewrite(lambda r: {**r, "samples_per_second": 1.0} if "samples_per_second" in r else r)
+  assert chaos.comparable_records(workdir) == chaos.comparable_records(finished[0])
+  rewrite(lambda r: {**r, "loss": r["loss"] + 1e-6} if r["split"] == "test" else r)
+  assert chaos.comparable_records(workdir) != chaos.comparable_records(finished[0])
+
+
 # ------------------------------------------------------------------ 5. environment failures
 
 def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
