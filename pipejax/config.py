@@ -150,11 +150,20 @@ def parse_flags(argv: list[str]) -> list[str]:
   config_arg = next((a.split("=", 1)[1] for a in kept if a.startswith("--config=")), None)
   if config_arg and not os.path.isfile(config_arg.partition(":")[0]):
     _exit(_describe_config_error(FileNotFoundError(config_arg), kept))
+  if config_arg:
+    # Loaded here first: config_flags would wrap the file's own error (an unknown variant, a
+    # syntax error) in a traceback of its parser.
+    try:
+      _load_config_file(config_arg)
+    except Exception as e:  # noqa: BLE001 - whatever the file raises, say it in one line
+      detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+      _exit(f"The config {config_arg!r} could not be loaded: {kind}{detail}")
   try:
     rest = flags.FLAGS(kept)
     config = flags.FLAGS.config
   except flags.Error as e:
-    _exit(f"{e}. Run with --helpfull for the flags.")
+    _exit(f"{str(e).rstrip('.')}. Run with --helpfull for the flags.")
   except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
     _exit(_describe_config_error(e, kept))
   if model_kwargs:

@@ -43,7 +43,10 @@ def make_mesh(stage: int, data: int = 1, devices: Sequence[jax.Device] | None = 
     raise MeshError(
         f"A mesh of stage={stage} x data={data} needs {stage * data} devices, but there are "
         f"{count} ({_describe_devices(devices)}). Choose mesh.stage * mesh.data = {count}: "
-        f"{', '.join(fits[:4])}{', ...' if len(fits) > 4 else ''}.")
+        f"{', '.join(fits[:4])}{', ...' if len(fits) > 4 else ''}."
+        + (f" To try a mesh on one CPU, give it fake devices: set XLA_FLAGS="
+           f"--xla_force_host_platform_device_count={stage * data} before starting Python."
+           if all(d.platform == "cpu" for d in devices) and stage * data > count else ""))
   grid = np.array(devices, dtype=object).reshape(stage, data)
   if devices == list(jax.devices()):
     try:  # the physical topology's order on TPU and GPU

@@ -405,10 +405,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   if primary:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(_to_plain(config), f, indent=2, default=str)
-  logging.info("Model: %d stages; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
+  logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
                "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
-               "samples.", pipe.num_stages, config.method, b, hp.learning_rate, hp.momentum,
-               hp.weight_decay, hp.steps, hp.warmup_steps, pipe.delays, total_samples)
+               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method, b,
+               hp.learning_rate, hp.momentum, hp.weight_decay, hp.steps, hp.warmup_steps,
+               pipe.delays, total_samples)
 
   start_time = time.perf_counter()
 

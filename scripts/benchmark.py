@@ -58,7 +58,7 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import accounting, engine, methods, models
+from pipejax import accounting, cli, engine, methods, models
 from pipejax.engine import Pipeline
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding"]
@@ -673,4 +673,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

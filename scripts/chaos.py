@@ -31,6 +31,8 @@ import time
 
 from absl import app, flags, logging
 
+from pipejax import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
              "--config.ticks_per_chunk=100", "--config.checkpoint_every_samples=200",
@@ -251,4 +253,4 @@ def main(argv):
 
 if __name__ == "__main__":
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore of the judge's at INFO
-  app.run(main)
+  cli.run(main)

@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from pipejax import metrics
+from pipejax import cli, metrics
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
 _LABELS = flags.DEFINE_list("labels", None, "Legend labels (default: the workdirs' names).")
@@ -152,4 +152,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

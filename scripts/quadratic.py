@@ -30,6 +30,7 @@ from typing import Sequence
 from absl import app
 from absl import flags
 
+from pipejax import cli
 from pipejax.analysis import quadratic
 
 _FORMAT = flags.DEFINE_enum("format", "text", ["text", "json", "markdown"],
@@ -215,11 +216,14 @@ def main(argv: Sequence[str]) -> None:
       print(f"{DOCS_PATH} is out of date: run `python scripts/quadratic.py --write_docs`.",
             file=sys.stderr)
       sys.exit(1)
+    if _CHECK_DOCS.value:
+      print(f"{DOCS_PATH} is up to date.", file=sys.stderr)
     if _WRITE_DOCS.value:
       figures = write_figures(FIGURES_DIR, methods)
       with open(DOCS_PATH, "w", encoding="utf-8") as f:
         f.write(current)
       print(f"wrote {DOCS_PATH} and {len(figures)} figures in {FIGURES_DIR}", file=sys.stderr)
 
+
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

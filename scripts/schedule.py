@@ -30,7 +30,7 @@ import math
 
 from absl import app, flags
 
-from pipejax import accounting, schedules
+from pipejax import accounting, cli, schedules
 
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 4, "Number of pipeline stages (devices).")
 _TICKS = flags.DEFINE_integer("ticks", None, "Tick grid: ticks to show (default 3 S, or two "
@@ -411,4 +411,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

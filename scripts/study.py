@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags, logging
 
+from pipejax import cli
 from pipejax import study as study_lib
 
 _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/depth.py[:smoke].")
@@ -224,4 +225,4 @@ def main(argv):
 
 if __name__ == "__main__":
   logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  cli.run(main)

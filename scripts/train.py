@@ -6,6 +6,7 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
 
     python scripts/train.py --config=configs/default.py --workdir=runs/mesh \
         --config.mesh.stage=2 --config.mesh.data=1          # stages over 2 devices
+    # (on a CPU, fake the devices: XLA_FLAGS=--xla_force_host_platform_device_count=2 python ...)
 
 A workdir that holds a checkpoint is resumed. SIGTERM or Ctrl-C saves a checkpoint and exits;
 rerunning the same command continues bit-exactly where it stopped. A finished workdir is reported
@@ -29,6 +30,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
+from pipejax import cli
 from pipejax import config as configlib
 from pipejax import training
 
@@ -91,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=configlib.parse_flags)
+  cli.run(main, flags_parser=configlib.parse_flags)

@@ -432,6 +432,17 @@ def test_config_key_typo_is_one_line_naming_the_closest_field(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+def test_unknown_config_variant_is_one_line_naming_the_known_ones(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+       f"--config={os.path.join(ROOT, 'configs', 'default.py')}:smok",
+       f"--workdir={tmp_path / 'run'}"],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode == 2
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith("error: The config ") and "'smok'; known: smoke." in line
+
+
 def test_a_bare_optimizer_key_names_both_the_recipe_and_the_micro_batch_field():
   # `--config.lr` was the per-micro-batch rate once; a user typing it means one of the two.
   from pipejax import config as config_lib

@@ -160,6 +160,8 @@ def test_partition_errors_say_what_is_wrong():
 def test_make_mesh_with_the_wrong_device_count_is_a_clear_error():
   with pytest.raises(MeshError, match=r"stage=2 x data=2 needs 4 devices, but there are 1"):
     sharding.make_mesh(2, 2, jax.devices()[:1])
+  with pytest.raises(MeshError, match=r"XLA_FLAGS=--xla_force_host_platform_device_count=4 "):
+    sharding.make_mesh(2, 2, jax.devices("cpu")[:1])
   with pytest.raises(MeshError, match="mesh.data must be an integer >= 1"):
     sharding.make_mesh(1, 0, jax.devices()[:1])
 
