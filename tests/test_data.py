@@ -339,14 +339,21 @@ def test_tfds_missing_data_set_is_downloaded_and_a_failed_download_explained(
   asked = []
 
   def download_and_prepare(builder, *args, **kwargs):
-    # What a machine without internet sees: the host name does not resolve.
+    # What a machine without internet sees: the host name does not resolve, after tfds has
+    # made its temporary download and build directories.
     asked.append((builder.name, builder.data_dir))
+    (tmp_path / "downloads" / "cs.toronto.edu_cifar10.tmp.1a2b").mkdir(parents=True)
+    (tmp_path / "cifar10" / "3.0.2.incomplete7").mkdir(parents=True)
     raise ConnectionError("Failed to resolve 'storage.googleapis.com'")
 
+  (tmp_path / "downloads" / "manual").mkdir(parents=True)  # the user's own: must stay
+  (tmp_path / "mnist").mkdir()
   monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download_and_prepare)
   with pytest.raises(data.DataError) as info:
     data.load("cifar10", data_dir=tmp_path)
   assert asked and asked[0][0] == "cifar10" and asked[0][1].startswith(str(tmp_path))
+  left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  assert left == ["downloads", "downloads/manual", "mnist"], "the failed attempt left files"
   message = str(info.value)
   assert "downloading and building it here failed: ConnectionError: Failed to resolve" in message
   assert "tfds build cifar10 --file_format=array_record" in message and str(tmp_path) in message

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 import numpy as np
 
@@ -176,13 +177,42 @@ class TfdsSource(Source):
 
 
 def _download_and_open(tfds, name: str, split: str, data_dir: str | None, read_error: Exception):
+  root = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
+  existing = _top_entries(root)
   try:
     tfds.builder(name, data_dir=data_dir, file_format="array_record").download_and_prepare()
     return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
   except Exception as e:  # pylint: disable=broad-except
     # No internet, no TensorFlow, a full disk, a manual download tfds cannot do: the message
-    # names the cause and the way round it.
+    # names the cause and the way round it, and the attempt leaves nothing behind.
+    _remove_new_entries(root, existing)
     raise DataError(_not_prepared_message(name, split, data_dir, read_error, False, e)) from e
+
+
+def _top_entries(root: str) -> set[str] | None:
+  """The paths one and two levels under ``root`` (tfds' ``downloads/...`` and ``NAME/VERSION``);
+  None when ``root`` does not exist."""
+  if not os.path.isdir(root):
+    return None
+  entries = set()
+  for name in os.listdir(root):
+    path = os.path.join(root, name)
+    entries.add(path)
+    if os.path.isdir(path):
+      entries.update(os.path.join(path, child) for child in os.listdir(path))
+  return entries
+
+
+def _remove_new_entries(root: str, existing: set[str] | None) -> None:
+  """Removes what a failed download created under ``root``; never what was there before."""
+  if existing is None:
+    shutil.rmtree(root, ignore_errors=True)
+    return
+  for path in sorted(_top_entries(root) - existing, key=len, reverse=True):
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+      os.remove(path)
 
 
 def load_tfds(name: str, *, data_dir: str | os.PathLike | None = None,
