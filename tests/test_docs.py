@@ -8,6 +8,7 @@ tests.
 
 import ast
 import glob
+import importlib
 import importlib.util
 import json
 import os
@@ -379,6 +380,28 @@ def test_readme_python_examples_run():
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
   assert "forward_params" in namespace
+
+
+def _modules_with_examples(skip_packages=("pipejax.optim", "pipejax.schedules")):
+  """Every pipejax module whose docstrings hold doctest examples (the skipped packages run
+  theirs in tests/test_transforms.py and tests/test_schedules.py)."""
+  names = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True)):
+    with open(path) as f:
+      if ">>> " not in f.read():
+        continue
+    module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    if not module.startswith(skip_packages):
+      names.append(module)
+  return names
+
+
+@pytest.mark.parametrize("module_name", _modules_with_examples())
+def test_docstring_examples_run(module_name):
+  import doctest  # pylint: disable=import-outside-toplevel
+  result = doctest.testmod(importlib.import_module(module_name),
+                           optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0
 
 
 def test_ci_runs_exactly_the_readme_test_command():

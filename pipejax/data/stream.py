@@ -73,10 +73,14 @@ class DataStream:
       in which case examples are prepared by ``source.fit``.
 
   Example:
-    >>> train, test = pipejax.data.load("digits")
+    >>> from pipejax import data
+    >>> train, test = data.load("digits")
     >>> stream = DataStream(train, batch_size=4, seed=0)
-    >>> inputs, labels = stream.next_chunk(16)   # (16, 4, 8, 8, 1) float32, (16, 4) int32
-    >>> saved = stream.get_state()                # {"epoch": 0, "index_in_epoch": 64, ...}
+    >>> inputs, labels = stream.next_chunk(16)
+    >>> inputs.shape, inputs.dtype, labels.shape
+    ((16, 4, 8, 8, 1), dtype('float32'), (16, 4))
+    >>> stream.get_state()
+    {'epoch': 0, 'index_in_epoch': 64, 'seed': 0, 'num_examples': 1437}
   """
 
   def __init__(self, source: Source, batch_size: int, seed: int, augment: Augment | None = None):
