@@ -143,10 +143,14 @@ def _all_collections(params, variables: Variables) -> dict:
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array):
-  """Mean cross-entropy over the micro-batch, with accuracy as a metric."""
+  """Mean cross-entropy over the micro-batch, with accuracy as a metric.
+
+  ``labels`` holds one class per row of ``logits`` but the last axis: ``(b,)`` for ``(b, C)``
+  logits, ``(b, T)`` for per-token ``(b, T, C)`` ones; both are averaged over every label.
+  """
   logits = logits.astype(jnp.float32)
   log_probs = jax.nn.log_softmax(logits)
-  nll = -jnp.take_along_axis(log_probs, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  nll = -jnp.take_along_axis(log_probs, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   accuracy = jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))
   return jnp.mean(nll), {"accuracy": accuracy}
 

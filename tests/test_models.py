@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import pipejax
@@ -528,3 +529,15 @@ def test_every_registered_name_builds_with_its_defaults_and_is_documented(name):
   assert len({stage.name for stage in model.stages}) == model.num_stages  # names label metrics
   # build()'s docstring lists what a config may name ('cifar_resnet20' (32, 44, ...) once).
   assert f"'{name.rstrip('0123456789')}" in models.build.__doc__, name
+
+
+@pytest.mark.parametrize("label_shape", [(4,), (4, 3)])
+def test_the_default_loss_is_optax_cross_entropy_over_every_label(label_shape):
+  # (4,) labels for (4, 10) logits, and per-token (4, 3) labels for (4, 3, 10) logits.
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.standard_normal(label_shape + (10,)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 10, label_shape), jnp.int32)
+  loss, metrics = pipejax.softmax_cross_entropy(logits, labels)
+  expected = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  np.testing.assert_allclose(metrics["accuracy"], jnp.mean(jnp.argmax(logits, -1) == labels))
