@@ -213,6 +213,16 @@ class Model:
             f"{source} produces {_fmt(x)}, which {self.stage_label(s)} cannot take: {first_line}. "
             "Change one of the two stages so the output of the first fits the input of the "
             "second.") from None
+      # The engine moves each micro-batch's samples through the delay lines together, and the
+      # loss averages over them: a stage that merges or splits samples would train silently wrong.
+      batch = jax.tree.leaves(input_shapes[0] if input_shapes else x)[0].shape[0]
+      changed = [tuple(a.shape) for a in jax.tree.leaves(y) if a.shape[:1] != (batch,)]
+      if changed:
+        raise ModelError(
+            f"{self.stage_label(s)} turns a micro-batch of {batch} into outputs of shape "
+            f"{changed[0]}: every output of a stage must keep the leading micro-batch axis "
+            f"({batch}), one row per sample. Reshape within each sample, e.g. "
+            "x.reshape(x.shape[0], -1).")
       params_shapes.append(p)
       input_shapes.append(x)
       x = y

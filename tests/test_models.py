@@ -541,3 +541,15 @@ def test_the_default_loss_is_optax_cross_entropy_over_every_label(label_shape):
   expected = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
   np.testing.assert_allclose(loss, expected, rtol=1e-6)
   np.testing.assert_allclose(metrics["accuracy"], jnp.mean(jnp.argmax(logits, -1) == labels))
+
+
+def test_a_stage_that_merges_samples_is_refused():
+  class Flatten(nn.Module):  # (b, 8) -> (1, 8 b): mixes the micro-batch's samples
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(10)(x.reshape(1, -1))
+
+  model = pipejax.Model([pipejax.from_flax(nn.Dense(8)), pipejax.from_flax(Flatten())])
+  with pytest.raises(pipejax.ModelError, match=r"turns a micro-batch of 4 into outputs of shape "
+                     r"\(1, 10\): every output of a stage must keep the leading micro-batch axis"):
+    model.trace_shapes(jax.random.PRNGKey(0), jnp.zeros((4, 5)))
