@@ -620,6 +620,13 @@ class Pipeline(PipelineRunner):
         raise PipelineError("run() takes inputs and labels with a leading time axis (ticks, b, "
                             "...); use tick() for a single micro-batch.")
       lead = (np.shape(leaves[0])[0],)
+      if valid is None and self.method.micro_batches_per_step is not None:
+        raise PipelineError(
+            f"The synchronous method steps every M = {self.method.micro_batches_per_step} "
+            "micro-batches with the pipeline's fill and drain in between; a stream fed tick by "
+            "tick without them trains asynchronously instead. Lay the stream out first: "
+            "inputs, labels, valid = pipe.schedule(inputs, labels); pipe.run(state, inputs, "
+            "labels, valid).")
     for what, got, want in (("inputs", inputs, self.example_inputs),
                             ("labels", labels, self.example_labels)):
       got_spec = _spec(got)

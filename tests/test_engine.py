@@ -297,3 +297,14 @@ def test_every_backends_compiler_option_is_one_xla_knows(backend):
   with pytest.raises(Exception, match="No such compile option"):
     jax.jit(lambda x: x + 1, compiler_options={option + "_typo": True}).lower(
         jnp.ones(3)).compile()
+
+
+def test_synchronous_stream_without_its_bubbles_is_refused():
+  model = make_model()
+  x, y = make_stream(8, 1)
+  pipe = Pipeline(model, CASES["sync"][0](), x[0], y[0])
+  with pytest.raises(PipelineError,
+                     match=r"inputs, labels, valid = pipe.schedule\(inputs, labels\)"):
+    pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
+  scheduled = pipe.schedule(x, y)
+  pipe.run(pipe.init(jax.random.PRNGKey(0)), *scheduled)  # laid out, it runs
