@@ -21,6 +21,8 @@ needed, a weight view.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Callable
 
 import optax
@@ -264,6 +266,22 @@ def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay
   if horizon is not None and horizon < 0:
     raise MethodError(f"The prediction horizon must be >= 0 (or None for the stage's delay); "
                       f"got {horizon}.")
+  given = {"learning_rate": learning_rate, "weight_decay": weight_decay, "b2": b2, "eps": eps,
+           "gamma": gamma, "anneal_steps": anneal_steps, "dc_strength": dc_strength}
+  for key, value in given.items():
+    if key == "learning_rate" and callable(value):
+      continue  # an optax schedule
+    if value is None or isinstance(value, (str, bytes)):
+      raise MethodError(f"make_method: {key} must be a number; got {value!r} "
+                        f"({type(value).__name__}).")
+    if not isinstance(value, numbers.Real):
+      continue  # a jax array: checked, if concrete, by the transformation that takes it
+    # Here rather than in the transformation that uses it, which would only complain (or train
+    # on NaN, or ascend) once the pipeline is built and run.
+    below_one = key in ("b2", "gamma")
+    if not (0 <= value < 1 if below_one else 0 <= value < math.inf):
+      raise MethodError(f"make_method: {key} must be in {'[0, 1)' if below_one else '[0, inf)'}; "
+                        f"got {value!r}.")
   return _PRESETS[name](Hyperparameters(
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       micro_batches=micro_batches, horizon=horizon, anneal_steps=anneal_steps, gamma=gamma,

@@ -136,11 +136,18 @@ def test_unknown_method_lists_the_known_ones():
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
     ({"horizon": -1}, "horizon must be >= 0"),
     ({"micro_batches": 0}, "micro_batches >= 1"),
+    ({"learning_rate": -0.1}, r"learning_rate must be in \[0, inf\); got -0.1"),
+    ({"learning_rate": float("nan")}, r"learning_rate must be in \[0, inf\); got nan"),
+    ({"learning_rate": "0.1"}, "learning_rate must be a number; got '0.1' \\(str\\)"),
+    ({"weight_decay": -1.0}, r"weight_decay must be in \[0, inf\)"),
+    ({"optimizer": "adam", "b2": 1.0}, r"b2 must be in \[0, 1\)"),
+    ({"gamma": 1.5}, r"gamma must be in \[0, 1\)"),
+    ({"anneal_steps": -5}, r"anneal_steps must be in \[0, inf\)"),
 ])
 def test_bad_hyperparameters_are_clear_errors(kwargs, message):
   name = "sync" if "micro_batches" in kwargs else "pb_lwp"
   with pytest.raises(methods.MethodError, match=message):
-    methods.make_method(name, learning_rate=0.1, **kwargs)
+    methods.make_method(name, **{"learning_rate": 0.1, **kwargs})
 
 
 @pytest.mark.parametrize("name", ["pb_sc_lwp", "pipedream"])
