@@ -156,6 +156,17 @@ _REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
                            "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
 
 
+def raw_key(rng) -> jax.Array:
+  """The uint32 key a state keeps, from a raw key (``jax.random.PRNGKey``), a typed one
+  (``jax.random.key``) or an int seed: the state's layout must not depend on which one a user
+  has."""
+  if isinstance(rng, (int, np.integer)):
+    return jax.random.PRNGKey(rng)
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(rng)
+  return rng
+
+
 def _all_finite(tree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
             if jnp.issubdtype(a.dtype, jnp.inexact)]
@@ -356,7 +367,7 @@ class Pipeline(PipelineRunner):
     Empty slots hold ``fill_value`` (floating leaves; integer leaves hold 0) and are flagged
     invalid. Tests fill them with NaN to prove that nothing empty ever reaches weights or metrics.
     """
-    param_key, run_key = jax.random.split(rng)
+    param_key, run_key = jax.random.split(raw_key(rng))
     keys = jax.random.split(param_key, self.num_stages)
 
     def filled(spec, leading=()):

@@ -228,7 +228,7 @@ class ShardedPipeline(PipelineRunner):
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
     """``pack(pipeline.init(rng, fill_value))``: the same initial state as one device."""
-    return self.pack(self._jit_init(rng, jnp.float32(fill_value)))
+    return self.pack(self._jit_init(engine.raw_key(rng), jnp.float32(fill_value)))
 
   def pack(self, state: PipelineState) -> PackedState:
     """Lays a logical :class:`PipelineState` out over the mesh (works in multi-process runs).

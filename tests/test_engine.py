@@ -308,3 +308,12 @@ def test_synchronous_stream_without_its_bubbles_is_refused():
     pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
   scheduled = pipe.schedule(x, y)
   pipe.run(pipe.init(jax.random.PRNGKey(0)), *scheduled)  # laid out, it runs
+
+
+def test_init_takes_typed_keys_raw_keys_and_seeds_alike():
+  x, y = make_stream(4, 1)
+  pipe = Pipeline(make_model(), CASES["pb"][0](), x[0], y[0])
+  states = [pipe.init(key) for key in (jax.random.PRNGKey(3), jax.random.key(3), 3)]
+  for state in states[1:]:
+    jax.tree.map(np.testing.assert_array_equal, state, states[0])
+  pipe.run(states[1], x, y)  # a state made from a typed key is this pipeline's own
