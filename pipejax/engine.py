@@ -284,6 +284,13 @@ class Pipeline(PipelineRunner):
   track_weight_discrepancy: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.model, Model):
+      raise PipelineError(f"model must be a pipejax.Model (pipejax.Model([stage, ...])); got "
+                          f"{type(self.model).__name__}.")
+    if not isinstance(self.method, Method):
+      raise PipelineError(
+          f"method must be a pipejax Method, e.g. methods.make_method('pb', learning_rate=0.01) or "
+          f"methods.pb(optax.sgd(0.01, momentum=0.9)); got {type(self.method).__name__}.")
     inputs, labels = _canonical(_spec(self.example_inputs)), _canonical(_spec(self.example_labels))
     batch_sizes = {a.shape[0] if a.shape else None for a in jax.tree.leaves((inputs, labels))}
     if len(batch_sizes) != 1 or None in batch_sizes:
@@ -298,6 +305,14 @@ class Pipeline(PipelineRunner):
     object.__setattr__(self, "example_inputs", inputs)
     object.__setattr__(self, "example_labels", labels)
     params, stage_inputs = self.model.trace_shapes(jax.random.PRNGKey(0), inputs)
+    for s, stage_params in enumerate(params):
+      for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+          raise PipelineError(
+              f"{self.model.stage_label(s)} has a trainable parameter "
+              f"{jax.tree_util.keystr(path)} of dtype {jnp.dtype(leaf.dtype).name}; gradients "
+              "and updates need floating weights. Keep integer constants out of the params: in "
+              "the stage's closure, or as a stateful stage's variables.")
     object.__setattr__(self, "_params_shapes", params)
     object.__setattr__(self, "_stage_inputs", stage_inputs)
     self._check_loss()
@@ -349,12 +364,18 @@ class Pipeline(PipelineRunner):
   def _check_loss(self):
     last_out = self._last_stage_output()
     try:
-      loss, _ = jax.eval_shape(self.model.loss, last_out, self.example_labels)
+      result = jax.eval_shape(self.model.loss, last_out, self.example_labels)
     except Exception as e:
       raise PipelineError(
           f"The loss cannot take the last stage's output {_describe(last_out)} with labels "
           f"{_describe(self.example_labels)}: {str(e).strip().splitlines()[0]}. Check the "
           "number of classes of the last stage and the labels' shape.") from None
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+      raise PipelineError(
+          "The loss must return a pair (scalar loss, dict of scalar metrics), e.g. "
+          "(jnp.mean(nll), {'accuracy': accuracy}) or (loss, {}); it returned "
+          f"{_describe(result)}.")
+    loss, _ = result
     if loss.shape != ():
       raise PipelineError(f"The loss must return a scalar (mean over the micro-batch); it "
                           f"returned shape {loss.shape}.")
@@ -631,6 +652,13 @@ class Pipeline(PipelineRunner):
         raise PipelineError("run() takes inputs and labels with a leading time axis (ticks, b, "
                             "...); use tick() for a single micro-batch.")
       lead = (np.shape(leaves[0])[0],)
+      counts = {what: {np.shape(a)[0] for a in jax.tree.leaves(tree)}
+                for what, tree in (("inputs", inputs), ("labels", labels))}
+      if counts["inputs"] | counts["labels"] != set(lead):
+        raise PipelineError(
+            f"The inputs have {sorted(counts['inputs'])} ticks and the labels "
+            f"{sorted(counts['labels'])} (the leading axis): run() takes one micro-batch of "
+            "each per tick. Give both the same number of ticks.")
       if valid is None and self.method.micro_batches_per_step is not None:
         raise PipelineError(
             f"The synchronous method steps every M = {self.method.micro_batches_per_step} "
@@ -651,8 +679,9 @@ class Pipeline(PipelineRunner):
               f"The {what} have shape {tuple(g.shape)} {jnp.dtype(g.dtype).name} but the pipeline "
               f"was built for {expected}"
               + (" (ticks, micro-batch, ...)" if ticks else " (micro-batch, ...)")
-              + ". Reshape or cast the batch (e.g. .astype(np.float32)), or build the pipeline "
-              "for this shape.")
+              + f". Reshape or cast the {what} (e.g. .astype(np.{jnp.dtype(w.dtype).name})), or "
+              "build the pipeline for this shape. Example inputs and labels of 64-bit types are "
+              "recorded as 32-bit ones, as JAX keeps them.")
     if valid is None:
       valid = np.ones(lead, bool)
     valid = jnp.asarray(valid, bool)

@@ -262,10 +262,21 @@ def test_wrong_batch_shape_or_dtype_is_a_clear_error():
     pipe.run(state, np.zeros((4, 3, IN_DIM), np.float32), y)
   with pytest.raises(PipelineError, match=r"inputs have shape \(4, 2, 6\) float64"):
     pipe.run(state, x.astype(np.float64), y)
-  with pytest.raises(PipelineError, match=r"labels have shape \(2,\) float32"):
+  with pytest.raises(PipelineError, match=r"labels have shape \(2,\) float32.*"
+                     r"cast the labels \(e.g. .astype\(np.int32\)\)"):
     pipe.tick(state, x[0], y[0].astype(np.float32))
   with pytest.raises(PipelineError, match="leading time axis"):
     pipe.run(state, np.float32(1.0), np.int32(0))
+  with pytest.raises(PipelineError, match=r"inputs have \[4\] ticks and the labels \[3\]"):
+    pipe.run(state, x, y[:3])
+
+
+def test_a_model_or_method_of_the_wrong_kind_is_named():
+  x, y = make_stream(1, 2)
+  with pytest.raises(PipelineError, match="method must be a pipejax Method.*got GradientTransf"):
+    Pipeline(make_model(), optax.sgd(LR), x[0], y[0])
+  with pytest.raises(PipelineError, match=r"model must be a pipejax.Model.*got list"):
+    Pipeline(list(make_model().stages), methods.pb(optax.sgd(LR)), x[0], y[0])
 
 
 def test_wrong_number_of_classes_is_a_clear_error():
@@ -274,6 +285,22 @@ def test_wrong_number_of_classes_is_a_clear_error():
   y = np.zeros((2, 5), np.int32)  # labels of the wrong rank for cross-entropy
   with pytest.raises(PipelineError, match="loss cannot take"):
     Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y)
+
+
+def test_a_loss_without_its_metrics_dict_is_named():
+  x, y = make_stream(1, 2)
+  bare = lambda logits, labels: pipejax.softmax_cross_entropy(logits, labels)[0]
+  model = pipejax.Model(make_model().stages, loss=bare)
+  with pytest.raises(PipelineError, match=r"must return a pair \(scalar loss, dict of scalar"):
+    Pipeline(model, methods.pb(optax.sgd(LR)), x[0], y[0])
+
+
+def test_an_integer_parameter_is_named_with_its_stage():
+  x, y = make_stream(1, 2)
+  counted = pipejax.Stage(lambda rng, x: {"w": jnp.zeros((IN_DIM, 3)), "n": jnp.array(3)},
+                          lambda p, x, rng: x @ p["w"] + p["n"])
+  with pytest.raises(PipelineError, match=r"trainable parameter \['n'\] of dtype int32"):
+    Pipeline(pipejax.Model([counted]), methods.pb(optax.sgd(LR)), x[0], y[0])
 
 
 def test_batchnorm_stage_is_refused_at_micro_batch_one_only():
