@@ -156,6 +156,12 @@ _REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
                            "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
 
 
+DONATED_STATE_MESSAGE = (
+    "The state passed in was donated to an earlier run() call, which freed its buffers. Use the "
+    "state that call returned (state, metrics = pipe.run(state, ...)), or keep a copy "
+    "(jax.tree.map(jnp.copy, state)) before running if you need the old one.")
+
+
 def raw_key(rng) -> jax.Array:
   """The uint32 key a state keeps, from a raw key (``jax.random.PRNGKey``), a typed one
   (``jax.random.key``) or an int seed: the state's layout must not depend on which one a user
@@ -703,10 +709,7 @@ class Pipeline(PipelineRunner):
     """
     leaves = jax.tree.leaves(state)
     if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
-      raise PipelineError(
-          "The state passed in was donated to an earlier run() call, which freed its buffers. "
-          "Use the state that call returned (state, metrics = pipe.run(state, ...)), or keep a "
-          "copy (jax.tree.map(jnp.copy, state)) before running if you need the old one.")
+      raise PipelineError(DONATED_STATE_MESSAGE)
     want = self._state_spec
     if jax.tree.structure(state) != jax.tree.structure(want) or any(
         np.shape(a) != w.shape or jnp.result_type(a) != w.dtype

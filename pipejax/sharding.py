@@ -238,6 +238,7 @@ class ShardedPipeline(PipelineRunner):
     if len(state.stages) != self.num_stages:
       raise PipelineError(f"The state has {len(state.stages)} stages; this pipeline has "
                           f"{self.num_stages}.")
+    self.pipeline.check_state(state)
     host = {k: np.zeros(self._global_shape(k), np.dtype(k[1])) for k in self._buffer_sizes}
     for d, (a, z) in enumerate(self.partition):
       parts = packing.split_group(state.stages[a:z])
@@ -262,6 +263,27 @@ class ShardedPipeline(PipelineRunner):
     shared, local = self._families(buffers)
     return PackedState(shared, local, self._to_global(np.asarray(state.tick), self._replicated),
                        self._to_global(np.asarray(state.rng), self._replicated))
+
+  def check_state(self, packed: PackedState) -> None:
+    """Refuses a logical state, a state of another mesh or pipeline, or one a run consumed."""
+    if isinstance(packed, PipelineState):
+      raise PipelineError("This is a logical PipelineState; a ShardedPipeline runs the packed "
+                          "state of its init(), or sharded.pack(state) of a logical one.")
+    if not isinstance(packed, PackedState):
+      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.pack(); got "
+                          f"{type(packed).__name__}.")
+    if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
+      raise PipelineError(engine.DONATED_STATE_MESSAGE)
+    names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
+             for family in (SHARED, LOCAL)}
+    fits = set(packed.shared) == names[SHARED] and set(packed.local) == names[LOCAL] and all(
+        tuple(a.shape) == self._global_shape(k) for k, a in self._by_key(packed).items())
+    if not fits:
+      raise PipelineError(
+          "The state does not belong to this sharded pipeline: its buffers differ from this "
+          "mesh's and partition's (another pipeline, mesh or partition made it). Use this "
+          "pipeline's init(), or unpack() the state with the pipeline that made it and pack() "
+          "it here.")
 
   def unpack(self, packed: PackedState) -> PipelineState:
     """The logical :class:`PipelineState` (for checkpoints and comparisons).
@@ -311,6 +333,7 @@ class ShardedPipeline(PipelineRunner):
     every device (readable in every process): ``loss`` and the loss's metrics averaged over the
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
+    self.check_state(packed)
     if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
       # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
       batch = Batch(inputs, labels, valid)

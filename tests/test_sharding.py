@@ -381,6 +381,24 @@ def test_mesh_accounting_by_hand(eight_devices):
     assert all(row["allocated"] == allocated >= row["logical"] for row in memory)
 
 
+def test_mesh_run_refuses_a_state_it_cannot_run(eight_devices):
+  pipe = make_pipeline("pb")
+  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]))
+  other = ShardedPipeline(pipe, sharding.make_mesh(4, 1, eight_devices[:4]))
+  x, y = make_stream(4)
+  key = jax.random.PRNGKey(0)
+  with pytest.raises(PipelineError, match=r"logical PipelineState.*sharded.pack\(state\)"):
+    sharded.run(pipe.init(key), x, y)
+  with pytest.raises(PipelineError, match="does not belong to this sharded pipeline"):
+    sharded.run(other.init(key), x, y)
+  with pytest.raises(PipelineError, match="does not belong to this pipeline"):
+    sharded.pack(make_pipeline("pb", widths=(6, 7, 3, 9, 4, 6, 8, 5)).init(key))
+  state = sharded.init(key)
+  sharded.run(state, x, y)
+  with pytest.raises(PipelineError, match="donated to an earlier run"):
+    sharded.run(state, x, y)
+
+
 def test_mesh_errors_say_how_to_fix_them(eight_devices):
   with pytest.raises(MeshError, match=r"stage=4 x data=4 needs 16 devices, but there are 8"):
     sharding.make_mesh(4, 4, eight_devices)
