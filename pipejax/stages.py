@@ -98,6 +98,16 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
   :class:`pipejax.models.online_norm.OnlineNorm` does; flax's BatchNorm needs
   ``use_running_average=True`` for that).
   """
+  from flax import linen as nn  # pylint: disable=import-outside-toplevel  # only here
+  if isinstance(module, type) and issubclass(module, nn.Module):
+    raise ModelError(f"from_flax takes a module instance, e.g. from_flax({module.__name__}(...)) "
+                     f"with its arguments; got the class {module.__name__} itself.")
+  if not isinstance(module, nn.Module):
+    raise ModelError(f"from_flax takes a flax linen module (e.g. nn.Dense(10)); got "
+                     f"{type(module).__name__}. Wrap a plain function as pipejax.Stage(init, "
+                     "forward).")
+  if isinstance(input_shape, int):
+    input_shape = (input_shape,)
   stage_name = name or type(module).__name__
 
   def init_all(rng, x):
@@ -167,6 +177,9 @@ class Model:
   loss: LossFn = softmax_cross_entropy
 
   def __post_init__(self):
+    if isinstance(self.stages, Stage):
+      raise ModelError("Model takes a list of stages, e.g. Model([stage]) for a single one; got "
+                       "one Stage.")
     object.__setattr__(self, "stages", tuple(self.stages))
     if not self.stages:
       raise ModelError("A model needs at least one stage (got S = 0). Pass a non-empty list of "

@@ -553,3 +553,14 @@ def test_a_stage_that_merges_samples_is_refused():
   with pytest.raises(pipejax.ModelError, match=r"turns a micro-batch of 4 into outputs of shape "
                      r"\(1, 10\): every output of a stage must keep the leading micro-batch axis"):
     model.trace_shapes(jax.random.PRNGKey(0), jnp.zeros((4, 5)))
+
+
+def test_from_flax_and_model_name_what_they_take():
+  with pytest.raises(pipejax.ModelError, match=r"from_flax\(Dense\(...\)\) with its arguments"):
+    pipejax.from_flax(nn.Dense)
+  with pytest.raises(pipejax.ModelError, match="takes a flax linen module.*got function"):
+    pipejax.from_flax(lambda x: x)
+  with pytest.raises(pipejax.ModelError, match=r"Model\(\[stage\]\) for a single one"):
+    pipejax.Model(pipejax.from_flax(nn.Dense(3)))
+  stage = pipejax.from_flax(nn.Dense(3), input_shape=5)  # an int is one axis
+  assert stage.input_shape == (5,)
