@@ -630,8 +630,11 @@ class Pipeline(PipelineRunner):
     Asynchronous methods take one micro-batch per tick. The synchronous mode feeds groups of M
     followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
     """
-    leaves = jax.tree.leaves((inputs, labels))
-    count = leaves[0].shape[0]
+    counts = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves((inputs, labels))}
+    if len(counts) != 1 or None in counts:
+      raise PipelineError(f"schedule() takes inputs and labels with one leading axis of K "
+                          f"micro-batches each; their leading axes are {sorted(counts, key=str)}.")
+    (count,) = counts
     m = self.method.micro_batches_per_step
     if m is None:
       return inputs, labels, np.ones((count,), bool)

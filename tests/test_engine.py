@@ -269,6 +269,8 @@ def test_wrong_batch_shape_or_dtype_is_a_clear_error():
     pipe.run(state, np.float32(1.0), np.int32(0))
   with pytest.raises(PipelineError, match=r"inputs have \[4\] ticks and the labels \[3\]"):
     pipe.run(state, x, y[:3])
+  with pytest.raises(PipelineError, match=r"K micro-batches each; their leading axes are \[3, 4\]"):
+    pipe.schedule(x, y[:3])
 
 
 def test_a_model_or_method_of_the_wrong_kind_is_named():

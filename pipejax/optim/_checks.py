@@ -36,6 +36,8 @@ def check_range(value: Any, name: str, owner: str, *, low: float | None = None,
     low_open: exclude ``low`` itself.
     high_open: exclude ``high`` itself.
   """
+  if isinstance(value, (str, bytes)):  # a number typed as text, e.g. read from a file
+    raise ValueError(f'{owner}: {name} must be a number, got the string {value!r}.')
   if not is_concrete_number(value):
     return
   too_low = low is not None and (value <= low if low_open else value < low)
