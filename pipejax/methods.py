@@ -86,8 +86,10 @@ def sync(optimizer, micro_batches: int) -> Method:
   micro-batch gradients, and no stage's weights change while a group is in flight because the
   2(S-1) empty ticks between groups let every backward finish first.
   """
-  if not isinstance(micro_batches, int) or micro_batches < 1:
+  if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or \
+      micro_batches < 1:
     raise MethodError(f"sync needs micro_batches >= 1 (the M of GPipe); got {micro_batches!r}.")
+  micro_batches = int(micro_batches)  # a NumPy integer too
   per_stage = _per_stage(optimizer)
 
   def accumulate(delay):

@@ -132,6 +132,11 @@ def test_unknown_method_lists_the_known_ones():
     methods.make_method("pb_magic", learning_rate=0.1)
 
 
+def test_sync_takes_a_numpy_integer_group_size():
+  method = methods.make_method("sync", learning_rate=0.1, micro_batches=np.int64(4))
+  assert method.micro_batches_per_step == 4 and type(method.micro_batches_per_step) is int
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
     ({"horizon": -1}, "horizon must be >= 0"),

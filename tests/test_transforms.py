@@ -702,6 +702,8 @@ BAD_INPUTS = {
     'sc negative delay': (lambda: spike_compensation(-1, 0.9), r'delay must be in \[0, inf\)'),
     'sc momentum 1': (lambda: spike_compensation(2, 1.0), r'momentum must be in \[0, 1\)'),
     'sc negative momentum': (lambda: spike_compensation(2, -0.1), 'momentum'),
+    'spike coefficients momentum 1': (lambda: spike_coefficients(2, 1.0),
+                                      r'momentum must be in \[0, 1\)'),
     'sc delay as text': (lambda: spike_compensation('2', 0.9),
                          "delay must be a number, got the string '2'"),
     'sgd_sc momentum': (lambda: sgd_sc(0.1, 2, 1.5), 'momentum'),

@@ -56,6 +56,8 @@ def spike_coefficients(delay: Any, momentum: Any) -> tuple[Any, Any]:
     >>> spike_coefficients(2, 0.5)
     (0.25, 1.5)
   """
+  _checks.check_range(momentum, 'momentum', 'spike_coefficients', low=0, high=1, high_open=True)
+  _checks.check_range(delay, 'delay', 'spike_coefficients', low=0)
   a = momentum**delay
   b = (1 - a) / (1 - momentum)
   return a, b
