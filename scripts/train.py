@@ -54,15 +54,23 @@ flags.mark_flags_as_required(["config", "workdir"])
 EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 
 
-class _HideOrbaxChatter:
-  """orbax logs every file it renames at INFO; keep its warnings, drop the rest."""
+class _HideLibraryChatter:
+  """Keeps the libraries' warnings, drops their INFO lines that say nothing to a user: orbax's
+  one per file it renames, and JAX's "Unable to initialize backend 'tpu'" on a machine
+  without one."""
 
   def filter(self, record):
-    return record.levelno >= 30 or "/orbax/" not in record.pathname
+    if record.levelno >= 30:
+      return True
+    if "/orbax/" in record.pathname:
+      return False
+    return not record.getMessage().startswith("Unable to initialize backend")
 
 
 def main(argv):
-  logging.get_absl_handler().addFilter(_HideOrbaxChatter())
+  logging.get_absl_handler().addFilter(_HideLibraryChatter())
+  # The first line of the log: scripts/study.py times a run's setup from it.
+  logging.info("pipejax training: %s", " ".join(sys.argv[1:]))
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:

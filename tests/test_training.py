@@ -91,6 +91,9 @@ def sigterm_midway_and_resume(tmp_path, overrides):
   straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True,
                             env=env, timeout=300)
   assert straight.returncode == 0, straight.stderr[-2000:]
+  # The log starts with the run's own line, without the libraries' INFO chatter.
+  assert "] pipejax training: --config=" in straight.stderr.splitlines()[0]
+  assert "Unable to initialize backend" not in straight.stderr and "/orbax/" not in straight.stderr
 
   victim = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
