@@ -12,7 +12,9 @@ PyTree = Any
 
 
 def _check_num_stages(num_stages: int):
-  if not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
+  if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)):
+    raise ValueError(f"num_stages must be an int (the number of stages S); got {num_stages!r}.")
+  if num_stages < 1:
     raise ValueError(f"A pipeline needs at least one stage; got num_stages={num_stages!r}.")
 
 

@@ -346,3 +346,11 @@ def test_init_takes_typed_keys_raw_keys_and_seeds_alike():
   for state in states[1:]:
     jax.tree.map(np.testing.assert_array_equal, state, states[0])
   pipe.run(states[1], x, y)  # a state made from a typed key is this pipeline's own
+
+
+def test_accounting_names_a_stage_count_that_is_not_an_int():
+  assert accounting.stage_delays(3) == [4, 2, 0]
+  with pytest.raises(ValueError, match=r"num_stages must be an int .*got 2.0"):
+    accounting.stage_delays(2.0)
+  with pytest.raises(ValueError, match="at least one stage; got num_stages=0"):
+    accounting.stage_delays(0)

@@ -715,6 +715,8 @@ BAD_INPUTS = {
     'adam delay': (lambda: adam_sc(0.1, -1), 'delay'),
     'adam eps': (lambda: scale_by_adam_sc(2, eps=-1.0), 'eps'),
     'lwp horizon': (lambda: linear_weight_prediction(optax.sgd(0.1), -1), 'horizon'),
+    'lwp uncalled factory': (lambda: linear_weight_prediction(optax.sgd, 2),
+                             r'did you mean sgd\(...\), called with its arguments'),
     'lwp form': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, form='both'), 'form'),
     'lwp velocity without lr': (
         lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2, form='velocity'),

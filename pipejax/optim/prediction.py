@@ -108,6 +108,11 @@ def linear_weight_prediction(
   if form not in _FORMS:
     raise ValueError(f'{owner}: form must be one of {_FORMS}, got {form!r}.')
   _checks.check_range(horizon, 'horizon', owner, low=0)
+  if not isinstance(inner, optax.GradientTransformation):
+    hint = (f' (did you mean {inner.__name__}(...), called with its arguments?)'
+            if callable(inner) else '')
+    raise ValueError(f'{owner}: inner must be an optax GradientTransformation, e.g. '
+                     f'optax.sgd(0.1, momentum=0.9); got {type(inner).__name__}{hint}.')
   if form != 'update':
     if learning_rate is None:
       raise ValueError(f"{owner}: form={form!r} needs the inner learning_rate (a float or "
