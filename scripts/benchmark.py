@@ -394,6 +394,26 @@ def method_speeds(names, samples, repeats):
   return rows
 
 
+def tick_time_fit(rows, target=0.85):
+  """A line through the methods' tick times (b = 1) against their compiled passes per tick.
+
+  ``fixed_us`` is what a tick costs whatever its weight traffic, ``us_per_pass`` what one more
+  pass over the weights costs; ``extra_passes_at_target`` is how many passes more than ``pb``
+  a method may make and still run at ``target`` of its speed (docs/performance.md §3).
+  """
+  passes = np.array([r["passes_per_tick"]["full"]["bytes_accessed"] for r in rows])
+  micros = np.array([1e6 / r["samples_per_s"] for r in rows])  # one sample a tick at b = 1
+  us_per_pass, fixed_us = np.polyfit(passes, micros, 1)
+  fit = {"fixed_us": float(fixed_us), "us_per_pass": float(us_per_pass),
+         "largest_residual_us": float(np.abs(micros - (fixed_us + us_per_pass * passes)).max())}
+  pb = next((p for r, p in zip(rows, passes) if r["method"] == "pb"), None)
+  if pb is not None:
+    allowed = (fixed_us + us_per_pass * pb) / target
+    fit["extra_passes_at_target"] = float((allowed - fixed_us) / us_per_pass - pb)
+    fit["target"] = target
+  return fit
+
+
 NORMALIZED_MODELS = {  # name -> (builder, its kwargs, input shape, normalizations)
     "default MLP 784-256-128-10": ("mlp", {"hidden": (256, 128)}, (28, 28, 1),
                                    (None, "layer", "online")),
@@ -664,6 +684,8 @@ def main(argv):
       start = time.perf_counter()
       logging.info("benchmark %r: started", name)
       result[name] = measure()
+      if name == "methods" and len(result[name]) >= 2:
+        result["methods_tick_fit"] = tick_time_fit(result[name])
       logging.info("benchmark %r: done in %.0f s", name, time.perf_counter() - start)
       result["load_average_at_end"] = os.getloadavg()
       if _OUTPUT.value:  # after every section, so that a long run keeps what it measured

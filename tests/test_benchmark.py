@@ -121,3 +121,15 @@ def test_best_times_warns_when_a_timed_call_is_too_short(benchmark, caplog):
   assert seconds["slow"][0] >= 0.06 > seconds["quick"][0]
   warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
   assert len(warned) == 1 and "quick" in warned[0] and "slow" not in warned[0], warned
+
+
+def test_tick_time_fit_recovers_a_known_line(benchmark):
+  # Ticks of 20 us + 8 us per pass: pb at 7 passes takes 76 us, so 0.85 of its speed allows
+  # 76 / 0.85 = 89.41 us, i.e. (89.41 - 20) / 8 - 7 = 1.68 passes more than pb.
+  rows = [{"method": name, "passes_per_tick": {"full": {"bytes_accessed": passes}},
+           "samples_per_s": 1e6 / (20.0 + 8.0 * passes)}
+          for name, passes in (("pb", 7.0), ("pb_lwp", 10.0), ("pipemare", 13.0))]
+  fit = benchmark.tick_time_fit(rows)
+  assert fit["fixed_us"] == pytest.approx(20.0) and fit["us_per_pass"] == pytest.approx(8.0)
+  assert fit["largest_residual_us"] == pytest.approx(0.0, abs=1e-9)
+  assert fit["extra_passes_at_target"] == pytest.approx((76 / 0.85 - 20) / 8 - 7)
