@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import jax
@@ -87,6 +87,27 @@ def state_digest(state: PyTree, data_position: Any) -> str:
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())
   h.update(json.dumps(_plain_json(data_position), sort_keys=True).encode())
+  return h.hexdigest()
+
+
+def weights_digest(stage_params: Sequence[PyTree]) -> str:
+  """SHA-256 of a network's weights, the same however the network is split into stages.
+
+  Stages whose parameters are dicts keyed by layer name (every model of ``pipejax.models``) are
+  merged into one ``{layer: params}`` dict first, so a one-stage run and an S-stage run that start
+  from the same weights have the same digest: a reader of a study's records can check that paired
+  runs started alike. Other stage trees are hashed in stage order. Each leaf contributes its path,
+  dtype, shape and bytes.
+  """
+  names = [k for params in stage_params if isinstance(params, dict) for k in params]
+  mergeable = all(isinstance(p, dict) for p in stage_params) and len(names) == len(set(names))
+  tree = {k: v for params in stage_params for k, v in params.items()} if mergeable else \
+      tuple(stage_params)
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    a = np.ascontiguousarray(_whole_array(leaf))
+    h.update(f"{jax.tree_util.keystr(path)}{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
   return h.hexdigest()
 
 

@@ -1,25 +1,15 @@
-"""Studies: a grid of training runs declared in a file, and the tables and figures made from them.
+"""Studies: a grid of training runs declared in a file, and the records its runs leave.
 
 A study file (``configs/studies/*.py``) defines ``get_study(arg)`` returning a :class:`Study`: the
 training config every run starts from, the grid of overrides (method x depth x seed x ...), what
 the report shows. ``scripts/study.py`` runs the grid as separate trainer processes and appends one
-record per finished run to ``results.jsonl``; everything in this module works from those records,
+record per finished run to ``results.jsonl``. This module holds the study's declaration and its
+records; ``pipejax.study_report`` makes the tables, statistics and figures from the records alone,
 so a report can be regenerated, merged or published without the runs' workdirs.
-
-Conventions of the report:
-
-* a *cell* is every run with the same overrides except ``seed``; it shows mean ± std over its
-  seeds (sample std, n - 1), in percentage points;
-* a diverged run (non-finite value, or a final accuracy that is not a number) is counted and
-  marked, never averaged in;
-* a gap is paired by seed: ``acc(method, seed) - acc(baseline, seed)`` with the baseline's run of
-  the same cell coordinates, then mean ± std over seeds.
 """
 
 from __future__ import annotations
 
-import collections
-import csv
 import dataclasses
 import importlib.util
 import itertools
@@ -40,12 +30,21 @@ class StudyError(ValueError):
   """A study file or a study workdir is unusable; the message says how to fix it."""
 
 
+TABLE_KINDS = ("mean", "gap", "stability")
+FIGURE_KINDS = ("mean", "gap", "staleness", "curves")
+
+
 @dataclasses.dataclass(frozen=True)
 class Table:
   """A markdown table of one metric: ``rows`` x ``columns`` (two grid keys).
 
-  kind: 'mean' (mean ± std of ``metric``), 'gap' (paired gap to the study's baseline) or
-  'stability' (per column value, the largest ``rows`` value at which the method still trains).
+  kind: 'mean' (n, mean and 95% CI of ``metric`` over seeds), 'gap' (the gap to the study's
+  baseline paired by seed, with its 95% CI and p-value) or 'stability' (per column value, the
+  interval of ``rows`` values between the largest that trains and the smallest that fails).
+
+  ``metric`` is a record field (``test_accuracy``, ``test_loss``) or ``samples_to:A``: the
+  training samples a run took to first reach test accuracy A (runs that never did are counted
+  as 'not reached').
   """
 
   title: str
@@ -55,14 +54,17 @@ class Table:
   metric: str = "test_accuracy"
   where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
   scale: float = 100.0  # cells show metric * scale (accuracy in percent)
+  decimals: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
-  """A PNG: ``metric`` (kind 'mean' or 'gap') against grid key ``x``, one line per ``series``.
+  """A PNG of ``metric`` against grid key ``x``, one line per ``series`` value.
 
-  kind 'staleness' draws each series' per-stage weight discrepancy (the runs' diagnostics) at
-  the grid point ``where``.
+  kind 'mean' and 'gap' draw the cells' means with 95% CIs, diverged runs in a band of their own
+  below the axis; 'curves' draws the mean test accuracy over training samples (with its 95% CI)
+  at the grid point ``where``; 'staleness' draws each series' per-stage weight discrepancy (the
+  runs' diagnostics) at the grid point ``where``.
   """
 
   file: str
@@ -72,6 +74,10 @@ class Figure:
   metric: str = "test_accuracy"
   log_x: bool = False
   where: tuple = ()  # ((key, value), ...): only runs with these overrides
+  title: str = ""  # for a reader: never a config key
+  x_label: str = ""
+  x_unit: float = 1.0  # x is drawn as value / x_unit (a learning rate as a multiplier)
+  threshold: float | None = None  # a horizontal line at this metric value, e.g. a stability bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,11 @@ class Study:
     tables, figures: What the report shows.
     min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
       accuracy is at least this.
+    margin: When set (a fraction of the metric: 0.005 is half a point of accuracy), each gap
+      gets a non-inferiority and an equivalence verdict at this margin (one and two one-sided
+      paired t-tests).
+    labels: Readable names of grid values for the report's text and figures, e.g.
+      {'pb_sc_lwp': 'PB + SC + LWP'}.
     skip_beyond_failure: A grid key along which failure is taken to persist (a learning rate):
       a run whose point, with a smaller value of this key and the same seed, already diverged or
       ended below ``min_accuracy`` is not run but recorded as skipped. Saves the costly runs of
@@ -104,6 +115,26 @@ class Study:
   figures: Sequence[Figure] = ()
   min_accuracy: float = 0.0
   skip_beyond_failure: str | None = None
+  margin: float | None = None
+  labels: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    for table in self.tables:
+      if table.kind not in TABLE_KINDS:
+        raise StudyError(f"Table {table.title!r}: kind {table.kind!r} is not one of "
+                         f"{', '.join(TABLE_KINDS)}.")
+    for figure in self.figures:
+      if figure.kind not in FIGURE_KINDS:
+        raise StudyError(f"Figure {figure.file!r}: kind {figure.kind!r} is not one of "
+                         f"{', '.join(FIGURE_KINDS)}.")
+    if self.margin is not None and not (isinstance(self.margin, (int, float)) and
+                                        0 < self.margin < 1):
+      raise StudyError(f"Study {self.name!r}: margin must be a fraction in (0, 1) of the metric "
+                       f"(0.005 is half a point of accuracy); got {self.margin!r}.")
+
+  def label(self, value: Any) -> str:
+    """How the report names a grid value (a method's full name), else the value itself."""
+    return self.labels.get(str(value), str(value))
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order)."""
@@ -206,13 +237,13 @@ def failed_below(study: Study, records: Iterable[dict], overrides: Overrides) ->
   key = study.skip_beyond_failure
   if key is None or key not in overrides:
     return None
-  others = _key({k: v for k, v in overrides.items() if k != key})
+  others = key_of({k: v for k, v in overrides.items() if k != key})
   for r in records:
     value = r["overrides"].get(key)
     if (r["status"] in (DIVERGED, SKIPPED, FINISHED) and value is not None
         and value < overrides[key]
-        and _key({k: v for k, v in r["overrides"].items() if k != key}) == others
-        and (r["status"] != FINISHED or not _is_number(r.get("test_accuracy"))
+        and key_of({k: v for k, v in r["overrides"].items() if k != key}) == others
+        and (r["status"] != FINISHED or not is_number(r.get("test_accuracy"))
              or r["test_accuracy"] < study.min_accuracy)):
       return value
   return None
@@ -236,11 +267,10 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
     with open(summary_path) as f:
       summary = json.load(f)
   if returncode == 0 and summary and not summary.get("stopped_by"):
-    accuracy = summary.get("test_accuracy")
-    record["status"] = FINISHED if _is_number(accuracy) else DIVERGED
-    for key in ("test_accuracy", "test_loss", "train_seconds", "num_stages", "samples",
-                "learning_rate", "momentum"):
+    for key in ("test_accuracy", "test_loss", "initial_test_loss", "init_digest",
+                "train_seconds", "num_stages", "samples", "learning_rate", "momentum"):
       record[key] = summary.get(key)
+    record["status"] = DIVERGED if diverged(record) else FINISHED
   elif "diverged" in log_tail.lower():
     record["status"] = DIVERGED
   else:
@@ -249,6 +279,11 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   # Where the run's times come from: the devices the trainer saw, and this host's cores.
   device = (summary or {}).get("device")
   record["machine"] = (f"{device}, " if device else "") + f"{os.cpu_count()} CPU cores"
+  if not record.get("init_digest"):  # a run that stopped before its summary logged it
+    record["init_digest"] = logged_init_digest(os.path.join(run_dir, "log.txt"))
+  curve = test_curve(run_dir)
+  if curve:
+    record["test_curve"] = curve
   staleness = _mean_staleness(run_dir)
   if staleness is not None:
     record["weight_discrepancy"] = staleness
@@ -256,6 +291,18 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   if timing:
     record["timing"] = timing
   return record
+
+
+_INIT_DIGEST = re.compile(r"Initial weights: sha256 ([0-9a-f]{64})")
+
+
+def logged_init_digest(path: str) -> str | None:
+  """The initial weights' digest a trainer logged (the last invocation's), if any."""
+  if not os.path.exists(path):
+    return None
+  with open(path, errors="replace") as f:
+    found = _INIT_DIGEST.findall(f.read())
+  return found[-1] if found else None
 
 
 _LOG_TIME = re.compile(r"^[IWEF]\d{4} (\d\d):(\d\d):(\d\d\.\d+)")
@@ -292,6 +339,29 @@ def log_timing(path: str) -> dict | None:
           "steady_samples_per_s": round((n1 - n0) / max((t1 - t0) % 86400, 1e-9), 1)}
 
 
+def test_curve(run_dir: str) -> list[list[float]]:
+  """The run's test evaluations as ``[samples, accuracy, loss]`` rows, in order of samples."""
+  from pipejax import metrics as metrics_lib  # no JAX: plain JSONL reading
+  rows = {r["samples"]: [r["samples"], r.get("accuracy"), r.get("loss")]
+          for r in metrics_lib.read_records(run_dir) if r.get("split") == "test"}
+  return [rows[k] for k in sorted(rows)]
+
+
+def samples_to_reach(record: dict, accuracy: float) -> int | None:
+  """The training samples after which the run's test accuracy first reached ``accuracy``."""
+  for samples, value, _ in record.get("test_curve") or ():
+    if is_number(value) and value >= accuracy:
+      return samples
+  return None
+
+
+def metric_of(record: dict, metric: str) -> Any:
+  """A record's value of a table's metric (a field, or ``samples_to:A``)."""
+  if metric.startswith("samples_to:"):
+    return samples_to_reach(record, float(metric.split(":", 1)[1]))
+  return record.get(metric)
+
+
 def _mean_staleness(run_dir: str) -> list[float] | None:
   """Per stage, the mean of the logged ``weight_discrepancy`` over the second half of training."""
   from pipejax import metrics as metrics_lib  # no JAX: plain JSONL reading
@@ -304,7 +374,17 @@ def _mean_staleness(run_dir: str) -> list[float] | None:
   return [sum(v) / len(v) for v in per_stage]
 
 
-def _is_number(value) -> bool:
+def diverged(record: dict) -> bool:
+  """A run diverged when its final accuracy or loss is not a number, or when its final test loss
+  is above the loss at its initial weights: it ended worse than where it started, however finite
+  its numbers."""
+  final, initial = record.get("test_loss"), record.get("initial_test_loss")
+  return (not is_number(record.get("test_accuracy"))
+          or (final is not None and not is_number(final))
+          or (is_number(final) and is_number(initial) and final > initial))
+
+
+def is_number(value) -> bool:
   return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -312,285 +392,6 @@ def _jsonable(value):
   return json.loads(json.dumps(value, default=str))
 
 
-# ----------------------------------------------------------------------------- aggregation
-
-
-@dataclasses.dataclass
-class Cell:
-  """The runs of one grid point (all seeds)."""
-
-  values: list[float]  # the metric of each finished run
-  diverged: int
-  seeds: list[int]
-  planned: int = 0
-
-  @property
-  def mean(self) -> float:
-    return sum(self.values) / len(self.values) if self.values else math.nan
-
-  @property
-  def std(self) -> float:
-    n = len(self.values)
-    if n < 2:
-      return math.nan
-    mean = self.mean
-    return math.sqrt(sum((v - mean) ** 2 for v in self.values) / (n - 1))
-
-
-def _without_seed(overrides: Overrides) -> tuple:
-  return tuple(sorted((k, json.dumps(v)) for k, v in overrides.items() if k != "seed"))
-
-
-def cells(records: Iterable[dict], metric: str = "test_accuracy") -> dict[tuple, Cell]:
-  """Groups records by their overrides without the seed."""
-  grouped: dict[tuple, Cell] = {}
-  for r in records:
-    if r["status"] not in (FINISHED, DIVERGED):
-      continue
-    cell = grouped.setdefault(_without_seed(r["overrides"]), Cell([], 0, []))
-    cell.seeds.append(r["overrides"].get("seed", 0))
-    if r["status"] == DIVERGED or not _is_number(r.get(metric)):
-      cell.diverged += 1
-    else:
-      cell.values.append(r[metric])
-  return grouped
-
-
-def paired_gaps(records: Sequence[dict], baseline: Overrides,
-                metric: str = "test_accuracy") -> dict[tuple, Cell]:
-  """Per cell, ``metric - baseline's metric`` paired by seed (diverged runs counted, not paired).
-
-  The baseline of a run is the run with the same overrides except the baseline's keys (and their
-  values). Where the baseline's run of a seed is missing or diverged, that seed has no gap.
-  """
-  by_key = {}
-  for r in records:
-    if r["status"] == FINISHED and _is_number(r.get(metric)):
-      by_key[_key(r["overrides"])] = r[metric]
-  gaps: dict[tuple, Cell] = {}
-  for r in records:
-    if r["status"] not in (FINISHED, DIVERGED):
-      continue
-    cell = gaps.setdefault(_without_seed(r["overrides"]), Cell([], 0, []))
-    cell.seeds.append(r["overrides"].get("seed", 0))
-    if r["status"] == DIVERGED or not _is_number(r.get(metric)):
-      cell.diverged += 1
-      continue
-    reference = by_key.get(_key({**r["overrides"], **baseline}))
-    if reference is not None:
-      cell.values.append(r[metric] - reference)
-  return gaps
-
-
-def _key(overrides: Overrides) -> tuple:
+def key_of(overrides: Overrides) -> tuple:
+  """A hashable identity of a set of overrides (values as JSON text: lists are allowed)."""
   return tuple(sorted((k, json.dumps(v)) for k, v in overrides.items()))
-
-
-def _lookup(grouped: dict[tuple, Cell], point: Overrides) -> Cell | None:
-  """The cell whose overrides include every item of ``point``, if exactly one does."""
-  wanted = {(k, json.dumps(v)) for k, v in point.items()}
-  found = [c for key, c in grouped.items() if wanted <= set(key)]
-  return found[0] if len(found) == 1 else None
-
-
-def _axis_values(records: Sequence[dict], key: str) -> list:
-  values = []
-  for r in records:
-    if key in r["overrides"] and r["overrides"][key] not in values:
-      values.append(r["overrides"][key])
-  try:
-    return sorted(values)
-  except TypeError:
-    return values
-
-
-def _order(study: Study, key: str, present: list) -> list:
-  """Grid order for a key (the study file's order), keeping only values that have records."""
-  order = [v for grid in study.grids for v in grid.get(key, ())]
-  ordered = list(dict.fromkeys(v for v in order if v in present))
-  return ordered + [v for v in present if v not in ordered]
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False) -> str:
-  """'85.12 ± 0.31' (n = 3), with '(1/3 div.)' for diverged seeds, 'div. 3/3' when all did."""
-  if cell is None:
-    return "—"
-  total = len(cell.values) + cell.diverged
-  if not cell.values:
-    return f"div. {cell.diverged}/{total}" if cell.diverged else "—"
-  sign = "+" if signed else ""
-  text = f"{cell.mean * scale:{sign}.2f}"
-  if len(cell.values) > 1:
-    text += f" ± {cell.std * scale:.2f} (n={len(cell.values)})"
-  if cell.diverged:
-    text += f" ({cell.diverged}/{total} div.)"
-  elif len(cell.values) == 1:
-    text += " (1 seed)"
-  return text
-
-
-def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
-  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None)."""
-  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
-
-
-def stable_limit(study: Study, records: Sequence[dict], table: Table, column_value) -> Any:
-  """The largest ``table.rows`` value at which the column's method still trains (None: never)."""
-  records = select(records, table.where)
-  grouped = cells(records, table.metric)
-  best = None
-  for value in _order(study, table.rows, _axis_values(records, table.rows)):
-    cell = _lookup(grouped, {table.rows: value, table.columns: column_value})
-    trains = cell is not None and cell.values and not cell.diverged and \
-        cell.mean >= study.min_accuracy
-    if trains and (best is None or value > best):
-      best = value
-  return best
-
-
-def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  records = select(records, table.where)
-  if not records:
-    return "(no runs recorded yet)"
-  rows = _order(study, table.rows, _axis_values(records, table.rows))
-  columns = _order(study, table.columns, _axis_values(records, table.columns))
-  if table.kind == "stability":
-    lines = [f"| {table.columns} | largest {table.rows} that trains |", "|---|---|"]
-    for c in columns:
-      limit = stable_limit(study, records, table, c)
-      lines.append(f"| {c} | {'none' if limit is None else limit} |")
-    return "\n".join(lines)
-  if table.kind == "gap":
-    grouped = paired_gaps(records, study.baseline, table.metric)
-  elif table.kind == "mean":
-    grouped = cells(records, table.metric)
-  else:
-    raise StudyError(f"Table kind {table.kind!r} is not one of 'mean', 'gap', 'stability'.")
-  # Points whose every run was skipped: a smaller value of the swept key already failed.
-  # Keyed by JSON text, as _key is: an axis's values may be lists (a model's hidden widths).
-  point_of = lambda row, column: (json.dumps(row), json.dumps(column))
-  status_by_point = {}
-  for rec in records:
-    point = point_of(rec["overrides"].get(table.rows), rec["overrides"].get(table.columns))
-    status_by_point.setdefault(point, set()).add(rec["status"])
-  skipped = {p for p, statuses in status_by_point.items() if statuses == {SKIPPED}}
-  header = f"| {table.rows} | " + " | ".join(str(c) for c in columns) + " |"
-  lines = [header, "|" + "---|" * (len(columns) + 1)]
-  for r in rows:
-    entries = [format_cell(_lookup(grouped, {table.rows: r, table.columns: c}), table.scale,
-                           signed=table.kind == "gap")
-               if point_of(r, c) not in skipped else "not run (failed below)" for c in columns]
-    lines.append(f"| {r} | " + " | ".join(entries) + " |")
-  return "\n".join(lines)
-
-
-def write_csv(records: Sequence[dict], path: str) -> None:
-  keys = sorted({k for r in records for k in r["overrides"]})
-  fields = ["run", *keys, "status", "test_accuracy", "test_loss", "num_stages", "samples",
-            "train_seconds", "wall_seconds"]
-  tmp = path + ".tmp"
-  with open(tmp, "w", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(fields)
-    for r in records:
-      writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
-                       *(r.get(k, "") for k in fields[len(keys) + 2:])])
-  os.replace(tmp, path)
-
-
-def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str) -> bool:
-  """Draws ``figure`` to ``path``; False when no record has what it needs."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  selected = select(records, figure.where)
-  fig, ax = plt.subplots(figsize=(7, 4.2))
-  drawn = False
-  series_values = _order(study, figure.series, _axis_values(selected, figure.series))
-  if figure.kind == "staleness":
-    for s in series_values:
-      runs = [r for r in selected if r["overrides"].get(figure.series) == s
-              and r.get("weight_discrepancy")]
-      if runs:
-        run = min(runs, key=lambda r: r["overrides"].get("seed", 0))
-        ax.plot(range(len(run["weight_discrepancy"])), run["weight_discrepancy"], marker="o",
-                ms=3, label=str(s))
-        drawn = True
-    ax.set_xlabel("stage")
-    ax.set_ylabel("‖w_fwd − w_bwd‖ / ‖w_bwd‖ (second half of training)")
-    ax.set_yscale("symlog", linthresh=1e-5)
-  else:
-    grouped = (paired_gaps(selected, study.baseline, figure.metric) if figure.kind == "gap"
-               else cells(selected, figure.metric))
-    xs = _order(study, figure.x, _axis_values(selected, figure.x))
-    for s in series_values:
-      points = []
-      for x in xs:
-        cell = _lookup(grouped, {figure.x: x, figure.series: s})
-        if cell is not None and cell.values:
-          points.append((x, cell.mean * 100, 0 if math.isnan(cell.std) else cell.std * 100,
-                         cell.diverged))
-      if points:
-        px, py, pe, _ = zip(*points)
-        ax.errorbar(px, py, yerr=pe, marker="o", ms=4, capsize=3, label=str(s))
-        drawn = True
-      for x in xs:  # diverged cells: a cross on the x axis
-        cell = _lookup(grouped, {figure.x: x, figure.series: s})
-        if cell is not None and cell.diverged and not cell.values:
-          ax.plot([x], [ax.get_ylim()[0] if drawn else 0], marker="x", color="k")
-    ax.set_xlabel(figure.x)
-    ax.set_ylabel(("gap to " + ", ".join(f"{k}={v}" for k, v in study.baseline.items())
-                   if figure.kind == "gap" else figure.metric) + " (points)")
-    if figure.kind == "gap":
-      ax.axhline(0, color="k", lw=0.8)
-    if figure.log_x:
-      ax.set_xscale("log", base=2)
-  if not drawn:
-    plt.close(fig)
-    return False
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8, ncol=2)
-  ax.set_title(f"study '{study.name}'" + "".join(f", {k}={v}" for k, v in figure.where))
-  fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
-  return True
-
-
-def write_report(study: Study, workdir: str, command: str = "") -> str:
-  """Writes results.csv, report.md and the figures into ``workdir``; returns the markdown."""
-  records = read_results(workdir)
-  write_csv(records, os.path.join(workdir, "results.csv"))
-  planned = len(study.runs())
-  counts = {s: sum(r["status"] == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
-  wall = sum(r.get("wall_seconds", 0) for r in records)
-  parts = [f"# Study '{study.name}'", ""]
-  if command:
-    parts += ["Regenerate (skips finished runs, resumes stopped ones):", "", "```bash", command,
-              "```", ""]
-  parts.append(f"{len(records)} of {planned} runs recorded: {counts[FINISHED]} finished, "
-               f"{counts[DIVERGED]} diverged, {counts[FAILED]} failed; "
-               f"{wall / 3600:.2f} h of run time (sum over runs). Cells: mean ± std over seeds "
-               "in points; diverged runs are counted, never averaged.")
-  machines = collections.Counter(r.get("machine", "not recorded") for r in records
-                                 if r["status"] != SKIPPED)
-  if machines:
-    parts += ["", "Machines (runs): " + "; ".join(f"{m} ({n})" for m, n in machines.items()) + "."]
-  for table in study.tables:
-    parts += ["", f"## {table.title}", "", markdown_table(study, records, table)]
-  figures = [f for f in study.figures
-             if draw_figure(study, records, f, os.path.join(workdir, f.file))]
-  for figure in figures:
-    parts += ["", f"![{figure.file}]({figure.file})"]
-  text = "\n".join(parts) + "\n"
-  tmp = os.path.join(workdir, "report.md.tmp")
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, os.path.join(workdir, "report.md"))
-  return text

@@ -31,7 +31,8 @@ from pipejax import metrics as metrics_lib
 from pipejax import models as models_lib
 from pipejax import optim
 from pipejax import workdir as workdir_lib
-from pipejax.checkpoint import Checkpointer, CheckpointError, storage_error
+from pipejax.models import sequential
+from pipejax.checkpoint import Checkpointer, CheckpointError, storage_error, weights_digest
 from pipejax.engine import Pipeline
 from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exported)
 
@@ -264,6 +265,10 @@ class Setup:
   hyperparameters: Hyperparameters
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
+  # The pipeline whose initial weights this run starts from, merged into its own stages, when
+  # the two split the network differently: the one-stage SGD baseline starts where the pipelined
+  # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
+  initial_weights_from: Pipeline | None = None
 
   @property
   def runner(self):
@@ -273,11 +278,20 @@ class Setup:
 
   def init(self, rng):
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
-    # program of its own, which on a CPU takes longer than compiling the whole init once (nearly
-    # twice as long for ResNet-20). The numbers are the same. A mesh's init is jitted already.
-    if self.sharded is None:
-      return jax.jit(self.pipeline.init)(rng)
-    return self.runner.init(rng)
+    # program of its own, which on a CPU takes longer than compiling the whole init once. The
+    # numbers are the same. A mesh's init is jitted already.
+    state = jax.jit(self.pipeline.init)(rng) if self.sharded is None else self.runner.init(rng)
+    if self.initial_weights_from is None:
+      return state
+    source = jax.jit(self.initial_weights_from.init)(rng)
+    weights = sequential.split_layer_params(
+        self.model, sequential.merge_stage_params([st.params for st in source.stages]),
+        self.pipeline.example_inputs)
+    logical = self.runner.to_logical(state)
+    stages = tuple(
+        st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
+        for st, w, delay in zip(logical.stages, weights, self.pipeline.delays))
+    return self.runner.from_logical(logical._replace(stages=stages))
 
   def run(self, state, inputs, labels, valid):
     return self.runner.run(state, inputs, labels, valid)
@@ -304,9 +318,14 @@ def build(config: ml_collections.ConfigDict) -> Setup:
 
   b = config.micro_batch_size
   model_kwargs = dict(config.model_kwargs)
+  split_model = None
   if config.method == "sgd":
     # The reference without a pipeline: the whole network as one stage, where the engine is
-    # exactly plain optax training (tests/test_engine.py proves the identity).
+    # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
+    # weights of the split the config names.
+    if model_kwargs.get("layers_per_stage", 1) is not None:
+      split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                                     **model_kwargs)
     model_kwargs["layers_per_stage"] = None
   model = models_lib.build(config.model, num_classes=train_source.num_classes, **model_kwargs)
   hp = resolve_hyperparameters(config, len(train_source))
@@ -319,6 +338,9 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32),
                   track_weight_discrepancy=bool(config.diagnostics))
+  initial_weights_from = None
+  if split_model is not None and split_model.num_stages > 1:
+    initial_weights_from = Pipeline(split_model, method, example_x, np.zeros((b,), np.int32))
   sharded = None
   if config.mesh.stage * config.mesh.data > 1:
     if config.diagnostics:
@@ -337,7 +359,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                  sharding.imbalance(costs, sharded.partition), balance,
                  sharding.boundary_bytes_per_tick(sharded)["total"],
                  [device["allocated"] for device in sharding.device_memory(sharded)])
-  return Setup(train_source, test_source, model, hp, pipe, sharded)
+  return Setup(train_source, test_source, model, hp, pipe, sharded, initial_weights_from)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -382,6 +404,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
                               primary=primary, placement=placement)
   state = setup.init(jax.random.PRNGKey(config.seed))
+  init_digest = weights_digest([st.params for st in setup.logical(state).stages])
   samples, seconds_before = 0, 0.0
   restored = checkpointer.restore_newest(
       setup.logical(state), lambda step, meta: _check_resumable(config, checkpointer, step, meta))
@@ -405,6 +428,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   if primary:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(_to_plain(config), f, indent=2, default=str)
+  logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
+               init_digest)
   logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
                "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
                "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method, b,
@@ -435,6 +460,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
                  result["accuracy"])
     return result
 
+  # The test loss at the initial weights: a study counts a run whose final loss is above it as
+  # diverged, however finite its numbers.
+  if samples == 0 and not writer.has_record("test", 0):
+    evaluate_now()
   interval_start = (time.perf_counter(), samples)
   stopped_by = None
   test_result = None
@@ -512,6 +541,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
         "train_seconds": seconds_before + time.perf_counter() - start_time,
         "test_accuracy": None if test_result is None else test_result["accuracy"],
         "test_loss": None if test_result is None else test_result["loss"],
+        "init_digest": init_digest,
         **_run_facts(workdir),
     }
     if primary:
@@ -601,14 +631,16 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
 def _run_facts(workdir: str) -> dict:
   """The summary's record of the run's best test accuracy and of what it ran on."""
   import jaxlib  # pylint: disable=g-import-not-at-top
-  accuracies = [r["accuracy"] for r in metrics_lib.read_records(workdir)
-                if r.get("split") == "test" and "accuracy" in r]
+  tests = [r for r in metrics_lib.read_records(workdir) if r.get("split") == "test"]
+  accuracies = [r["accuracy"] for r in tests if "accuracy" in r]
+  initial = [r["loss"] for r in tests if r.get("samples") == 0 and "loss" in r]
   try:
     version = importlib.metadata.version("pipejax")
   except importlib.metadata.PackageNotFoundError:
     version = "unknown (not installed)"
   device = jax.devices()[0]
   return {"best_test_accuracy": max(accuracies) if accuracies else None,
+          "initial_test_loss": initial[0] if initial else None,
           "versions": {"pipejax": version, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
           "device": f"{jax.device_count()} x {device.platform} ({device.device_kind})",
           "processes": jax.process_count()}

@@ -24,6 +24,7 @@ from absl import app, flags, logging
 
 from pipejax import cli
 from pipejax import study as study_lib
+from pipejax import study_report
 
 _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/depth.py[:smoke].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md, the figures and "
@@ -179,7 +180,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
           result = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
           print(f"{status_line()} {record['status']} {rid}: {result} ({_duration(wall)})",
                 flush=True)
-        study_lib.write_report(study, workdir, command)
+        study_report.write_report(study, workdir, command)
       if running and time.time() - last_status > 120:
         last_status = time.time()
         print(f"{status_line()} running for {_duration(time.time() - started_at)}", flush=True)
@@ -188,7 +189,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
     # would go on unwatched, their results never recorded: ask each to checkpoint and stop.
     _stop_trainers([process for process, *_ in running.values()])
     raise
-  study_lib.write_report(study, workdir, command)
+  study_report.write_report(study, workdir, command)
   print(f"{status_line()} report: {os.path.join(workdir, 'report.md')}", flush=True)
   return failed
 
@@ -205,7 +206,7 @@ def main(argv):
   command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
   if _REPORT_ONLY.value:
     os.makedirs(workdir, exist_ok=True)
-    print(study_lib.write_report(study, workdir, command))
+    print(study_report.write_report(study, workdir, command))
     return
   parallel = _PARALLEL.value or os.cpu_count() or 1
   if parallel < 1:

@@ -9,7 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from pipejax import statistics
 from pipejax import study as study_lib
+from pipejax import study_report
 from pipejax.study import Study, Table
 
 from tests.helpers import ROOT
@@ -40,24 +42,27 @@ def test_grids_are_the_union_of_products_without_duplicates():
 def test_cells_average_over_seeds_and_never_average_diverged_runs():
   records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
              record("pb", 8, 2, None, status=study_lib.DIVERGED)]
-  (cell,) = study_lib.cells(records).values()
+  (cell,) = study_report.cells(records).values()
   assert cell.values == [0.80, 0.84] and cell.diverged == 1
   assert cell.mean == pytest.approx(0.82)
   assert cell.std == pytest.approx(np.std([0.80, 0.84], ddof=1))
-  assert study_lib.format_cell(cell) == "82.00 ± 2.83 (n=2) (1/3 div.)"
-  all_diverged = study_lib.cells([record("pb", 8, s, None, study_lib.DIVERGED)
+  # 95% Student-t interval at n = 2: mean ± t(0.975, 1) s / sqrt(2), t(0.975, 1) = 12.7062.
+  half = 12.7062 * np.std([0.80, 0.84], ddof=1) / np.sqrt(2) * 100
+  assert study_report.format_cell(cell) == \
+      f"82.00 [{82 - half:.2f}, {82 + half:.2f}] n=2 (1/3 div.)"
+  all_diverged = study_report.cells([record("pb", 8, s, None, study_lib.DIVERGED)
                                   for s in range(3)])
-  assert study_lib.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
+  assert study_report.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
 
 
 def test_gaps_are_paired_by_seed_with_the_baseline_at_the_same_depth():
   records = [record("sgd", 8, 0, 0.85), record("sgd", 8, 1, 0.80),
              record("pb", 8, 0, 0.84), record("pb", 8, 1, 0.78),
              record("sgd", 4, 0, 0.50), record("pb", 4, 0, 0.90)]
-  gaps = study_lib.paired_gaps(records, {"method": "sgd"})
-  cell = study_lib._lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
+  gaps = study_report.paired_gaps(records, {"method": "sgd"})
+  cell = study_report.lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
   assert cell.values == pytest.approx([-0.01, -0.02])  # not 0.84 - mean(sgd) etc.
-  assert study_lib._lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
+  assert study_report.lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
       pytest.approx([0.40])
 
 
@@ -65,14 +70,14 @@ def test_markdown_tables_and_stability_limit():
   records = [record(m, d, s, acc) for m, d, s, acc in [
       ("sgd", 4, 0, 0.9), ("sgd", 8, 0, 0.9), ("pb", 4, 0, 0.8), ("pb", 4, 1, 0.82)]]
   records.append(record("pb", 8, 0, None, study_lib.DIVERGED))
-  text = study_lib.markdown_table(STUDY, records, STUDY.tables[0])
+  text = study_report.markdown_table(STUDY, records, STUDY.tables[0])
   lines = text.splitlines()
   assert lines[0] == "| model_kwargs.depth | sgd | pb |"
-  assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 ± 1.41 (n=2) |"
+  assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 [68.29, 93.71] n=2 |"
   assert lines[3] == "| 8 | 90.00 (1 seed) | div. 1/1 |"
   stability = Table("s", rows="model_kwargs.depth", columns="method", kind="stability")
-  assert study_lib.stable_limit(STUDY, records, stability, "pb") == 4
-  assert study_lib.stable_limit(STUDY, records, stability, "sgd") == 8
+  assert study_report.stable_limit(STUDY, records, stability, "pb") == (4, 8)
+  assert study_report.stable_limit(STUDY, records, stability, "sgd") == (8, None)
 
 
 def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
@@ -92,7 +97,7 @@ def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
   assert skipped["reason"] == "failed at model_kwargs.depth=4"
   assert study_lib.is_done(skipped, sweep, skipped["overrides"])
   records += [skipped, study_lib.skipped_record(sweep, point("pb", 16, 1), 8)]
-  lines = study_lib.markdown_table(sweep, records, sweep.tables[0]).splitlines()
+  lines = study_report.markdown_table(sweep, records, sweep.tables[0]).splitlines()
   assert lines[-1] == "| 16 | — | not run (failed below) |"
 
 
@@ -105,7 +110,7 @@ def test_tables_take_list_valued_axes_as_results_jsonl_gives_them_back():
                                               "seed": 0},
               "status": study_lib.FINISHED, "test_accuracy": acc, "fixed": {}, "config": "c.py"}
              for m, h, acc in [("sgd", (8,), 0.9), ("pb", (8,), 0.8), ("sgd", (8, 8), 0.7)]]
-  lines = study_lib.markdown_table(widths, records, widths.tables[0]).splitlines()
+  lines = study_report.markdown_table(widths, records, widths.tables[0]).splitlines()
   assert lines[2] == "| [8] | 90.00 (1 seed) | 80.00 (1 seed) |"
   assert lines[3] == "| [8, 8] | 70.00 (1 seed) | — |"
 
@@ -162,8 +167,19 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
           for line in table.strip().splitlines()[2:]}
   assert set(rows) == {"4", "5", "6"}
   for depth in ("4", "6"):
-    assert all("±" in cell for cell in rows[depth]), rows  # two seeds aggregated
+    assert all(cell.endswith("n=2") for cell in rows[depth]), rows  # two seeds aggregated
   assert rows["5"][1] == "div. 1/1"
+  # Every method starts from the same weights at a seed and depth: SGD's one stage too.
+  digests = {}
+  assert all(len(r["init_digest"]) == 64 for r in records)  # the diverged run's too
+  for r in records:
+    point = (r["overrides"]["model_kwargs.depth"], r["overrides"]["seed"])
+    digests.setdefault(point, {})[r["overrides"]["method"]] = r["init_digest"]
+  for point, by_method in digests.items():
+    assert len(set(by_method.values())) == 1 and len(by_method["pb"]) == 64, (point, by_method)
+  assert digests[(4, 0)]["sgd"] != digests[(4, 1)]["sgd"] != digests[(6, 1)]["sgd"]
+  assert "every group started from one set of weights" in report
+  assert "Conclusions (generated from the table's statistics):" in report
   # The machine of each run (the trainers see as many devices as XLA_FLAGS gives them).
   assert re.search(rf"Machines \(runs\): \d+ x cpu \(cpu\), {os.cpu_count()} CPU cores \(8\)",
                    report), report
@@ -224,3 +240,71 @@ def test_log_timing_splits_setup_compile_and_steady_rate(tmp_path):
                  "I1123 00:00:38.500000 1 training.py:3] [6000/60000 samples, epoch 0.10] ...\n")
   assert study_lib.log_timing(str(log)) == {"setup_s": 8.5, "first_chunk_s": 20.0,
                                             "steady_samples_per_s": 200.0}
+
+
+def test_intervals_and_paired_tests_match_scipy_and_the_t_table():
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  gaps = [0.0120, 0.0030, -0.0010, 0.0080, 0.0050]
+  result = statistics.paired(gaps)
+  reference = stats.ttest_1samp(gaps, 0.0)
+  assert result.p_value == pytest.approx(reference.pvalue)
+  # t(0.975, 4) = 2.7764 from the printed table.
+  half = 2.7764 * np.std(gaps, ddof=1) / np.sqrt(len(gaps))
+  assert (result.low, result.high) == pytest.approx((np.mean(gaps) - half, np.mean(gaps) + half),
+                                                    abs=1e-6)
+  assert statistics.interval([0.5]).n == 1 and np.isnan(statistics.interval([0.5]).low)
+
+
+def test_margin_verdicts_are_one_and_two_one_sided_t_tests():
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  gaps = [0.0042, 0.0010, 0.0075]
+  tests = statistics.margin_tests(gaps, 0.005)
+  # Non-inferiority: H0 mean <= -m, i.e. a one-sided test of gaps + m > 0.
+  shifted = stats.ttest_1samp(np.array(gaps) + 0.005, 0.0, alternative="greater")
+  assert tests.non_inferiority_p == pytest.approx(shifted.pvalue)
+  upper = stats.ttest_1samp(np.array(gaps) - 0.005, 0.0, alternative="less")
+  assert tests.equivalence_p == pytest.approx(max(shifted.pvalue, upper.pvalue))
+  assert tests.non_inferior and not tests.equivalent  # the mean sits near the upper margin
+  assert statistics.margin_tests([0.001, -0.001, 0.0005, 0.0], 0.005).equivalent
+  with pytest.raises(ValueError, match="margin"):
+    statistics.margin_tests(gaps, 0.0)
+
+
+def test_conclusions_follow_the_numbers_with_margin_verdicts():
+  study = Study(name="t", config="c.py", grids=STUDY.grids, baseline={"method": "sgd"},
+                margin=0.005, labels={"pb": "PB"},
+                tables=[Table("gap", rows="model_kwargs.depth", columns="method", kind="gap")])
+  records = [record("sgd", 8, s, a) for s, a in enumerate((0.85, 0.80, 0.83))]
+  records += [record("pb", 8, s, a) for s, a in enumerate((0.84, 0.79, 0.82))]  # -1 point each
+  (sentence,) = study_report.conclusions(study, records, study.tables[0])
+  assert sentence.startswith("PB at model_kwargs.depth = 8: below sgd (−1.00 points")
+  assert "non-inferior at margin 0.50: not shown" in sentence
+  records[3:] = [record("pb", 8, s, a) for s, a in enumerate((0.851, 0.80, 0.829))]
+  (sentence,) = study_report.conclusions(study, records, study.tables[0])
+  assert "no difference from sgd shown" in sentence and "equivalent within ±0.50: yes" in sentence
+
+
+def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
+  finished = dict(record("pb", 8, 0, 0.31), test_loss=2.4, initial_test_loss=2.3)
+  assert study_lib.diverged(finished)
+  assert not study_lib.diverged(dict(finished, test_loss=0.9))
+  assert study_lib.diverged(dict(finished, test_loss=float("nan"), test_accuracy=0.1))
+  (cell,) = study_report.cells([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
+                                               initial_test_loss=2.3)]).values()
+  assert cell.values == [0.8] and cell.diverged == 1
+
+
+def test_stability_limits_are_intervals_between_a_trained_and_a_failed_value():
+  sweep = Study(name="t", config="c.py", grids=[{"reference.lr": (0.1, 0.141, 0.2),
+                                                 "method": ("pb",), "seed": (0, 1)}],
+                min_accuracy=0.5, tables=[Table("s", rows="reference.lr", columns="method",
+                                                kind="stability")])
+  def run(lr, seed, accuracy):
+    overrides = {"reference.lr": lr, "method": "pb", "seed": seed}
+    return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
+            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {}}
+  records = [run(0.1, 0, 0.8), run(0.1, 1, 0.8), run(0.141, 0, 0.8), run(0.141, 1, 0.1),
+             run(0.2, 0, 0.1)]
+  assert study_report.stable_limit(sweep, records, sweep.tables[0], "pb") == (0.1, 0.141)
+  assert "| pb | 0.1 | 0.141 | [0.1, 0.141) |" in study_report.markdown_table(
+      sweep, records, sweep.tables[0])

@@ -1,0 +1,482 @@
+"""A study's report from its records: tables with 95% CIs, paired gaps, verdicts, conclusions, figures.
+
+Conventions (the report states them too):
+
+* a *cell* is every run with the same overrides except ``seed``: n, mean and 95% Student-t
+  confidence interval over its seeds, in the table's units;
+* a *gap* is paired by seed: ``metric(run) - metric(baseline's run of the same seed and cell
+  coordinates)``. Runs of one seed start from the same weights (their records carry the same
+  ``init_digest``) and see the same data, so the pairing removes the seed-to-seed spread. Each gap
+  gets its 95% CI and the paired t-test's two-sided p-value;
+* with a margin declared, each gap gets a non-inferiority verdict (one-sided t-test of
+  H0: gap <= -margin) and an equivalence verdict (two one-sided tests);
+* a diverged run (a non-finite result, or a final test loss above its initial one) is counted
+  and marked, never averaged in;
+* the sentences under "Conclusions" are generated from these numbers, never written by hand.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import math
+import os
+from typing import Iterable, Sequence
+
+from pipejax import plotting, statistics
+from pipejax.study import (DIVERGED, FAILED, FINISHED, SKIPPED, Figure, Overrides, Study, Table,
+                           diverged, is_number, key_of, metric_of, read_results)
+
+
+@dataclasses.dataclass
+class Cell:
+  """The runs of one grid point (all seeds): each one's value, or why it has none."""
+
+  values: list[float]
+  diverged: int
+  seeds: list[int]
+  not_reached: int = 0  # finished runs without a value (a 'samples_to' level never reached)
+  paired: bool = False  # values are per-seed differences to the baseline
+
+  @property
+  def stats(self) -> statistics.Interval:
+    return statistics.paired(self.values) if self.paired else statistics.interval(self.values)
+
+  @property
+  def mean(self) -> float:
+    return self.stats.mean
+
+  @property
+  def std(self) -> float:
+    return self.stats.std
+
+  @property
+  def runs(self) -> int:
+    return len(self.values) + self.diverged + self.not_reached
+
+
+def _without_seed(overrides: Overrides) -> tuple:
+  return key_of({k: v for k, v in overrides.items() if k != "seed"})
+
+
+def _is_diverged(record: dict) -> bool:
+  return record["status"] == DIVERGED or diverged(record)
+
+
+def group(records: Iterable[dict], metric: str = "test_accuracy",
+          baseline: Overrides | None = None) -> dict[tuple, Cell]:
+  """Groups finished and diverged records by their overrides without the seed.
+
+  With ``baseline``, each value is the run's metric minus that of its baseline run: the run with
+  the same overrides except the baseline's keys (and their values). A seed whose baseline run is
+  missing or diverged has no gap.
+  """
+  records = [r for r in records if r["status"] in (FINISHED, DIVERGED)]
+  reference = {}
+  if baseline is not None:
+    reference = {key_of(r["overrides"]): metric_of(r, metric) for r in records
+                 if not _is_diverged(r) and is_number(metric_of(r, metric))}
+  grouped: dict[tuple, Cell] = {}
+  for r in records:
+    cell = grouped.setdefault(_without_seed(r["overrides"]),
+                              Cell([], 0, [], paired=baseline is not None))
+    cell.seeds.append(r["overrides"].get("seed", 0))
+    value = metric_of(r, metric)
+    if _is_diverged(r):
+      cell.diverged += 1
+    elif not is_number(value):
+      cell.not_reached += 1
+    elif baseline is None:
+      cell.values.append(value)
+    elif key_of({**r["overrides"], **baseline}) in reference:
+      cell.values.append(value - reference[key_of({**r["overrides"], **baseline})])
+  return grouped
+
+
+def cells(records: Iterable[dict], metric: str = "test_accuracy") -> dict[tuple, Cell]:
+  return group(records, metric)
+
+
+def paired_gaps(records: Iterable[dict], baseline: Overrides,
+                metric: str = "test_accuracy") -> dict[tuple, Cell]:
+  return group(records, metric, baseline)
+
+
+def lookup(grouped: dict[tuple, Cell], point: Overrides) -> Cell | None:
+  """The cell whose overrides include every item of ``point``, if exactly one does."""
+  wanted = set(key_of(point))
+  found = [c for key, c in grouped.items() if wanted <= set(key)]
+  return found[0] if len(found) == 1 else None
+
+
+def axis_values(records: Sequence[dict], key: str) -> list:
+  values = []
+  for r in records:
+    if key in r["overrides"] and r["overrides"][key] not in values:
+      values.append(r["overrides"][key])
+  try:
+    return sorted(values)
+  except TypeError:
+    return values
+
+
+def ordered(study: Study, key: str, present: list) -> list:
+  """Grid order for a key (the study file's order), keeping only values that have records."""
+  order = [v for grid in study.grids for v in grid.get(key, ())]
+  known = list(dict.fromkeys(v for v in order if v in present))
+  return known + [v for v in present if v not in known]
+
+
+def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
+  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None)."""
+  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _number(value: float, scale: float, decimals: int, signed: bool = False) -> str:
+  text = f"{value * scale:{'+' if signed else ''}.{decimals}f}"
+  return text.replace("-", "−")
+
+
+def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False,
+                decimals: int = 2) -> str:
+  """'85.12 [84.80, 85.44] n=3', a gap '+0.42 [−0.19, +1.03] n=3 p=0.12'; diverged runs and
+  levels not reached are counted after it, and a cell of one seed says so."""
+  if cell is None:
+    return "—"
+  if not cell.values:
+    parts = ([f"div. {cell.diverged}/{cell.runs}"] if cell.diverged else []) + \
+        ([f"not reached {cell.not_reached}/{cell.runs}"] if cell.not_reached else [])
+    return ", ".join(parts) or "—"
+  s = cell.stats
+  text = _number(s.mean, scale, decimals, signed)
+  if s.n > 1:
+    text += (f" [{_number(s.low, scale, decimals, signed)}, "
+             f"{_number(s.high, scale, decimals, signed)}] n={s.n}")
+    if cell.paired:
+      text += f" p={s.p_value:.2g}"
+  else:
+    text += " (1 seed)"
+  if cell.diverged:
+    text += f" ({cell.diverged}/{cell.runs} div.)"
+  if cell.not_reached:
+    text += f" ({cell.not_reached}/{cell.runs} not reached)"
+  return text
+
+
+def stable_limit(study: Study, records: Sequence[dict], table: Table, column_value) -> tuple:
+  """``(largest rows value that trains, smallest larger one that fails)`` for a column value.
+
+  A cell trains when none of its seeds diverged and its mean metric is at least
+  ``study.min_accuracy``. Either end is None where no such value was run.
+  """
+  records = select(records, table.where)
+  grouped = cells(records, table.metric)
+  trains, fails = [], []
+  for value in ordered(study, table.rows, axis_values(records, table.rows)):
+    cell = lookup(grouped, {table.rows: value, table.columns: column_value})
+    if cell is None or not cell.runs:
+      continue
+    ok = bool(cell.values) and not cell.diverged and cell.mean >= study.min_accuracy
+    (trains if ok else fails).append(value)
+  best = max(trains) if trains else None
+  above = [v for v in fails if best is None or v > best]
+  return best, (min(above) if above else None)
+
+
+def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
+  records = select(records, table.where)
+  if not records:
+    return "(no runs recorded yet)"
+  rows = ordered(study, table.rows, axis_values(records, table.rows))
+  columns = ordered(study, table.columns, axis_values(records, table.columns))
+  if table.kind == "stability":
+    lines = [f"| {study.label(table.columns)} | trains at | fails at | limit lies in |",
+             "|---|---|---|---|"]
+    for c in columns:
+      best, fail = stable_limit(study, records, table, c)
+      interval = ("below every value run" if best is None else
+                  f"[{best:g}, {fail:g})" if fail is not None else f"≥ {best:g} (none failed)")
+      lines.append(f"| {study.label(c)} | {'none' if best is None else f'{best:g}'} | "
+                   f"{'none run' if fail is None else f'{fail:g}'} | {interval} |")
+    return "\n".join(lines)
+  grouped = group(records, table.metric, study.baseline if table.kind == "gap" else None)
+  # Points whose every run was skipped: a smaller value of the swept key already failed.
+  status_by_point = collections.defaultdict(set)
+  for rec in records:
+    point = key_of({"r": rec["overrides"].get(table.rows), "c": rec["overrides"].get(table.columns)})
+    status_by_point[point].add(rec["status"])
+  header = f"| {study.label(table.rows)} | " + " | ".join(study.label(c) for c in columns) + " |"
+  lines = [header, "|" + "---|" * (len(columns) + 1)]
+  for r in rows:
+    entries = []
+    for c in columns:
+      if table.kind == "gap" and all({table.rows: r, table.columns: c}.get(k) == v
+                                     for k, v in study.baseline.items()):
+        entries.append("baseline")
+      elif status_by_point.get(key_of({"r": r, "c": c})) == {SKIPPED}:
+        entries.append("not run (failed below)")
+      else:
+        entries.append(format_cell(lookup(grouped, {table.rows: r, table.columns: c}),
+                                   table.scale, table.kind == "gap", table.decimals))
+    lines.append(f"| {r} | " + " | ".join(entries) + " |")
+  return "\n".join(lines)
+
+
+def _baseline_name(study: Study) -> str:
+  return ", ".join(study.label(v) for v in study.baseline.values())
+
+
+def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str]:
+  """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
+  records = select(records, table.where)
+  grouped = group(records, table.metric, study.baseline)
+  baseline, unit = _baseline_name(study), "points" if table.scale == 100 else "units"
+  sentences = []
+  for r in ordered(study, table.rows, axis_values(records, table.rows)):
+    for c in ordered(study, table.columns, axis_values(records, table.columns)):
+      point = {table.rows: r, table.columns: c}
+      if all(point.get(k) == v for k, v in study.baseline.items()):
+        continue
+      cell = lookup(grouped, point)
+      if cell is None or not cell.values:
+        continue
+      s = cell.stats
+      where = f"{study.label(c)} at {study.label(table.rows)} = {r}"
+      if s.n < 2:
+        sentences.append(f"{where}: one paired seed ({_number(s.mean, table.scale, 2, True)} "
+                         f"{unit}); no claim.")
+        continue
+      if s.excludes_zero():
+        finding = f"{'above' if s.mean > 0 else 'below'} {baseline}"
+      else:
+        finding = f"no difference from {baseline} shown"
+      text = (f"{where}: {finding} ({_number(s.mean, table.scale, 2, True)} {unit}, 95% CI "
+              f"[{_number(s.low, table.scale, 2, True)}, {_number(s.high, table.scale, 2, True)}],"
+              f" n = {s.n} seeds, paired t-test p = {s.p_value:.2g})")
+      if study.margin is not None:
+        tests = statistics.margin_tests(cell.values, study.margin)
+        m = _number(study.margin, table.scale, 2)
+        text += (f"; non-inferior at margin {m}: "
+                 f"{'yes' if tests.non_inferior else 'not shown'} (p = {tests.non_inferiority_p:.2g})"
+                 f"; equivalent within ±{m}: {'yes' if tests.equivalent else 'not shown'} "
+                 f"(TOST p = {tests.equivalence_p:.2g})")
+      if cell.diverged:
+        text += f"; {cell.diverged} of {cell.runs} runs diverged and are not in the gap"
+      sentences.append(text + ".")
+  return sentences
+
+
+def write_csv(records: Sequence[dict], path: str) -> None:
+  keys = sorted({k for r in records for k in r["overrides"]})
+  fields = ["run", *keys, "status", "test_accuracy", "test_loss", "initial_test_loss",
+            "num_stages", "samples", "train_seconds", "wall_seconds", "init_digest"]
+  tmp = path + ".tmp"
+  with open(tmp, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(fields)
+    for r in records:
+      writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
+                       *(r.get(k, "") for k in fields[len(keys) + 2:])])
+  os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _cell_points(study: Study, selected: Sequence[dict], figure: Figure):
+  """Per series: its (x, mean, CI half-width) points and its (x, 'k/n') diverged marks."""
+  grouped = group(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
+  xs = ordered(study, figure.x, axis_values(selected, figure.x))
+  result = []
+  for s in ordered(study, figure.series, axis_values(selected, figure.series)):
+    if figure.kind == "gap" and study.baseline.get(figure.series) == s:
+      continue  # the baseline's gap to itself is zero by construction
+    points, failed = [], []
+    for x in xs:
+      cell = lookup(grouped, {figure.x: x, figure.series: s})
+      if cell is None:
+        continue
+      if cell.values:
+        st = cell.stats
+        points.append((x / figure.x_unit, st.mean * 100,
+                       0.0 if math.isnan(st.half_width) else st.half_width * 100))
+      if cell.diverged:
+        failed.append((x / figure.x_unit, f"{cell.diverged}/{cell.runs}"))
+    result.append((s, points, failed))
+  return result
+
+
+def _draw_cells(study: Study, figure: Figure, series, ax, band) -> None:
+  """Means with 95% CIs, each series nudged sideways so that their bars stay apart; diverged
+  runs as 'k/n' marks in ``band``, never on the metric axis."""
+  count = len(series)
+  for i, (s, points, failed) in enumerate(series):
+    shift = (i - (count - 1) / 2) * 0.012
+    nudge = (lambda x: x * 2 ** shift) if figure.log_x else (lambda x: x)
+    colour = f"C{i % 10}"
+    if points:
+      px, py, pe = zip(*points)
+      ax.errorbar([nudge(x) for x in px], py, yerr=pe, marker="o", ms=4, capsize=3, lw=1.2,
+                  color=colour, label=study.label(s))
+    if band is not None:
+      for x, text in failed:
+        band.plot([x], [i], marker="x", color=colour, ms=7)
+        band.annotate(text, (x, i), textcoords="offset points", xytext=(5, -3), fontsize=7)
+  if band is not None:
+    band.set_yticks(range(count), [study.label(s) for s, _, _ in series], fontsize=7)
+    band.set_ylim(-0.7, count - 0.3)
+    band.set_title("diverged runs (of the cell's runs)", fontsize=8, loc="left")
+
+
+def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
+  """Mean test accuracy over training samples per series, with its 95% CI as a band."""
+  drawn = False
+  for i, s in enumerate(ordered(study, figure.series, axis_values(selected, figure.series))):
+    runs = [r for r in selected if r["overrides"].get(figure.series) == s
+            and r.get("test_curve") and not _is_diverged(r)]
+    by_samples = collections.defaultdict(list)
+    for r in runs:
+      for samples, accuracy, _ in r["test_curve"]:
+        if is_number(accuracy):
+          by_samples[samples].append(accuracy)
+    if not by_samples:
+      continue
+    xs = sorted(by_samples)
+    st = [statistics.interval(by_samples[x]) for x in xs]
+    ax.plot(xs, [v.mean * 100 for v in st], color=f"C{i % 10}",
+            label=f"{study.label(s)} (n={len(runs)})")
+    if all(v.n > 1 for v in st):
+      ax.fill_between(xs, [v.low * 100 for v in st], [v.high * 100 for v in st],
+                      color=f"C{i % 10}", alpha=0.2)
+    drawn = True
+  ax.set_xlabel("training samples")
+  return drawn
+
+
+def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str) -> bool:
+  """Draws ``figure`` to ``path``; False when no record has what it needs."""
+  plt = plotting.pyplot()
+  selected = select(records, figure.where)
+  band = None
+  if figure.kind in ("mean", "gap"):
+    series = _cell_points(study, selected, figure)
+    drawn = any(points or failed for _, points, failed in series)
+    if any(failed for _, _, failed in series):
+      fig, (ax, band) = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True,
+                                     gridspec_kw={"height_ratios": [4, 1.4]})
+    else:
+      fig, ax = plt.subplots(figsize=(7, 4.2))
+    _draw_cells(study, figure, series, ax, band)
+    (band or ax).set_xlabel(figure.x_label or study.label(figure.x))
+    what = "test accuracy" if figure.metric == "test_accuracy" else figure.metric
+    ax.set_ylabel(f"{what} gap to {_baseline_name(study)} (points)" if figure.kind == "gap"
+                  else f"{what} (%)")
+    if figure.kind == "gap":
+      ax.axhline(0, color="k", lw=0.8)
+    if figure.log_x:
+      ax.set_xscale("log", base=2)
+  else:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if figure.kind == "curves":
+      drawn = _draw_curves(study, selected, figure, ax)
+      ax.set_ylabel("test accuracy (%)")
+    else:
+      drawn = _draw_staleness(study, selected, figure, ax)
+  if figure.threshold is not None:
+    ax.axhline(figure.threshold * 100, color="tab:red", ls="--", lw=1,
+               label=f"threshold {figure.threshold * 100:g}%")
+  if not drawn:
+    plt.close(fig)
+    return False
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8, ncol=2, title="mean, 95% CI over seeds" if figure.kind != "staleness"
+            else None, title_fontsize=8)
+  ax.set_title(figure.title or study.name)
+  fig.tight_layout()
+  plotting.save(fig, path)
+  return True
+
+
+def _draw_staleness(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
+  """Each series' per-stage weight discrepancy (its first seed's diagnostics)."""
+  drawn = False
+  for s in ordered(study, figure.series, axis_values(selected, figure.series)):
+    runs = [r for r in selected if r["overrides"].get(figure.series) == s
+            and r.get("weight_discrepancy")]
+    if runs:
+      run = min(runs, key=lambda r: r["overrides"].get("seed", 0))
+      ax.plot(range(len(run["weight_discrepancy"])), run["weight_discrepancy"], marker="o",
+              ms=3, label=study.label(s))
+      drawn = True
+  ax.set_xlabel("stage")
+  ax.set_ylabel("‖w_fwd − w_bwd‖ / ‖w_bwd‖ (second half of training)")
+  ax.set_yscale("symlog", linthresh=1e-5)
+  return drawn
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def write_report(study: Study, workdir: str, command: str = "") -> str:
+  """Writes results.csv, report.md and the figures into ``workdir``; returns the markdown."""
+  records = read_results(workdir)
+  write_csv(records, os.path.join(workdir, "results.csv"))
+  planned = len(study.runs())
+  counts = {s: sum(r["status"] == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
+  wall = sum(r.get("wall_seconds", 0) for r in records)
+  parts = [f"# Study '{study.name}'", ""]
+  if command:
+    parts += ["Regenerate (skips finished runs, resumes stopped ones):", "", "```bash", command,
+              "```", ""]
+  parts.append(
+      f"{len(records)} of {planned} runs recorded: {counts[FINISHED]} finished, "
+      f"{counts[DIVERGED]} diverged, {counts[FAILED]} failed; {wall / 3600:.2f} h of run time "
+      "(sum over runs). A cell is the mean over seeds with its 95% Student-t confidence interval "
+      "[low, high] and n; a gap is paired by seed (same starting weights and data order) with "
+      "its 95% CI and the paired t-test's p-value. A run diverged when its result is not finite "
+      "or its final test loss is above its initial one; diverged runs are counted, never "
+      "averaged." + (f" Verdicts use a margin of {study.margin * 100:g} points." if study.margin
+                     else ""))
+  parts += _pairing_check(records)
+  machines = collections.Counter(r.get("machine", "not recorded") for r in records
+                                 if r["status"] != SKIPPED)
+  if machines:
+    parts += ["", "Machines (runs): " + "; ".join(f"{m} ({n})" for m, n in machines.items()) + "."]
+  for table in study.tables:
+    parts += ["", f"## {table.title}", "", markdown_table(study, records, table)]
+    if table.kind == "gap":
+      sentences = conclusions(study, records, table)
+      if sentences:
+        parts += ["", "Conclusions (generated from the table's statistics):", ""]
+        parts += [f"- {s}" for s in sentences]
+  figures = [f for f in study.figures
+             if draw_figure(study, records, f, os.path.join(workdir, f.file))]
+  for figure in figures:
+    parts += ["", f"![{figure.title or figure.file}]({figure.file})"]
+  text = "\n".join(parts) + "\n"
+  tmp = os.path.join(workdir, "report.md.tmp")
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, os.path.join(workdir, "report.md"))
+  return text
+
+
+def _pairing_check(records: Sequence[dict]) -> list[str]:
+  """A line on whether the runs of each seed (per cell without the method) started alike."""
+  digests = collections.defaultdict(set)
+  for r in records:
+    if r.get("init_digest"):
+      point = {k: v for k, v in r["overrides"].items() if k not in ("method",)}
+      digests[key_of(point)].add(r["init_digest"])
+  if not digests:
+    return ["", "Starting weights: not recorded (runs made before records carried "
+            "`init_digest`), so the pairing by seed pairs the data order only."]
+  mixed = sum(len(d) > 1 for d in digests.values())
+  return ["", f"Starting weights: {len(digests)} groups of runs that differ only by method; "
+          + ("every group started from one set of weights (same `init_digest`)." if not mixed
+             else f"{mixed} of them hold more than one `init_digest`: their pairs do not share "
+             "starting weights.")]
