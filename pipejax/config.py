@@ -56,6 +56,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.epochs = 10.0
   config.warmup_epochs = 0.2
   config.pipemare_anneal_epochs = 1.0
+  # When > 0, PipeMare anneals over this fraction of the run's steps instead (the annealing then
+  # scales with the run's length); pipemare_anneal_epochs = 0 turns the rescheduling off.
+  config.pipemare_anneal_fraction = 0.0
+  # 'pipemare': method 'sgd' gives each layer the learning rate PipeMare gives its stage in the
+  # config's split (the control that isolates PipeMare's rescheduling); '': one rate.
+  config.sgd_stage_rates = ""
   config.seed = 0
   # Per-stage |w_fwd - w_bwd| / |w_bwd| in the metrics (split 'diagnostics') and TensorBoard: the
   # staleness a method leaves. Keeps a weight copy per stashed input: memory and time, same numbers.

@@ -236,6 +236,40 @@ def _dcasgd(h):
 METHODS = tuple(_PRESETS)
 
 
+def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, momentum: float = 0.9,
+                            weight_decay: float = 0.0, anneal_steps: int = 1000) -> Method:
+  """SGD without a pipeline in which each layer follows PipeMare's rate for its pipeline stage.
+
+  The control that separates PipeMare's learning-rate rescheduling from its pipeline: the network
+  trains as one stage, without delay, but layer ``l`` takes
+  ``optim.pipemare_learning_rate(learning_rate, D, anneal_steps)`` where ``D`` is the delay of the
+  stage that holds it in the pipelined run (``layer_delays[l]``). If PipeMare's lead over SGD
+  comes from the rescheduling alone, this run shares it.
+
+  Args:
+    layer_delays: ``{layer name: delay of its stage}`` for every top-level parameter key of the
+      one-stage model (``pipejax.models.sequential`` keys parameters by layer name).
+    learning_rate, momentum, weight_decay, anneal_steps: as for :func:`make_method`.
+  """
+  if not layer_delays or any(not isinstance(d, int) or d < 0 for d in layer_delays.values()):
+    raise MethodError(f"layer_delays must map each layer name to its stage's delay (an int "
+                      f">= 0); got {layer_delays!r}.")
+
+  def rate_for(delay):
+    tx = optax.sgd(optim.pipemare_learning_rate(learning_rate, delay, anneal_steps),
+                   momentum=momentum)
+    return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+
+  def label(params):
+    missing = sorted(set(params) - set(layer_delays))
+    if missing:
+      raise MethodError(f"sgd_with_pipemare_rates has no delay for the layers {missing}.")
+    return {name: str(layer_delays[name]) for name in params}
+
+  tx = optax.multi_transform({str(d): rate_for(d) for d in set(layer_delays.values())}, label)
+  return dataclasses.replace(sync(lambda delay: tx, micro_batches=1), name="sgd")
+
+
 def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay: float = 0.0,
                 micro_batches: int = 1, horizon: int | None = None,
                 anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA,

@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from pipejax import accounting
 from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import metrics as metrics_lib
@@ -116,6 +117,14 @@ def validate(config) -> None:
     raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
                       f"{', '.join(models_lib.names())}.")
   _validate_values(config)
+  if config.sgd_stage_rates and (config.method != "sgd" or config.optimizer != "sgd"):
+    raise ConfigError(f"config.sgd_stage_rates={config.sgd_stage_rates!r} gives the layers of "
+                      "the one-stage momentum-SGD baseline per-stage rates; it needs "
+                      f"--config.method=sgd and --config.optimizer=sgd (got method "
+                      f"{config.method!r}, optimizer {config.optimizer!r}).")
+  if not 0 <= config.pipemare_anneal_fraction <= 1:
+    raise ConfigError(f"config.pipemare_anneal_fraction must be in [0, 1] (a fraction of the "
+                      f"run's steps); got {config.pipemare_anneal_fraction!r}.")
   if config.method == "sync" and config.ticks_per_chunk % config.micro_batches:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
                       f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
@@ -129,10 +138,10 @@ _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
 _NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "micro_batch.lr",
                        "micro_batch.weight_decay",
-                       "warmup_epochs", "pipemare_anneal_epochs")
+                       "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
 _MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.beta2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
-            "optimizer": ("sgd", "adam")}
+            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", "pipemare")}
 
 
 def _field(config, key: str):
@@ -329,12 +338,26 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     model_kwargs["layers_per_stage"] = None
   model = models_lib.build(config.model, num_classes=train_source.num_classes, **model_kwargs)
   hp = resolve_hyperparameters(config, len(train_source))
+  if config.pipemare_anneal_fraction > 0:
+    anneal_steps = max(1, round(config.pipemare_anneal_fraction * hp.steps))
+  elif config.pipemare_anneal_epochs == 0:
+    anneal_steps = 0  # no rescheduling: every stage at the base rate from the start
+  else:
+    anneal_steps = max(1, optim.steps_for_samples(
+        int(config.pipemare_anneal_epochs * len(train_source)), b))
   method = methods_lib.make_method(
       config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
       weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=max(1, optim.steps_for_samples(
-          int(config.pipemare_anneal_epochs * len(train_source)), b)),
-      optimizer=config.optimizer, b2=hp.beta2)
+      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=hp.beta2)
+  if config.sgd_stage_rates == "pipemare" and split_model is not None:
+    layer_delays = {}
+    shapes, _ = split_model.trace_shapes(
+        jax.random.PRNGKey(0), np.zeros((b,) + tuple(train_source.example_shape), np.float32))
+    for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
+      layer_delays.update({name: delay for name in stage_params})
+    method = methods_lib.sgd_with_pipemare_rates(
+        layer_delays, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
+        weight_decay=hp.weight_decay, anneal_steps=anneal_steps)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32),
                   track_weight_discrepancy=bool(config.diagnostics))

@@ -1,6 +1,7 @@
 """Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -180,3 +181,24 @@ def test_pipeline_is_not_full_during_fill():
   pipe = Pipeline(model, methods.make_method("pb", learning_rate=LR), x[0], y[0])
   state, _ = pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
   assert not Pipeline.every_slot_full(state)  # stage 0's 7-slot line has seen only 6 inputs
+
+
+def test_sgd_with_pipemare_rates_gives_each_layer_its_stages_rescheduled_rate():
+  # Closed form: from zero momentum, the first update of a layer is -lr / max(D, 1) * g; after
+  # K steps of annealing every layer is at the base rate.
+  method = methods.sgd_with_pipemare_rates({"a": 6, "b": 2, "c": 0}, learning_rate=0.1,
+                                           momentum=0.0, anneal_steps=4)
+  assert method.name == "sgd" and method.micro_batches_per_step == 1
+  tx = method.optimizer(0)
+  params = {name: jnp.ones(2) for name in "abc"}
+  grads = {name: jnp.full(2, 2.0) for name in "abc"}
+  state = tx.init(params)
+  updates, state = tx.update(grads, state, params)
+  np.testing.assert_allclose(updates["a"], -0.1 / 6 * 2.0, rtol=1e-6)
+  np.testing.assert_allclose(updates["b"], -0.1 / 2 * 2.0, rtol=1e-6)
+  np.testing.assert_allclose(updates["c"], -0.1 * 2.0, rtol=1e-6)
+  for _ in range(4):
+    updates, state = tx.update(grads, state, params)
+  np.testing.assert_allclose(updates["a"], -0.1 * 2.0, rtol=1e-6)
+  with pytest.raises(methods.MethodError, match="no delay for the layers"):
+    tx.init({"d": jnp.ones(2)})
