@@ -227,9 +227,11 @@ def append_result(workdir: str, record: dict) -> None:
 
 def is_done(record: dict | None, study: Study, overrides: Overrides) -> bool:
   """A run is done when it finished, diverged or was skipped with the same settings; failures
-  are retried."""
+  are retried, and so is a run recorded without ``init_digest``: it was made before every method
+  of a seed started from the same weights, so it cannot be paired with the runs made since."""
   return bool(record) and record["status"] in (FINISHED, DIVERGED, SKIPPED) and \
-      record.get("fixed") == _jsonable(study.fixed) and record.get("config") == study.config
+      record.get("fixed") == _jsonable(study.fixed) and record.get("config") == study.config \
+      and (record["status"] == SKIPPED or bool(record.get("init_digest")))
 
 
 def failed_below(study: Study, records: Iterable[dict], overrides: Overrides) -> Any:

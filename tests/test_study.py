@@ -20,7 +20,7 @@ from tests.helpers import ROOT
 def record(method, depth, seed, accuracy, status=study_lib.FINISHED):
   overrides = {"model_kwargs.depth": depth, "method": method, "seed": seed}
   return {"run": study_lib.run_id(overrides), "overrides": overrides, "status": status,
-          "test_accuracy": accuracy, "fixed": {}, "config": "c.py"}
+          "test_accuracy": accuracy, "fixed": {}, "config": "c.py", "init_digest": f"w{seed}"}
 
 
 STUDY = Study(name="t", config="c.py",
@@ -123,6 +123,9 @@ def test_a_failed_run_is_retried_and_a_finished_one_is_not():
   assert not study_lib.is_done(failed, STUDY, overrides)
   changed = Study(name="t", config="c.py", grids=STUDY.grids, fixed={"epochs": 3.0})
   assert not study_lib.is_done(finished, changed, overrides)  # other settings: run again
+  # Made before runs of a seed shared their starting weights: run again to be paired.
+  assert not study_lib.is_done({k: v for k, v in finished.items() if k != "init_digest"}, STUDY,
+                               overrides)
 
 
 def test_results_survive_a_line_cut_short(tmp_path):

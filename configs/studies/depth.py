@@ -1,28 +1,37 @@
-r"""Depth study: each method's accuracy gap to SGD as the pipeline gets deeper.
+r"""Depth study: each method's accuracy gap to SGD as the pipeline gets deeper (one epoch).
 
     python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
 
 The network is configs/deep_mlp.py's residual MLP on Fashion-MNIST, one weight layer per stage,
-at 4 to 32 stages (delays up to 62), micro-batch 1, one epoch, the batch-128 recipe converted by
-the scaling rules. SGD (the whole network as one stage, same samples, batch 1) is the baseline of
-every gap, at the same depth and seed. Three seeds per cell; the runner does every cell's first
-seed before any second one. One seed of every method at 8 stages also logs the per-stage weight
-discrepancy between forward and backward (config.diagnostics), and Adam rows (optimizer='adam',
-the batch-128 recipe lr 1e-3) repeat the comparison at 8 stages with another base optimizer (at
-8 rather than 32 stages: a 32-stage run costs five times as much, and the CPU budget went to the
-momentum-SGD rows).
+at 4 to 64 stages (delays up to 126), micro-batch 1, one epoch, the batch-128 recipe converted by
+the scaling rules. SGD (the whole network as one stage, the same samples at batch 1, starting from
+the same weights as the pipelined runs of its seed) is the baseline of every gap, paired by depth
+and seed. Three seeds per cell; the runner does every cell's first seed before any second one, so
+restrict a session to cheap depths with ``--where=model_kwargs.depth=8``.
+
+* Every depth: SGD, plain PB and PB + SC + LWP (the paper's claim), then the rivals.
+* 64 stages: SGD, PB, PB + SC + LWP, SpecTrain and PipeMare (a 64-stage run costs about twice a
+  32-stage one, so not every rival).
+* One seed of every method at 8 stages also logs the per-stage weight discrepancy between forward
+  and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
+  repeat the comparison at 8 stages.
+
 ``:smoke`` runs 4- and 6-stage networks on 2000 samples, two methods, two seeds, and one run at a
 learning rate that diverges (CI, about two minutes).
 """
 
 from pipejax.study import Figure, Study, Table
 
-METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
-           "dcasgd")
+PAPER = ("sgd", "pb", "pb_sc_lwp")
+RIVALS = ("pb_sc", "pb_lwp", "pipedream", "spectrain", "pipemare", "dcasgd")
 ADAM_METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipedream")
 SGD = (("optimizer", None), ("diagnostics", None))
 ADAM = (("optimizer", "adam"),)
+LABELS = {"sgd": "SGD", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
+          "pb_sc_lwp": "PB + SC + LWP", "pipedream": "PipeDream", "spectrain": "SpecTrain",
+          "pipemare": "PipeMare", "dcasgd": "DC-ASGD", "model_kwargs.depth": "stages",
+          "reference.lr": "reference lr", "method": "method"}
 
 
 def get_study(arg: str | None = None) -> Study:
@@ -34,25 +43,30 @@ def get_study(arg: str | None = None) -> Study:
                {"model_kwargs.depth": (5,), "method": ("pb",), "seed": (0,),
                 "reference.lr": (1e4,)}],
         fixed={"epochs": 1.0, "eval_every_samples": 100000},
-        baseline={"method": "sgd"},
+        baseline={"method": "sgd"}, margin=0.005, labels=LABELS,
         tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
                 Table("Gap to SGD (points)", rows="model_kwargs.depth", columns="method",
                       kind="gap")],
         figures=[Figure("gap_vs_depth.png", x="model_kwargs.depth", series="method",
-                        kind="gap")])
+                        kind="gap", title="Gap to SGD against depth (smoke)",
+                        x_label="pipeline stages")])
   if arg:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
+  seeds = (0, 1, 2)
   return Study(
       name="depth", config="configs/deep_mlp.py",
-      grids=[{"model_kwargs.depth": (32, 16, 8, 4), "method": METHODS, "seed": (0, 1, 2)},
+      grids=[{"model_kwargs.depth": (4, 8, 16, 32), "method": PAPER, "seed": seeds},
+             {"model_kwargs.depth": (4, 8, 16, 32), "method": RIVALS, "seed": seeds},
+             {"model_kwargs.depth": (64,), "method": PAPER + ("spectrain", "pipemare"),
+              "seed": seeds},
              # The staleness figure: the weight stash that measures it costs O(S^2) weight
              # copies per tick, so it is drawn at 8 stages, one seed.
-             {"model_kwargs.depth": (8,), "method": METHODS, "seed": (0,),
+             {"model_kwargs.depth": (8,), "method": PAPER + RIVALS, "seed": (0,),
               "diagnostics": (True,)},
              # Adam rows: the batch-128 recipe lr 1e-3, betas (0.9, 0.999), converted to b = 1.
-             {"model_kwargs.depth": (8,), "method": ADAM_METHODS, "seed": (0, 1, 2),
+             {"model_kwargs.depth": (8,), "method": ADAM_METHODS, "seed": seeds,
               "optimizer": ("adam",), "reference.lr": (1e-3,)}],
-      baseline={"method": "sgd"},
+      baseline={"method": "sgd"}, margin=0.005, labels=LABELS,
       tables=[Table("Test accuracy (%), momentum SGD", rows="model_kwargs.depth",
                     columns="method", where=SGD),
               Table("Gap to SGD at the same depth and seed (points), momentum SGD",
@@ -62,6 +76,8 @@ def get_study(arg: str | None = None) -> Study:
               Table("Gap to Adam without a pipeline (points)", rows="model_kwargs.depth",
                     columns="method", kind="gap", where=ADAM)],
       figures=[Figure("gap_vs_depth.png", x="model_kwargs.depth", series="method", kind="gap",
-                      log_x=True, where=SGD),
+                      log_x=True, where=SGD, title="Gap to SGD against depth, one epoch",
+                      x_label="pipeline stages"),
                Figure("staleness_by_stage.png", x="stage", series="method", kind="staleness",
-                      where=(("model_kwargs.depth", 8), ("diagnostics", True)))])
+                      where=(("model_kwargs.depth", 8), ("diagnostics", True)),
+                      title="Weight discrepancy by stage, 8 stages")])
