@@ -235,6 +235,11 @@ def _dcasgd(h):
 
 METHODS = tuple(_PRESETS)
 
+# How reports and figures name the presets.
+DISPLAY_NAMES = {"sgd": "SGD", "sync": "GPipe (sync)", "pb": "PB", "pb_sc": "PB + SC",
+                 "pb_lwp": "PB + LWP", "pb_sc_lwp": "PB + SC + LWP", "pipedream": "PipeDream",
+                 "spectrain": "SpecTrain", "pipemare": "PipeMare", "dcasgd": "DC-ASGD"}
+
 
 def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, momentum: float = 0.9,
                             weight_decay: float = 0.0, anneal_steps: int = 1000) -> Method:

@@ -30,7 +30,10 @@ class StudyError(ValueError):
   """A study file or a study workdir is unusable; the message says how to fix it."""
 
 
-TABLE_KINDS = ("mean", "gap", "stability")
+# How reports name the grid keys most studies sweep.
+KEY_NAMES = {"model_kwargs.depth": "stages", "reference.lr": "reference lr",
+             "micro_batch_size": "micro-batch", "method": "method"}
+TABLE_KINDS = ("mean", "gap", "stability", "cells", "tuned")
 FIGURE_KINDS = ("mean", "gap", "staleness", "curves")
 
 
@@ -39,8 +42,11 @@ class Table:
   """A markdown table of one metric: ``rows`` x ``columns`` (two grid keys).
 
   kind: 'mean' (n, mean and 95% CI of ``metric`` over seeds), 'gap' (the gap to the study's
-  baseline paired by seed, with its 95% CI and p-value) or 'stability' (per column value, the
-  interval of ``rows`` values between the largest that trains and the smallest that fails).
+  baseline paired by seed, with its 95% CI and p-value), 'stability' (per column value, the
+  interval of ``rows`` values between the largest that trains and the smallest that fails),
+  'cells' (one line per grid point, whatever keys set it: its mean and its gap to the baseline;
+  ``rows`` and ``columns`` are unused) or 'tuned' (per column value, the ``rows`` value with the
+  best mean, and the gap there to the baseline at the baseline's own best value).
 
   ``metric`` is a record field (``test_accuracy``, ``test_loss``) or ``samples_to:A``: the
   training samples a run took to first reach test accuracy A (runs that never did are counted
@@ -133,8 +139,11 @@ class Study:
                        f"(0.005 is half a point of accuracy); got {self.margin!r}.")
 
   def label(self, value: Any) -> str:
-    """How the report names a grid value (a method's full name), else the value itself."""
-    return self.labels.get(str(value), str(value))
+    """How the report names a grid key or value: ``labels``, then a method's display name, else
+    the value itself."""
+    from pipejax.methods import DISPLAY_NAMES  # pylint: disable=import-outside-toplevel
+    text = str(value)
+    return self.labels.get(text, DISPLAY_NAMES.get(text, KEY_NAMES.get(text, text)))
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order)."""

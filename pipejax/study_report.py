@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import json
 import math
 import os
 from typing import Iterable, Sequence
@@ -73,10 +74,10 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
   missing or diverged has no gap.
   """
   records = [r for r in records if r["status"] in (FINISHED, DIVERGED)]
-  reference = {}
+  references = []
   if baseline is not None:
-    reference = {key_of(r["overrides"]): metric_of(r, metric) for r in records
-                 if not _is_diverged(r) and is_number(metric_of(r, metric))}
+    references = [r for r in records if not _is_diverged(r) and is_number(metric_of(r, metric))
+                  and all(r["overrides"].get(k) == v for k, v in baseline.items())]
   grouped: dict[tuple, Cell] = {}
   for r in records:
     cell = grouped.setdefault(_without_seed(r["overrides"]),
@@ -89,9 +90,29 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
       cell.not_reached += 1
     elif baseline is None:
       cell.values.append(value)
-    elif key_of({**r["overrides"], **baseline}) in reference:
-      cell.values.append(value - reference[key_of({**r["overrides"], **baseline})])
+    else:
+      reference = baseline_run(references, r["overrides"], baseline)
+      if reference is not None:
+        cell.values.append(value - metric_of(reference, metric))
   return grouped
+
+
+def baseline_run(references: Sequence[dict], overrides: Overrides,
+                 baseline: Overrides) -> dict | None:
+  """The baseline run a run is paired with: the run with the same overrides but the baseline's
+  (same seed, same cell), else the most specific baseline run whose every override the run
+  shares (a control arm that adds an override, such as ``sgd_stage_rates``, pairs with the plain
+  baseline of its seed)."""
+  wanted = key_of({**overrides, **baseline})
+  best = None
+  for ref in references:
+    if key_of(ref["overrides"]) == wanted:
+      return ref
+    shared = all(overrides.get(k) == v for k, v in ref["overrides"].items() if k not in baseline)
+    if shared and ref["overrides"].get("seed", 0) == overrides.get("seed", 0) and (
+        best is None or len(ref["overrides"]) > len(best["overrides"])):
+      best = ref
+  return best
 
 
 def cells(records: Iterable[dict], metric: str = "test_accuracy") -> dict[tuple, Cell]:
@@ -203,6 +224,10 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
       lines.append(f"| {study.label(c)} | {'none' if best is None else f'{best:g}'} | "
                    f"{'none run' if fail is None else f'{fail:g}'} | {interval} |")
     return "\n".join(lines)
+  if table.kind == "cells":
+    return _cells_table(study, records, table)
+  if table.kind == "tuned":
+    return _tuned_table(study, records, table)
   grouped = group(records, table.metric, study.baseline if table.kind == "gap" else None)
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
@@ -223,6 +248,81 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
         entries.append(format_cell(lookup(grouped, {table.rows: r, table.columns: c}),
                                    table.scale, table.kind == "gap", table.decimals))
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
+  return "\n".join(lines)
+
+
+def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
+  """A grid point named by what sets it apart: its overrides not shared by every point."""
+  parts = [study.label(v) if k == "method" else f"{study.label(k)} = {v}"
+           for k, v in overrides.items() if k != "seed" and common.get(k, object()) != v]
+  return ", ".join(parts) or "(every run)"
+
+
+def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
+  means = cells(records, table.metric)
+  gaps = group(records, table.metric, study.baseline)
+  points = {}
+  for r in sorted(records, key=lambda r: r["overrides"].get("seed", 0)):
+    if r["status"] in (FINISHED, DIVERGED):
+      points.setdefault(_without_seed(r["overrides"]),
+                        {k: v for k, v in r["overrides"].items() if k != "seed"})
+  common = dict(set.intersection(*(set(key_of(p)) for p in points.values()))) if points else {}
+  common = {k: json_value for k, json_value in ((k, json.loads(v)) for k, v in common.items())}
+  lines = [f"| run | {table.metric.replace('_', ' ')} | gap to {_baseline_name(study)} |",
+           "|---|---|---|"]
+  for key, overrides in points.items():
+    is_baseline = all(overrides.get(k) == v for k, v in study.baseline.items()) and \
+        not set(overrides) - set(study.baseline) - set(common)
+    lines.append(f"| {describe_cell(study, overrides, common)} | "
+                 f"{format_cell(means.get(key), table.scale, decimals=table.decimals)} | "
+                 + ("baseline" if is_baseline else
+                    format_cell(gaps.get(key), table.scale, True, table.decimals)) + " |")
+  return "\n".join(lines)
+
+
+
+
+def best_value(study: Study, records: Sequence[dict], table: Table, column_value):
+  """The ``rows`` value at which ``column_value``'s cell has the best mean (no diverged seed)."""
+  grouped = cells(records, table.metric)
+  best = None
+  for value in ordered(study, table.rows, axis_values(records, table.rows)):
+    cell = lookup(grouped, {table.rows: value, table.columns: column_value})
+    if cell is not None and cell.values and not cell.diverged and (
+        best is None or cell.mean > best[1]):
+      best = (value, cell.mean)
+  return None if best is None else best[0]
+
+
+def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
+  baseline_column = study.baseline.get(table.columns)
+  baseline_best = best_value(study, records, table, baseline_column)
+  by_point = {}
+  for r in records:
+    if r["status"] == FINISHED and not _is_diverged(r) and is_number(metric_of(r, table.metric)):
+      o = r["overrides"]
+      by_point[(json.dumps(o.get(table.rows)), o.get(table.columns), o.get("seed", 0))] = \
+          metric_of(r, table.metric)
+  lines = [f"| {study.label(table.columns)} | best {study.label(table.rows)} | "
+           f"{table.metric.replace('_', ' ')} there | gap to {study.label(baseline_column)} "
+           f"at its best ({baseline_best}) |", "|---|---|---|---|"]
+  for c in ordered(study, table.columns, axis_values(records, table.columns)):
+    best = best_value(study, records, table, c)
+    if best is None:
+      lines.append(f"| {study.label(c)} | none trained | — | — |")
+      continue
+    mine = {seed: v for (row, col, seed), v in by_point.items()
+            if row == json.dumps(best) and col == c}
+    theirs = {seed: v for (row, col, seed), v in by_point.items()
+              if row == json.dumps(baseline_best) and col == baseline_column}
+    mean = Cell(list(mine.values()), 0, list(mine))
+    gap = Cell([mine[s] - theirs[s] for s in mine if s in theirs], 0, [], paired=True)
+    lines.append(f"| {study.label(c)} | {best} | {format_cell(mean, table.scale)} | "
+                 + ("baseline" if c == baseline_column else
+                    format_cell(gap, table.scale, True)) + " |")
+  lines += ["", "Each method's best value is picked on the same seeds that measure it, which "
+            "favours it a little (the winner's curse); the gap at the common value is in the "
+            "gap table."]
   return "\n".join(lines)
 
 

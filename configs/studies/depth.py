@@ -28,10 +28,6 @@ RIVALS = ("pb_sc", "pb_lwp", "pipedream", "spectrain", "pipemare", "dcasgd")
 ADAM_METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipedream")
 SGD = (("optimizer", None), ("diagnostics", None))
 ADAM = (("optimizer", "adam"),)
-LABELS = {"sgd": "SGD", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
-          "pb_sc_lwp": "PB + SC + LWP", "pipedream": "PipeDream", "spectrain": "SpecTrain",
-          "pipemare": "PipeMare", "dcasgd": "DC-ASGD", "model_kwargs.depth": "stages",
-          "reference.lr": "reference lr", "method": "method"}
 
 
 def get_study(arg: str | None = None) -> Study:
@@ -43,7 +39,7 @@ def get_study(arg: str | None = None) -> Study:
                {"model_kwargs.depth": (5,), "method": ("pb",), "seed": (0,),
                 "reference.lr": (1e4,)}],
         fixed={"epochs": 1.0, "eval_every_samples": 100000},
-        baseline={"method": "sgd"}, margin=0.005, labels=LABELS,
+        baseline={"method": "sgd"}, margin=0.005,
         tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
                 Table("Gap to SGD (points)", rows="model_kwargs.depth", columns="method",
                       kind="gap")],
@@ -66,7 +62,7 @@ def get_study(arg: str | None = None) -> Study:
              # Adam rows: the batch-128 recipe lr 1e-3, betas (0.9, 0.999), converted to b = 1.
              {"model_kwargs.depth": (8,), "method": ADAM_METHODS, "seed": seeds,
               "optimizer": ("adam",), "reference.lr": (1e-3,)}],
-      baseline={"method": "sgd"}, margin=0.005, labels=LABELS,
+      baseline={"method": "sgd"}, margin=0.005,
       tables=[Table("Test accuracy (%), momentum SGD", rows="model_kwargs.depth",
                     columns="method", where=SGD),
               Table("Gap to SGD at the same depth and seed (points), momentum SGD",
