@@ -91,7 +91,8 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
     elif baseline is None:
       cell.values.append(value)
     else:
-      reference = baseline_run(references, r["overrides"], baseline)
+      reference = baseline_run([ref for ref in references if ref is not r], r["overrides"],
+                               baseline) or (r if r in references else None)
       if reference is not None:
         cell.values.append(value - metric_of(reference, metric))
   return grouped
@@ -99,10 +100,11 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
 
 def baseline_run(references: Sequence[dict], overrides: Overrides,
                  baseline: Overrides) -> dict | None:
-  """The baseline run a run is paired with: the run with the same overrides but the baseline's
-  (same seed, same cell), else the most specific baseline run whose every override the run
-  shares (a control arm that adds an override, such as ``sgd_stage_rates``, pairs with the plain
-  baseline of its seed)."""
+  """The baseline run a run is paired with, among ``references`` (which exclude the run itself):
+  the run with the same overrides but the baseline's (same seed, same cell), else the most
+  specific baseline run whose every override the run shares. So a control arm that adds an
+  override to the baseline's, such as ``sgd_stage_rates``, pairs with the plain baseline run of
+  its seed."""
   wanted = key_of({**overrides, **baseline})
   best = None
   for ref in references:

@@ -72,7 +72,7 @@ def test_markdown_tables_and_stability_limit():
   records.append(record("pb", 8, 0, None, study_lib.DIVERGED))
   text = study_report.markdown_table(STUDY, records, STUDY.tables[0])
   lines = text.splitlines()
-  assert lines[0] == "| model_kwargs.depth | sgd | pb |"
+  assert lines[0] == "| stages | SGD | PB |"
   assert lines[2] == "| 4 | 90.00 (1 seed) | 81.00 [68.29, 93.71] n=2 |"
   assert lines[3] == "| 8 | 90.00 (1 seed) | div. 1/1 |"
   stability = Table("s", rows="model_kwargs.depth", columns="method", kind="stability")
@@ -280,11 +280,11 @@ def test_conclusions_follow_the_numbers_with_margin_verdicts():
   records = [record("sgd", 8, s, a) for s, a in enumerate((0.85, 0.80, 0.83))]
   records += [record("pb", 8, s, a) for s, a in enumerate((0.84, 0.79, 0.82))]  # -1 point each
   (sentence,) = study_report.conclusions(study, records, study.tables[0])
-  assert sentence.startswith("PB at model_kwargs.depth = 8: below sgd (−1.00 points")
+  assert sentence.startswith("PB at stages = 8: below SGD (−1.00 points")
   assert "non-inferior at margin 0.50: not shown" in sentence
   records[3:] = [record("pb", 8, s, a) for s, a in enumerate((0.851, 0.80, 0.829))]
   (sentence,) = study_report.conclusions(study, records, study.tables[0])
-  assert "no difference from sgd shown" in sentence and "equivalent within ±0.50: yes" in sentence
+  assert "no difference from SGD shown" in sentence and "equivalent within ±0.50: yes" in sentence
 
 
 def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
@@ -309,5 +309,57 @@ def test_stability_limits_are_intervals_between_a_trained_and_a_failed_value():
   records = [run(0.1, 0, 0.8), run(0.1, 1, 0.8), run(0.141, 0, 0.8), run(0.141, 1, 0.1),
              run(0.2, 0, 0.1)]
   assert study_report.stable_limit(sweep, records, sweep.tables[0], "pb") == (0.1, 0.141)
-  assert "| pb | 0.1 | 0.141 | [0.1, 0.141) |" in study_report.markdown_table(
+  assert "| PB | 0.1 | 0.141 | [0.1, 0.141) |" in study_report.markdown_table(
       sweep, records, sweep.tables[0])
+
+
+def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
+  def run(seed, accuracy, **overrides):
+    overrides = {**overrides, "seed": seed}
+    return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
+            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {},
+            "init_digest": f"w{seed}"}
+  records = [run(s, 0.80 + s / 100, method="sgd") for s in range(3)]
+  records += [run(s, 0.81 + s / 100, method="pipemare") for s in range(3)]
+  records += [run(s, 0.805 + s / 100, method="sgd", sgd_stage_rates="pipemare") for s in range(3)]
+  study = Study(name="c", config="c.py", grids=[{"method": ("sgd", "pipemare"), "seed": (0,)}],
+                baseline={"method": "sgd"}, labels={"sgd_stage_rates": "per-layer rates"},
+                tables=[Table("t", rows="", columns="", kind="cells")])
+  gaps = study_report.paired_gaps(records, study.baseline)
+  rescheduled = study_report.lookup(gaps, {"sgd_stage_rates": "pipemare"})
+  assert rescheduled.values == pytest.approx([0.005] * 3)  # paired with plain SGD, seed by seed
+  lines = study_report.markdown_table(study, records, study.tables[0]).splitlines()
+  assert lines[2].startswith("| SGD | 81.00 [") and lines[2].endswith("| baseline |")
+  assert lines[3].startswith("| PipeMare | 82.00 [") and "| +1.00 [+1.00, +1.00] n=3" in lines[3]
+  assert lines[4].startswith("| SGD, per-layer rates = pipemare | 81.50 [")
+
+
+def test_tuned_tables_compare_each_method_at_its_best_value():
+  def run(method, lr, seed, accuracy):
+    overrides = {"reference.lr": lr, "method": method, "seed": seed}
+    return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
+            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {},
+            "init_digest": f"w{seed}"}
+  records = [run("sgd", 0.1, s, 0.80) for s in range(2)] + \
+      [run("sgd", 0.05, s, 0.82 + s / 100) for s in range(2)] + \
+      [run("pb", 0.1, s, 0.83) for s in range(2)] + [run("pb", 0.05, s, 0.81) for s in range(2)]
+  study = Study(name="t", config="c.py", grids=[{"reference.lr": (0.05, 0.1),
+                                                 "method": ("sgd", "pb"), "seed": (0, 1)}],
+                baseline={"method": "sgd"},
+                tables=[Table("t", rows="reference.lr", columns="method", kind="tuned")])
+  table = study_report.markdown_table(study, records, study.tables[0])
+  assert "| SGD | 0.05 | 82.50 [" in table
+  # PB at its best (0.1: 0.83) against SGD at its best (0.05: 0.82, 0.83), seed by seed.
+  assert "| PB | 0.1 | 83.00 [83.00, 83.00] n=2 | +0.50 [−5.85, +6.85] n=2 p=0.5 |" in table
+
+
+def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
+  from pipejax.study import Figure  # pylint: disable=import-outside-toplevel
+  records = [record("sgd", 4, 0, 0.9), record("sgd", 8, 0, 0.9), record("pb", 4, 0, 0.8),
+             record("pb", 8, 0, None, study_lib.DIVERGED), record("pb", 8, 1, 0.7)]
+  figure = Figure("f.png", x="model_kwargs.depth", series="method", title="Accuracy by depth")
+  series = dict((s, (points, failed)) for s, points, failed in
+                study_report._cell_points(STUDY, records, figure))  # pylint: disable=protected-access
+  assert series["pb"] == ([(4, 80.0, 0.0), (8, 70.0, 0.0)], [(8, "1/2")])
+  assert study_report.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
+  assert (tmp_path / "f.png").stat().st_size > 1000
