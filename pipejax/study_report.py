@@ -568,17 +568,18 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
 
 
 def _pairing_check(records: Sequence[dict]) -> list[str]:
-  """A line on whether the runs of each seed (per cell without the method) started alike."""
+  """A line on whether the runs of each seed and network started alike, whatever the method."""
   digests = collections.defaultdict(set)
   for r in records:
     if r.get("init_digest"):
-      point = {k: v for k, v in r["overrides"].items() if k not in ("method",)}
+      point = {k: v for k, v in r["overrides"].items()
+               if k == "seed" or k.startswith(("model", "dataset", "image_size"))}
       digests[key_of(point)].add(r["init_digest"])
   if not digests:
     return ["", "Starting weights: not recorded (runs made before records carried "
             "`init_digest`), so the pairing by seed pairs the data order only."]
   mixed = sum(len(d) > 1 for d in digests.values())
-  return ["", f"Starting weights: {len(digests)} groups of runs that differ only by method; "
+  return ["", f"Starting weights: {len(digests)} groups of runs of one seed and network; "
           + ("every group started from one set of weights (same `init_digest`)." if not mixed
              else f"{mixed} of them hold more than one `init_digest`: their pairs do not share "
              "starting weights.")]
