@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pipejax import study as study_lib
+from pipejax import study_runner
 from pipejax.study import Study, Table
 
 from tests.helpers import ROOT
@@ -177,8 +178,6 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
 
 def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
   """The trainers run in sessions of their own: a crashing study must not leave them running."""
-  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
-  study_script = load_script("scripts/study.py")
   polite = ("import signal, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').write('saved'),"
             " sys.exit(75)))\n"
@@ -192,7 +191,7 @@ def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
                                   start_new_session=True)
   while not ((tmp_path / "a.up").exists() and (tmp_path / "b.up").exists()):
     time.sleep(0.05)
-  study_script._stop_trainers([polite_process, deaf_process], timeout=3)
+  study_runner.stop_trainers([polite_process, deaf_process], timeout=3)
   assert polite_process.returncode == 75 and (tmp_path / "a").read_text() == "saved"
   assert deaf_process.returncode == -9  # killed once the timeout passed
 
