@@ -284,6 +284,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   env = _trainer_env(parallel, workdir)
   running: dict[str, tuple] = {}  # run id -> (process, overrides, start time, log path)
   durations, failed, started_at, last_status = [], 0, time.time(), 0.0
+  signalled: dict[int, int] = {}  # trainer pid -> 1 (sent SIGTERM) or 2 (sent SIGKILL)
 
   def status_line():
     finished = sum(study_lib.is_done(done.get(study_lib.run_id(o)), study, o) for o in planned)
@@ -330,10 +331,12 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
           running[rid] = (process, overrides, time.time(), log_path)
           trainers_changed()
           print(f"{status_line()} started {rid}", flush=True)
-        if stop.requested:
-          for process, *_ in running.values():
-            if process.poll() is None:
-              process.send_signal(signal.SIGTERM if stop.count == 1 else signal.SIGKILL)
+        for process, *_ in running.values():
+          # Once per trainer and signal: a trainer that is saving its checkpoint is left alone.
+          wanted = min(stop.count, 2)
+          if signalled.get(process.pid, 0) < wanted and process.poll() is None:
+            process.send_signal(signal.SIGTERM if wanted == 1 else signal.SIGKILL)
+            signalled[process.pid] = wanted
         time.sleep(0.5)
         for rid, (process, overrides, start, log_path) in list(running.items()):
           if process.poll() is None:
