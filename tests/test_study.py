@@ -437,3 +437,16 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
   assert process.returncode == study_runner.EXIT_STOPPED, out
   assert not any(alive(pid) for pid in trainers)
   assert "SIGTERM: stopping" in out and "Not done (2, stopped before the end)" in out
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_study_runner_ends_complete_and_exact(tmp_path):
+  """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
+  the study, a kill of one trainer, a results line cut short; each rerun must match the
+  uninterrupted study."""
+  chaos = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos.py"),
+                          "--cases=study", "--study_trials=1", f"--workdir={tmp_path / 'chaos'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500)
+  assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
+  assert chaos.stdout.strip().splitlines()[-1] == (
+      "COUNTS study cut line: exact: 1, study kill: exact: 1, study trainer kill: exact: 1")
