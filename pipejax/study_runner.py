@@ -403,6 +403,9 @@ def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,
   except (StudyBusy, study_lib.StudyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USAGE if isinstance(e, study_lib.StudyError) else EXIT_FAILED
+  except KeyboardInterrupt:  # before the trainers start (run_study handles signals after)
+    print("\nInterrupted; no training was started.", file=sys.stderr)
+    return EXIT_STOPPED
   except OSError as e:
     problem = workdir_lib.storage_error(action, e.filename or workdir, e, _RERUN)
     if problem is None:

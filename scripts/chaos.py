@@ -213,8 +213,9 @@ def _category(verdict: str) -> str:
 
 def study_command(workdir):
   where = [f"--where={','.join(_STUDY_WHERE.value)}"] if _STUDY_WHERE.value else []
+  # One run at a time: a kill then lands between runs as well as inside one.
   return [sys.executable, os.path.join(ROOT, "scripts", "study.py"), f"--study={_STUDY.value}",
-          f"--workdir={workdir}", "--parallel=2", *where]
+          f"--workdir={workdir}", "--parallel=1", *where]
 
 
 def run_study(workdir, env, timeout=900):
@@ -340,10 +341,11 @@ def study_trials(workdir, trials, rng):
   print(f"study reference: {len(reference)} runs, {seconds:.0f} s", flush=True)
   outcomes = collections.Counter()
 
-  def rerun(kind, trial, what, case_dir, failure=None):
+  def rerun(kind, trial, what, case_dir, failure=None, landed=True):
     code, output = run_study(case_dir, env)
     verdict = failure or judge_study(case_dir, code, output, reference)
-    outcomes[f"study {kind}: " + ("FAIL" if verdict.startswith("FAIL") else verdict)] += 1
+    category = "FAIL" if verdict.startswith("FAIL") else verdict
+    outcomes[f"study {kind}: {category}" + ("" if landed else " (ended before the kill)")] += 1
     print(f"study {kind} {trial}: {what}; rerun: {verdict}", flush=True)
 
   for trial in range(trials):
@@ -352,14 +354,14 @@ def study_trials(workdir, trials, rng):
     if failure is None and code == 0:  # the study ended before the signal: it must be complete
       failure = judge_study(case_dir, 0, "", reference)
       failure = None if failure == "exact" else f"{failure} (before the rerun)"
-    rerun("kill", trial, what, case_dir, failure)
+    rerun("kill", trial, what, case_dir, failure, landed=code != 0)
 
     case_dir = os.path.join(workdir, f"study-trainer-kill{trial}")
     what, code = kill_trainer(case_dir, env, rng, seconds)
     failure = None
     if code == 0 and judge_study(case_dir, 0, "", reference) != "exact":
       failure = "FAIL: the study exited 0 with an incomplete grid"
-    rerun("trainer kill", trial, what, case_dir, failure)
+    rerun("trainer kill", trial, what, case_dir, failure, landed="no trainer" not in what)
 
     case_dir = os.path.join(workdir, f"study-cut{trial}")
     shutil.copytree(reference_dir, case_dir)
