@@ -183,6 +183,8 @@ def record_problem(value: Any) -> str | None:
     return "it has no 'overrides'"
   if not isinstance(value.get("fixed", {}), dict):
     return "its 'fixed' is not an object"
+  if not isinstance(value.get("wall_seconds", 0), (int, float)):
+    return "its 'wall_seconds' is not a number"
   if value.get("status") not in RECORD_STATUSES:
     return f"its status {value.get('status')!r} is not one of {', '.join(RECORD_STATUSES)}"
   return None

@@ -149,6 +149,7 @@ def test_every_study_file_loads_with_its_smoke_variant():
       assert study.runs() and os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0]))
 
 
+@pytest.mark.slow
 def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   """The CI run of configs/studies/depth.py:smoke: real trainer processes, then a rerun."""
   workdir = tmp_path / "depth"
