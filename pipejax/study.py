@@ -176,7 +176,9 @@ _DONE = (FINISHED, DIVERGED, SKIPPED)  # never run again; a failed run is retrie
 def record_problem(value: Any) -> str | None:
   """Why a parsed line of results.jsonl is not a run record, or None when it is one."""
   if not isinstance(value, dict):
-    return f"it is a JSON {type(value).__name__}, not a record"
+    kind = {type(None): "null", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(value), "a number")
+    return f"it is {kind}, not a record"
   if not isinstance(value.get("run"), str):
     return "it has no 'run' id"
   if not isinstance(value.get("overrides"), dict):

@@ -320,7 +320,7 @@ def test_lines_that_are_json_but_not_records_are_skipped_and_named(tmp_path, cap
   assert records == good
   assert [p.split(" is skipped")[0].rsplit(" ", 1)[1] for p in problems] == ["2", "3", "4", "5",
                                                                            "6"]
-  assert "a JSON NoneType" in problems[0] and "a JSON list" in problems[1]
+  assert "it is null, not a record" in problems[0] and "it is an array" in problems[1]
   assert "no 'run' id" in problems[2] and "no 'overrides'" in problems[3]
   assert "not JSON" in problems[4]
   study = Study(name="t", config="c.py", grids=STUDY.grids, tables=STUDY.tables)
