@@ -13,10 +13,11 @@ What makes a study as safe as one run:
   (SIGKILL) still stops them, since each trainer gets SIGTERM when its parent dies
   (``PR_SET_PDEATHSIG``, Linux). The trainers inherit the study's lock, so a rerun waits until
   the last of them has saved its checkpoint instead of colliding with it;
-* the exit code says whether the grid is complete: 0 every selected run done, 1 some failed
-  (named), 75 some not run to the end (stopped by a signal; named, and rerunning the same command
-  continues), 2 a study file or workdir that cannot be used (one paragraph, as are a full or
-  read-only disk).
+* the exit code says whether the grid is complete: 0 every selected run done; 75 some not run to
+  the end (stopped by a signal; named, and rerunning the same command continues); 1 some failed
+  (named), or the study could not run (another study holds the workdir, a full or read-only
+  disk); 2 a study that does not fit the workdir's records (a changed recipe). Each problem is
+  one paragraph.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are rewritten af
 Runs share a persistent XLA compilation cache (``WORKDIR/runs/.jax_cache``), so runs that differ
 only by seed compile once.
 
-Exit status: 0 every selected run done; 1 some failed (named; retried on rerun); 2 a study file,
-flag or workdir that cannot be used; 75 some runs not done (stopped by a signal; named; rerun).
+Exit status: 0 every selected run done; 75 some runs not done (stopped by a signal; named; rerun
+to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
+cannot be written; 2 a study file or flag that cannot be used, or a study whose settings differ
+from the workdir's records.
 The scheduler is ``pipejax/study_runner.py``.
 """
 
