@@ -240,12 +240,14 @@ def set_aside_partial_line(workdir: str) -> str | None:
   which is then added; anything else moves to ``results.jsonl.partial-N``.
   """
   path = os.path.join(workdir, RESULTS_FILE)
-  if not os.path.exists(path):
+  if not os.path.exists(path) or not os.path.getsize(path):
     return None
   with open(path, "rb") as f:
+    f.seek(-1, os.SEEK_END)
+    if f.read(1) == b"\n":
+      return None
+    f.seek(0)
     data = f.read()
-  if not data or data.endswith(b"\n"):
-    return None
   end = data.rfind(b"\n") + 1
   tail = data[end:]
   try:
