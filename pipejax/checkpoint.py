@@ -20,7 +20,6 @@ The digests are of whole arrays, so a checkpoint written by N processes verifies
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -32,6 +31,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pipejax.workdir import StorageError, first_line, storage_error
+
 PyTree = Any
 
 # orbax names the directory of a step it is still writing "<step>.orbax-checkpoint-tmp[-<time>]".
@@ -40,10 +41,6 @@ UNFINISHED_MARK = ".orbax-checkpoint-tmp"
 
 class CheckpointError(RuntimeError):
   """A checkpoint cannot be used; the message says why and what to do."""
-
-
-class StorageError(RuntimeError):
-  """The workdir cannot be written (full disk, read-only, no permission); the message says how."""
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -114,28 +111,6 @@ def weights_digest(stage_params: Sequence[PyTree]) -> str:
 def _meta_digest(meta: dict) -> str:
   body = {k: v for k, v in meta.items() if k not in ("state_digest", "meta_digest")}
   return hashlib.sha256(json.dumps(_plain_json(body), sort_keys=True).encode()).hexdigest()
-
-
-def storage_error(action: str, path: str, error: BaseException) -> StorageError | None:
-  """The one-paragraph error for a write that failed for want of space or permission, else None."""
-  text = str(error)
-  if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-      "RESOURCE_EXHAUSTED" in text or "No space left" in text:
-    return StorageError(
-        f"{action} failed: the disk holding {path} is full ({_first_line(error)}). Free some space "
-        "(or point --workdir to a larger disk) and rerun the same command: the run resumes from "
-        "its last complete checkpoint.")
-  if isinstance(error, PermissionError) or (isinstance(error, OSError) and error.errno in (
-      errno.EACCES, errno.EPERM, errno.EROFS)) or "Permission denied" in text or \
-      "Read-only file system" in text:
-    return StorageError(
-        f"{action} failed: {path} cannot be written ({_first_line(error)}). Make the directory "
-        "writable for this user, or choose another --workdir.")
-  return None
-
-
-def _first_line(error: BaseException) -> str:
-  return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 class Checkpointer:
@@ -213,7 +188,7 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       meta = dict(restored["meta"])
     except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable".
-      raise self._damaged(step, _first_line(e)) from None
+      raise self._damaged(step, first_line(e)) from None
     if "meta_digest" in meta and meta["meta_digest"] != _meta_digest(meta):
       raise self._damaged(step, "its meta does not match its digest")
     digests = {k: meta.pop(k) for k in ("state_digest", "meta_digest") if k in meta}
@@ -235,7 +210,7 @@ class Checkpointer:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))
     except Exception as e:
-      raise self._damaged(step, _first_line(e)) from None
+      raise self._damaged(step, first_line(e)) from None
     state = restored["state"]
     if self._placement is not None:  # every process gets the whole logical state, as on one
       state = jax.tree.map(lambda a: jax.numpy.asarray(_whole_array(a)), state)

@@ -10,7 +10,9 @@ so a report can be regenerated, merged or published without the runs' workdirs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import errno
 import importlib.util
 import itertools
 import json
@@ -208,39 +210,165 @@ def trainer_flags(study: Study, overrides: Overrides) -> list[str]:
   return [f"--config.{k}={format_value(v)}" for k, v in merged.items()]
 
 
-def read_results(workdir: str) -> list[dict]:
-  """The records of ``workdir/results.jsonl``; the last record of a run wins."""
+RECORD_STATUSES = (FINISHED, DIVERGED, FAILED, SKIPPED)
+_DONE = (FINISHED, DIVERGED, SKIPPED)  # never run again; a failed run is retried
+
+
+def record_problem(value: Any) -> str | None:
+  """Why a parsed line of results.jsonl is not a run record, or None when it is one."""
+  if not isinstance(value, dict):
+    kind = {type(None): "null", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(value), "a number")
+    return f"it is {kind}, not a record"
+  if not isinstance(value.get("run"), str):
+    return "it has no 'run' id"
+  if not isinstance(value.get("overrides"), dict):
+    return "it has no 'overrides'"
+  if not isinstance(value.get("fixed", {}), dict):
+    return "its 'fixed' is not an object"
+  if not isinstance(value.get("wall_seconds", 0), (int, float)):
+    return "its 'wall_seconds' is not a number"
+  if value.get("status") not in RECORD_STATUSES:
+    return f"its status {value.get('status')!r} is not one of {', '.join(RECORD_STATUSES)}"
+  return None
+
+
+def load_results(workdir: str) -> tuple[list[dict], list[str]]:
+  """The records of ``workdir/results.jsonl``, and a sentence for each line that is not one.
+
+  The last record of a run wins, except that a failure never hides a finished, diverged or
+  skipped record of the same run. A line that is not a record (cut short by a kill or a full disk,
+  or edited by hand) is skipped and named; its run, if it had one, is simply run again.
+  """
   path = os.path.join(workdir, RESULTS_FILE)
   if not os.path.exists(path):
-    return []
-  by_run = {}
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a line cut short by a kill; the run is simply run again
-      by_run[record["run"]] = record
-  return list(by_run.values())
+    return [], []
+  with open(path, "rb") as f:
+    data = f.read()
+  lines = data.split(b"\n")
+  by_run, problems = {}, []
+  for number, raw in enumerate(lines, 1):
+    if not raw.strip():
+      continue
+    last = number == len(lines)  # text after the file's last newline
+    try:
+      record = json.loads(raw)
+      problem = record_problem(record)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      record, problem = None, "it is not JSON"
+    if problem is not None:
+      cut = "; cut short by a kill or a full disk" if last else ""
+      problems.append(f"{path} line {number} is skipped: {problem}{cut} "
+                      f"({raw[:80].decode(errors='replace')!r}).")
+      continue
+    previous = by_run.get(record["run"])
+    if record["status"] == FAILED and previous is not None and previous["status"] in _DONE:
+      continue
+    by_run[record["run"]] = record
+  return list(by_run.values()), problems
 
 
-def append_result(workdir: str, record: dict) -> None:
-  with open(os.path.join(workdir, RESULTS_FILE), "a") as f:
-    f.write(json.dumps(record) + "\n")
+def read_results(workdir: str) -> list[dict]:
+  """The records of ``workdir/results.jsonl`` (see :func:`load_results`)."""
+  return load_results(workdir)[0]
+
+
+def set_aside_partial_line(workdir: str) -> str | None:
+  """Ends results.jsonl at its last newline; returns a message when that moved anything.
+
+  A write cut short (a full disk, a kill) leaves a line without its end; the next record appended
+  onto it would be lost with it. A cut line that still parses as a record only lacks its newline,
+  which is then added; anything else moves to ``results.jsonl.partial-N``.
+  """
+  path = os.path.join(workdir, RESULTS_FILE)
+  if not os.path.exists(path) or not os.path.getsize(path):
+    return None
+  with open(path, "rb") as f:
+    f.seek(-1, os.SEEK_END)
+    if f.read(1) == b"\n":
+      return None
+    f.seek(0)
+    data = f.read()
+  end = data.rfind(b"\n") + 1
+  tail = data[end:]
+  try:
+    complete = record_problem(json.loads(tail)) is None
+  except (json.JSONDecodeError, UnicodeDecodeError):
+    complete = False
+  if complete:
+    _append_bytes(path, b"\n")
+    return None
+  number = 1
+  while os.path.exists(f"{path}.partial-{number}"):
+    number += 1
+  aside = f"{path}.partial-{number}"
+  with open(aside, "wb") as f:
+    f.write(tail)
     f.flush()
     os.fsync(f.fileno())
+  os.truncate(path, end)
+  return (f"{path} ended in a line cut short ({len(tail)} bytes without an end of line, left by a "
+          f"kill or a full disk); moved it to {aside}. The run it belonged to runs again.")
+
+
+def _append_bytes(path: str, data: bytes) -> None:
+  """One ``write`` of ``data`` at the end of ``path``, then fsync: a record is all there or cut
+  at its end, never interleaved."""
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    written = os.write(fd, data)
+    if written != len(data):
+      raise OSError(errno.ENOSPC, f"No space left on device: wrote {written} of {len(data)} "
+                    "bytes", path)
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def append_result(workdir: str, record: dict) -> str | None:
+  """Appends ``record`` as one line of results.jsonl; returns the message of
+  :func:`set_aside_partial_line` when a cut line had to be set aside first."""
+  message = set_aside_partial_line(workdir)
+  _append_bytes(os.path.join(workdir, RESULTS_FILE), (json.dumps(record) + "\n").encode())
+  return message
 
 
 def is_done(record: dict | None, study: Study, overrides: Overrides) -> bool:
   """A run is done when it finished, diverged or was skipped with the same settings; failures
   are retried, and so is a run recorded without ``init_digest``: it was made before every method
   of a seed started from the same weights, so it cannot be paired with the runs made since."""
-  return bool(record) and record["status"] in (FINISHED, DIVERGED, SKIPPED) and \
+  return bool(record) and record["status"] in _DONE and \
       record.get("fixed") == _jsonable(study.fixed) and record.get("config") == study.config \
       and (record["status"] == SKIPPED or bool(record.get("init_digest")))
+
+
+def recipe_change(study: Study, records: Iterable[dict], workdir: str) -> str | None:
+  """The refusal when done records were made with other ``fixed`` values or config; else None.
+
+  Every trainer would refuse to resume its run with another recipe, and a rerun from scratch
+  would mix two recipes in one report: the study stops before, saying what differs.
+  """
+  fixed, seen = _jsonable(study.fixed), collections.Counter()
+  for r in records:
+    if r["status"] not in _DONE:
+      continue
+    old_fixed = r.get("fixed") or {}
+    diff = [f"config: {r.get('config')} -> {study.config}"] if r.get("config") != study.config \
+        else []
+    for key in dict.fromkeys([*old_fixed, *fixed]):
+      before, after = old_fixed.get(key, "(not set)"), fixed.get(key, "(not set)")
+      if before != after:
+        diff.append(f"{key}: {before} -> {after}")
+    if diff:
+      seen["; ".join(diff)] += 1
+  if not seen:
+    return None
+  lines = [f"{count} run(s) with {diff}" for diff, count in seen.items()]
+  return (f"The study file's settings differ from those of the runs recorded in "
+          f"{os.path.join(workdir, RESULTS_FILE)} (recorded -> now): " + " | ".join(lines) +
+          ". A study's runs share one recipe, and a trainer refuses to resume its run with "
+          "another. To keep those results, restore the old values in the study file; to run the "
+          "new recipe, give the study another --workdir (or move this one away).")
 
 
 def failed_below(study: Study, records: Iterable[dict], overrides: Overrides) -> Any:

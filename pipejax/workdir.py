@@ -1,26 +1,59 @@
-"""The run's directory: checked writable, and held by one run at a time.
+"""The run's directory: checked writable, held by one run at a time, storage errors said plainly.
 
 :func:`claim` creates the workdir, proves it can be written (by writing and removing a small file)
 and takes an exclusive ``flock`` on ``workdir/.lock`` for as long as the run lasts, so a second run
 started on the same workdir stops at once with a message instead of overwriting the first one's
 checkpoints. The lock is advisory and local to one machine (``flock`` over NFS depends on the
-server); a multi-host run takes it in process 0 only.
+server); a multi-host run takes it in process 0 only. A study holds its own workdir the same way
+(:class:`FileLock`, in ``pipejax.study_runner``).
+
+No JAX here: the study runner, which only starts trainer processes, uses it too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
-
-from pipejax.checkpoint import StorageError, storage_error
 
 LOCK_FILE = ".lock"
 
 
 class WorkdirBusy(RuntimeError):
   """Another run holds the workdir; the message names it."""
+
+
+class StorageError(RuntimeError):
+  """The workdir cannot be written (full disk, read-only, no permission); the message says how."""
+
+
+def first_line(error: BaseException) -> str:
+  """The first line of an error's message (its type's name when it has none), at most 300 chars."""
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def storage_error(action: str, path: str, error: BaseException,
+                  rerun: str = "the run resumes from its last complete checkpoint"
+                  ) -> StorageError | None:
+  """The one-paragraph error for a write that failed for want of space or permission, else None.
+
+  ``rerun`` completes "rerun the same command:" in the full-disk message.
+  """
+  text = str(error)
+  if (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+      "RESOURCE_EXHAUSTED" in text or "No space left" in text:
+    return StorageError(
+        f"{action} failed: the disk holding {path} is full ({first_line(error)}). Free some space "
+        f"(or point --workdir to a larger disk) and rerun the same command: {rerun}.")
+  if isinstance(error, PermissionError) or (isinstance(error, OSError) and error.errno in (
+      errno.EACCES, errno.EPERM, errno.EROFS)) or "Permission denied" in text or \
+      "Read-only file system" in text:
+    return StorageError(
+        f"{action} failed: {path} cannot be written ({first_line(error)}). Make the directory "
+        "writable for this user, or choose another --workdir.")
+  return None
 
 
 def check_writable(workdir: str) -> None:
@@ -38,6 +71,42 @@ def check_writable(workdir: str) -> None:
         "a directory this user can write.")) from None
 
 
+class FileLock:
+  """An exclusive ``flock`` on a file whose text names the holder.
+
+  The lock belongs to the open file: a child process that inherits the descriptor holds it too,
+  until the last holder closes it or exits.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+  def acquire(self) -> bool:
+    """Takes the lock if no one holds it; False (and nothing changed) if someone does."""
+    try:
+      fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return False
+    return True
+
+  def holder(self) -> str:
+    """What the holder wrote with :meth:`describe`."""
+    return os.pread(self.fd, 4096, 0).decode(errors="replace").strip()
+
+  def describe(self, text: str) -> None:
+    os.ftruncate(self.fd, 0)
+    os.pwrite(self.fd, text.encode(), 0)
+
+  def close(self) -> None:
+    os.close(self.fd)  # releases the lock unless a child still holds the descriptor
+
+
+def this_process() -> str:
+  """'process PID on HOST', as the locks name their holder."""
+  return f"process {os.getpid()} on {socket.gethostname()}"
+
+
 @contextlib.contextmanager
 def claim(workdir: str, lock: bool = True):
   """Checks ``workdir`` is writable and, with ``lock``, holds its lock until the block ends."""
@@ -45,19 +114,15 @@ def claim(workdir: str, lock: bool = True):
   if not lock:
     yield
     return
-  path = os.path.join(workdir, LOCK_FILE)
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  held = FileLock(os.path.join(workdir, LOCK_FILE))
   try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    if not held.acquire():
       raise WorkdirBusy(
-          f"Another run ({holder}) is using the workdir {os.path.abspath(workdir)}. Two runs on "
-          "one workdir would overwrite each other's checkpoints. Wait for it to finish (or stop it "
-          "with SIGTERM: it saves a checkpoint), or choose another --workdir.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+          f"Another run ({held.holder() or 'another process'}) is using the workdir "
+          f"{os.path.abspath(workdir)}. Two runs on one workdir would overwrite each other's "
+          "checkpoints. Wait for it to finish (or stop it with SIGTERM: it saves a checkpoint), or "
+          "choose another --workdir.")
+    held.describe(this_process())
     yield
   finally:
-    os.close(fd)  # closing releases the lock
+    held.close()

@@ -1,7 +1,11 @@
 """The study runner: grids, records, aggregation over seeds, diverged runs, and a real smoke study."""
 
+import dataclasses
+import errno
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +16,7 @@ import pytest
 from pipejax import statistics
 from pipejax import study as study_lib
 from pipejax import study_report
+from pipejax import study_runner
 from pipejax.study import Study, Table
 
 from tests.helpers import ROOT
@@ -152,6 +157,7 @@ def test_every_study_file_loads_with_its_smoke_variant():
       assert study.runs() and os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0]))
 
 
+@pytest.mark.slow
 def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   """The CI run of configs/studies/depth.py:smoke: real trainer processes, then a rerun."""
   workdir = tmp_path / "depth"
@@ -196,8 +202,6 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
 
 def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
   """The trainers run in sessions of their own: a crashing study must not leave them running."""
-  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
-  study_script = load_script("scripts/study.py")
   polite = ("import signal, sys, time\n"
             "signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').write('saved'),"
             " sys.exit(75)))\n"
@@ -211,7 +215,7 @@ def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
                                   start_new_session=True)
   while not ((tmp_path / "a.up").exists() and (tmp_path / "b.up").exists()):
     time.sleep(0.05)
-  study_script._stop_trainers([polite_process, deaf_process], timeout=3)
+  study_runner.stop_trainers([polite_process, deaf_process], timeout=3)
   assert polite_process.returncode == 75 and (tmp_path / "a").read_text() == "saved"
   assert deaf_process.returncode == -9  # killed once the timeout passed
 
@@ -363,3 +367,228 @@ def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
   assert series["pb"] == ([(4, 80.0, 0.0), (8, 70.0, 0.0)], [(8, "1/2")])
   assert study_report.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
   assert (tmp_path / "f.png").stat().st_size > 1000
+# ------------------------------------------------------------- the runner, with stand-in trainers
+
+# Takes a trainer's flags; its first argument says how it behaves. On SIGTERM it takes a moment
+# (a checkpoint), then exits 75 as scripts/train.py does.
+FAKE_TRAINER = """
+import json, os, signal, sys, time
+mode = sys.argv[1]
+flag = lambda name: [a.split("=", 1)[1] for a in sys.argv if a.startswith(name + "=")][0]
+workdir, seed = flag("--workdir"), flag("--config.seed")
+
+def stop(*_):
+  time.sleep(1)
+  open(os.path.join(workdir, "saved"), "w").close()
+  sys.exit(75)
+
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(workdir, "pid"), "w").write(str(os.getpid()))
+if mode == "sleep":
+  time.sleep(120)
+if mode == "stop-seed-1" and seed == "1":
+  print("STOPPED by SIGTERM after 0 samples; rerun to resume.")
+  sys.exit(75)
+if mode == "fail":
+  sys.exit("error: no trainer should have started")
+with open(os.path.join(workdir, "summary.json"), "w") as f:
+  json.dump({"test_accuracy": 0.5 + int(seed) / 10, "test_loss": 1.0, "stopped_by": None,
+             "init_digest": "w" + seed}, f)
+"""
+
+TWO_RUNS = Study(name="two", config="configs/default.py:smoke",
+                 grids=[{"method": ("sgd",), "seed": (0, 1)}], fixed={"epochs": 1.0})
+
+
+@pytest.fixture
+def fake_trainer(tmp_path):
+  path = tmp_path / "fake_train.py"
+  path.write_text(FAKE_TRAINER)
+  return lambda mode: (sys.executable, str(path), mode)
+
+
+def run_main(workdir, trainer, study=TWO_RUNS, **kwargs):
+  return study_runner.main(study, str(workdir), parallel=2, command="", trainer=trainer, **kwargs)
+
+
+def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, monkeypatch):
+  study_lib.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
+  results = tmp_path / study_lib.RESULTS_FILE
+  with open(results, "ab") as f:
+    f.write(b'{"run": "cut sho')
+  message = study_lib.append_result(str(tmp_path), record("pb", 8, 1, 0.7))
+  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8, 0.7]
+  assert "moved it to" in message and "results.jsonl.partial-1" in message
+  assert (tmp_path / "results.jsonl.partial-1").read_bytes() == b'{"run": "cut sho'
+  # A full disk: the one write of a record is cut short. The record is lost, the next is not.
+  real_write = os.write
+  with monkeypatch.context() as patch:
+    patch.setattr(os, "write", lambda fd, data: real_write(fd, data[:20]))
+    with pytest.raises(OSError, match="No space left"):
+      study_lib.append_result(str(tmp_path), record("pb", 8, 2, 0.6))
+  assert study_lib.append_result(str(tmp_path), record("pb", 8, 3, 0.5)) is not None
+  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8, 0.7, 0.5]
+  assert (tmp_path / "results.jsonl.partial-2").stat().st_size == 20
+  # A cut line that lacks only its newline is a whole record: it is kept.
+  with open(results, "ab") as f:
+    f.write(json.dumps(record("sgd", 8, 0, 0.9)).encode())
+  assert study_lib.append_result(str(tmp_path), record("sgd", 8, 1, 0.4)) is None
+  assert len(study_lib.read_results(str(tmp_path))) == 5
+
+
+def test_the_runner_and_the_report_count_the_same_records(tmp_path, fake_trainer, capsys):
+  workdir = tmp_path / "study"
+  workdir.mkdir()
+  first = dict(study_lib.skipped_record(TWO_RUNS, {"method": "sgd", "seed": 0}, 0),
+               status=study_lib.FINISHED, test_accuracy=0.5, init_digest="w0")
+  (workdir / study_lib.RESULTS_FILE).write_text(json.dumps(first) + '\n{"run": "method=sgd,s')
+  assert run_main(workdir, fake_trainer("finish")) == 0
+  out = capsys.readouterr().out
+  assert "ended in a line cut short" in out and "1 already done, 1 to run" in out
+  assert "[2/2 done, 0 failed]" in out
+  assert "2 of 2 runs recorded: 2 finished" in (workdir / "report.md").read_text()
+
+
+def test_lines_that_are_json_but_not_records_are_skipped_and_named(tmp_path, capsys):
+  good = [record("pb", 8, 0, 0.8), record("pb", 8, 1, 0.7)]
+  lines = [json.dumps(good[0]), "null", "[1, 2]", "{}", '{"run": "x"}', '{"run": "y", "ov',
+           json.dumps(good[1])]
+  (tmp_path / study_lib.RESULTS_FILE).write_text("\n".join(lines) + "\n")
+  records, problems = study_lib.load_results(str(tmp_path))
+  assert records == good
+  assert [p.split(" is skipped")[0].rsplit(" ", 1)[1] for p in problems] == ["2", "3", "4", "5",
+                                                                           "6"]
+  assert "it is null, not a record" in problems[0] and "it is an array" in problems[1]
+  assert "no 'run' id" in problems[2] and "no 'overrides'" in problems[3]
+  assert "not JSON" in problems[4]
+  study = Study(name="t", config="c.py", grids=STUDY.grids, tables=STUDY.tables)
+  assert run_main(tmp_path, (), study=study, report_only=True) == 0
+  out = capsys.readouterr().out
+  assert out.count("warning:") == 5 and "line 5 is skipped" in out
+  assert "2 of 12 runs recorded" in (tmp_path / "report.md").read_text()
+
+
+def test_a_changed_fixed_value_is_refused_with_the_diff_and_hides_no_result(tmp_path,
+                                                                             fake_trainer, capsys):
+  assert run_main(tmp_path, fake_trainer("finish")) == 0
+  changed = dataclasses.replace(TWO_RUNS, fixed={"epochs": 2.0, "warmup_epochs": 0.5})
+  for report_only in (False, True):
+    assert run_main(tmp_path, fake_trainer("fail"), study=changed, report_only=report_only) == 2
+    err = capsys.readouterr().err
+    assert "2 run(s) with epochs: 1.0 -> 2.0; warmup_epochs: (not set) -> 0.5" in err
+    assert "restore the old values" in err and "another --workdir" in err
+  assert {r["status"] for r in study_lib.read_results(str(tmp_path))} == {study_lib.FINISHED}
+  # A workdir where a changed recipe already recorded failures still shows its finished runs.
+  finished = study_lib.read_results(str(tmp_path))
+  study_lib.append_result(str(tmp_path), dict(finished[0], status=study_lib.FAILED,
+                                              fixed={"epochs": 2.0}))
+  assert study_lib.read_results(str(tmp_path)) == finished
+
+
+def test_a_trainer_stopped_by_someone_else_leaves_a_non_zero_exit_naming_the_run(
+    tmp_path, fake_trainer, capsys):
+  assert run_main(tmp_path, fake_trainer("stop-seed-1")) == study_runner.EXIT_STOPPED
+  out = capsys.readouterr().out
+  assert "stopped method=sgd,seed=1 by a signal the study did not send" in out
+  assert "[1/2 done, 0 failed]" in out
+  assert "Not done (1, stopped before the end): method=sgd,seed=1. Rerun" in out
+  assert run_main(tmp_path, fake_trainer("finish")) == 0  # the rerun completes the grid
+  assert "1 already done, 1 to run" in capsys.readouterr().out
+
+
+def test_a_full_or_read_only_disk_is_one_paragraph(tmp_path, fake_trainer, monkeypatch, capsys):
+  def full(path, data):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+  monkeypatch.setattr(study_lib, "_append_bytes", full)
+  assert run_main(tmp_path, fake_trainer("finish")) == 1
+  err = capsys.readouterr().err
+  assert err.startswith("error: Running the study failed: the disk holding")
+  assert "is full" in err and "rerun the same command: finished runs are kept" in err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+  def read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "results.csv.tmp"))
+  monkeypatch.setattr(study_report, "write_csv", read_only)
+  assert run_main(tmp_path, (), report_only=True) == 1
+  err = capsys.readouterr().err
+  assert "Writing the report failed" in err and "results.csv.tmp cannot be written" in err
+  assert len(err.strip().splitlines()) == 1
+
+
+def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_trainer, capsys):
+  with study_runner.hold(str(tmp_path)):
+    assert run_main(tmp_path, fake_trainer("fail")) == 1
+  err = capsys.readouterr().err
+  assert f"Another study (study process {os.getpid()} on " in err and "another --workdir" in err
+  assert not (tmp_path / study_lib.RESULTS_FILE).exists()
+  with study_runner.hold(str(tmp_path)):  # released with the first
+    pass
+
+
+STUDY_PROCESS = """
+import sys
+from pipejax import study_runner
+from pipejax.study import Study
+study = Study(name="two", config="c.py", grids=[{"method": ("sgd",), "seed": (0, 1)}])
+sys.exit(study_runner.main(study, sys.argv[1], parallel=2, command="", trainer=sys.argv[2:]))
+"""
+
+
+def start_study(workdir, trainer):
+  process = subprocess.Popen([sys.executable, "-c", STUDY_PROCESS, str(workdir), *trainer],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
+  deadline = time.time() + 60
+  while not all(p.exists() and p.read_text() for p in pids):
+    assert time.time() < deadline and process.poll() is None, process.communicate()[0]
+    time.sleep(0.05)
+  return process, [int(p.read_text()) for p in pids]
+
+
+def alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # a trainer reaped by no one yet is a zombie: ended
+    return f.read().rpartition(")")[2].split()[0] != "Z"
+
+
+def test_killing_the_study_stops_its_trainers_and_a_rerun_waits_for_them(tmp_path, fake_trainer,
+                                                                         capsys):
+  workdir = tmp_path / "study"
+  process, trainers = start_study(workdir, fake_trainer("sleep"))
+  process.kill()
+  process.wait()
+  assert all(alive(pid) for pid in trainers)  # still saving their checkpoints (one second)
+  with study_runner.hold(str(workdir), wait_s=30):
+    assert not any(alive(pid) for pid in trainers)
+    assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
+  assert "has ended; waiting up to 30 s for the trainers" in capsys.readouterr().out
+
+
+def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  process, trainers = start_study(workdir, fake_trainer("sleep"))
+  process.send_signal(signal.SIGTERM)
+  out = process.communicate(timeout=60)[0]
+  assert process.returncode == study_runner.EXIT_STOPPED, out
+  assert not any(alive(pid) for pid in trainers)
+  assert "SIGTERM: stopping" in out and "Not done (2, stopped before the end)" in out
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_study_runner_ends_complete_and_exact(tmp_path):
+  """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
+  the study, a kill of one trainer, a results line cut short; each rerun must match the
+  uninterrupted study."""
+  chaos = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos.py"),
+                          "--cases=study", "--study_trials=1", f"--workdir={tmp_path / 'chaos'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1500)
+  assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
+  counts = chaos.stdout.strip().splitlines()[-1]
+  assert counts.startswith("COUNTS ") and "FAIL" not in counts, chaos.stdout[-3000:]
+  kinds = [entry.split(":")[0] for entry in counts[len("COUNTS "):].split(", ")]
+  assert sorted(kinds) == ["study cut line", "study kill", "study trainer kill"], counts
+  assert "rerun: exact" in chaos.stdout
