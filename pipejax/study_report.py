@@ -525,7 +525,7 @@ def _draw_staleness(study: Study, selected: Sequence[dict], figure: Figure, ax) 
 
 def write_report(study: Study, workdir: str, command: str = "") -> str:
   """Writes results.csv, report.md and the figures into ``workdir``; returns the markdown."""
-  records = read_results(workdir)
+  records, superseded = paired_records(read_results(workdir))
   write_csv(records, os.path.join(workdir, "results.csv"))
   planned = len(study.runs())
   counts = {s: sum(r["status"] == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
@@ -544,6 +544,10 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
       "averaged." + (f" Verdicts use a margin of {study.margin * 100:g} points." if study.margin
                      else ""))
   parts += _pairing_check(records)
+  if superseded:
+    parts += ["", f"{superseded} runs recorded before every method of a seed started from the "
+              "same weights are left out of the tables (they stay in results.jsonl); the study "
+              "runs them again."]
   machines = collections.Counter(r.get("machine", "not recorded") for r in records
                                  if r["status"] != SKIPPED)
   if machines:
@@ -565,6 +569,16 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
     f.write(text)
   os.replace(tmp, os.path.join(workdir, "report.md"))
   return text
+
+
+def paired_records(records: Sequence[dict]) -> tuple[list[dict], int]:
+  """The records a report shows, and how many it leaves out: once a study has runs that record
+  their starting weights (``init_digest``), its runs made before that are left out, since they
+  cannot be paired with them."""
+  if not any(r.get("init_digest") for r in records):
+    return list(records), 0
+  kept = [r for r in records if r.get("init_digest") or r["status"] in (SKIPPED, FAILED)]
+  return kept, len(records) - len(kept)
 
 
 def _pairing_check(records: Sequence[dict]) -> list[str]:

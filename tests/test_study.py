@@ -592,3 +592,11 @@ def test_a_chaos_round_of_the_study_runner_ends_complete_and_exact(tmp_path):
   kinds = [entry.split(":")[0] for entry in counts[len("COUNTS "):].split(", ")]
   assert sorted(kinds) == ["study cut line", "study kill", "study trainer kill"], counts
   assert "rerun: exact" in chaos.stdout
+
+
+def test_reports_leave_out_runs_made_before_starting_weights_were_matched():
+  old = {k: v for k, v in record("pb", 8, 0, 0.7).items() if k != "init_digest"}
+  new = record("pb", 4, 0, 0.8)
+  kept, left_out = study_report.paired_records([old, new])
+  assert kept == [new] and left_out == 1
+  assert study_report.paired_records([old]) == ([old], 0)  # nothing matched yet: shown, flagged
