@@ -18,3 +18,7 @@ from pipejax.analysis.quadratic import (
     spectral_radius,
     stability_table,
 )
+
+__all__ = ["METHODS", "PIPELINE_METHODS", "best_rate", "companion_matrix", "max_stable_lr",
+           "multi_dim_losses", "simulated_rate", "spectral_radii", "spectral_radius",
+           "stability_table"]

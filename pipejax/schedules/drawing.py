@@ -1,4 +1,4 @@
-"""Pictures of schedules: the engine's tick x stage grid (as text or PNG) and a simulated Gantt chart.
+"""Pictures of schedules: the engine's tick x stage grid (text or PNG), a simulated Gantt chart.
 
 A *grid* is one row per tick, one ``(forward sample, backward sample)`` pair per stage, None where
 the stage idles (``pipejax.accounting.schedule_grid``). A Gantt chart draws the timeline of a
