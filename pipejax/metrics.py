@@ -6,6 +6,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from pipejax import plotting
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -133,10 +135,7 @@ def _plain(value):
 def plot_runs(runs: dict[str, Sequence[dict]], path: str, title: str | None = None,
               keys: Iterable[str] = ("loss", "accuracy")) -> None:
   """One PNG with a panel per metric: train (thin) and test (thick, dots) curves of every run."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = plotting.pyplot()
   keys = list(keys)
   fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -158,7 +157,4 @@ def plot_runs(runs: dict[str, Sequence[dict]], path: str, title: str | None = No
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  tmp = path + ".tmp.png"
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
+  plotting.save(fig, path, dpi=110)

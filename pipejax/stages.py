@@ -196,6 +196,42 @@ class Model:
   def stage_label(self, s: int) -> str:
     return f"stage {s} ('{self.stages[s].name}')"
 
+  def apply(self, params: Sequence[PyTree], x: PyTree, rng: jax.Array | None = None,
+            variables: Sequence[Variables | None] | None = None) -> PyTree:
+    """The whole network as one function, unpipelined: every stage in order on ``x``.
+
+    Args:
+      params: one params tree per stage.
+      x: a batch of inputs.
+      rng: None for no randomness; else stage ``s`` draws from ``jax.random.fold_in(rng, s)``.
+      variables: one :class:`Variables` (or None) per stage of a model with state; the stages
+        then evaluate with them read-only (:meth:`Stage.infer`), which draws no randomness.
+
+    Returns:
+      The last stage's output (what ``loss`` takes).
+
+    Raises:
+      ModelError: ``params`` or ``variables`` is not one entry per stage, or ``rng`` is given
+        together with variables.
+    """
+    if len(params) != self.num_stages:
+      raise ModelError(f"Model.apply takes one params tree per stage: {len(params)} for "
+                       f"{self.num_stages} stages.")
+    if variables is None:
+      variables = [None] * self.num_stages
+    elif len(variables) != self.num_stages:
+      raise ModelError(f"Model.apply takes one Variables (or None) per stage: {len(variables)} "
+                       f"for {self.num_stages} stages.")
+    elif rng is not None and any(v is not None for v in variables):
+      raise ModelError("Model.apply evaluates stages with variables read-only, without "
+                       "randomness; pass rng=None with variables.")
+    for s, (stage, p, v) in enumerate(zip(self.stages, params, variables)):
+      if v is not None:
+        x = stage.infer(p, x, v)
+      else:
+        x = stage.apply(p, x, None if rng is None else jax.random.fold_in(rng, s))
+    return x
+
   def trace_shapes(self, rng: jax.Array, x: PyTree) -> tuple[list[PyTree], list[PyTree]]:
     """Abstractly runs init and apply of every stage on a micro-batch ``x``.
 

@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from pipejax import cli, metrics
+from pipejax import cli, metrics, plotting
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
 _LABELS = flags.DEFINE_list("labels", None, "Legend labels (default: the workdirs' names).")
@@ -87,10 +87,7 @@ def zoomed_limits(series, zoom_from: float, log: bool) -> tuple[float, float] | 
 def plot(runs: dict[str, list[dict]], scales: dict[str, float], path: str, x_label: str,
          zoom_from: float | None, title: str | None = None) -> None:
   """One panel per metric; ``zoom_from`` None shows every point, else zooms as the flag says."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-
+  plt = plotting.pyplot()
   fig, axes = plt.subplots(1, len(METRIC_KEYS), figsize=(5.5 * len(METRIC_KEYS), 4),
                            squeeze=False)
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -117,8 +114,7 @@ def plot(runs: dict[str, list[dict]], scales: dict[str, float], path: str, x_lab
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  plotting.save(fig, path, dpi=110)
 
 
 def main(argv):

@@ -31,7 +31,7 @@ from absl import app
 from absl import flags
 
 from pipejax import cli
-from pipejax.analysis import quadratic
+from pipejax.analysis import quadratic, quadratic_figures
 
 _FORMAT = flags.DEFINE_enum("format", "text", ["text", "json", "markdown"],
                             "How to print the stability table.")
@@ -136,12 +136,12 @@ def write_figures(output_dir: str, methods: Sequence[str]) -> dict[str, str]:
   paths = {}
   for momentum in (0.9, 0.99):
     name = f"rho_vs_lr_m{momentum}"
-    paths[name] = quadratic.plot_rho_vs_lr(
+    paths[name] = quadratic_figures.plot_rho_vs_lr(
         os.path.join(output_dir, f"quadratic_{name}.png"), methods, momentum)
   name = "rho_by_delay_m0.99"
-  paths[name] = quadratic.plot_rho_by_delay(
+  paths[name] = quadratic_figures.plot_rho_by_delay(
       os.path.join(output_dir, f"quadratic_{name}.png"), methods, 0.99)
-  paths["losses"] = quadratic.plot_multi_dim_losses(
+  paths["losses"] = quadratic_figures.plot_multi_dim_losses(
       os.path.join(output_dir, "quadratic_losses.png"), methods, settings=LOSS_SETTINGS,
       steps=LOSS_STEPS)
   return paths

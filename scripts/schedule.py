@@ -31,6 +31,7 @@ import math
 from absl import app, flags
 
 from pipejax import accounting, cli, schedules
+from pipejax.schedules import drawing
 
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 4, "Number of pipeline stages (devices).")
 _TICKS = flags.DEFINE_integer("ticks", None, "Tick grid: ticks to show (default 3 S, or two "
@@ -82,9 +83,6 @@ _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "--table=staleness: heavy-ball m
 _TRAIN_MICRO_BATCH = flags.DEFINE_integer("train_micro_batch", 4,
                                           "--table=staleness: examples per update.")
 
-_COLOURS = {"F": "#9ecae1", "B": "#fdae6b", "W": "#a1d99b"}
-
-
 # --------------------------------------------------------------------------- the engine's grid
 
 
@@ -128,46 +126,6 @@ def summary(num_stages, micro_batches, micro_batch_size, activation_size, dtype_
   }
 
 
-def format_grid(grid):
-  def cell(fb):
-    f, b = fb
-    return f"{'F' + str(f) if f is not None else '  .':>4} {'B' + str(b) if b is not None else '  .':>4}"
-
-  num_stages = len(grid[0])
-  lines = ["tick | " + " | ".join(f"stage {s:<4}" for s in range(num_stages))]
-  lines += [f"{t:4d} | " + " | ".join(cell(c) for c in row) for t, row in enumerate(grid)]
-  return "\n".join(lines)
-
-
-def _pyplot():
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
-
-
-def draw_grid(grid, path, title):
-  plt = _pyplot()
-  num_ticks, num_stages = len(grid), len(grid[0])
-  fig, ax = plt.subplots(figsize=(max(6, 0.45 * num_ticks), 1 + 0.6 * num_stages))
-  for t, row in enumerate(grid):
-    for s, (f, b) in enumerate(row):
-      # Upper half: forward, lower half: backward; every busy cell is labelled with its sample.
-      for sample, y0, label in ((f, s, "F"), (b, s + 0.5, "B")):
-        colour = _COLOURS[label] if sample is not None else (0.95, 0.95, 0.95, 1)
-        ax.add_patch(plt.Rectangle((t, y0), 1, 0.5, facecolor=colour, edgecolor="white"))
-        if sample is not None:
-          ax.text(t + 0.5, y0 + 0.25, f"{label}{sample}", ha="center", va="center", fontsize=7)
-  ax.set_xlim(0, num_ticks)
-  ax.set_ylim(num_stages, 0)
-  ax.set_yticks([s + 0.5 for s in range(num_stages)], [f"stage {s}" for s in range(num_stages)])
-  ax.set_xlabel("tick (upper half: forward F<sample>, lower half: backward B<sample>)")
-  ax.set_title(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 def tick_grid_main(num_stages, m):
   default_ticks = 3 * num_stages if m is None else 2 * (m + 2 * (num_stages - 1))
   num_ticks = _TICKS.value or default_ticks
@@ -176,13 +134,13 @@ def tick_grid_main(num_stages, m):
   info = summary(num_stages, m, _MICRO_BATCH_SIZE.value, _ACTIVATION_SIZE.value,
                  _DTYPE_BYTES.value)
   if _OUTPUT.value:
-    draw_grid(grid, _OUTPUT.value, f"S = {num_stages}, {info['mode']}, "
-              f"utilization {info['utilization']:.2f}")
+    drawing.draw_grid(grid, _OUTPUT.value, f"S = {num_stages}, {info['mode']}, "
+                      f"utilization {info['utilization']:.2f}")
   if _FORMAT.value == "json":
     info["grid"] = [[{"forward": f, "backward": b} for f, b in row] for row in grid]
     print(json.dumps(info))
     return
-  print(format_grid(grid))
+  print(drawing.format_grid(grid))
   print()
   print("stage | delay D_s | inputs in flight | buffer slots | stashed bytes")
   for s in range(num_stages):
@@ -235,42 +193,6 @@ def _finite(x):
   return None if isinstance(x, float) and math.isinf(x) else x
 
 
-def draw_gantt(report, path):
-  """Devices x time; every operation a cell labelled with its kind and sample."""
-  plt = _pyplot()
-  ops = report.timeline
-  num_devices = report.num_devices
-  if schedules.SCHEDULES[report.schedule.replace("_inter", "")].synchronous:
-    # Two iterations: the second starts where device 0 forwards sample m.
-    horizon = next(op.start for op in ops if op.key == ("F", 2 * report.micro_batches, 0))
-  else:
-    horizon = next(op.end for op in ops if op.key.kind in "BW" and op.key.device == 0
-                   and op.key.sample == 3 * num_devices)
-  shown = [op for op in ops if op.start < horizon]
-  per_device = max(sum(1 for op in shown if op.key.device == d) for d in range(num_devices))
-  fig, ax = plt.subplots(figsize=(min(40, max(8, 0.32 * per_device)), 1.2 + 0.55 * num_devices))
-  for op in shown:
-    d, width = op.key.device, min(op.end, horizon) - op.start
-    ax.add_patch(plt.Rectangle((op.start, d), width, 1, facecolor=_COLOURS[op.key.kind],
-                               edgecolor="white", linewidth=0.6))
-    if width > 0:
-      ax.text(op.start + width / 2, d + 0.5, f"{op.key.kind}{op.key.sample}", ha="center",
-              va="center", fontsize=6 if op.key.sample < 100 else 5)
-  ax.set_xlim(0, horizon)
-  ax.set_ylim(num_devices, 0)
-  ax.set_yticks([d + 0.5 for d in range(num_devices)], [f"device {d}" for d in range(num_devices)])
-  ax.set_xlabel("time (F forward, B activation gradient or whole backward, W weight gradient; "
-                "number: sample)")
-  spec = schedules.SCHEDULES[report.schedule.replace("_inter", "")]
-  uses_m = spec.synchronous or not spec.updates_per_micro_batch
-  ax.set_title(f"{report.title}: D = {num_devices}"
-               + (f", m = {report.micro_batches}" if uses_m else "")
-               + f", bubble rate {report.bubble_rate:.3f}, delays {report.delays}", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
 def print_report(report, unit):
   print(f"{report.title}: {report.num_devices} devices, m = {report.micro_batches}")
   print(f"throughput {report.throughput:.6g} samples per {unit}; bubble rate "
@@ -290,7 +212,7 @@ def schedule_main():
   layers, unit = layer_costs()
   report = _simulate(_SCHEDULE.value, layers, _NUM_STAGES.value)
   if _OUTPUT.value:
-    draw_gantt(report, _OUTPUT.value)
+    drawing.draw_gantt(report, _OUTPUT.value)
   if _FORMAT.value == "json":
     info = report.as_dict()
     info["bubble_rate_per_device"] = [_finite(x) for x in info["bubble_rate_per_device"]]
@@ -362,7 +284,7 @@ def staleness_table():
   import numpy as np
   from pipejax import models
   from pipejax.data import fashion_mnist
-  from pipejax.schedules import staleness
+  from pipejax.analysis import staleness
 
   train, test = fashion_mnist.load_fashion_mnist_idx()
   mean, std = fashion_mnist.NORMALIZATION.mean[0], fashion_mnist.NORMALIZATION.std[0]

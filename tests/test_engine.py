@@ -196,10 +196,7 @@ def test_synchronous_mode_is_minibatch_sgd_at_batch_m_times_b():
   state, _ = pipe.run(state, *pipe.schedule(x, y))
 
   def loss_fn(ps, xb, yb):
-    h = xb
-    for stage, p in zip(model.stages, ps):
-      h = stage.apply(p, h, None)
-    return model.loss(h, yb)[0]
+    return model.loss(model.apply(ps, xb), yb)[0]
 
   opt = tx.init(params)
   for k in range(steps):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pipejax import optim
-from pipejax.analysis import quadratic
+from pipejax import plotting
+from pipejax.analysis import quadratic, quadratic_figures
 from tests.test_docs import load_script
 
 from tests.helpers import ROOT as REPO_ROOT
@@ -249,10 +250,39 @@ def test_stale_docs_page_is_detected(tmp_path):
     module.render_docs("<!-- begin nope -->\nx\n<!-- end nope -->", rows, ["pb"], [0.9], [0, 1])
 
 
-def test_plot_writes_png(tmp_path):
-  path = quadratic.plot_rho_vs_lr(str(tmp_path / "rho.png"), ["pb", "pb_sc"], 0.9, (0, 4), num=20)
-  with open(path, "rb") as f:
-    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+def test_spectral_radii_are_spectral_radius_at_each_point():
+  xs = np.logspace(-3, 0.5, 7)
+  for method, delay in (("pb_sc_lwp", 3), ("spectrain", 2), ("sgd", 5), ("pipemare", 4)):
+    radii = quadratic.spectral_radii(method, xs, 0.9, delay)
+    assert radii.shape == xs.shape
+    assert list(radii) == [quadratic.spectral_radius(method, x, 0.9, delay) for x in xs]
+  with pytest.raises(ValueError, match="finite numbers > 0"):
+    quadratic.spectral_radii("pb", [0.1, 0.0], 0.9, 1)
+  with pytest.raises(ValueError, match="non-negative integer"):
+    quadratic.spectral_radii("pb", [0.1], 0.9, -1)
+
+
+def test_figures_write_pngs_and_close_them(tmp_path):
+  paths = [
+      quadratic_figures.plot_rho_vs_lr(str(tmp_path / "rho.png"), ["pb", "pb_sc"], 0.9, (0, 4),
+                                       num=20),
+      quadratic_figures.plot_rho_by_delay(str(tmp_path / "by_delay.png"), ["pb"], 0.9, (1, 4),
+                                          num=20),
+      quadratic_figures.plot_multi_dim_losses(str(tmp_path / "losses.png"), ["pb_sc"],
+                                              curvatures=(0.1, 1.0),
+                                              settings=((0.01, 0.9, 2),), steps=20),
+  ]
+  for path in paths:
+    with open(path, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert sorted(os.listdir(tmp_path)) == ["by_delay.png", "losses.png", "rho.png"]
+  assert not plotting.pyplot().get_fignums()
+
+
+def test_a_figure_of_an_unknown_method_raises_before_drawing(tmp_path):
+  with pytest.raises(ValueError, match="known methods"):
+    quadratic_figures.plot_rho_by_delay(str(tmp_path / "x.png"), ["pb", "nope"], 0.9, (1,), num=5)
+  assert not os.listdir(tmp_path) and not plotting.pyplot().get_fignums()
 
 
 # ----------------------------------------------------------------------------------------------

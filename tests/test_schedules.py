@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pipejax import schedules
-from pipejax.schedules import LayerCost, ScheduleError, simulate, uniform
+from pipejax.schedules import LayerCost, ScheduleError, drawing, simulate, uniform
 
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 12), (6, 16)]
 
@@ -137,10 +137,34 @@ def test_errors_say_what_to_change():
     simulate("gpipe", [LayerCost(1, 1, 1), LayerCost(float("nan"), 1, 1)], 2)
 
 
-def test_simulator_imports_no_jax():
-  code = "import sys, pipejax.schedules; assert 'jax' not in sys.modules, 'jax imported'"
+def test_simulator_and_drawings_import_no_jax():
+  code = ("import sys, pipejax.schedules, pipejax.schedules.drawing; "
+          "assert not {'jax', 'matplotlib'} & set(sys.modules), 'jax or matplotlib imported'")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert result.returncode == 0, result.stderr
+
+
+def test_tick_grid_as_text():
+  grid = [[(0, None), (None, None)], [(1, None), (0, 0)], [(12, 0), (None, None)]]
+  assert drawing.format_grid(grid).splitlines() == [
+      "tick | stage 0    | stage 1   ",
+      "   0 |   F0    . |    .    .",
+      "   1 |   F1    . |   F0   B0",
+      "   2 |  F12   B0 |    .    .",
+  ]
+
+
+def test_drawings_are_pngs_and_close_their_figures(tmp_path):
+  from pipejax import plotting  # pylint: disable=import-outside-toplevel
+
+  drawing.draw_grid([[(0, None), (None, None)], [(1, 0), (0, 0)]], str(tmp_path / "grid.png"),
+                    "two stages")
+  for name in ("pb", "1f1b"):
+    drawing.draw_gantt(simulate(name, uniform(3), 3, 4), str(tmp_path / f"{name}.png"))
+  for name in ("grid", "pb", "1f1b"):
+    assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert len(list(tmp_path.iterdir())) == 3  # no temporary file left behind
+  assert not plotting.pyplot().get_fignums()
 
 
 def test_measured_costs_of_a_dense_layer():
@@ -163,7 +187,7 @@ def test_measured_costs_of_a_dense_layer():
 def test_stale_optimizer_delays_each_stage_by_its_own_amount():
   import jax.numpy as jnp
   import optax
-  from pipejax.schedules import staleness
+  from pipejax.analysis import staleness
 
   tx = staleness.stale_optimizer([2, 0], lambda: optax.sgd(1.0))
   params = [{"w": jnp.zeros(())}, {"w": jnp.zeros(())}]
@@ -178,8 +202,7 @@ def test_stale_optimizer_delays_each_stage_by_its_own_amount():
 
 
 @pytest.mark.parametrize("module_name", ["pipejax.schedules", "pipejax.schedules.report",
-                                         "pipejax.schedules.measure",
-                                         "pipejax.schedules.staleness"])
+                                         "pipejax.schedules.measure"])
 def test_docstring_examples_run(module_name):
   import doctest
   import importlib

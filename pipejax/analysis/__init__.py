@@ -1,4 +1,10 @@
-"""Analysis tools: the convex-quadratic stability analysis (docs/design.md §5)."""
+"""Analysis tools beside the engine.
+
+* :mod:`pipejax.analysis.quadratic`: the convex-quadratic stability analysis (docs/design.md §5);
+  :mod:`pipejax.analysis.quadratic_figures` draws its figures.
+* :mod:`pipejax.analysis.staleness`: training under a schedule's gradient delays alone, in a
+  plain optax loop (docs/schedules.md).
+"""
 
 from pipejax.analysis.quadratic import (
     METHODS,
@@ -7,10 +13,12 @@ from pipejax.analysis.quadratic import (
     companion_matrix,
     max_stable_lr,
     multi_dim_losses,
-    plot_multi_dim_losses,
-    plot_rho_by_delay,
-    plot_rho_vs_lr,
     simulated_rate,
+    spectral_radii,
     spectral_radius,
     stability_table,
 )
+
+__all__ = ["METHODS", "PIPELINE_METHODS", "best_rate", "companion_matrix", "max_stable_lr",
+           "multi_dim_losses", "simulated_rate", "spectral_radii", "spectral_radius",
+           "stability_table"]

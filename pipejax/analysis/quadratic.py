@@ -230,8 +230,23 @@ def spectral_radius(method: str, lr_lambda: float, momentum: float, delay: int) 
   """Returns ``ρ`` of :func:`companion_matrix`: the asymptotic per-step convergence factor."""
   _check(method, momentum, delay)
   _check_lr(lr_lambda)
-  d = _effective_delay(method, delay)
-  return float(_spectral_radii(method, np.array([float(lr_lambda)]), momentum, d)[0])
+  return float(spectral_radii(method, np.array([float(lr_lambda)]), momentum, delay)[0])
+
+
+def spectral_radii(method: str, lr_lambdas: Sequence[float] | np.ndarray, momentum: float,
+                   delay: int) -> np.ndarray:
+  """:func:`spectral_radius` over a one-dimensional array of ``ηλ`` (one batched eigensolve).
+
+  Raises:
+    ValueError: on an unknown method, an argument out of range, or an ``ηλ`` that is not a
+      finite number > 0.
+  """
+  _check(method, momentum, delay)
+  xs = np.asarray(lr_lambdas, dtype=np.float64)
+  if xs.ndim != 1 or not np.all(np.isfinite(xs)) or np.any(xs <= 0):
+    raise ValueError("lr_lambdas must be a one-dimensional sequence of finite numbers > 0, got "
+                     f"shape {xs.shape}.")
+  return _spectral_radii(method, xs, momentum, _effective_delay(method, delay))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,156 +545,3 @@ def stability_table(methods: Iterable[str] = PIPELINE_METHODS,
             "stable_beyond_edge": again,
         })
   return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Figures.
-
-
-_COLORS = {
-    "sgd": "black", "pb": "tab:red", "pb_sc": "tab:blue", "pb_lwp": "tab:green",
-    "pb_sc_lwp": "tab:purple", "spectrain": "tab:olive", "pipemare": "tab:orange",
-}
-_LABELS = {
-    "sgd": "SGD (no delay)", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
-    "pb_sc_lwp": "PB + SC + LWP", "spectrain": "SpecTrain", "pipemare": "PipeMare (lr/τ)",
-}
-_LINESTYLES = {"spectrain": (0, (4, 3)), "pipemare": "-"}
-
-
-def _pyplot():
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")  # Files only; never needs a display.
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  return plt
-
-
-def _rho_curve(method, xs, momentum, delay):
-  return _spectral_radii(method, xs, float(momentum), _effective_delay(method, delay))
-
-
-def _style_rho_axes(ax):
-  """ρ − 1 on a symmetric log axis: the stable side (ρ ≈ √m, just below 1 at high momentum) and
-  the unstable side (up to ρ ≈ 2) are both legible; the ρ = 1 line is the zero line."""
-  ax.axhline(0.0, color="black", lw=1.0, ls="--")
-  ax.axhspan(-1.0, 0.0, color="tab:green", alpha=0.06, lw=0)
-  ax.set_xscale("log")
-  ax.set_yscale("symlog", linthresh=1e-4, linscale=0.5)
-  ax.set_ylim(-1.0, 1.0)
-  ax.set_yticks([-1.0, -0.1, -1e-2, -1e-3, -1e-4, 0.0, 1e-4, 1e-3, 1e-2, 0.1, 1.0])
-  ax.grid(True, which="major", alpha=0.3)
-
-
-def _rho_figure(methods, momentum, num, *, panels, cols, panel_size, sharex=False):
-  """Checks the arguments of a rho-against-eta*lambda figure; returns (pyplot, xs, fig, axes)."""
-  for method in methods:
-    _check_method(method)
-  _check_momentum(momentum)
-  plt = _pyplot()
-  xs = np.logspace(-5, math.log10(5.0), num)
-  rows = math.ceil(panels / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(panel_size[0] * cols, panel_size[1] * rows),
-                           sharex=sharex, sharey=True, squeeze=False)
-  return plt, xs, fig, axes
-
-
-def plot_rho_vs_lr(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentum: float = 0.9,
-                   delays: Sequence[int] = (0, 1, 4, 16, 64), num: int = 400) -> str:
-  """Writes a PNG with one panel per method: ``ρ`` against ``ηλ`` (log axis), one curve per ``D``.
-
-  Returns:
-    ``path``.
-  """
-  plt, xs, fig, axes = _rho_figure(methods, momentum, num, panels=len(methods), cols=3,
-                                   panel_size=(4.2, 3.3), sharex=True)
-  cmap = plt.get_cmap("viridis")
-  for ax, method in zip(axes.flat, methods):
-    for j, delay in enumerate(delays):
-      color = cmap(j / max(len(delays) - 1, 1))
-      ax.plot(xs, _rho_curve(method, xs, momentum, delay) - 1.0, color=color, lw=1.6,
-              label=f"D={delay}")
-    _style_rho_axes(ax)
-    ax.set_title(_LABELS[method])
-  for ax in axes.flat[len(methods):]:
-    ax.set_visible(False)
-  for ax in axes[-1]:
-    ax.set_xlabel("ηλ")
-  for ax in axes[:, 0]:
-    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
-  axes.flat[0].legend(loc="upper left", fontsize=8)
-  fig.suptitle(f"Spectral radius ρ on ½λw², momentum m = {momentum}: shaded (ρ < 1) is stable, "
-               f"heavy ball's best is ρ − 1 = √m − 1 = {math.sqrt(momentum) - 1:.3g}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
-def plot_rho_by_delay(path: str, methods: Sequence[str] = PIPELINE_METHODS, momentum: float = 0.9,
-                      delays: Sequence[int] = (1, 4, 16, 64), num: int = 400) -> str:
-  """Writes a PNG with one panel per ``D``: ``ρ`` against ``ηλ`` for every method, plus ``sgd``.
-
-  Returns:
-    ``path``.
-  """
-  plt, xs, fig, axes = _rho_figure(methods, momentum, num, panels=len(delays), cols=2,
-                                   panel_size=(6.0, 3.6))
-  for ax, delay in zip(axes.flat, delays):
-    for method in ["sgd"] + [m for m in methods if m != "sgd"]:
-      ax.plot(xs, _rho_curve(method, xs, momentum, delay) - 1.0, color=_COLORS[method],
-              ls=_LINESTYLES.get(method, "-"), lw=1.6, label=_LABELS[method])
-    _style_rho_axes(ax)
-    ax.set_title(f"D = {delay}")
-    ax.set_xlabel("ηλ (PipeMare: base ηλ, step ηλ/τ)")
-  for ax in axes.flat[len(delays):]:
-    ax.set_visible(False)
-  for ax in axes[:, 0]:
-    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
-  axes.flat[0].legend(loc="upper left", fontsize=8)
-  fig.suptitle(f"Spectral radius per delay, momentum m = {momentum}: shaded (ρ < 1) is stable")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
-def plot_multi_dim_losses(path: str, methods: Sequence[str] = PIPELINE_METHODS,
-                          curvatures: Sequence[float] | None = None,
-                          settings: Sequence[tuple[float, float, int]] = ((0.005, 0.9, 16),
-                                                                          (0.02, 0.9, 16)),
-                          steps: int = 2000) -> str:
-  """Writes a PNG of loss against step on a multi-dimensional quadratic, one panel per setting.
-
-  Args:
-    path: PNG file to write.
-    methods: methods to draw; ``sgd`` (no delay) is always added as the reference.
-    curvatures: the ``λ_i``; default 32 values log-spaced over ``[1e-3, 1]``.
-    settings: ``(lr, momentum, delay)`` per panel.
-    steps: steps per run.
-
-  Returns:
-    ``path``.
-  """
-  plt = _pyplot()
-  lam = np.logspace(-3, 0, 32) if curvatures is None else np.asarray(curvatures, np.float64)
-  fig, axes = plt.subplots(1, len(settings), figsize=(6.0 * len(settings), 4.2), squeeze=False)
-  for ax, (lr, momentum, delay) in zip(axes.flat, settings):
-    loss0 = None
-    for method in ["sgd"] + [m for m in methods if m != "sgd"]:
-      losses = multi_dim_losses(method, lam, lr, momentum, delay, steps)
-      loss0 = losses[0]
-      ax.plot(np.arange(losses.size), losses, color=_COLORS[method],
-              ls=_LINESTYLES.get(method, "-"), lw=1.5, label=_LABELS[method])
-    ax.set_yscale("log")
-    ax.set_ylim(loss0 * 1e-4, loss0 * 1e3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss ½ Σ λᵢ wᵢ²")
-    ax.set_title(f"η = {lr}, m = {momentum}, D = {delay}  (λ ∈ [{lam.min():g}, {lam.max():g}])")
-    ax.grid(True, which="major", alpha=0.3)
-  # One legend below the panels, so that no curve hides behind it.
-  handles, labels = axes.flat[0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-  fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path

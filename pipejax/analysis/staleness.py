@@ -1,4 +1,4 @@
-"""Training under a schedule's gradient delays, in a plain optax loop (needs JAX).
+"""Training under a schedule's gradient delays, in a plain optax loop.
 
 :func:`pipejax.schedules.delay_profile` gives each stage's delay D_s; :func:`stale_optimizer`
 puts :func:`pipejax.optim.delay_gradients` with D_s in front of the optimizer of stage s
@@ -14,7 +14,7 @@ backward uses newer weights than its forward), which this loop does not model; t
 Example:
   >>> import optax
   >>> from pipejax import schedules
-  >>> from pipejax.schedules import staleness
+  >>> from pipejax.analysis import staleness
   >>> delays = schedules.delay_profile('pipedream', num_stages=3)
   >>> delays
   [2, 1, 0]
@@ -50,12 +50,6 @@ def stale_optimizer(delays: Sequence[int],
   return optax.multi_transform(transforms, labels)
 
 
-def _forward(model: Model, params, x):
-  for stage, p in zip(model.stages, params):
-    x = stage.apply(p, x, None)
-  return x
-
-
 def train(model: Model, delays: Sequence[int], train_data: tuple[np.ndarray, np.ndarray],
           test_data: tuple[np.ndarray, np.ndarray], *, learning_rate: float, momentum: float,
           micro_batch: int, epochs: int = 1, seed: int = 0) -> float:
@@ -80,7 +74,7 @@ def train(model: Model, delays: Sequence[int], train_data: tuple[np.ndarray, np.
   tx = stale_optimizer(delays, lambda: optax.sgd(learning_rate, momentum=momentum))
 
   def loss_fn(params, x, y):
-    return model.loss(_forward(model, params, x), y)[0]
+    return model.loss(model.apply(params, x), y)[0]
 
   def step(carry, batch):
     params, opt_state = carry
@@ -91,5 +85,5 @@ def train(model: Model, delays: Sequence[int], train_data: tuple[np.ndarray, np.
   (params, _), _ = jax.jit(lambda c, xs, ys: jax.lax.scan(step, c, (xs, ys)))(
       (params, tx.init(params)), xs, ys)
   test_images, test_labels = test_data
-  logits = jax.jit(lambda p, x: _forward(model, p, x))(params, jnp.asarray(test_images))
+  logits = jax.jit(model.apply)(params, jnp.asarray(test_images))
   return float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(test_labels)))

@@ -1,0 +1,164 @@
+"""The figures of the convex-quadratic analysis (docs/quadratic.md), drawn from its numbers.
+
+:mod:`pipejax.analysis.quadratic` computes; this module only draws what it computes. Every figure
+computes all of its curves before it opens a figure, so a bad argument raises that module's
+``ValueError`` and leaves no figure behind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pipejax import plotting
+from pipejax.analysis import quadratic
+
+_COLORS = {
+    "sgd": "black", "pb": "tab:red", "pb_sc": "tab:blue", "pb_lwp": "tab:green",
+    "pb_sc_lwp": "tab:purple", "spectrain": "tab:olive", "pipemare": "tab:orange",
+}
+_LABELS = {
+    "sgd": "SGD (no delay)", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
+    "pb_sc_lwp": "PB + SC + LWP", "spectrain": "SpecTrain", "pipemare": "PipeMare (lr/τ)",
+}
+_LINESTYLES = {"spectrain": (0, (4, 3)), "pipemare": "-"}
+
+
+def _with_sgd_first(methods: Sequence[str]) -> list[str]:
+  """The reference ``sgd`` first (drawn underneath), then the other methods in order."""
+  return ["sgd"] + [m for m in methods if m != "sgd"]
+
+
+def _lr_grid(num: int) -> np.ndarray:
+  return np.logspace(-5, math.log10(5.0), num)
+
+
+def _style_rho_axes(ax):
+  """ρ − 1 on a symmetric log axis: the stable side (ρ ≈ √m, just below 1 at high momentum) and
+  the unstable side (up to ρ ≈ 2) are both legible; the ρ = 1 line is the zero line."""
+  ax.axhline(0.0, color="black", lw=1.0, ls="--")
+  ax.axhspan(-1.0, 0.0, color="tab:green", alpha=0.06, lw=0)
+  ax.set_xscale("log")
+  ax.set_yscale("symlog", linthresh=1e-4, linscale=0.5)
+  ax.set_ylim(-1.0, 1.0)
+  ax.set_yticks([-1.0, -0.1, -1e-2, -1e-3, -1e-4, 0.0, 1e-4, 1e-3, 1e-2, 0.1, 1.0])
+  ax.grid(True, which="major", alpha=0.3)
+
+
+def _rho_figure(panels: int, cols: int, panel_size: tuple[float, float], sharex: bool = False):
+  """A grid of ``panels`` panels sharing the ρ axis; returns ``(pyplot, fig, axes)``."""
+  plt = plotting.pyplot()
+  rows = math.ceil(panels / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(panel_size[0] * cols, panel_size[1] * rows),
+                           sharex=sharex, sharey=True, squeeze=False)
+  return plt, fig, axes
+
+
+def plot_rho_vs_lr(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHODS,
+                   momentum: float = 0.9, delays: Sequence[int] = (0, 1, 4, 16, 64),
+                   num: int = 400) -> str:
+  """Writes a PNG with one panel per method: ``ρ`` against ``ηλ`` (log axis), one curve per ``D``.
+
+  Returns:
+    ``path``.
+  """
+  xs = _lr_grid(num)
+  curves = {(method, delay): quadratic.spectral_radii(method, xs, momentum, delay)
+            for method in methods for delay in delays}
+  plt, fig, axes = _rho_figure(len(methods), cols=3, panel_size=(4.2, 3.3), sharex=True)
+  cmap = plt.get_cmap("viridis")
+  for ax, method in zip(axes.flat, methods):
+    for j, delay in enumerate(delays):
+      color = cmap(j / max(len(delays) - 1, 1))
+      ax.plot(xs, curves[method, delay] - 1.0, color=color, lw=1.6, label=f"D={delay}")
+    _style_rho_axes(ax)
+    ax.set_title(_LABELS[method])
+  for ax in axes.flat[len(methods):]:
+    ax.set_visible(False)
+  for ax in axes[-1]:
+    ax.set_xlabel("ηλ")
+  for ax in axes[:, 0]:
+    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
+  axes.flat[0].legend(loc="upper left", fontsize=8)
+  fig.suptitle(f"Spectral radius ρ on ½λw², momentum m = {momentum}: shaded (ρ < 1) is stable, "
+               f"heavy ball's best is ρ − 1 = √m − 1 = {math.sqrt(momentum) - 1:.3g}")
+  fig.tight_layout()
+  plotting.save(fig, path, dpi=110)
+  return path
+
+
+def plot_rho_by_delay(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHODS,
+                      momentum: float = 0.9, delays: Sequence[int] = (1, 4, 16, 64),
+                      num: int = 400) -> str:
+  """Writes a PNG with one panel per ``D``: ``ρ`` against ``ηλ`` for every method, plus ``sgd``.
+
+  Returns:
+    ``path``.
+  """
+  xs = _lr_grid(num)
+  drawn = _with_sgd_first(methods)
+  curves = {(method, delay): quadratic.spectral_radii(method, xs, momentum, delay)
+            for delay in delays for method in drawn}
+  _, fig, axes = _rho_figure(len(delays), cols=2, panel_size=(6.0, 3.6))
+  for ax, delay in zip(axes.flat, delays):
+    for method in drawn:
+      ax.plot(xs, curves[method, delay] - 1.0, color=_COLORS[method],
+              ls=_LINESTYLES.get(method, "-"), lw=1.6, label=_LABELS[method])
+    _style_rho_axes(ax)
+    ax.set_title(f"D = {delay}")
+    ax.set_xlabel("ηλ (PipeMare: base ηλ, step ηλ/τ)")
+  for ax in axes.flat[len(delays):]:
+    ax.set_visible(False)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
+  axes.flat[0].legend(loc="upper left", fontsize=8)
+  fig.suptitle(f"Spectral radius per delay, momentum m = {momentum}: shaded (ρ < 1) is stable")
+  fig.tight_layout()
+  plotting.save(fig, path, dpi=110)
+  return path
+
+
+def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHODS,
+                          curvatures: Sequence[float] | None = None,
+                          settings: Sequence[tuple[float, float, int]] = ((0.005, 0.9, 16),
+                                                                          (0.02, 0.9, 16)),
+                          steps: int = 2000) -> str:
+  """Writes a PNG of loss against step on a multi-dimensional quadratic, one panel per setting.
+
+  Args:
+    path: PNG file to write.
+    methods: methods to draw; ``sgd`` (no delay) is always added as the reference.
+    curvatures: the ``λ_i``; default 32 values log-spaced over ``[1e-3, 1]``.
+    settings: ``(lr, momentum, delay)`` per panel.
+    steps: steps per run.
+
+  Returns:
+    ``path``.
+  """
+  lam = np.logspace(-3, 0, 32) if curvatures is None else np.asarray(curvatures, np.float64)
+  drawn = _with_sgd_first(methods)
+  losses = {(setting, method): quadratic.multi_dim_losses(method, lam, *setting, steps)
+            for setting in settings for method in drawn}
+  plt = plotting.pyplot()
+  fig, axes = plt.subplots(1, len(settings), figsize=(6.0 * len(settings), 4.2), squeeze=False)
+  for ax, setting in zip(axes.flat, settings):
+    for method in drawn:
+      curve = losses[setting, method]
+      ax.plot(np.arange(curve.size), curve, color=_COLORS[method],
+              ls=_LINESTYLES.get(method, "-"), lw=1.5, label=_LABELS[method])
+    loss0 = losses[setting, drawn[-1]][0]
+    lr, momentum, delay = setting
+    ax.set_yscale("log")
+    ax.set_ylim(loss0 * 1e-4, loss0 * 1e3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss ½ Σ λᵢ wᵢ²")
+    ax.set_title(f"η = {lr}, m = {momentum}, D = {delay}  (λ ∈ [{lam.min():g}, {lam.max():g}])")
+    ax.grid(True, which="major", alpha=0.3)
+  # One legend below the panels, so that no curve hides behind it.
+  handles, labels = axes.flat[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+  fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
+  plotting.save(fig, path, dpi=110)
+  return path
