@@ -26,8 +26,9 @@ import os
 from typing import Iterable, Sequence
 
 from pipejax import plotting, statistics
-from pipejax.study import (DIVERGED, FAILED, FINISHED, SKIPPED, Figure, Overrides, Study, Table,
-                           diverged, is_number, key_of, metric_of, read_results)
+from pipejax.study import Figure, Overrides, Study, Table
+from pipejax.study_records import (DIVERGED, FAILED, FINISHED, SKIPPED, diverged, is_number, key_of,
+                                   metric_of, read_results)
 
 
 @dataclasses.dataclass

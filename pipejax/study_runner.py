@@ -35,6 +35,7 @@ import time
 from typing import Sequence
 
 from pipejax import study as study_lib
+from pipejax import study_records
 from pipejax import study_report
 from pipejax import workdir as workdir_lib
 
@@ -231,15 +232,15 @@ def _selected(study: study_lib.Study, where: dict[str, str] | None) -> list[dict
 
 def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None = None) -> Outcome:
   """Where the runs selected by ``where`` stand in ``workdir``'s results.jsonl."""
-  records = {r["run"]: r for r in study_lib.read_results(workdir)}
+  records = {r["run"]: r for r in study_records.read_results(workdir)}
   result = Outcome([], [], [], [])
   for overrides in _selected(study, where):
     rid = study_lib.run_id(overrides)
     result.planned.append(rid)
     record = records.get(rid)
-    if study_lib.is_done(record, study, overrides):
+    if study_records.is_done(record, study, overrides):
       result.done.append(rid)
-    elif record is not None and record["status"] == study_lib.FAILED:
+    elif record is not None and record["status"] == study_records.FAILED:
       result.failed.append(rid)
     else:
       result.not_done.append(rid)
@@ -254,10 +255,10 @@ def _names(runs: Sequence[str], limit: int = 10) -> str:
 def check_records(study: study_lib.Study, workdir: str) -> list[dict]:
   """Prints what is wrong with results.jsonl (each skipped line), refuses a changed recipe
   (:class:`pipejax.study.StudyError`), and returns the records."""
-  records, problems = study_lib.load_results(workdir)
+  records, problems = study_records.load_results(workdir)
   for problem in problems:
     print(f"warning: {problem}", flush=True)
-  change = study_lib.recipe_change(study, records, workdir)
+  change = study_records.recipe_change(study, records, workdir)
   if change:
     raise study_lib.StudyError(change)
   return records
@@ -272,12 +273,12 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   command of a trainer, to which each run's ``--config``, ``--workdir`` and overrides are added.
   """
   os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
-  message = study_lib.set_aside_partial_line(workdir)
+  message = study_records.set_aside_partial_line(workdir)
   if message:
     print(f"warning: {message}", flush=True)
   done = {r["run"]: r for r in check_records(study, workdir)}
   planned = _selected(study, where)
-  todo = [o for o in planned if not study_lib.is_done(done.get(study_lib.run_id(o)), study, o)]
+  todo = [o for o in planned if not study_records.is_done(done.get(study_lib.run_id(o)), study, o)]
   # Every cell's first seed before any cell's second: a study stopped part-way (or spread over
   # several sessions) then has a result in every cell.
   todo.sort(key=lambda o: o.get("seed", 0))
@@ -289,7 +290,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   signalled: dict[int, int] = {}  # trainer pid -> 1 (sent SIGTERM) or 2 (sent SIGKILL)
 
   def status_line():
-    finished = sum(study_lib.is_done(done.get(study_lib.run_id(o)), study, o) for o in planned)
+    finished = sum(study_records.is_done(done.get(study_lib.run_id(o)), study, o) for o in planned)
     eta = "?"
     if durations:
       eta = _duration(sum(durations) / len(durations) * (len(planned) - finished) / parallel)
@@ -297,7 +298,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
             f"ETA {eta}]")
 
   def record(rid, result):
-    message = study_lib.append_result(workdir, result)
+    message = study_records.append_result(workdir, result)
     if message:
       print(f"warning: {message}", flush=True)
     done[rid] = result
@@ -312,9 +313,9 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
         while todo and len(running) < parallel and not stop.requested:
           overrides = todo.pop(0)
           rid = study_lib.run_id(overrides)
-          failed_at = study_lib.failed_below(study, done.values(), overrides)
+          failed_at = study_records.failed_below(study, done.values(), overrides)
           if failed_at is not None:
-            record(rid, study_lib.skipped_record(study, overrides, failed_at))
+            record(rid, study_records.skipped_record(study, overrides, failed_at))
             print(f"{status_line()} skipped {rid}: {done[rid]['reason']}", flush=True)
             continue
           run_dir = os.path.join(workdir, "runs", rid)
@@ -351,11 +352,11 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
             who = "" if stop.requested else " by a signal the study did not send"
             print(f"{status_line()} stopped {rid}{who} (resumes on rerun)", flush=True)
             continue
-          result = study_lib.record_from_run(study, overrides, os.path.dirname(log_path),
+          result = study_records.record_from_run(study, overrides, os.path.dirname(log_path),
                                              process.returncode, wall, tail)
           record(rid, result)
           durations.append(wall)
-          if result["status"] == study_lib.FAILED:
+          if result["status"] == study_records.FAILED:
             failed += 1
             last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
             print(f"{status_line()} FAILED {rid} (exit {process.returncode}, log {log_path}): "

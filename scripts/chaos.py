@@ -46,7 +46,7 @@ import time
 from absl import app, flags, logging
 
 from pipejax import cli
-from pipejax import study as study_lib
+from pipejax import study_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
@@ -226,7 +226,7 @@ def run_study(workdir, env, timeout=900):
 
 def study_results(workdir):
   """Each recorded run's numbers, and the sentences naming lines that are not records."""
-  records, problems = study_lib.load_results(workdir)
+  records, problems = study_records.load_results(workdir)
   return {r["run"]: {k: r.get(k) for k in ("status", "test_accuracy", "test_loss", "samples")}
           for r in records}, problems
 
@@ -270,7 +270,7 @@ def study_moment(workdir, process, rng, seconds):
   """
   kind = rng.choice(["time", "checkpoint", "record"])
   delay = rng.uniform(0.1, 0.5) * seconds
-  results = os.path.join(workdir, study_lib.RESULTS_FILE)
+  results = os.path.join(workdir, study_records.RESULTS_FILE)
   start = time.time()
   while process.poll() is None:
     if kind == "time" and time.time() - start >= delay:
@@ -319,7 +319,7 @@ def kill_trainer(workdir, env, rng, seconds):
 
 def cut_results_line(workdir, rng):
   """Cuts results.jsonl inside its last line, as a full disk leaves a record half-written."""
-  path = os.path.join(workdir, study_lib.RESULTS_FILE)
+  path = os.path.join(workdir, study_records.RESULTS_FILE)
   with open(path, "rb") as f:
     data = f.read()
   start = data.rstrip(b"\n").rfind(b"\n") + 1

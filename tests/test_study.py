@@ -1,4 +1,4 @@
-"""The study runner: grids, records, aggregation over seeds, diverged runs, and a real smoke study."""
+"""Studies: grids, records, statistics over seeds, diverged runs, the runner and a real smoke study."""
 
 import dataclasses
 import errno
@@ -15,6 +15,7 @@ import pytest
 
 from pipejax import statistics
 from pipejax import study as study_lib
+from pipejax import study_records
 from pipejax import study_report
 from pipejax import study_runner
 from pipejax.study import Study, Table
@@ -22,7 +23,7 @@ from pipejax.study import Study, Table
 from tests.helpers import ROOT
 
 
-def record(method, depth, seed, accuracy, status=study_lib.FINISHED):
+def record(method, depth, seed, accuracy, status=study_records.FINISHED):
   overrides = {"model_kwargs.depth": depth, "method": method, "seed": seed}
   return {"run": study_lib.run_id(overrides), "overrides": overrides, "status": status,
           "test_accuracy": accuracy, "fixed": {}, "config": "c.py", "init_digest": f"w{seed}"}
@@ -46,7 +47,7 @@ def test_grids_are_the_union_of_products_without_duplicates():
 
 def test_cells_average_over_seeds_and_never_average_diverged_runs():
   records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
-             record("pb", 8, 2, None, status=study_lib.DIVERGED)]
+             record("pb", 8, 2, None, status=study_records.DIVERGED)]
   (cell,) = study_report.cells(records).values()
   assert cell.values == [0.80, 0.84] and cell.diverged == 1
   assert cell.mean == pytest.approx(0.82)
@@ -55,7 +56,7 @@ def test_cells_average_over_seeds_and_never_average_diverged_runs():
   half = 12.7062 * np.std([0.80, 0.84], ddof=1) / np.sqrt(2) * 100
   assert study_report.format_cell(cell) == \
       f"82.00 [{82 - half:.2f}, {82 + half:.2f}] n=2 (1/3 div.)"
-  all_diverged = study_report.cells([record("pb", 8, s, None, study_lib.DIVERGED)
+  all_diverged = study_report.cells([record("pb", 8, s, None, study_records.DIVERGED)
                                   for s in range(3)])
   assert study_report.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
 
@@ -74,7 +75,7 @@ def test_gaps_are_paired_by_seed_with_the_baseline_at_the_same_depth():
 def test_markdown_tables_and_stability_limit():
   records = [record(m, d, s, acc) for m, d, s, acc in [
       ("sgd", 4, 0, 0.9), ("sgd", 8, 0, 0.9), ("pb", 4, 0, 0.8), ("pb", 4, 1, 0.82)]]
-  records.append(record("pb", 8, 0, None, study_lib.DIVERGED))
+  records.append(record("pb", 8, 0, None, study_records.DIVERGED))
   text = study_report.markdown_table(STUDY, records, STUDY.tables[0])
   lines = text.splitlines()
   assert lines[0] == "| stages | SGD | PB |"
@@ -91,17 +92,17 @@ def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
                 min_accuracy=0.5, skip_beyond_failure="model_kwargs.depth",
                 tables=[Table("acc", rows="model_kwargs.depth", columns="method")])
   records = [record("sgd", 4, 0, 0.9), record("pb", 4, 0, 0.3),  # pb seed 0: trains badly at 4
-             record("pb", 4, 1, 0.8), record("pb", 8, 1, None, study_lib.DIVERGED)]
+             record("pb", 4, 1, 0.8), record("pb", 8, 1, None, study_records.DIVERGED)]
   point = lambda m, d, s: {"model_kwargs.depth": d, "method": m, "seed": s}
-  assert study_lib.failed_below(sweep, records, point("pb", 8, 0)) == 4
-  assert study_lib.failed_below(sweep, records, point("pb", 16, 1)) == 8
-  assert study_lib.failed_below(sweep, records, point("pb", 8, 1)) is None  # its own run
-  assert study_lib.failed_below(sweep, records, point("sgd", 8, 0)) is None  # sgd trained
-  assert study_lib.failed_below(STUDY, records, point("pb", 8, 0)) is None  # the study opts in
-  skipped = study_lib.skipped_record(sweep, point("pb", 16, 0), 4)
+  assert study_records.failed_below(sweep, records, point("pb", 8, 0)) == 4
+  assert study_records.failed_below(sweep, records, point("pb", 16, 1)) == 8
+  assert study_records.failed_below(sweep, records, point("pb", 8, 1)) is None  # its own run
+  assert study_records.failed_below(sweep, records, point("sgd", 8, 0)) is None  # sgd trained
+  assert study_records.failed_below(STUDY, records, point("pb", 8, 0)) is None  # the study opts in
+  skipped = study_records.skipped_record(sweep, point("pb", 16, 0), 4)
   assert skipped["reason"] == "failed at model_kwargs.depth=4"
-  assert study_lib.is_done(skipped, sweep, skipped["overrides"])
-  records += [skipped, study_lib.skipped_record(sweep, point("pb", 16, 1), 8)]
+  assert study_records.is_done(skipped, sweep, skipped["overrides"])
+  records += [skipped, study_records.skipped_record(sweep, point("pb", 16, 1), 8)]
   lines = study_report.markdown_table(sweep, records, sweep.tables[0]).splitlines()
   assert lines[-1] == "| 16 | — | not run (failed below) |"
 
@@ -113,7 +114,7 @@ def test_tables_take_list_valued_axes_as_results_jsonl_gives_them_back():
                  tables=[Table("acc", rows="model_kwargs.hidden", columns="method")])
   records = [{"run": f"{m}{h}", "overrides": {"model_kwargs.hidden": list(h), "method": m,
                                               "seed": 0},
-              "status": study_lib.FINISHED, "test_accuracy": acc, "fixed": {}, "config": "c.py"}
+              "status": study_records.FINISHED, "test_accuracy": acc, "fixed": {}, "config": "c.py"}
              for m, h, acc in [("sgd", (8,), 0.9), ("pb", (8,), 0.8), ("sgd", (8, 8), 0.7)]]
   lines = study_report.markdown_table(widths, records, widths.tables[0]).splitlines()
   assert lines[2] == "| [8] | 90.00 (1 seed) | 80.00 (1 seed) |"
@@ -122,22 +123,22 @@ def test_tables_take_list_valued_axes_as_results_jsonl_gives_them_back():
 
 def test_a_failed_run_is_retried_and_a_finished_one_is_not():
   finished = record("pb", 8, 0, 0.8)
-  failed = dict(finished, status=study_lib.FAILED)
+  failed = dict(finished, status=study_records.FAILED)
   overrides = finished["overrides"]
-  assert study_lib.is_done(finished, STUDY, overrides)
-  assert not study_lib.is_done(failed, STUDY, overrides)
+  assert study_records.is_done(finished, STUDY, overrides)
+  assert not study_records.is_done(failed, STUDY, overrides)
   changed = Study(name="t", config="c.py", grids=STUDY.grids, fixed={"epochs": 3.0})
-  assert not study_lib.is_done(finished, changed, overrides)  # other settings: run again
+  assert not study_records.is_done(finished, changed, overrides)  # other settings: run again
   # Made before runs of a seed shared their starting weights: run again to be paired.
-  assert not study_lib.is_done({k: v for k, v in finished.items() if k != "init_digest"}, STUDY,
+  assert not study_records.is_done({k: v for k, v in finished.items() if k != "init_digest"}, STUDY,
                                overrides)
 
 
 def test_results_survive_a_line_cut_short(tmp_path):
-  study_lib.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
-  with open(tmp_path / study_lib.RESULTS_FILE, "a") as f:
+  study_records.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
+  with open(tmp_path / study_records.RESULTS_FILE, "a") as f:
     f.write('{"run": "cut sho')
-  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8]
+  assert [r["test_accuracy"] for r in study_records.read_results(str(tmp_path))] == [0.8]
 
 
 def test_a_missing_study_file_is_a_clear_error():
@@ -165,7 +166,7 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
              "--study=configs/studies/depth.py:smoke", f"--workdir={workdir}", "--parallel=2"]
   first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-  records = study_lib.read_results(str(workdir))
+  records = study_records.read_results(str(workdir))
   assert len(records) == 9
   statuses = {r["run"]: r["status"] for r in records}
   assert statuses["model_kwargs.depth=5,method=pb,seed=0,reference.lr=10000.0"] == "diverged"
@@ -197,7 +198,7 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   # The rerun finds every run done and starts none.
   again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert again.returncode == 0 and "9 already done, 0 to run" in again.stdout
-  assert len(study_lib.read_results(str(workdir))) == 9
+  assert len(study_records.read_results(str(workdir))) == 9
 
 
 def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
@@ -245,7 +246,7 @@ def test_log_timing_splits_setup_compile_and_steady_rate(tmp_path):
                  "I1123 00:00:18.500000 1 training.py:3] [2000/60000 samples, epoch 0.03] ...\n"
                  "I1123 00:00:28.500000 1 training.py:3] [4000/60000 samples, epoch 0.07] ...\n"
                  "I1123 00:00:38.500000 1 training.py:3] [6000/60000 samples, epoch 0.10] ...\n")
-  assert study_lib.log_timing(str(log)) == {"setup_s": 8.5, "first_chunk_s": 20.0,
+  assert study_records.log_timing(str(log)) == {"setup_s": 8.5, "first_chunk_s": 20.0,
                                             "steady_samples_per_s": 200.0}
 
 
@@ -293,9 +294,9 @@ def test_conclusions_follow_the_numbers_with_margin_verdicts():
 
 def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
   finished = dict(record("pb", 8, 0, 0.31), test_loss=2.4, initial_test_loss=2.3)
-  assert study_lib.diverged(finished)
-  assert not study_lib.diverged(dict(finished, test_loss=0.9))
-  assert study_lib.diverged(dict(finished, test_loss=float("nan"), test_accuracy=0.1))
+  assert study_records.diverged(finished)
+  assert not study_records.diverged(dict(finished, test_loss=0.9))
+  assert study_records.diverged(dict(finished, test_loss=float("nan"), test_accuracy=0.1))
   (cell,) = study_report.cells([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
                                                initial_test_loss=2.3)]).values()
   assert cell.values == [0.8] and cell.diverged == 1
@@ -309,7 +310,7 @@ def test_stability_limits_are_intervals_between_a_trained_and_a_failed_value():
   def run(lr, seed, accuracy):
     overrides = {"reference.lr": lr, "method": "pb", "seed": seed}
     return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
-            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {}}
+            "status": study_records.FINISHED, "test_accuracy": accuracy, "fixed": {}}
   records = [run(0.1, 0, 0.8), run(0.1, 1, 0.8), run(0.141, 0, 0.8), run(0.141, 1, 0.1),
              run(0.2, 0, 0.1)]
   assert study_report.stable_limit(sweep, records, sweep.tables[0], "pb") == (0.1, 0.141)
@@ -321,7 +322,7 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   def run(seed, accuracy, **overrides):
     overrides = {**overrides, "seed": seed}
     return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
-            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {},
+            "status": study_records.FINISHED, "test_accuracy": accuracy, "fixed": {},
             "init_digest": f"w{seed}"}
   records = [run(s, 0.80 + s / 100, method="sgd") for s in range(3)]
   records += [run(s, 0.81 + s / 100, method="pipemare") for s in range(3)]
@@ -342,7 +343,7 @@ def test_tuned_tables_compare_each_method_at_its_best_value():
   def run(method, lr, seed, accuracy):
     overrides = {"reference.lr": lr, "method": method, "seed": seed}
     return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
-            "status": study_lib.FINISHED, "test_accuracy": accuracy, "fixed": {},
+            "status": study_records.FINISHED, "test_accuracy": accuracy, "fixed": {},
             "init_digest": f"w{seed}"}
   records = [run("sgd", 0.1, s, 0.80) for s in range(2)] + \
       [run("sgd", 0.05, s, 0.82 + s / 100) for s in range(2)] + \
@@ -360,10 +361,10 @@ def test_tuned_tables_compare_each_method_at_its_best_value():
 def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
   from pipejax.study import Figure  # pylint: disable=import-outside-toplevel
   records = [record("sgd", 4, 0, 0.9), record("sgd", 8, 0, 0.9), record("pb", 4, 0, 0.8),
-             record("pb", 8, 0, None, study_lib.DIVERGED), record("pb", 8, 1, 0.7)]
+             record("pb", 8, 0, None, study_records.DIVERGED), record("pb", 8, 1, 0.7)]
   figure = Figure("f.png", x="model_kwargs.depth", series="method", title="Accuracy by depth")
   series = dict((s, (points, failed)) for s, points, failed in
-                study_report._cell_points(STUDY, records, figure))  # pylint: disable=protected-access
+                study_report._cell_points(STUDY, records, figure))  # pylint: disable=W0212
   assert series["pb"] == ([(4, 80.0, 0.0), (8, 70.0, 0.0)], [(8, "1/2")])
   assert study_report.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
   assert (tmp_path / "f.png").stat().st_size > 1000
@@ -412,12 +413,12 @@ def run_main(workdir, trainer, study=TWO_RUNS, **kwargs):
 
 
 def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, monkeypatch):
-  study_lib.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
-  results = tmp_path / study_lib.RESULTS_FILE
+  study_records.append_result(str(tmp_path), record("pb", 8, 0, 0.8))
+  results = tmp_path / study_records.RESULTS_FILE
   with open(results, "ab") as f:
     f.write(b'{"run": "cut sho')
-  message = study_lib.append_result(str(tmp_path), record("pb", 8, 1, 0.7))
-  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8, 0.7]
+  message = study_records.append_result(str(tmp_path), record("pb", 8, 1, 0.7))
+  assert [r["test_accuracy"] for r in study_records.read_results(str(tmp_path))] == [0.8, 0.7]
   assert "moved it to" in message and "results.jsonl.partial-1" in message
   assert (tmp_path / "results.jsonl.partial-1").read_bytes() == b'{"run": "cut sho'
   # A full disk: the one write of a record is cut short. The record is lost, the next is not.
@@ -425,23 +426,23 @@ def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, mo
   with monkeypatch.context() as patch:
     patch.setattr(os, "write", lambda fd, data: real_write(fd, data[:20]))
     with pytest.raises(OSError, match="No space left"):
-      study_lib.append_result(str(tmp_path), record("pb", 8, 2, 0.6))
-  assert study_lib.append_result(str(tmp_path), record("pb", 8, 3, 0.5)) is not None
-  assert [r["test_accuracy"] for r in study_lib.read_results(str(tmp_path))] == [0.8, 0.7, 0.5]
+      study_records.append_result(str(tmp_path), record("pb", 8, 2, 0.6))
+  assert study_records.append_result(str(tmp_path), record("pb", 8, 3, 0.5)) is not None
+  assert [r["test_accuracy"] for r in study_records.read_results(str(tmp_path))] == [0.8, 0.7, 0.5]
   assert (tmp_path / "results.jsonl.partial-2").stat().st_size == 20
   # A cut line that lacks only its newline is a whole record: it is kept.
   with open(results, "ab") as f:
     f.write(json.dumps(record("sgd", 8, 0, 0.9)).encode())
-  assert study_lib.append_result(str(tmp_path), record("sgd", 8, 1, 0.4)) is None
-  assert len(study_lib.read_results(str(tmp_path))) == 5
+  assert study_records.append_result(str(tmp_path), record("sgd", 8, 1, 0.4)) is None
+  assert len(study_records.read_results(str(tmp_path))) == 5
 
 
 def test_the_runner_and_the_report_count_the_same_records(tmp_path, fake_trainer, capsys):
   workdir = tmp_path / "study"
   workdir.mkdir()
-  first = dict(study_lib.skipped_record(TWO_RUNS, {"method": "sgd", "seed": 0}, 0),
-               status=study_lib.FINISHED, test_accuracy=0.5, init_digest="w0")
-  (workdir / study_lib.RESULTS_FILE).write_text(json.dumps(first) + '\n{"run": "method=sgd,s')
+  first = dict(study_records.skipped_record(TWO_RUNS, {"method": "sgd", "seed": 0}, 0),
+               status=study_records.FINISHED, test_accuracy=0.5, init_digest="w0")
+  (workdir / study_records.RESULTS_FILE).write_text(json.dumps(first) + '\n{"run": "method=sgd,s')
   assert run_main(workdir, fake_trainer("finish")) == 0
   out = capsys.readouterr().out
   assert "ended in a line cut short" in out and "1 already done, 1 to run" in out
@@ -453,8 +454,8 @@ def test_lines_that_are_json_but_not_records_are_skipped_and_named(tmp_path, cap
   good = [record("pb", 8, 0, 0.8), record("pb", 8, 1, 0.7)]
   lines = [json.dumps(good[0]), "null", "[1, 2]", "{}", '{"run": "x"}', '{"run": "y", "ov',
            json.dumps(good[1])]
-  (tmp_path / study_lib.RESULTS_FILE).write_text("\n".join(lines) + "\n")
-  records, problems = study_lib.load_results(str(tmp_path))
+  (tmp_path / study_records.RESULTS_FILE).write_text("\n".join(lines) + "\n")
+  records, problems = study_records.load_results(str(tmp_path))
   assert records == good
   assert [p.split(" is skipped")[0].rsplit(" ", 1)[1] for p in problems] == ["2", "3", "4", "5",
                                                                            "6"]
@@ -477,12 +478,13 @@ def test_a_changed_fixed_value_is_refused_with_the_diff_and_hides_no_result(tmp_
     err = capsys.readouterr().err
     assert "2 run(s) with epochs: 1.0 -> 2.0; warmup_epochs: (not set) -> 0.5" in err
     assert "restore the old values" in err and "another --workdir" in err
-  assert {r["status"] for r in study_lib.read_results(str(tmp_path))} == {study_lib.FINISHED}
+  statuses = {r["status"] for r in study_records.read_results(str(tmp_path))}
+  assert statuses == {study_records.FINISHED}
   # A workdir where a changed recipe already recorded failures still shows its finished runs.
-  finished = study_lib.read_results(str(tmp_path))
-  study_lib.append_result(str(tmp_path), dict(finished[0], status=study_lib.FAILED,
+  finished = study_records.read_results(str(tmp_path))
+  study_records.append_result(str(tmp_path), dict(finished[0], status=study_records.FAILED,
                                               fixed={"epochs": 2.0}))
-  assert study_lib.read_results(str(tmp_path)) == finished
+  assert study_records.read_results(str(tmp_path)) == finished
 
 
 def test_a_trainer_stopped_by_someone_else_leaves_a_non_zero_exit_naming_the_run(
@@ -499,7 +501,7 @@ def test_a_trainer_stopped_by_someone_else_leaves_a_non_zero_exit_naming_the_run
 def test_a_full_or_read_only_disk_is_one_paragraph(tmp_path, fake_trainer, monkeypatch, capsys):
   def full(path, data):
     raise OSError(errno.ENOSPC, "No space left on device", path)
-  monkeypatch.setattr(study_lib, "_append_bytes", full)
+  monkeypatch.setattr(study_records, "_append_bytes", full)
   assert run_main(tmp_path, fake_trainer("finish")) == 1
   err = capsys.readouterr().err
   assert err.startswith("error: Running the study failed: the disk holding")
@@ -520,7 +522,7 @@ def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_
     assert run_main(tmp_path, fake_trainer("fail")) == 1
   err = capsys.readouterr().err
   assert f"Another study (study process {os.getpid()} on " in err and "another --workdir" in err
-  assert not (tmp_path / study_lib.RESULTS_FILE).exists()
+  assert not (tmp_path / study_records.RESULTS_FILE).exists()
   with study_runner.hold(str(tmp_path)):  # released with the first
     pass
 
