@@ -114,6 +114,7 @@ def _pipemare_past(params, opt_state, delay):
 
 
 BASE_OPTIMIZERS = ("sgd", "adam")
+MUON_CONSISTENT_RMS = 0.2  # Liu et al. 2025 (Moonlight): Muon's update RMS matched to AdamW's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _dcasgd(h):
 
 @_preset("pipeoptim", optimizers=("adam",))
 def _pipeoptim(h):
-  # PB + PipeOptim's weight prediction for Adam: the forward runs on w - lr s m_hat/(sqrt(v_hat)+eps).
+  # PB + PipeOptim's weight prediction: the forward runs on w - lr s m_hat / (sqrt(v_hat) + eps).
   def update(delay):
     return adam_family.adam_weight_prediction(
         h.learning_rate, delay if h.horizon is None else h.horizon, b1=h.momentum, b2=h.b2,
@@ -271,6 +272,16 @@ def _nesterov_asyncpp(h):
   return Method("nesterov_asyncpp", lambda delay: adam_family.nesterov_asyncpp(
       h.learning_rate, delay, max_delay, h.anneal_steps, b1=h.momentum, b2=h.b2, eps=h.eps,
       weight_decay=h.weight_decay, mask=h.mask), stash_forward_weights=True)
+
+
+@_preset("pb_muon", optimizers=("adam",))
+def _pb_muon(h):
+  # Muon on every matrix (optax.contrib.muon's default split); the other leaves take its NAdamW.
+  # consistent_rms=0.2 gives a Muon step an Adam step's RMS: one learning rate serves both.
+  return Method("pb_muon", lambda delay: optax.contrib.muon(
+      h.learning_rate, beta=h.momentum, eps=h.eps, weight_decay=h.weight_decay,
+      adam_b1=h.momentum, adam_b2=h.b2, adam_weight_decay=0.0 if h.decay_mask else h.weight_decay,
+      consistent_rms=MUON_CONSISTENT_RMS))
 
 
 METHODS = tuple(_PRESETS)

@@ -1,4 +1,4 @@
-"""A byte-level text corpus for language models: the fortune files of the Debian package ``fortunes``.
+"""A byte-level text corpus for language models: the fortune files of Debian's ``fortunes``.
 
 ``apt-get install fortunes`` puts about 2.6 MB of plain-text fortunes (quotations, jokes, poems,
 definitions: written by people, collected since 4.2BSD) in ``/usr/share/games/fortunes/``, one
