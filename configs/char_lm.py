@@ -12,7 +12,7 @@ Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` 
 stages (embedding, one block each, final norm + output projection).
 Recipe: AdamW (b1 0.9, b2 0.99, lr 3e-4, decoupled decay 0.01 on matrices and embeddings only),
 stated directly at one sequence per step (reference.batch_size = 1, so no scaling rule applies),
-cosine schedule with 5% warm-up over one epoch of the training split (about 18000 sequences).
+cosine schedule with 5% warm-up over one epoch of the training split (18078 sequences).
 The test loss is the validation split's mean next-byte cross-entropy in nats; bits per byte are
 test_loss / ln 2 (docs/lm.md).
 """
