@@ -196,3 +196,50 @@ def test_char_lm_smoke_trains_and_reports_validation_loss(tmp_path):
   summary = training.train_and_evaluate(config, str(tmp_path / "lm"))
   assert summary["stopped_by"] is None and summary["num_stages"] == 4
   assert summary["test_loss"] < math.log(256) - 1.0  # well below uniform over bytes
+
+
+def test_pipeoptim_leaves_adamw_updates_alone_and_predicts_from_its_moments():
+  from pipejax.optim import adam_family  # pylint: disable=import-outside-toplevel
+  params = {"w": jnp.array([[1.0, -2.0]]), "b": jnp.array([0.5])}
+  grads = [{"w": jnp.array([[0.3, -0.1]]), "b": jnp.array([0.2])},
+           {"w": jnp.array([[-0.4, 0.6]]), "b": jnp.array([0.1])}]
+  predicting = adam_family.adam_weight_prediction(0.1, 3, b1=0.8, b2=0.9, weight_decay=0.5,
+                                                  mask=adam_family.decay_mask)
+  plain = optax.adamw(0.1, b1=0.8, b2=0.9, weight_decay=0.5, mask=adam_family.decay_mask)
+  state, reference = predicting.init(params), plain.init(params)
+  jax.tree.map(np.testing.assert_array_equal,  # no step yet: the weights as they are
+               adam_family.adam_predicted_params(params, state, 0.8, 0.9), params)
+  p = params
+  for g in grads:
+    u, state = jax.jit(predicting.update)(g, state, p)
+    v, reference = jax.jit(plain.update)(g, reference, p)
+    jax.tree.map(np.testing.assert_array_equal, u, v)
+    p = optax.apply_updates(p, u)
+  m = {k: 0.8 * 0.2 * grads[0][k] + 0.2 * grads[1][k] for k in params}
+  n = {k: 0.9 * 0.1 * grads[0][k] ** 2 + 0.1 * grads[1][k] ** 2 for k in params}
+  predicted = adam_family.adam_predicted_params(p, state, 0.8, 0.9)
+  for k in params:
+    expected = p[k] - 0.1 * 3 * (m[k] / (1 - 0.8 ** 2)) / (np.sqrt(n[k] / (1 - 0.9 ** 2)) + 1e-8)
+    np.testing.assert_allclose(predicted[k], expected, rtol=1e-5)
+
+
+def test_nesterov_asyncpp_is_nadamw_without_delay_and_takes_array_delays():
+  from pipejax.optim import adam_family  # pylint: disable=import-outside-toplevel
+  params = jnp.array([1.0, -1.0])
+  g = jnp.array([0.3, 0.7])
+  asyncpp = adam_family.nesterov_asyncpp(0.01, 0, 6, anneal_steps=10, b1=0.9)
+  u, _ = asyncpp.update(g, asyncpp.init(params), params)
+  nadamw = optax.nadamw(0.01, b1=0.9, weight_decay=0.0)
+  v, _ = nadamw.update(g, nadamw.init(params), params)
+  np.testing.assert_allclose(u, v, rtol=1e-6)
+  assert adam_family.asyncpp_momentum(0.9, 6, 6) == pytest.approx(0.9 + 6 * 0.09 / 7)
+  # A traced delay (a stacked group's per-stage array) gives the numbers a Python int gives.
+  def first_update(delay):
+    tx = adam_family.nesterov_asyncpp(0.01, delay, 6, 10)
+    return tx.update(g, tx.init(params), params)[0]
+
+  by_array = jax.jit(first_update)(jnp.array(4))
+  by_int = first_update(4)
+  np.testing.assert_allclose(by_array, by_int, rtol=1e-6)
+  with pytest.raises(ValueError, match="cannot exceed the pipeline's largest delay"):
+    adam_family.nesterov_asyncpp(0.01, 8, 6, 10)
