@@ -11,9 +11,13 @@ import pytest
 
 import pipejax
 from pipejax import data, methods, models, training
+from pipejax import study as study_lib
 from pipejax.data import text
 from pipejax.engine import Pipeline
+from pipejax.optim import adam_family
+from tests import oracle
 from tests.test_docs import load_script
+from tests.test_engine import assert_trees_close, stage_params
 
 CORPUS = os.path.isdir(text.DEFAULT_DIR)
 needs_corpus = pytest.mark.skipif(not CORPUS, reason="the fortunes corpus is not installed "
@@ -171,7 +175,6 @@ def test_evaluator_averages_per_token_loss_and_accuracy(tmp_path):
 
 
 def test_study_and_config_files_load():
-  from pipejax import study as study_lib  # pylint: disable=import-outside-toplevel
   path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs/studies/lm_depth.py")
   for spec in (path, path + ":smoke"):
     study = study_lib.load_study(spec)
@@ -199,7 +202,6 @@ def test_char_lm_smoke_trains_and_reports_validation_loss(tmp_path):
 
 
 def test_pipeoptim_leaves_adamw_updates_alone_and_predicts_from_its_moments():
-  from pipejax.optim import adam_family  # pylint: disable=import-outside-toplevel
   params = {"w": jnp.array([[1.0, -2.0]]), "b": jnp.array([0.5])}
   grads = [{"w": jnp.array([[0.3, -0.1]]), "b": jnp.array([0.2])},
            {"w": jnp.array([[-0.4, 0.6]]), "b": jnp.array([0.1])}]
@@ -224,7 +226,6 @@ def test_pipeoptim_leaves_adamw_updates_alone_and_predicts_from_its_moments():
 
 
 def test_nesterov_asyncpp_is_nadamw_without_delay_and_takes_array_delays():
-  from pipejax.optim import adam_family  # pylint: disable=import-outside-toplevel
   params = jnp.array([1.0, -1.0])
   g = jnp.array([0.3, 0.7])
   asyncpp = adam_family.nesterov_asyncpp(0.01, 0, 6, anneal_steps=10, b1=0.9)
@@ -243,3 +244,32 @@ def test_nesterov_asyncpp_is_nadamw_without_delay_and_takes_array_delays():
   np.testing.assert_allclose(by_array, by_int, rtol=1e-6)
   with pytest.raises(ValueError, match="cannot exceed the pipeline's largest delay"):
     adam_family.nesterov_asyncpp(0.01, 8, 6, 10)
+
+
+@pytest.mark.parametrize("name", ["pb", "nesterov_asyncpp"])
+def test_lm_through_the_pipeline_matches_the_naive_oracle(name):
+  """Per-token labels ride the delay lines with their sequence: the engine equals the oracle.
+
+  The key bias's gradient is zero in exact arithmetic (softmax ignores a constant per query), so
+  a small eps would let Adam blow float rounding up to whole steps: eps = 1e-3 keeps it rounding.
+  """
+  model = tiny_lm(width=8, blocks=1)
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, 256, (3 * model.num_stages + 2, 1, 7))
+  x, y = tokens[..., :-1].astype(np.float32), tokens[..., 1:].astype(np.int32)
+  method = methods.make_method(name, learning_rate=0.01, momentum=0.8, b2=0.95,
+                               optimizer="adam", anneal_steps=4, num_stages=model.num_stages,
+                               eps=1e-3)
+  pipe = Pipeline(model, method, x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  max_delay = 2 * (model.num_stages - 1)
+  rule = {"pb": lambda d: oracle.Adam(0.01, 0.8, 0.95, eps=1e-3),
+          "nesterov_asyncpp": lambda d: oracle.NAdam(0.01, 0.8, 0.95, d, max_delay, 4,
+                                                     eps=1e-3)}[name]
+  expected, expected_metrics = oracle.run_oracle(
+      model, oracle.OracleMethod(rule, backward="stashed" if name != "pb" else "current"),
+      stage_params(state), x, y)
+  state, metrics = pipe.run(state, x, y)
+  assert_trees_close(stage_params(state), expected, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], [m["loss"] for m in expected_metrics], rtol=1e-5,
+                             atol=1e-6)
