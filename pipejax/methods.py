@@ -28,6 +28,7 @@ from typing import Any, Callable
 import optax
 
 from pipejax import optim
+from pipejax.optim import adam_family
 
 PyTree = Any
 WeightView = Callable[[PyTree, PyTree, int], PyTree]
@@ -113,6 +114,7 @@ def _pipemare_past(params, opt_state, delay):
 
 
 BASE_OPTIMIZERS = ("sgd", "adam")
+MUON_CONSISTENT_RMS = 0.2  # Liu et al. 2025 (Moonlight): Muon's update RMS matched to AdamW's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,18 +132,29 @@ class Hyperparameters:
   b2: float = 0.999
   eps: float = 1e-8
   dc_strength: float = 0.04
+  num_stages: int | None = None
+  decay_mask: bool = False
+
+  @property
+  def mask(self):
+    """AdamW's decay mask: :func:`pipejax.optim.adam_family.decay_mask` or None (decay all)."""
+    return adam_family.decay_mask if self.decay_mask else None
 
   def base(self, delay: int) -> optax.GradientTransformation:
     """The plain update: momentum SGD with coupled decay, or AdamW (first moment ``momentum``)."""
     del delay
     if self.optimizer == "adam":
       return optax.adamw(self.learning_rate, b1=self.momentum, b2=self.b2, eps=self.eps,
-                         weight_decay=self.weight_decay)
+                         weight_decay=self.weight_decay, mask=self.mask)
     sgd = optax.sgd(self.learning_rate, momentum=self.momentum)
     return optax.chain(optax.add_decayed_weights(self.weight_decay), sgd) if self.weight_decay \
         else sgd
 
   def spike_compensated(self, delay: int) -> optax.GradientTransformation:
+    if self.optimizer == "adam" and self.decay_mask:
+      return optax.chain(optim.scale_by_adam_sc(delay, self.momentum, self.b2, self.eps),
+                         optax.add_decayed_weights(self.weight_decay, self.mask),
+                         optax.scale_by_learning_rate(self.learning_rate))
     if self.optimizer == "adam":
       return optim.adam_sc(self.learning_rate, delay, self.momentum, self.b2, self.eps,
                            self.weight_decay)
@@ -158,6 +171,7 @@ class Hyperparameters:
 
 
 _PRESETS: dict[str, Callable[[Hyperparameters], Method]] = {}
+_OPTIMIZERS: dict[str, tuple[str, ...]] = {}
 
 
 def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS):
@@ -170,6 +184,7 @@ def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS):
                           f"optimizer='{optimizers[0]}' or another method.")
       return build(h)
     _PRESETS[name] = checked
+    _OPTIMIZERS[name] = optimizers
     return build
   return register
 
@@ -233,6 +248,42 @@ def _dcasgd(h):
                 stash_forward_weights=True, pass_gradient_weights=True)
 
 
+@_preset("pipeoptim", optimizers=("adam",))
+def _pipeoptim(h):
+  # PB + PipeOptim's weight prediction: the forward runs on w - lr s m_hat / (sqrt(v_hat) + eps).
+  def update(delay):
+    return adam_family.adam_weight_prediction(
+        h.learning_rate, delay if h.horizon is None else h.horizon, b1=h.momentum, b2=h.b2,
+        eps=h.eps, weight_decay=h.weight_decay, mask=h.mask)
+
+  def forward_weights(params, opt_state, delay):
+    del delay  # the horizon is in the state's step size
+    return adam_family.adam_predicted_params(params, opt_state, h.momentum, h.b2, h.eps)
+
+  return Method("pipeoptim", update, forward_weights=forward_weights)
+
+
+@_preset("nesterov_asyncpp", optimizers=("adam",))
+def _nesterov_asyncpp(h):
+  if h.num_stages is None:
+    raise MethodError("Method 'nesterov_asyncpp' sets each stage's momentum from its delay and "
+                      "the pipeline's largest delay: pass make_method(..., num_stages=S).")
+  max_delay = 2 * (h.num_stages - 1)  # docs/design.md §2: D_s = 2(S - 1 - s)
+  return Method("nesterov_asyncpp", lambda delay: adam_family.nesterov_asyncpp(
+      h.learning_rate, delay, max_delay, h.anneal_steps, b1=h.momentum, b2=h.b2, eps=h.eps,
+      weight_decay=h.weight_decay, mask=h.mask), stash_forward_weights=True)
+
+
+@_preset("pb_muon", optimizers=("adam",))
+def _pb_muon(h):
+  # Muon on every matrix (optax.contrib.muon's default split); the other leaves take its NAdamW.
+  # consistent_rms=0.2 gives a Muon step an Adam step's RMS: one learning rate serves both.
+  return Method("pb_muon", lambda delay: optax.contrib.muon(
+      h.learning_rate, beta=h.momentum, eps=h.eps, weight_decay=h.weight_decay,
+      adam_b1=h.momentum, adam_b2=h.b2, adam_weight_decay=0.0 if h.decay_mask else h.weight_decay,
+      consistent_rms=MUON_CONSISTENT_RMS))
+
+
 METHODS = tuple(_PRESETS)
 
 # How reports and figures name the presets.
@@ -275,11 +326,19 @@ def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, mome
   return dataclasses.replace(sync(lambda delay: tx, micro_batches=1), name="sgd")
 
 
+def optimizers_of(name: str) -> tuple[str, ...]:
+  """The base optimizers preset ``name`` is defined for (e.g. ``('sgd', 'adam')``)."""
+  if name not in _OPTIMIZERS:
+    raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
+  return _OPTIMIZERS[name]
+
+
 def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay: float = 0.0,
                 micro_batches: int = 1, horizon: int | None = None,
                 anneal_steps: int = 1000, gamma: float = optim.DEFAULT_GAMMA,
                 optimizer: str = "sgd", b2: float = 0.999, eps: float = 1e-8,
-                dc_strength: float = 0.04) -> Method:
+                dc_strength: float = 0.04, num_stages: int | None = None,
+                decay_mask: bool = False) -> Method:
   """The methods of docs/design.md §3 by name.
 
   Args:
@@ -296,6 +355,10 @@ def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
     dc_strength: DC-ASGD's lambda.
+    num_stages: the pipeline's number of stages S; Nesterov AsyncPP needs it (its momentum rule
+      divides by the largest delay + 1), the other methods ignore it.
+    decay_mask: AdamW's weight decay only on matrices and embedding tables, not on biases and
+      norm scales (:func:`pipejax.optim.adam_family.decay_mask`); for optimizer='adam'.
   """
   if name not in _PRESETS:
     raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
@@ -304,6 +367,13 @@ def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay
                       f"{', '.join(BASE_OPTIMIZERS)}.")
   if not 0 <= momentum < 1:
     raise MethodError(f"momentum must be in [0, 1); got {momentum}.")
+  if decay_mask and optimizer != "adam":
+    raise MethodError("decay_mask=True masks AdamW's decoupled weight decay; it needs "
+                      "optimizer='adam' (momentum SGD's decay is coupled to the gradient).")
+  if num_stages is not None and (isinstance(num_stages, bool) or
+                                 not isinstance(num_stages, numbers.Integral) or num_stages < 1):
+    raise MethodError(f"num_stages must be a positive int (the pipeline's S); got "
+                      f"{num_stages!r}.")
   if horizon is not None and horizon < 0:
     raise MethodError(f"The prediction horizon must be >= 0 (or None for the stage's delay); "
                       f"got {horizon}.")
@@ -326,4 +396,5 @@ def make_method(name: str, *, learning_rate, momentum: float = 0.9, weight_decay
   return _PRESETS[name](Hyperparameters(
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       micro_batches=micro_batches, horizon=horizon, anneal_steps=anneal_steps, gamma=gamma,
-      optimizer=optimizer, b2=b2, eps=eps, dc_strength=dc_strength))
+      optimizer=optimizer, b2=b2, eps=eps, dc_strength=dc_strength, num_stages=num_stages,
+      decay_mask=bool(decay_mask)))

@@ -225,7 +225,8 @@ def make_evaluator(model, batch_size: int):
     for stage, p, v in zip(model.stages, params, variables):
       h = stage.infer(p, h, v)
     loss, _ = jax.vmap(lambda logits, label: model.loss(logits[None], label[None]))(h, y)
-    correct = jnp.argmax(h, -1) == y
+    # One accuracy per example: the fraction of its labels hit (per-token labels of an LM too).
+    correct = jnp.mean((jnp.argmax(h, -1) == y).reshape(y.shape[0], -1), axis=1)
     return jnp.sum(loss * mask), jnp.sum(correct * mask)
 
   def evaluate(stage_params, test_source, stage_variables=None) -> dict:
@@ -319,7 +320,8 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
                                             download=config.get("download_data", True),
                                             **({"image_size": config.image_size}
-                                               if config.image_size else {}))
+                                               if config.image_size else {}),
+                                            **dict(config.get("data_kwargs", {})))
   if config.max_train_examples:
     train_source = data_lib.Subset(train_source, config.max_train_examples)
   if config.max_test_examples:
@@ -348,7 +350,8 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   method = methods_lib.make_method(
       config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
       weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=hp.beta2)
+      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=hp.beta2,
+      num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
   if config.sgd_stage_rates == "pipemare" and split_model is not None:
     layer_delays = {}
     shapes, _ = split_model.trace_shapes(
@@ -359,11 +362,12 @@ def build(config: ml_collections.ConfigDict) -> Setup:
         layer_delays, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
         weight_decay=hp.weight_decay, anneal_steps=anneal_steps)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
-  pipe = Pipeline(model, method, example_x, np.zeros((b,), np.int32),
+  pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
                   track_weight_discrepancy=bool(config.diagnostics))
   initial_weights_from = None
   if split_model is not None and split_model.num_stages > 1:
-    initial_weights_from = Pipeline(split_model, method, example_x, np.zeros((b,), np.int32))
+    initial_weights_from = Pipeline(split_model, method, example_x,
+                                    np.zeros((b,) + train_source.label_shape, np.int32))
   sharded = None
   if config.mesh.stage * config.mesh.data > 1:
     if config.diagnostics:

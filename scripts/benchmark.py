@@ -5,6 +5,7 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
     python scripts/benchmark.py --only=conv --conv_impls=xla,sliced --conv_micro_batch_sizes=1
     python scripts/benchmark.py --output=benchmark.json
     python scripts/benchmark.py --only=normalization   # about 10 minutes: 10 compiled pipelines
+    python scripts/benchmark.py --only=lm              # the transformer LM, about 2 minutes
 
 * ``throughput``: ``Pipeline.run`` (Pipelined Backpropagation, one layer per stage) against a plain
   optax training loop in ``lax.scan`` on the same MLP (8 layers of width 256), samples per second at
@@ -32,6 +33,10 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   balanced halves of an 8x512 MLP on 2 devices against 1 (b = 1, 2, 4), with both programs'
   passes. A mesh of several stage devices runs two ticks per loop iteration
   (``ShardedPipeline.ticks_per_iteration``); its passes are per tick all the same.
+* ``lm``: tokens per second of ``Pipeline.run`` (PB + Adam) on configs/char_lm.py's transformer
+  (byte vocabulary, width 128, 6 blocks: 8 stages, one sequence of 128 tokens per micro-batch,
+  b = 1) against the plain loop (the whole model as one optax Adam step in ``lax.scan``), and
+  their ratio. Only when asked.
 
 Passes over the weights: XLA's ``cost_analysis`` of a compiled ``lax.scan`` counts its body once,
 so the "bytes accessed" of a compiled chunk is that of one tick (plus the few bytes outside the
@@ -61,8 +66,9 @@ import pipejax
 from pipejax import accounting, cli, engine, methods, models
 from pipejax.engine import Pipeline
 
-BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding"]
-OPT_IN = ("normalization", "sharding")  # each adds minutes, and 'sharding' needs fake devices
+BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
+              "lm"]
+OPT_IN = ("normalization", "sharding", "lm")  # each adds minutes; 'sharding' needs fake devices
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -79,6 +85,8 @@ _CONV_MICRO_BATCH_SIZES = flags.DEFINE_list("conv_micro_batch_sizes", ["1", "32"
                                             "Micro-batch sizes b for 'conv'.")
 _CONV_SAMPLES = flags.DEFINE_integer("conv_samples", 128,
                                      "Samples per timed repetition of 'conv'.")
+_LM_SEQUENCES = flags.DEFINE_integer("lm_sequences", 256,
+                                     "Sequences (micro-batches of b = 1) per timed call of 'lm'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 
 WIDTH, LAYERS = 256, 8
@@ -394,6 +402,27 @@ def method_speeds(names, samples, repeats):
   return rows
 
 
+LM_CONTEXT = 128
+LM_MODEL = {"width": 128, "blocks": 6, "heads": 4}  # configs/char_lm.py's
+
+
+def lm_speeds(sequences, repeats):
+  """Tokens/s of Pipeline.run (PB + Adam) on the transformer LM against the plain Adam loop."""
+  model = models.build("transformer_lm", **LM_MODEL)
+  tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, LM_CONTEXT + 1))
+  x = jax.device_put(tokens[..., :-1].astype(np.float32))
+  y = jax.device_put(tokens[..., 1:].astype(np.int32))
+  row, pipe, _ = versus_plain(model, optax.adam(3e-4), x, y, repeats)
+  result = {"model": f"transformer_lm {LM_MODEL}, {pipe.num_stages} stages",
+            "context": LM_CONTEXT, "micro_batch_size": 1, "sequences": sequences}
+  for name in ("pipeline", "plain_scan"):
+    result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * LM_CONTEXT
+    result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * LM_CONTEXT
+  result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
+  result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
+  return result
+
+
 def tick_time_fit(rows, target=0.85):
   """A line through the methods' tick times (b = 1) against their compiled passes per tick.
 
@@ -678,6 +707,7 @@ def main(argv):
                                   if jax.device_count() >= 2 else []),
           "method_passes": sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
+      "lm": lambda: lm_speeds(_LM_SEQUENCES.value, _REPEATS.value),
   }
   for name, measure in sections.items():
     if name in _ONLY.value:

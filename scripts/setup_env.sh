@@ -16,16 +16,22 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-data_dir=/usr/share/datasets/fashion-mnist
-if [ ! -f "$data_dir/train-images-idx3-ubyte.gz" ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "Installing the Fashion-MNIST data package (dataset-fashion-mnist)..."
-    apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null
-  elif command -v sudo >/dev/null && command -v apt-get >/dev/null; then
-    sudo apt-get update -qq >/dev/null && sudo apt-get install -y -qq dataset-fashion-mnist >/dev/null
-  else
-    echo "Note: Fashion-MNIST is not in $data_dir and apt-get is not available here. Install the" \
-         "Debian package dataset-fashion-mnist, or point the training config's data_dir at a" \
-         "directory with the four IDX .gz files." >&2
+# Debian data packages, where the machine can install them: the package and a file it provides.
+ensure_package() {
+  local package=$1 marker=$2
+  if [ -e "$marker" ]; then
+    return 0
   fi
-fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "Installing the Debian data package $package..."
+    apt-get update -qq >/dev/null && apt-get install -y -qq "$package" >/dev/null
+  elif command -v sudo >/dev/null && command -v apt-get >/dev/null; then
+    sudo apt-get update -qq >/dev/null && sudo apt-get install -y -qq "$package" >/dev/null
+  else
+    echo "Note: $marker is missing and apt-get is not available here. Install the Debian" \
+         "package $package, or point the training config's data_dir at a copy of its files." >&2
+  fi
+}
+
+ensure_package dataset-fashion-mnist /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+ensure_package fortunes /usr/share/games/fortunes/fortunes  # the text corpus of docs/lm.md

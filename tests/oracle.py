@@ -70,6 +70,7 @@ class Adam:
   spike_compensation: bool = False
   eps: float = 1e-8
   weight_decay: float = 0.0
+  decay_mask: bool = False  # decay only leaves of 2+ axes (no biases, no norm scales)
 
   def init(self, w):
     self.mu = [np.zeros_like(x) for x in w]
@@ -83,8 +84,113 @@ class Adam:
     self.nu = [b2 * n + (1 - b2) * gi * gi for n, gi in zip(self.nu, g)]
     a = b1 ** self.delay if self.spike_compensation else 1.0
     first = [a * m / (1 - b1 ** k) + (1 - a) * gi for m, gi in zip(self.mu, g)]
-    return [wi - self.lr * (f / (np.sqrt(n / (1 - b2 ** k)) + self.eps) + self.weight_decay * wi)
+    return [wi - self.lr * (f / (np.sqrt(n / (1 - b2 ** k)) + self.eps)
+                            + decay_of(wi, self.weight_decay, self.decay_mask))
             for wi, f, n in zip(w, first, self.nu)]
+
+  def forward_view(self, w, horizon):
+    """PipeOptim's prediction w - lr s m_hat / (sqrt(v_hat) + eps) after the last step."""
+    if not self.count:
+      return w
+    b1, b2, k = self.b1, self.b2, self.count
+    return [wi - self.lr * horizon * (m / (1 - b1 ** k)) / (np.sqrt(n / (1 - b2 ** k)) + self.eps)
+            for wi, m, n in zip(w, self.mu, self.nu)]
+
+
+def decay_of(w, weight_decay, masked):
+  """AdamW's decoupled decay term of one leaf; a masked decay spares vectors."""
+  return 0.0 if masked and w.ndim < 2 else weight_decay * w
+
+
+@dataclasses.dataclass
+class NAdam:
+  """NAdamW (Dozat's Nesterov Adam as optax.nadamw has it), with AsyncPP's per-stage settings.
+
+  m <- b1 m + (1 - b1) g, v <- b2 v + (1 - b2) g^2 at step k;
+  m_hat = b1 m / (1 - b1^(k+1)) + (1 - b1) g / (1 - b1^k), v_hat = v / (1 - b2^k);
+  w <- w - lr_k (m_hat / (sqrt(v_hat) + eps) + decay).
+  asyncpp: b1 <- b1 + D (0.99 - b1) / (D_max + 1), lr_k = lr / max(D, 1)^(1 - min(k/K, 1)).
+  """
+
+  lr: float
+  b1: float
+  b2: float
+  delay: int = 0
+  max_delay: int = 0
+  anneal_steps: int | None = None  # None: no AsyncPP correction (plain NAdamW)
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  decay_mask: bool = False
+
+  def init(self, w):
+    if self.anneal_steps is not None:
+      self.b1 = self.b1 + self.delay * (0.99 - self.b1) / (self.max_delay + 1)
+    self.mu = [np.zeros_like(x) for x in w]
+    self.nu = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def direction(self, g):
+    """Advances the moments by gradient ``g``; returns m_hat / (sqrt(v_hat) + eps)."""
+    self.count += 1
+    b1, b2, k = self.b1, self.b2, self.count
+    self.mu = [b1 * m + (1 - b1) * gi for m, gi in zip(self.mu, g)]
+    self.nu = [b2 * n + (1 - b2) * gi * gi for n, gi in zip(self.nu, g)]
+    return [(b1 * m / (1 - b1 ** (k + 1)) + (1 - b1) * gi / (1 - b1 ** k))
+            / (np.sqrt(n / (1 - b2 ** k)) + self.eps) for m, n, gi in zip(self.mu, self.nu, g)]
+
+  def step(self, w, g):
+    lr = self.lr
+    if self.anneal_steps is not None:
+      lr /= max(self.delay, 1) ** (1 - min((self.count + 1) / self.anneal_steps, 1.0))
+    return [wi - lr * (d + decay_of(wi, self.weight_decay, self.decay_mask))
+            for wi, d in zip(w, self.direction(g))]
+
+
+def newton_schulz(x, steps=5, coefficients=(3.4445, -4.775, 2.0315), eps=1e-8):
+  """Muon's quintic Newton-Schulz map of a matrix toward its orthogonal factor (Jordan, 2024)."""
+  transposed = x.shape[0] > x.shape[1]
+  if transposed:
+    x = x.T
+  x = x / (np.linalg.norm(x) + eps)
+  a, b, c = coefficients
+  for _ in range(steps):
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if transposed else x
+
+
+@dataclasses.dataclass
+class Muon:
+  """Muon on matrices (Nesterov EMA momentum, Newton-Schulz, RMS matched to Adam's: the update is
+  rescaled by rms sqrt(max(rows, cols))), NAdamW on every other leaf; decoupled decay on both."""
+
+  lr: float
+  beta: float
+  b2: float
+  weight_decay: float = 0.0
+  rms: float = 0.2
+  eps: float = 1e-8
+
+  def init(self, w):
+    self.adam = NAdam(self.lr, self.beta, self.b2, eps=self.eps, weight_decay=self.weight_decay)
+    self.adam.init(w)
+    self.mu = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def step(self, w, g):
+    self.count += 1
+    beta, k = self.beta, self.count
+    self.mu = [beta * m + (1 - beta) * gi for m, gi in zip(self.mu, g)]
+    adam_step = self.adam.step(w, g)
+    new_w = []
+    for wi, m, gi, ai in zip(w, self.mu, g, adam_step):
+      if wi.ndim != 2:
+        new_w.append(ai)
+        continue
+      m_hat = beta * m / (1 - beta ** (k + 1)) + (1 - beta) * gi / (1 - beta ** k)
+      update = newton_schulz(m_hat, eps=self.eps) * self.rms * np.sqrt(max(wi.shape))
+      new_w.append(wi - self.lr * (update + self.weight_decay * wi))
+    return new_w
 
 
 @dataclasses.dataclass
@@ -198,6 +304,8 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
               for x, v, g in zip(w, rule.v, rule.last_gradient)]
     if kind == "pipemare":
       return [x - delay * d for x, d in zip(w, rules[s].delta)]
+    if kind == "rule":  # the rule's own view of the weights ``horizon`` steps ahead
+      return rules[s].forward_view(w, horizon)
     raise ValueError(kind)
 
   for t in range(num_ticks):

@@ -408,6 +408,6 @@ def test_unknown_name_lists_known_ones():
   for name in data.NAMES:
     assert name in str(info.value)
   assert set(data.NAMES) == {"fashion_mnist_idx", "fashion_mnist", "cifar10", "cifar100",
-                             "imagenet2012", "mnist1d", "digits"}
+                             "imagenet2012", "mnist1d", "digits", "fortunes"}
   with pytest.raises(data.DataError, match="image_size"):
     data.load("digits", image_size=28)

@@ -34,6 +34,11 @@ def _digits(data_dir, **kw):
   return digits.load_digits(**kw)
 
 
+def _fortunes(data_dir, **kw):
+  from pipejax.data import text  # pylint: disable=g-import-not-at-top
+  return text.load_fortunes(data_dir, **kw)
+
+
 # name -> (loader, native image side or None). Only imagenet2012 takes a free image_size.
 _LOADERS: dict[str, tuple[Callable, int | None]] = {
     "fashion_mnist_idx": (_fashion_mnist_idx, 28),
@@ -43,6 +48,7 @@ _LOADERS: dict[str, tuple[Callable, int | None]] = {
     "imagenet2012": (_tfds("imagenet2012"), None),
     "mnist1d": (_mnist1d, None),
     "digits": (_digits, 8),
+    "fortunes": (_fortunes, None),
 }
 NAMES = tuple(_LOADERS)
 TFDS_NAMES = ("fashion_mnist", "cifar10", "cifar100", "imagenet2012")
@@ -55,7 +61,8 @@ def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: in
   Args:
     name: ``fashion_mnist_idx`` (Debian package files), ``fashion_mnist``, ``cifar10``,
       ``cifar100``, ``imagenet2012`` (tfds, built in ``data_dir``), ``mnist1d`` (generated) or
-      ``digits`` (scikit-learn).
+      ``digits`` (scikit-learn), or ``fortunes`` (byte-level text of the Debian package
+      ``fortunes``, for language models; pipejax.data.text).
     data_dir: Where the files are: the IDX directory for ``fashion_mnist_idx`` (default
       ``/usr/share/datasets/fashion-mnist``), the tfds data_dir for tfds names (default: tfds'
       own); ignored by ``mnist1d`` and ``digits``, which need no files.
@@ -63,7 +70,8 @@ def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: in
       passing it to them is an error unless it equals that size.
     download: tfds names: download and build a data set missing from ``data_dir`` (needs
       internet, and TensorFlow for most data sets); False: fail at once, saying how to build it.
-    **kw: Loader options: ``num_samples``, ``seed``, ``train_split`` for ``mnist1d``.
+    **kw: Loader options: ``num_samples``, ``seed``, ``train_split`` for ``mnist1d``;
+      ``context``, ``validation_every`` for ``fortunes``.
 
   Raises:
     DataError: for an unknown name (the message lists the known ones), a missing or damaged

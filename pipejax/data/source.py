@@ -68,6 +68,8 @@ class Source(abc.ABC):
   Attributes:
     name: Data set and split, for messages (e.g. ``"cifar10:train"``).
     num_classes: Labels are ints in ``[0, num_classes)``.
+    label_shape: Shape of one example's label: ``()`` for a class, ``(T,)`` for per-token
+      labels (:class:`pipejax.data.text.TextSource`).
     example_shape: Shape of one example as it leaves :meth:`take` or an augmentation, channels
       last (e.g. ``(32, 32, 3)``, ``(40, 1)``).
     normalization: Per-channel constants of this data set, applied per chunk.
@@ -80,6 +82,7 @@ class Source(abc.ABC):
   example_shape: tuple[int, ...]
   normalization: Normalization
   default_augment: Augment | None = None
+  label_shape: tuple[int, ...] = ()
 
   @abc.abstractmethod
   def __len__(self) -> int:
@@ -183,6 +186,7 @@ class Subset(Source):
     self.example_shape = source.example_shape
     self.normalization = source.normalization
     self.default_augment = source.default_augment
+    self.label_shape = source.label_shape
 
   def __len__(self) -> int:
     return self.size

@@ -176,8 +176,8 @@ class DataStream:
 
     Returns:
       ``inputs`` of shape ``(num_ticks, len(slots), *example_shape)``, normalised float32, and
-      ``labels`` of shape ``(num_ticks, len(slots))``, int32 (``len(slots)`` is ``batch_size``
-      by default).
+      ``labels`` of shape ``(num_ticks, len(slots), *label_shape)``, int32 (``len(slots)`` is
+      ``batch_size`` by default; ``label_shape`` is the source's, ``()`` for classes).
     """
     if num_ticks < 1:
       raise DataError(f"num_ticks must be at least 1, got {num_ticks}.")
@@ -198,7 +198,7 @@ class DataStream:
                       f"expected {shape}; the augmentation must keep the example shape.")
     inputs = self.source.normalization(examples)
     return (inputs.reshape(num_ticks, len(chosen), *shape),
-            labels.astype(np.int32).reshape(num_ticks, len(chosen)))
+            labels.astype(np.int32).reshape(num_ticks, len(chosen), *labels.shape[1:]))
 
   def skip(self, num_ticks: int) -> None:
     """Advances past ``num_ticks`` micro-batches without loading them."""
@@ -237,5 +237,6 @@ def eval_batches(source: Source, batch_size: int
     if count < batch_size:
       inputs = np.concatenate(
           [inputs, np.zeros((batch_size - count, *inputs.shape[1:]), np.float32)])
-      labels = np.concatenate([labels, np.zeros((batch_size - count,), np.int32)])
+      labels = np.concatenate([labels, np.zeros((batch_size - count, *labels.shape[1:]),
+                                                np.int32)])
     yield inputs, labels.astype(np.int32), mask

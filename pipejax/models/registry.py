@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import jax
 
-from pipejax.models import cnn, perceptron, residual, resnet
+from pipejax.models import cnn, perceptron, residual, resnet, transformer
 from pipejax.stages import Model, ModelError
 
 PyTree = Any
@@ -23,6 +23,7 @@ _BUILDERS: dict[str, Callable[..., Model]] = {
     **{f"cifar_resnet{depth}": functools.partial(resnet.cifar_resnet, depth=depth)
        for depth in (20, 32, 44, 56, 110)},
     "resnet50": resnet.resnet50,
+    "transformer_lm": transformer.transformer_lm,
 }
 
 
@@ -34,7 +35,8 @@ def names() -> list[str]:
 def build(name: str, **kwargs) -> Model:
   """Builds the model called ``name`` with the builder's keyword arguments.
 
-  Names: 'mlp', 'residual_mlp', 'small_cnn', 'vgg', 'cifar_resnet20' (32, 44, 56, 110) and 'resnet50'.
+  Names: 'mlp', 'residual_mlp', 'small_cnn', 'vgg', 'cifar_resnet20' (32, 44, 56, 110),
+  'resnet50' and 'transformer_lm'.
 
   Example:
     >>> model = build('cifar_resnet20', layers_per_stage=2)

@@ -1,0 +1,199 @@
+"""The Adam family of asynchronous-pipeline rules: PipeOptim's weight prediction, Nesterov AsyncPP,
+and AdamW's weight-decay mask.
+
+Each is built from optax's own Adam pieces (``optax.adamw``, ``optax.nadamw``), with the per-stage
+quantities (horizon, delay) as numbers or jax arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pipejax.optim import _checks
+
+ASYNCPP_MOMENTUM_TARGET = 0.99  # the momentum the deepest delay approaches (AsyncPP)
+
+
+def decay_mask(params: optax.Params) -> Any:
+  """AdamW's weight-decay mask: decay matrices and embedding tables, not biases or norm scales.
+
+  A leaf with two or more axes (dense kernels, embedding tables) is decayed; a vector (a bias, a
+  LayerNorm scale or offset) is not, the rule of GPT-2-style training. Pass it as ``mask`` to
+  ``optax.adamw``, ``optax.nadamw`` or ``optax.add_decayed_weights``.
+  """
+  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+# ----------------------------------------------------------------------------- PipeOptim
+
+
+class AdamPredictionState(NamedTuple):
+  """State of :func:`adam_weight_prediction`."""
+
+  count: jax.Array  # shape=(), dtype=int32: updates so far.
+  inner_state: optax.OptState  # optax.adamw's, whose ScaleByAdamState the view reads
+  step_size: jax.Array  # shape=(), float32: lr_t * s of the last update (0 before any)
+
+
+def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, b1: Any = 0.9,
+                           b2: Any = 0.999, eps: Any = 1e-8, weight_decay: Any = 0.0,
+                           mask: Any = None) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW whose forward pass runs on PipeOptim's prediction of the weights ``s`` steps ahead.
+
+  The update is ``optax.adamw``'s. The forward weights (:func:`adam_predicted_params`) are
+
+  .. math::
+
+    \hat w_t = w_t - \eta_t\, s\, \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon}
+
+  with :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments after the last update,
+  :math:`\eta_t` that update's learning rate and ``s`` the stage's horizon (its delay: the updates
+  the weights will take before the gradient of this forward pass arrives). The decay term is not
+  extrapolated, as in PipeOptim.
+
+  Args:
+    learning_rate: ``eta``, a float or an optax schedule of the step count.
+    horizon: ``s >= 0``, usually the stage's delay ``D``; may be a jax array.
+    b1, b2, eps: Adam's moment decays and epsilon.
+    weight_decay: AdamW's decoupled weight decay.
+    mask: the decay mask (e.g. :func:`decay_mask`), as ``optax.adamw`` takes it.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` with state :class:`AdamPredictionState`.
+
+  References:
+    Guan et al., `PipeOptim: Ensuring Effective 1F1B Schedule with Optimizer-Dependent Weight
+    Prediction <https://arxiv.org/abs/2312.00839>`_ (code: guanleics/PipeOptim).
+  """
+  owner = "adam_weight_prediction"
+  _checks.check_range(horizon, "horizon", owner, low=0)
+  if not callable(learning_rate):
+    _checks.check_range(learning_rate, "learning_rate", owner, low=0)
+  inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+
+  def init_fn(params):
+    return AdamPredictionState(count=jnp.zeros([], jnp.int32), inner_state=inner.init(params),
+                               step_size=jnp.zeros([], jnp.float32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    updates, inner_state = inner.update(updates, state.inner_state, params)
+    eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    step_size = _checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
+    return updates, AdamPredictionState(count=optax.safe_increment(state.count),
+                                        inner_state=inner_state,
+                                        step_size=jnp.asarray(step_size, jnp.float32))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find(tree: Any, kind: type, helper: str, provider: str):
+  found = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+           if isinstance(x, kind)]
+  if len(found) != 1:
+    raise ValueError(f"{helper}: the optimizer state must hold exactly one {kind.__name__} (from "
+                     f"{provider}); found {len(found)}.")
+  return found[0]
+
+
+def adam_predicted_params(params: optax.Params, opt_state: optax.OptState, b1: Any = 0.9,
+                          b2: Any = 0.999, eps: Any = 1e-8) -> optax.Params:
+  """PipeOptim's forward weights ``w - eta s m_hat / (sqrt(v_hat) + eps)`` (see
+  :func:`adam_weight_prediction`, whose ``b1``, ``b2``, ``eps`` must be given again here).
+
+  ``params`` are the current weights and ``opt_state`` the state after the update that produced
+  them; before any update the weights are returned unchanged.
+  """
+  helper, provider = "adam_predicted_params", "adam_weight_prediction"
+  state = _find(opt_state, AdamPredictionState, helper, provider)
+  adam = _find(state.inner_state, optax.ScaleByAdamState, helper, provider)
+  count = jnp.maximum(adam.count, 1)  # before any update mu = nu = 0 and step_size = 0
+
+  def predict(w, mu, nu):
+    mu_hat = mu / (1 - jnp.asarray(b1, mu.dtype) ** count)
+    nu_hat = nu / (1 - jnp.asarray(b2, nu.dtype) ** count)
+    step = state.step_size.astype(w.dtype) * mu_hat / (jnp.sqrt(nu_hat) + eps)
+    return (w - step).astype(w.dtype)
+
+  return jax.tree.map(predict, params, adam.mu, adam.nu)
+
+
+# ----------------------------------------------------------------------------- Nesterov AsyncPP
+
+
+def asyncpp_momentum(b1: Any, delay: Any, max_delay: Any) -> Any:
+  r"""AsyncPP's per-stage first-moment decay :math:`\beta_1 + \tau (0.99 - \beta_1) / S`.
+
+  In the released code (PluralisResearch/AsyncPP, ``main_with_runtime.py``, ``--adaptive_momentum``)
+  ``tau`` is the stage's number of weight versions minus one, its delay in a 1F1B pipeline, and
+  ``S`` the number of stages, which there is the largest delay plus one. A fine-grained pipeline's
+  delays are ``D_s = 2(S - 1 - s)``, so the same rule reads :math:`\tau = D_s` over
+  ``max_delay + 1``: the deepest stage's momentum stays below 0.99, as in the original.
+  """
+  target = ASYNCPP_MOMENTUM_TARGET
+  return b1 + delay * (target - b1) / (max_delay + 1)
+
+
+def asyncpp_learning_rate(learning_rate: optax.ScalarOrSchedule, delay: Any,
+                          anneal_steps: Any) -> optax.Schedule:
+  r"""AsyncPP's delay correction of the learning rate: :math:`\eta_k / \tau^{1 - \min((k+1)/K, 1)}`.
+
+  As ``adjust_learning_rate(..., lr_correction=True)`` of PluralisResearch/AsyncPP
+  (``main_with_runtime.py``): the rate of the ``k``-th update (0-based) is divided by the stage's
+  delay ``tau`` to a power that falls linearly from 1 to 0 over ``K`` updates; a stage without
+  delay (``tau`` of 0 or 1, where the code skips the correction) keeps its rate.
+  """
+  tau = jnp.maximum(jnp.asarray(delay, jnp.float32), 1.0)
+
+  def schedule(count):
+    eta = learning_rate(count) if callable(learning_rate) else learning_rate
+    progress = jnp.minimum((count + 1) / jnp.asarray(anneal_steps, jnp.float32), 1.0)
+    return eta / tau ** (1.0 - progress)
+
+  return schedule
+
+
+def nesterov_asyncpp(learning_rate: optax.ScalarOrSchedule, delay: Any, max_delay: Any,
+                     anneal_steps: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
+                     weight_decay: Any = 0.0, mask: Any = None
+                     ) -> optax.GradientTransformationExtraArgs:
+  r"""Nesterov-corrected asynchronous pipeline update (AsyncPP): NAdamW with per-stage momentum.
+
+  ``optax.nadamw`` with first-moment decay :func:`asyncpp_momentum` and learning rate
+  :func:`asyncpp_learning_rate`; the pipeline pairs it with weight stashing (the backward uses
+  the forward's weights), as the released code's ``NAdamWithWeightStashing`` does.
+
+  The released code uses PyTorch's ``NAdam(decoupled_weight_decay=True, momentum_decay=0.004)``,
+  whose momentum warms up as :math:`\beta_1 (1 - 0.5 \cdot 0.96^{0.004 t})`; optax's NAdamW
+  (Dozat's form) uses :math:`\beta_1` from the first step. We keep optax's.
+
+  Args:
+    learning_rate: base ``eta``, a float or an optax schedule of the step count.
+    delay: the stage's delay ``tau = D_s`` (int or jax array).
+    max_delay: the pipeline's largest delay, ``2 (S - 1)``.
+    anneal_steps: ``K``, updates over which the learning-rate correction fades.
+    b1: base first-moment decay, raised per stage toward 0.99.
+    b2, eps: NAdamW's second-moment decay and epsilon.
+    weight_decay: decoupled weight decay (scaled by the corrected rate, as in both codes).
+    mask: the decay mask (e.g. :func:`decay_mask`).
+
+  References:
+    Ajanthan et al., `Nesterov Method for Asynchronous Pipeline Parallel Optimization
+    <https://arxiv.org/abs/2505.01099>`_, ICML 2025 (code: PluralisResearch/AsyncPP).
+  """
+  owner = "nesterov_asyncpp"
+  _checks.check_range(delay, "delay", owner, low=0)
+  _checks.check_range(max_delay, "max_delay", owner, low=0)
+  _checks.check_range(b1, "b1", owner, low=0, high=ASYNCPP_MOMENTUM_TARGET)
+  if _checks.is_concrete_number(delay) and _checks.is_concrete_number(max_delay) and \
+      delay > max_delay:
+    raise ValueError(f"{owner}: delay ({delay}) cannot exceed the pipeline's largest delay "
+                     f"max_delay ({max_delay}).")
+  _checks.check_range(anneal_steps, "anneal_steps", owner, low=1)
+  return optax.nadamw(asyncpp_learning_rate(learning_rate, delay, anneal_steps),
+                      b1=asyncpp_momentum(b1, delay, max_delay), b2=b2, eps=eps,
+                      weight_decay=weight_decay, mask=mask)
