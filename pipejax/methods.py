@@ -105,11 +105,11 @@ def sync(optimizer, micro_batches: int) -> Method:
 
 def _predicted(params, opt_state, delay):
   del delay  # the horizon lives in the transformation's state
-  return optim.predicted_params(params, opt_state)
+  return optim.predicted_params(opt_state, params)
 
 
 def _pipemare_past(params, opt_state, delay):
-  return optim.pipemare_backward_params(params, opt_state, delay)
+  return optim.pipemare_backward_params(opt_state, params, delay)
 
 
 BASE_OPTIMIZERS = ("sgd", "adam")
