@@ -228,7 +228,7 @@ def get_unique(opt_state: optax.OptState, key: str, helper: str, provider: str,
   return value
 
 
-def states_of_type(opt_state: Any, state_type: type) -> list[Any]:
+def states_of_type(opt_state: Any, state_type: type | tuple[type, ...]) -> list[Any]:
   """Every ``state_type`` instance anywhere in a nested optimizer state, in tree order."""
   found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, state_type))
   return [x for x in found if isinstance(x, state_type)]

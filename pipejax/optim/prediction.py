@@ -20,6 +20,7 @@ import optax
 from pipejax.optim import _checks
 
 _FORMS = ('update', 'velocity', 'next_velocity')
+_INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
 
 
 class WeightPredictionState(NamedTuple):
@@ -43,11 +44,13 @@ def _find_velocity(inner_state: optax.OptState) -> optax.Updates:
 
 
 def _injected_learning_rate(inner_state: optax.OptState) -> Any:
-  """The learning rate the inner transformation applied, when it was injected (else None)."""
-  try:
-    return optax.tree_utils.tree_get(inner_state, 'learning_rate')
-  except KeyError:  # several: the caller must say which
-    return None
+  """The learning rate the inner transformation applied, when one was injected (else None).
+
+  ``optax.inject_hyperparams`` keeps the values its last update used in ``hyperparams``.
+  """
+  rates = [s.hyperparams['learning_rate'] for s in _checks.states_of_type(
+      inner_state, _INJECTED) if 'learning_rate' in s.hyperparams]
+  return rates[0] if len(rates) == 1 else None
 
 
 def linear_weight_prediction(
