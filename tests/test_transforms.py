@@ -1028,7 +1028,7 @@ BAD_INPUTS = {
         '2 linear_weight_prediction states cover the same parameter'),
     'backward without delta': (
         lambda: pipemare_backward_params(optax.sgd(0.1).init(jnp.zeros(2)), jnp.zeros(2), 2),
-        "no 'delta'"),
+        'holds no pipemare_discrepancy state'),
     # Values as optax.inject_hyperparams hands them over (jax arrays), and 0-d NumPy arrays.
     'injected momentum 1': (
         lambda: optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2,
@@ -1139,6 +1139,31 @@ def test_docstring_examples_run(module_name):
   with_examples = [t for t in doctest.DocTestFinder().find(module) if t.examples]
   assert result.attempted > 0
   assert len(with_examples) == inspect.getsource(module).count('Example:')
+
+
+TRANSFORMATIONS = ('adam_sc', 'delay_compensation', 'delay_gradients', 'linear_weight_prediction',
+                   'pipemare', 'pipemare_discrepancy', 'scale_by_adam_sc', 'sgd_sc',
+                   'spike_compensation')
+
+
+@pytest.mark.parametrize('name', TRANSFORMATIONS + ('predicted_params',
+                                                     'pipemare_backward_params'))
+def test_docstring_examples_train_a_toy_problem(name):
+  # A training step as optax's own docstrings show one: init, update, apply_updates.
+  examples = [e.source for t in doctest.DocTestFinder().find(getattr(optim, name), name)
+              for e in t.examples]
+  for call in ('.init(', '.update(', 'optax.apply_updates('):
+    assert any(call in source for source in examples), f'{name} shows no {call}'
+
+
+def test_every_transformation_is_in_the_list_above():
+  returns_one = [name for name in optim.__all__ if inspect.isfunction(getattr(optim, name)) and
+                 'GradientTransformation' in str(inspect.signature(getattr(optim, name)))]
+  assert sorted(returns_one) == sorted(TRANSFORMATIONS)
+
+
+def test_pipemare_backward_params_says_it_belongs_in_a_pipeline():
+  assert 'Only meaningful inside a pipeline' in pipemare_backward_params.__doc__
 
 
 def test_public_api_is_reexported():

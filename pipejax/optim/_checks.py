@@ -234,6 +234,25 @@ def states_of_type(opt_state: Any, state_type: type | tuple[type, ...]) -> list[
   return [x for x in found if isinstance(x, state_type)]
 
 
+def find_states(opt_state: Any, params: Any, state_type: type, helper: str, provider: str,
+                call: str) -> list[Any]:
+  """The ``state_type`` states in ``opt_state``, for a helper called as ``call``.
+
+  Raises:
+    ValueError: if there are none: the arguments are swapped, or the optimizer lacks
+      ``provider``.
+  """
+  states = states_of_type(opt_state, state_type)
+  if states:
+    return states
+  if states_of_type(params, state_type):
+    raise ValueError(f'{helper}: the arguments are swapped; call {call}, in the order of '
+                     'optax.contrib.schedule_free_eval_params(state, params).')
+  raise ValueError(f'{helper}: the optimizer state holds no {provider} state. It must come from '
+                   f'an optimizer that contains {provider}, alone or inside chain, '
+                   'inject_hyperparams, MultiSteps, masked or multi_transform.')
+
+
 def merge_per_leaf(params: Any, covers: list[Any], leaf_fn: Callable[[Any, int, Any], Any],
                    helper: str, provider: str) -> Any:
   """Maps each leaf of ``params`` through the one of several state trees that covers it.

@@ -179,14 +179,8 @@ def pipemare_backward_params(opt_state: optax.OptState, params: optax.Params,
   """
   helper = 'pipemare_backward_params'
   _checks.check_count(delay, 'delay', helper)
-  states = _checks.states_of_type(opt_state, PipeMareState)
-  if not states:
-    if _checks.states_of_type(params, PipeMareState):
-      raise ValueError(f'{helper}: the arguments are swapped; call {helper}(opt_state, params, '
-                       'delay), in the order of optax.contrib.schedule_free_eval_params.')
-    raise ValueError(f"{helper}: the optimizer state has no 'delta' field. It must come from an "
-                     'optimizer that contains pipemare_discrepancy, alone or inside chain, '
-                     'inject_hyperparams, MultiSteps, masked or multi_transform.')
+  states = _checks.find_states(opt_state, params, PipeMareState, helper, 'pipemare_discrepancy',
+                               f'{helper}(opt_state, params, delay)')
 
   def past(param, index, delta):
     del index

@@ -178,6 +178,9 @@ def linear_weight_prediction(
     if params is None:
       raise ValueError(f'{owner}: update needs params (the weights before this update, from '
                        'which the prediction extrapolates).')
+    if form == 'update':
+      _checks.check_same_structure(params, state.previous_params, 'params',
+                                   'the params given to init', owner)
     gradient = updates
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     offset, previous = None, None
@@ -249,15 +252,8 @@ def predicted_params(opt_state: optax.OptState, params: optax.Params) -> optax.P
     Array([-0.4,  0.2], dtype=float32)
   """
   helper = 'predicted_params'
-  states = _checks.states_of_type(opt_state, WeightPredictionState)
-  if not states:
-    if _checks.states_of_type(params, WeightPredictionState):
-      raise ValueError(f'{helper}: the arguments are swapped; call predicted_params(opt_state, '
-                       'params), in the order of optax.contrib.schedule_free_eval_params.')
-    raise ValueError(f'{helper}: the optimizer state holds no linear_weight_prediction state. It '
-                     'must come from an optimizer that contains linear_weight_prediction, alone '
-                     'or inside chain, inject_hyperparams, MultiSteps, masked or '
-                     'multi_transform.')
+  states = _checks.find_states(opt_state, params, WeightPredictionState, helper,
+                               'linear_weight_prediction', f'{helper}(opt_state, params)')
 
   def predict(param, index, cover):
     state = states[index]
