@@ -153,7 +153,8 @@ class Hyperparameters:
       return optim.linear_weight_prediction(
           inner(delay), delay if self.horizon is None else self.horizon, form=form,
           learning_rate=None if form == "update" else self.learning_rate,
-          momentum=self.momentum if form == "next_velocity" else None)
+          momentum=self.momentum if form == "next_velocity" else None,
+          outermost=True)  # the stage's whole update: the prediction is read, not recomputed
     return factory
 
 

@@ -746,6 +746,32 @@ class LibraryTest(chex.TestCase):
                                   atol=1e-7)
       params = new_params
 
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ('update', dict(form='update')),
+      ('velocity', dict(form='velocity', learning_rate=0.1)),
+      ('next_velocity', dict(form='next_velocity', learning_rate=0.1, momentum=0.9)),
+  )
+  def test_outermost_keeps_the_same_prediction_whole(self, kwargs):
+    """When nothing follows it, outermost=True gives the prediction of the default mode."""
+    inner = sgd_sc(0.1, 2, 0.9)
+    whole = linear_weight_prediction(inner, 3, outermost=True, **kwargs)
+    computed = linear_weight_prediction(inner, 3, **kwargs)
+    params = jnp.linspace(-1.0, 1.0, 4)
+    state, reference = whole.init(params), computed.init(params)
+    update, reference_update = self.variant(whole.update), self.variant(computed.update)
+    for grads in _random_gradients(4, shape=(4,)):
+      updates, state = update(grads, state, params)
+      _, reference = reference_update(grads, reference, params)
+      new_params = optax.apply_updates(params, updates)
+      assert state.previous_params is None and state.offset is None
+      chex.assert_trees_all_close(predicted_params(state, new_params),
+                                  predicted_params(reference, new_params), rtol=1e-6, atol=1e-6)
+      if kwargs['form'] == 'update':  # made at update time from the update (jit may fuse it)
+        chex.assert_trees_all_close(predicted_params(state, new_params),
+                                    new_params + 3 * updates, rtol=1e-6, atol=1e-7)
+      params = new_params
+
   def test_prediction_of_the_issue_example(self):
     # chain(LWP(scale_by_adam), lr): the documented w1 + 4 u, not [6, 3].
     opt = optax.chain(linear_weight_prediction(optax.scale_by_adam(), 4),
@@ -925,6 +951,8 @@ class LibraryTest(chex.TestCase):
       ('pipemare_discrepancy', lambda: optax.chain(optax.sgd(0.1), pipemare_discrepancy()), True),
       ('delay_gradients', lambda: optax.chain(delay_gradients(2), optax.sgd(0.1)), True),
       ('lwp', lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2), True),
+      ('lwp_outermost', lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2, outermost=True),
+       True),
       ('lwp_next_velocity', lambda: linear_weight_prediction(
           sgd_sc(0.1, 2, 0.9), 2, form='next_velocity', learning_rate=0.1, momentum=0.9), True),
   )
@@ -1002,6 +1030,8 @@ BAD_INPUTS = {
     'lwp uncalled factory': (lambda: linear_weight_prediction(optax.sgd, 2),
                              r'did you mean sgd\(...\), called with its arguments'),
     'lwp form': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, form='both'), 'form'),
+    'lwp outermost': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, outermost='yes'),
+                      'outermost must be a Python bool'),
     'lwp velocity without lr': (
         lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2,
                                          form='velocity').init(jnp.zeros(2)),

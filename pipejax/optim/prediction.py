@@ -34,6 +34,8 @@ class WeightPredictionState(NamedTuple):
   previous_params: optax.Params
   # Velocity forms: the offset o_t from the weights to the prediction (None otherwise).
   offset: optax.Updates
+  # outermost=True: the prediction itself, w_{t+1} + o_t, and nothing above (None otherwise).
+  forward_params: optax.Params
 
 
 def _find_velocity(inner_state: optax.OptState) -> optax.Updates:
@@ -59,6 +61,7 @@ def linear_weight_prediction(
     form: str = 'update',
     learning_rate: optax.ScalarOrSchedule | None = None,
     momentum: Any = None,
+    outermost: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Wraps ``inner`` and keeps what predicting its weights ``horizon`` steps ahead needs.
 
@@ -80,7 +83,8 @@ def linear_weight_prediction(
   update just taken, so for plain momentum SGD (:math:`u_t = -\eta_t v_t`) all forms agree, even
   under a learning-rate schedule. Under Spike Compensation they differ: the update form carries the
   spike, the velocity form does not; the paper recommends the update form with SC. The velocity
-  forms read the trace inside ``inner``, so ``inner`` must hold the learning rate (the lr last).
+  forms take the step from the trace and :math:`\eta_t`, not from the update applied, so they too
+  hold wherever the transformation sits, given the learning rate the weights move by.
 
   The next-velocity form is SpecTrain as its reference implementation computes it
   (``load_predicted_weights`` in ntueclab/SpecTrain-PyTorch, ``src/optimizer.py``): the step
@@ -98,13 +102,20 @@ def linear_weight_prediction(
       ``optax.inject_hyperparams``: the rate is then read from its state, so the two cannot
       disagree (giving both is an error). The update form takes none.
     momentum: the heavy-ball momentum ``m`` of ``inner``; required by the next-velocity form.
+    outermost: a promise that the updates this returns are applied as they are (nothing after it
+      in a chain, the weights not changed after ``apply_updates``). The prediction is then made
+      once, at ``update``, from the inner update and kept whole, so reading it costs nothing;
+      otherwise every :func:`predicted_params` call computes it from the current weights (one
+      pass over them). The pipeline's presets (:mod:`pipejax.methods`) make this promise, as the
+      whole update of a stage; broken, the prediction is silently wrong, so leave it False
+      unless the forward pass's weight traffic matters.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`WeightPredictionState`.
 
   Raises:
-    ValueError: for an unknown form, a negative horizon, a learning rate with the update form, or
-      (at ``init``) a velocity form whose inner state has no ``trace`` or whose learning rate is
+    ValueError: for an unknown form, a negative horizon, a learning rate with the update form, a
+      non-bool ``outermost``, or (at ``init``) a velocity form whose inner state has no ``trace`` or whose learning rate is
       missing or given twice.
 
   Example:
@@ -147,6 +158,8 @@ def linear_weight_prediction(
                        'does).')
     if learning_rate is not None:
       _checks.check_learning_rate(learning_rate, owner)
+  if not isinstance(outermost, bool):
+    raise ValueError(f'{owner}: outermost must be a Python bool, got {outermost!r}.')
   inner = optax.with_extra_args_support(inner)
 
   def check_learning_rate_source(inner_state):
@@ -163,29 +176,36 @@ def linear_weight_prediction(
 
   def init_fn(params):
     inner_state = inner.init(params)
-    previous, offset = None, None
-    if form == 'update':
-      previous = jax.tree.map(jnp.copy, params)
-    else:
+    previous, offset, forward = None, None, None
+    if form != 'update':
       # Fails here rather than on the first update; the offset takes the trace's dtype.
       offset = optax.tree_utils.tree_zeros_like(_find_velocity(inner_state))
       check_learning_rate_source(inner_state)
+    if outermost:
+      offset, forward = None, jax.tree.map(jnp.copy, params)
+    elif form == 'update':
+      previous = jax.tree.map(jnp.copy, params)
     return WeightPredictionState(
         count=jnp.zeros([], jnp.int32), inner_state=inner_state,
-        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset)
+        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset,
+        forward_params=forward)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(f'{owner}: update needs params (the weights before this update, from '
                        'which the prediction extrapolates).')
-    if form == 'update':
-      _checks.check_same_structure(params, state.previous_params, 'params',
-                                   'the params given to init', owner)
+    _checks.check_same_structure(
+        params, state.forward_params if outermost else
+        state.previous_params if form == 'update' else state.offset, 'params',
+        'the params given to init', owner)
     gradient = updates
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    offset, previous = None, None
+    previous, offset, forward = None, None, None
     if form == 'update':
-      previous = params
+      if outermost:
+        offset = _checks.map_gradients(lambda u: jnp.asarray(horizon, u.dtype) * u, updates)
+      else:
+        previous = params
     else:
       if learning_rate is None:
         eta = _injected_learning_rate(inner_state)
@@ -197,12 +217,21 @@ def linear_weight_prediction(
         velocity = _checks.map_gradients(
             lambda g, v: jnp.asarray(momentum, v.dtype) * v + g.astype(v.dtype), gradient,
             velocity)
-      offset = optax.tree_utils.tree_cast_like(_checks.keep_where_no_gradient(
-          gradient, jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v, velocity),
-          state.offset), state.offset)
+      offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v, velocity)
+      if not outermost:
+        offset = optax.tree_utils.tree_cast_like(
+            _checks.keep_where_no_gradient(gradient, offset, state.offset), state.offset)
+    if outermost:
+      # The same rounding as the forward pass would see computing params_new + offset itself; a
+      # frozen leaf (None update) stays where it is.
+      forward = jax.tree.map(
+          lambda p, u, o: p if u is None else (optax.apply_updates(p, u) + o).astype(p.dtype),
+          params, updates, offset)
+      offset = None
     return updates, WeightPredictionState(
         count=optax.safe_increment(state.count), inner_state=inner_state,
-        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset)
+        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset,
+        forward_params=forward)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -215,7 +244,7 @@ def _extrapolate(param, horizon, previous):
 
 
 def predicted_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
-  """The weights the forward pass should use: ``params + o_t`` (see :func:`linear_weight_prediction`).
+  """The weights the forward pass should use, ``params + o_t`` (:func:`linear_weight_prediction`).
 
   Arguments in the order of optax's ``optax.contrib.schedule_free_eval_params(state, params)``.
   ``opt_state`` is the state of an optimizer that contains :func:`linear_weight_prediction`
@@ -257,9 +286,12 @@ def predicted_params(opt_state: optax.OptState, params: optax.Params) -> optax.P
 
   def predict(param, index, cover):
     state = states[index]
+    if state.forward_params is not None:  # outermost: made at update time
+      return cover
     if state.previous_params is None:
       return (param + cover).astype(param.dtype)
     return _extrapolate(param, state.horizon, cover)
 
-  covers = [s.offset if s.previous_params is None else s.previous_params for s in states]
+  covers = [next(tree for tree in (s.forward_params, s.previous_params, s.offset)
+                 if tree is not None) for s in states]
   return _checks.merge_per_leaf(params, covers, predict, helper, 'linear_weight_prediction')
