@@ -1120,6 +1120,21 @@ BAD_INPUTS = {
     'backward params swapped': (
         lambda: pipemare_backward_params(jnp.zeros(2), pipemare_discrepancy().init(jnp.zeros(2)),
                                          2), 'arguments are swapped'),
+    'sc gradient tree': (
+        lambda: spike_compensation(2, 0.9).update({'b': jnp.zeros(2)},
+                                                  spike_compensation(2, 0.9).init(
+                                                      {'a': jnp.zeros(2)})),
+        'the gradients must have the structure and leaf shapes of the params'),
+    'delay gradient shape': (
+        lambda: delay_gradients(2).update(jnp.zeros(3), delay_gradients(2).init(jnp.zeros(2))),
+        'delay_gradients: the gradients must have'),
+    'adam gradient shape': (
+        lambda: scale_by_adam_sc(2).update(jnp.zeros(3), scale_by_adam_sc(2).init(jnp.zeros(2))),
+        'scale_by_adam_sc: the gradients must have'),
+    'discrepancy gradient shape': (
+        lambda: pipemare_discrepancy().update(jnp.zeros(3),
+                                              pipemare_discrepancy().init(jnp.zeros(2))),
+        'pipemare_discrepancy: the gradients must have'),
     'dc gradient params tree': (
         lambda: optim.delay_compensation().update(jnp.zeros(2), optax.EmptyState(), jnp.zeros(2),
                                                   gradient_params=jnp.zeros(3)),

@@ -187,6 +187,24 @@ def keep_where_no_gradient(updates: optax.Updates, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda g, n, o: o if g is None else n, updates, new, old, is_leaf=is_none)
 
 
+def check_gradients(updates: Any, reference: Any, owner: str,
+                    shape_of: Callable[[Any], tuple[int, ...]] = jnp.shape) -> None:
+  """Raises a one-paragraph ``ValueError`` unless ``updates`` fit the params given to ``init``.
+
+  Args:
+    updates: the gradients given to ``update``; ``None`` leaves (frozen parameters) are fine.
+    reference: a state tree built like the params at ``init``.
+    owner: the transformation, for the message.
+    shape_of: the params' leaf shape from a leaf of ``reference``.
+  """
+  try:
+    map_gradients(lambda g, r: chex.assert_shape(g, shape_of(r)), updates, reference)
+  except (AssertionError, ValueError, TypeError) as error:
+    raise ValueError(f'{owner}: the gradients must have the structure and leaf shapes of the '
+                     'params given to init (None leaves, for frozen parameters, are fine). '
+                     f'{str(error).splitlines()[0] if str(error) else ""}') from error
+
+
 def check_same_structure(tree: Any, reference: Any, what: str, reference_what: str,
                          owner: str) -> None:
   """Raises a one-paragraph ``ValueError`` unless two trees have the same structure and shapes."""

@@ -79,6 +79,8 @@ def delay_gradients(delay: int) -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.buffer, 'delay_gradients',
+                            shape_of=lambda ring: ring.shape[1:])
     count = optax.safe_increment(state.count)
     if delay == 0:
       return updates, DelayGradientsState(count=count, buffer=state.buffer)

@@ -127,6 +127,7 @@ def pipemare_discrepancy(gamma: Any = DEFAULT_GAMMA) -> optax.GradientTransforma
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.delta, 'pipemare_discrepancy')
     delta = _checks.keep_where_no_gradient(
         updates, optax.tree_utils.tree_update_moment(updates, state.delta, gamma, 1), state.delta)
     return updates, PipeMareState(count=optax.safe_increment(state.count),

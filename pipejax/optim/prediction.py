@@ -28,7 +28,7 @@ class WeightPredictionState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=int32: updates so far (the learning-rate schedule's step).
   inner_state: optax.OptState
-  horizon: jax.Array  # shape=(), dtype=float32: T of the last update.
+  horizon: jax.Array  # shape=(), dtype=float32: T of the last update (update form, else None).
   # Update form: the weights before the last update, w_t, so that the prediction extrapolates the
   # update actually applied, w_{t+1} - w_t, wherever this sits in a chain (None otherwise).
   previous_params: optax.Params
@@ -174,6 +174,10 @@ def linear_weight_prediction(
                        "the injected 'learning_rate' of inner; leave learning_rate out so that "
                        'the one inner applies is used.')
 
+  def stored_horizon():
+    # Only predicted_params's extrapolation needs it; elsewhere it is already in the prediction.
+    return jnp.asarray(horizon, jnp.float32) if form == 'update' and not outermost else None
+
   def init_fn(params):
     inner_state = inner.init(params)
     previous, offset, forward = None, None, None
@@ -186,9 +190,8 @@ def linear_weight_prediction(
     elif form == 'update':
       previous = jax.tree.map(jnp.copy, params)
     return WeightPredictionState(
-        count=jnp.zeros([], jnp.int32), inner_state=inner_state,
-        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset,
-        forward_params=forward)
+        count=jnp.zeros([], jnp.int32), inner_state=inner_state, horizon=stored_horizon(),
+        previous_params=previous, offset=offset, forward_params=forward)
 
   def update_fn(updates, state, params=None, **extra_args):
     if params is None:
@@ -230,8 +233,7 @@ def linear_weight_prediction(
       offset = None
     return updates, WeightPredictionState(
         count=optax.safe_increment(state.count), inner_state=inner_state,
-        horizon=jnp.asarray(horizon, jnp.float32), previous_params=previous, offset=offset,
-        forward_params=forward)
+        horizon=stored_horizon(), previous_params=previous, offset=offset, forward_params=forward)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

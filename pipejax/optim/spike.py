@@ -142,6 +142,7 @@ def spike_compensation(delay: Any, momentum: Any, nesterov: bool = False,
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.trace, owner)
     # Same operation order as optax.trace (g + m * v), so that delay 0 matches it bit for bit.
     trace = _checks.map_gradients(lambda g, v: g + jnp.asarray(momentum, v.dtype) * v, updates,
                                   state.trace)
@@ -310,6 +311,7 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.nu, owner)
     # The same helpers as optax.scale_by_adam, so that delay 0 reproduces it exactly.
     mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
     nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
