@@ -28,14 +28,15 @@ class WeightPredictionState(NamedTuple):
 
   count: jax.Array  # shape=(), dtype=int32: updates so far (the learning-rate schedule's step).
   inner_state: optax.OptState
+  # outermost=True: the prediction itself, w_{t+1} + o_t, and none of the fields below (None
+  # otherwise). Third, where it has always been, so that the presets' checkpoints still load.
+  forward_params: optax.Params
   horizon: jax.Array  # shape=(), dtype=float32: T of the last update (update form, else None).
   # Update form: the weights before the last update, w_t, so that the prediction extrapolates the
   # update actually applied, w_{t+1} - w_t, wherever this sits in a chain (None otherwise).
   previous_params: optax.Params
   # Velocity forms: the offset o_t from the weights to the prediction (None otherwise).
   offset: optax.Updates
-  # outermost=True: the prediction itself, w_{t+1} + o_t, and nothing above (None otherwise).
-  forward_params: optax.Params
 
 
 def _find_velocity(inner_state: optax.OptState) -> optax.Updates:
