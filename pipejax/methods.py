@@ -106,11 +106,11 @@ def sync(optimizer, micro_batches: int) -> Method:
 
 def _predicted(params, opt_state, delay):
   del delay  # the horizon lives in the transformation's state
-  return optim.predicted_params(params, opt_state)
+  return optim.predicted_params(opt_state, params)
 
 
 def _pipemare_past(params, opt_state, delay):
-  return optim.pipemare_backward_params(params, opt_state, delay)
+  return optim.pipemare_backward_params(opt_state, params, delay)
 
 
 BASE_OPTIMIZERS = ("sgd", "adam")
@@ -166,7 +166,8 @@ class Hyperparameters:
       return optim.linear_weight_prediction(
           inner(delay), delay if self.horizon is None else self.horizon, form=form,
           learning_rate=None if form == "update" else self.learning_rate,
-          momentum=self.momentum if form == "next_velocity" else None)
+          momentum=self.momentum if form == "next_velocity" else None,
+          outermost=True)  # the stage's whole update: the prediction is read, not recomputed
     return factory
 
 

@@ -382,6 +382,14 @@ def test_readme_python_examples_run():
   assert "forward_params" in namespace
 
 
+@pytest.mark.parametrize("index", range(5))
+def test_optax_guide_examples_run(index):
+  # Each block of docs/optax.md is a complete program: a user copies one, not the page.
+  blocks = python_blocks("docs/optax.md")
+  assert len(blocks) == 5
+  exec(compile(blocks[index], f"docs/optax.md, example {index + 1}", "exec"), {})  # noqa: S102
+
+
 def _modules_with_examples(skip_packages=("pipejax.optim", "pipejax.schedules")):
   """Every pipejax module whose docstrings hold doctest examples (the skipped packages run
   theirs in tests/test_transforms.py and tests/test_schedules.py)."""

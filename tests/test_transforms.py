@@ -17,9 +17,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import chex
 import numpy as np
 import optax
 import pytest
+from absl.testing import parameterized
 
 from pipejax import optim
 from pipejax.optim import (Recipe, adam_sc, delay_gradients, linear_weight_prediction, pipemare,
@@ -88,7 +90,7 @@ def _current_weights(params, opt_state):
 
 
 def _predicted_weights(params, opt_state):
-  return predicted_params(params, opt_state)
+  return predicted_params(opt_state, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +132,14 @@ CASES = {
         injected=('learning_rate', 0.01)),
     'scale_by_adam_sc': Case(
         scale_by_adam_sc,
-        lambda s: dict(delay=s.delay, b1=s.momentum),
+        # b2 = 0.999 is 1.0 in bfloat16, which inject_hyperparams would give it (and be refused).
+        lambda s: dict(delay=s.delay, b1=s.momentum, b2=0.99),
         injected=('b1', 0.5),
         tail=_learning_rate_after,
         settings={'parabola': Setting(0.05, 2, 0.9), 'rosenbrock': Setting(1e-3, 2, 0.9)}),
     'adam_sc': Case(
         adam_sc,
-        lambda s: dict(learning_rate=s.learning_rate, delay=s.delay, b1=s.momentum,
+        lambda s: dict(learning_rate=s.learning_rate, delay=s.delay, b1=s.momentum, b2=0.99,
                        weight_decay=0.0),
         injected=('delay', 5),
         settings={'parabola': Setting(0.05, 2, 0.9), 'rosenbrock': Setting(1e-3, 2, 0.9)}),
@@ -192,9 +195,10 @@ def _bare(case: Case) -> optax.GradientTransformationExtraArgs:
   return optax.with_extra_args_support(case.factory(**case.kwargs(case.settings['parabola'])))
 
 
-def _injected(case: Case) -> optax.GradientTransformationExtraArgs:
-  return optax.inject_hyperparams(case.factory, static_args=case.static_args)(
-      **case.kwargs(case.settings['parabola']))
+def _injected(case: Case, hyperparam_dtype=None) -> optax.GradientTransformationExtraArgs:
+  return optax.inject_hyperparams(case.factory, static_args=case.static_args,
+                                  hyperparam_dtype=hyperparam_dtype)(
+                                      **case.kwargs(case.settings['parabola']))
 
 
 def _assert_trees_close(actual, expected, rtol=1e-6, atol=1e-7):
@@ -313,7 +317,9 @@ def test_keeps_dtypes(name, dtype, injected):
   for leaf in jax.tree.leaves(updates) + jax.tree.leaves(params):
     assert leaf.dtype == dtype
   for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-    if jnp.issubdtype(leaf.dtype, jnp.floating):
+    if jax.tree_util.keystr(path).endswith('.horizon'):  # a float32 scalar, like a step count
+      chex.assert_shape(leaf, ())
+    elif jnp.issubdtype(leaf.dtype, jnp.floating):
       assert leaf.dtype == dtype, jax.tree_util.keystr(path)
     else:
       assert leaf.dtype == jnp.int32, jax.tree_util.keystr(path)
@@ -552,7 +558,9 @@ def test_update_form_offset_is_horizon_times_last_update():
   horizon = 3
   opt = linear_weight_prediction(sgd_sc(0.1, 2, 0.9), horizon=horizon)
   for params, updates, state in _run_prediction(opt):
-    np.testing.assert_array_equal(predicted_params(params, state), params + horizon * updates)
+    # The update applied, read back from the weights: (w + u) - w may round differently from u.
+    chex.assert_trees_all_close(predicted_params(state, params), params + horizon * updates,
+                                rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize('learning_rate', [0.1, optax.linear_schedule(0.1, 0.01, 5)],
@@ -563,9 +571,9 @@ def test_velocity_and_update_forms_agree_for_momentum_sgd(learning_rate):
   by_velocity = _run_prediction(
       linear_weight_prediction(inner, 4, form='velocity', learning_rate=learning_rate))
   for (params, _, update_state), (_, _, velocity_state) in zip(by_update, by_velocity):
-    update_offset = predicted_params(params, update_state) - params
-    np.testing.assert_allclose(predicted_params(params, velocity_state) - params, update_offset,
-                               rtol=1e-6, atol=1e-7)
+    update_offset = predicted_params(update_state, params) - params
+    chex.assert_trees_all_close(predicted_params(velocity_state, params) - params, update_offset,
+                                rtol=1e-5, atol=1e-7)
     assert np.any(update_offset != 0)
 
 
@@ -579,7 +587,7 @@ def test_velocity_and_update_forms_differ_under_spike_compensation():
     trace = optax.tree_utils.tree_get(state, 'trace')
     gradient = trace - momentum * previous_trace
     previous_trace = trace
-    velocity_offset = predicted_params(params, state) - params
+    velocity_offset = predicted_params(state, params) - params
     np.testing.assert_allclose(velocity_offset, -lr * horizon * trace, rtol=1e-5, atol=1e-6)
     # The update form would be T u = -lr T (a v + b g): it carries the spike b g.
     np.testing.assert_allclose(updates, -lr * (a * trace + b * gradient), rtol=1e-5, atol=1e-6)
@@ -600,11 +608,11 @@ def test_predicted_params_finds_the_prediction_in_nested_states():
     state = opt.init(params)
     updates, state = opt.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
-    predicted = predicted_params(new_params, state)
-    assert predicted.dtype == jnp.bfloat16, name
-    np.testing.assert_allclose(predicted.astype(jnp.float32),
-                               (new_params + 2 * updates).astype(jnp.float32), rtol=1e-2,
-                               err_msg=name)
+    predicted = predicted_params(state, new_params)
+    chex.assert_type(predicted, jnp.bfloat16)
+    # From the update applied, in float32: w + 2 (w - w_prev).
+    new, old = new_params.astype(jnp.float32), params.astype(jnp.float32)
+    chex.assert_trees_all_equal(predicted, (new + 2 * (new - old)).astype(jnp.bfloat16))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -637,7 +645,7 @@ def test_pipemare_discrepancy_tracks_the_applied_updates():
     params = new_params
     np.testing.assert_allclose(optax.tree_utils.tree_get(state, 'delta'), delta, rtol=1e-5,
                                atol=1e-7)
-    np.testing.assert_allclose(pipemare_backward_params(params, state, delay),
+    np.testing.assert_allclose(pipemare_backward_params(state, params, delay),
                                params - delay * delta, rtol=1e-5, atol=1e-6)
 
 
@@ -696,6 +704,310 @@ def test_steps_for_samples():
 
 
 # ------------------------------------------------------------------------------------------------
+# In other people's training code: every check under jit and without it (chex.variants).
+
+
+def _frozen(tree, name):
+  """The gradients of a model whose parameter ``name`` is frozen (a None leaf, as optax allows)."""
+  return {k: None if k == name else v for k, v in tree.items()}
+
+
+class LibraryTest(chex.TestCase):
+  """The transformations as a library: position in a chain, frozen leaves, optax's knobs."""
+
+  def _apply(self, opt, grads_list, params):
+    update = self.variant(opt.update)
+    state = opt.init(params)
+    for grads in grads_list:
+      updates, state = update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params, updates, state
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ('adam_then_learning_rate', lambda lwp: optax.chain(
+          lwp(optax.scale_by_adam()), optax.scale_by_learning_rate(1e-3))),
+      ('sgd_then_clip', lambda lwp: optax.chain(lwp(optax.sgd(1.0)), optax.clip(0.01))),
+      ('sgd_sc_alone', lambda lwp: lwp(sgd_sc(0.1, 2, 0.9))),
+      ('injected_scale_after', lambda lwp: optax.chain(
+          lwp(optax.scale_by_adam()), optax.inject_hyperparams(optax.scale)(step_size=-1e-3))),
+  )
+  def test_prediction_extrapolates_the_update_applied_wherever_it_sits(self, build):
+    horizon = 4
+    opt = build(lambda inner: linear_weight_prediction(inner, horizon))
+    params = jnp.array([1.0, -2.0])
+    state = opt.init(params)
+    update = self.variant(opt.update)
+    for grads in [jnp.array([0.5, 0.5])] + _random_gradients(3, shape=(2,)):
+      updates, state = update(grads, state, params)
+      new_params = optax.apply_updates(params, updates)
+      expected = np.asarray(new_params) + horizon * (np.asarray(new_params) - np.asarray(params))
+      chex.assert_trees_all_close(predicted_params(state, new_params), expected, rtol=1e-6,
+                                  atol=1e-7)
+      params = new_params
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ('update', dict(form='update')),
+      ('velocity', dict(form='velocity', learning_rate=0.1)),
+      ('next_velocity', dict(form='next_velocity', learning_rate=0.1, momentum=0.9)),
+  )
+  def test_outermost_keeps_the_same_prediction_whole(self, kwargs):
+    """When nothing follows it, outermost=True gives the prediction of the default mode."""
+    inner = sgd_sc(0.1, 2, 0.9)
+    whole = linear_weight_prediction(inner, 3, outermost=True, **kwargs)
+    computed = linear_weight_prediction(inner, 3, **kwargs)
+    params = jnp.linspace(-1.0, 1.0, 4)
+    state, reference = whole.init(params), computed.init(params)
+    update, reference_update = self.variant(whole.update), self.variant(computed.update)
+    for grads in _random_gradients(4, shape=(4,)):
+      updates, state = update(grads, state, params)
+      _, reference = reference_update(grads, reference, params)
+      new_params = optax.apply_updates(params, updates)
+      assert state.previous_params is None and state.offset is None
+      chex.assert_trees_all_close(predicted_params(state, new_params),
+                                  predicted_params(reference, new_params), rtol=1e-6, atol=1e-6)
+      if kwargs['form'] == 'update':  # made at update time from the update (jit may fuse it)
+        chex.assert_trees_all_close(predicted_params(state, new_params),
+                                    new_params + 3 * updates, rtol=1e-6, atol=1e-7)
+      params = new_params
+
+  def test_prediction_of_the_issue_example(self):
+    # chain(LWP(scale_by_adam), lr): the documented w1 + 4 u, not [6, 3].
+    opt = optax.chain(linear_weight_prediction(optax.scale_by_adam(), 4),
+                      optax.scale_by_learning_rate(1e-3))
+    params = jnp.array([1.0, -2.0])
+    state = opt.init(params)
+    updates, state = opt.update(jnp.array([0.5, 0.5]), state, params)
+    params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(predicted_params(state, params), jnp.array([0.995, -2.005]),
+                                rtol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_prediction_follows_weights_projected_after_the_update(self):
+    horizon, bound = 3, 0.05
+    opt = linear_weight_prediction(optax.sgd(0.1, momentum=0.9), horizon)
+    params = jnp.zeros(3)
+    state = opt.init(params)
+    update = self.variant(opt.update)
+    for grads in _random_gradients(4, shape=(3,)):
+      updates, state = update(grads, state, params)
+      projected = jnp.clip(optax.apply_updates(params, updates), -bound, bound)
+      expected = projected + horizon * (projected - params)
+      chex.assert_trees_all_close(predicted_params(state, projected), expected, rtol=1e-6,
+                                  atol=1e-7)
+      params = projected
+    assert np.all(np.abs(params) == bound)  # the projection did bite
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_one_prediction_per_stage_under_multi_transform(self):
+    """Two stages with their own horizons and a frozen embedding: merged, no MaskedNode."""
+    horizons = {'stage0': 4, 'stage1': 2}
+    params = {'stage0': {'w': jnp.ones((2, 3))}, 'stage1': {'w': -jnp.ones(3)},
+              'embedding': jnp.full(2, 0.5)}
+    labels = {'stage0': {'w': 'stage0'}, 'stage1': {'w': 'stage1'}, 'embedding': 'frozen'}
+    opt = optax.multi_transform(
+        {'stage0': linear_weight_prediction(sgd_sc(0.1, 4, 0.9), horizons['stage0']),
+         'stage1': linear_weight_prediction(optax.sgd(0.1, momentum=0.9), horizons['stage1']),
+         'frozen': optax.set_to_zero()}, labels)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.3), params)
+    new_params, _, state = self._apply(opt, [grads, grads], params)
+    before, _, _ = self._apply(opt, [grads], params)
+    predicted = self.variant(predicted_params)(state, new_params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(predicted, params)
+    for stage, horizon in horizons.items():
+      applied = new_params[stage]['w'] - before[stage]['w']
+      chex.assert_trees_all_close(predicted[stage]['w'], new_params[stage]['w'] + horizon * applied,
+                                  rtol=1e-6, atol=1e-7)
+      assert np.any(np.asarray(applied) != 0)
+    chex.assert_trees_all_equal(predicted['embedding'], params['embedding'])
+
+  def test_prediction_feeds_a_flax_model_under_multi_transform(self):
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    model = nn.Dense(2)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 3)))['params']
+    labels = {'kernel': 'predicted', 'bias': 'plain'}
+    opt = optax.multi_transform({'predicted': linear_weight_prediction(optax.sgd(0.1), 2),
+                                 'plain': optax.sgd(0.1)}, labels)
+    state = opt.init(params)
+    updates, state = opt.update(jax.tree.map(jnp.ones_like, params), state, params)
+    params = optax.apply_updates(params, updates)
+    out = model.apply({'params': predicted_params(state, params)}, jnp.ones((1, 3)))
+    chex.assert_shape(out, (1, 2))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_hyperparameters_traced_at_init_never_give_nan(self):
+    # jit(init) hands the factory traced values that cannot be range-checked; the maths stays
+    # finite at the edge momentum = 1 (b = D rather than 0 / 0).
+    opt = optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2, momentum=0.9)
+    params = jnp.zeros(3)
+    state = self.variant(opt.init)(params)
+    state.hyperparams['momentum'] = jnp.asarray(1.0)
+    updates, _ = jax.jit(opt.update)(jnp.ones(3), state, params)
+    chex.assert_tree_all_finite(updates)
+    a, b = jax.jit(spike_coefficients)(2, jnp.asarray(1.0))
+    chex.assert_trees_all_close((a, b), (1.0, 2.0))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_bfloat16_momentum_close_to_one_needs_a_float32_accumulator(self):
+    """The README's batch-1 momentum: 2000 unit gradients of momentum SGD in bfloat16."""
+    momentum, steps = 0.99918, 2000
+    exact = (1 - momentum**steps) / (1 - momentum)  # 983.2
+    params = jnp.zeros(1, jnp.bfloat16)
+    ones = jnp.ones(1, jnp.bfloat16)
+
+    def last_update(opt):
+      state = opt.init(params)
+      update = self.variant(opt.update)
+      step = jax.jit(lambda state, _: (update(ones, state, params)[1], None))
+      state, _ = jax.lax.scan(step, state, None, length=steps - 1)
+      updates, state = update(ones, state, params)
+      return float(updates[0]), state
+
+    wide, state = last_update(sgd_sc(1.0, 0, momentum, accumulator_dtype=jnp.float32))
+    chex.assert_type(optax.tree_utils.tree_get(state, 'trace'), [jnp.float32])
+    reference, _ = last_update(optax.sgd(1.0, momentum, accumulator_dtype=jnp.float32))
+    assert wide == reference
+    np.testing.assert_allclose(-wide, exact, rtol=1e-3)
+    narrow, _ = last_update(sgd_sc(1.0, 0, momentum))  # momentum rounds to 1.0 in bfloat16
+    assert -narrow == 256.0
+    # With a delay the spike's coefficients are computed in float32 too.
+    delayed, _ = last_update(sgd_sc(1.0, 4, momentum, accumulator_dtype=jnp.float32))
+    np.testing.assert_allclose(-delayed, momentum**4 * exact + (1 - momentum**4) / (1 - momentum),
+                               rtol=1e-3)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_nesterov_without_delay_is_optax_sgd_bit_for_bit(self):
+    opt = sgd_sc(0.1, 0, 0.9, nesterov=True)
+    reference = optax.sgd(0.1, momentum=0.9, nesterov=True)
+    params = jnp.zeros(5)
+    state, reference_state = opt.init(params), reference.init(params)
+    update, reference_update = self.variant(opt.update), self.variant(reference.update)
+    for grads in _random_gradients(20):
+      updates, state = update(grads, state, params)
+      expected, reference_state = reference_update(grads, reference_state, params)
+      chex.assert_trees_all_equal(updates, expected)
+      params = optax.apply_updates(params, updates)
+
+  @parameterized.parameters(1, 3)
+  def test_nesterov_follows_undelayed_nesterov_once_a_gradient_arrives(self, delay):
+    """As the heavy-ball identity above: one gradient at t0, applied at t0 + D."""
+    lr, momentum, t0, steps = 0.1, 0.8, 2, 15
+    impulse, start = jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.1, -0.2])
+
+    def gradient(t, w):
+      del w
+      return jnp.where(t == t0, 1.0, 0.0) * impulse
+
+    undelayed = _trajectory(optax.sgd(lr, momentum=momentum, nesterov=True), gradient, start,
+                            steps)
+    compensated = _trajectory(optax.chain(delay_gradients(delay),
+                                          sgd_sc(lr, delay, momentum, nesterov=True)),
+                              gradient, start, steps)
+    arrival = t0 + delay
+    chex.assert_trees_all_close(compensated[arrival + 1:], undelayed[arrival + 1:], rtol=1e-6,
+                                atol=1e-6)
+    chex.assert_trees_all_equal(compensated[:arrival + 1],
+                                jnp.broadcast_to(start, (arrival + 1, 3)))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_adam_knobs_without_delay_are_optax_adamw(self):
+    params = {'kernel': jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), 'bias': jnp.ones(3)}
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    knobs = dict(b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-8, mu_dtype=jnp.bfloat16,
+                 weight_decay=0.1, mask=mask)
+    opt, reference = adam_sc(1e-2, 0, **knobs), optax.adamw(1e-2, **knobs)
+    state, reference_state = opt.init(params), reference.init(params)
+    # Both compiled alike: a float32 difference of fusion can flip a bfloat16 rounding of mu.
+    update, reference_update = self.variant(opt.update), self.variant(reference.update)
+    for grads in GRADS:
+      grads = {'kernel': jnp.asarray(grads['w']), 'bias': jnp.asarray(grads['b'])}
+      updates, state = update(grads, state, params)
+      expected, reference_state = reference_update(grads, reference_state, params)
+      chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-9)
+      params = optax.apply_updates(params, updates)
+    mu = optax.tree_utils.tree_get(state, 'mu')
+    chex.assert_trees_all_equal_dtypes(mu, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
+    chex.assert_trees_all_close(mu, optax.tree_utils.tree_get(reference_state, 'mu'))
+
+  def test_adam_mask_keeps_decay_off_the_bias(self):
+    params = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}
+    masked = adam_sc(0.1, 3, weight_decay=0.5, mask={'kernel': True, 'bias': False})
+    unmasked = adam_sc(0.1, 3, weight_decay=0.5)
+    grads = jax.tree.map(jnp.ones_like, params)
+    (with_mask, _), (without, _) = (masked.update(grads, masked.init(params), params),
+                                    unmasked.update(grads, unmasked.init(params), params))
+    chex.assert_trees_all_close(with_mask['kernel'], without['kernel'])
+    chex.assert_trees_all_close(without['bias'] - with_mask['bias'], -0.1 * 0.5 * params['bias'])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      # Last: whether the state keeps its structure (optax.trace swaps a frozen leaf's for None).
+      ('sgd_sc', lambda: sgd_sc(0.1, 2, 0.9, weight_decay=0.01), True),
+      ('sgd_sc_nesterov', lambda: sgd_sc(0.1, 2, 0.9, nesterov=True), True),
+      ('spike_compensation', lambda: spike_compensation(2, 0.9), True),
+      ('adam_sc', lambda: adam_sc(0.1, 2), True),
+      ('pipemare', lambda: pipemare(0.1, 2, 0.9, anneal_steps=10), False),
+      ('pipemare_discrepancy', lambda: optax.chain(optax.sgd(0.1), pipemare_discrepancy()), True),
+      ('delay_gradients', lambda: optax.chain(delay_gradients(2), optax.sgd(0.1)), True),
+      ('lwp', lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2), True),
+      ('lwp_outermost', lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2, outermost=True),
+       True),
+      ('lwp_next_velocity', lambda: linear_weight_prediction(
+          sgd_sc(0.1, 2, 0.9), 2, form='next_velocity', learning_rate=0.1, momentum=0.9), True),
+  )
+  def test_frozen_parameters_as_none_gradients(self, build, keeps_structure):
+    """A None gradient leaf gives a None update; the other leaves move as without the leaf."""
+    opt = build()
+    params = _tree(PARAMS)
+    grads = [_frozen(_tree(g), 'b') for g in GRADS]
+    update = self.variant(opt.update)
+    state = opt.init(params)
+    structure = jax.tree.structure(state)
+    alone_params = {'w': params['w']}
+    alone_state = opt.init(alone_params)
+    for g in grads:
+      updates, state = update(g, state, params)
+      assert updates['b'] is None
+      if keeps_structure:  # so that a lax.scan carry can hold it
+        assert jax.tree.structure(state) == structure
+      alone_updates, alone_state = opt.update({'w': g['w']}, alone_state, alone_params)
+      chex.assert_trees_all_close(updates['w'], alone_updates['w'], rtol=1e-6, atol=1e-7)
+      params = {**params, 'w': params['w'] + updates['w']}  # apply_updates refuses None updates
+      alone_params = optax.apply_updates(alone_params, alone_updates)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_delay_compensation_accepts_frozen_parameters(self):
+    opt = optim.delay_compensation(0.5)
+    params = {'w': jnp.ones(2), 'b': jnp.ones(2)}
+    updates, _ = self.variant(opt.update)({'w': jnp.ones(2), 'b': None}, optax.EmptyState(),
+                                          params, gradient_params=jax.tree.map(jnp.zeros_like,
+                                                                               params))
+    assert updates['b'] is None
+    chex.assert_trees_all_close(updates['w'], jnp.full(2, 1.5))
+
+  def test_delay_as_a_whole_float_is_the_int(self):
+    params = jnp.zeros(2)
+    for integral in (delay_gradients(2.0), delay_gradients(np.int64(2))):
+      state = integral.init(params)
+      chex.assert_shape(state.buffer, (2, 2))
+
+  @parameterized.parameters('velocity', 'next_velocity')
+  def test_velocity_forms_read_the_injected_learning_rate(self, form):
+    schedule = optax.linear_schedule(0.1, 0.01, 4)
+    momentum = dict(momentum=0.9) if form == 'next_velocity' else {}
+    injected = linear_weight_prediction(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.9), 3, form=form,
+        **momentum)
+    explicit = linear_weight_prediction(optax.sgd(schedule, momentum=0.9), 3, form=form,
+                                        learning_rate=schedule, **momentum)
+    for (params, _, state), (_, _, reference) in zip(_run_prediction(injected),
+                                                     _run_prediction(explicit)):
+      chex.assert_trees_all_close(predicted_params(state, params),
+                                  predicted_params(reference, params), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------
 # Bad input.
 
 BAD_INPUTS = {
@@ -705,7 +1017,7 @@ BAD_INPUTS = {
     'spike coefficients momentum 1': (lambda: spike_coefficients(2, 1.0),
                                       r'momentum must be in \[0, 1\)'),
     'sc delay as text': (lambda: spike_compensation('2', 0.9),
-                         "delay must be a number, got the string '2'"),
+                         "delay must be a real number, got the string '2'"),
     'sgd_sc momentum': (lambda: sgd_sc(0.1, 2, 1.5), 'momentum'),
     'sgd_sc negative delay': (lambda: sgd_sc(0.1, -2, 0.9), 'delay'),
     'sgd_sc weight decay': (lambda: sgd_sc(0.1, 2, 0.9, weight_decay=-1.0), 'weight_decay'),
@@ -718,18 +1030,21 @@ BAD_INPUTS = {
     'lwp uncalled factory': (lambda: linear_weight_prediction(optax.sgd, 2),
                              r'did you mean sgd\(...\), called with its arguments'),
     'lwp form': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, form='both'), 'form'),
+    'lwp outermost': (lambda: linear_weight_prediction(optax.sgd(0.1), 2, outermost='yes'),
+                      'outermost must be a Python bool'),
     'lwp velocity without lr': (
-        lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2, form='velocity'),
-        'learning_rate'),
+        lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2,
+                                         form='velocity').init(jnp.zeros(2)),
+        'needs the inner learning rate'),
     'lwp velocity without trace': (
         lambda: linear_weight_prediction(optax.adam(0.1), 2, form='velocity',
                                          learning_rate=0.1).init(jnp.zeros(2)),
         "no 'trace' field"),
     'predicted_params without prediction': (
-        lambda: predicted_params(jnp.zeros(2), optax.sgd(0.1).init(jnp.zeros(2))),
-        "no 'forward_params'"),
+        lambda: predicted_params(optax.sgd(0.1).init(jnp.zeros(2)), jnp.zeros(2)),
+        'holds no linear_weight_prediction state'),
     'delay negative': (lambda: delay_gradients(-1), 'delay must be an int >= 0'),
-    'delay float': (lambda: delay_gradients(2.0), 'delay must be a Python int'),
+    'delay fractional': (lambda: delay_gradients(2.5), 'delay must be a Python int'),
     'delay array': (lambda: delay_gradients(jnp.asarray(2)), 'static_args'),
     'pipemare gamma 1': (lambda: pipemare_discrepancy(1.0), r'gamma must be in \[0, 1\)'),
     'pipemare gamma negative': (lambda: pipemare(0.1, 2, 0.9, 10, gamma=-0.1), 'gamma'),
@@ -737,13 +1052,93 @@ BAD_INPUTS = {
     'pipemare anneal': (lambda: pipemare_learning_rate(0.1, 2, -5), 'anneal_steps'),
     'pipemare delay': (lambda: pipemare(0.1, -2, 0.9, 10), 'delay'),
     'predicted_params with two predictions': (
-        lambda: predicted_params(jnp.zeros(2), optax.chain(
+        lambda: predicted_params(optax.chain(
             linear_weight_prediction(optax.sgd(0.1), 1),
-            linear_weight_prediction(optax.sgd(0.1), 2)).init(jnp.zeros(2))),
-        "several 'forward_params' fields"),
+            linear_weight_prediction(optax.sgd(0.1), 2)).init(jnp.zeros(2)), jnp.zeros(2)),
+        '2 linear_weight_prediction states cover the same parameter'),
     'backward without delta': (
-        lambda: pipemare_backward_params(jnp.zeros(2), optax.sgd(0.1).init(jnp.zeros(2)), 2),
-        "no 'delta'"),
+        lambda: pipemare_backward_params(optax.sgd(0.1).init(jnp.zeros(2)), jnp.zeros(2), 2),
+        'holds no pipemare_discrepancy state'),
+    # Values as optax.inject_hyperparams hands them over (jax arrays), and 0-d NumPy arrays.
+    'injected momentum 1': (
+        lambda: optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2,
+                                                 momentum=1.0).init(jnp.zeros(2)),
+        r'sgd_sc: momentum must be in \[0, 1\), got 1.0'),
+    'injected momentum 1.5': (
+        lambda: optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2,
+                                                 momentum=1.5).init(jnp.zeros(2)),
+        'momentum'),
+    'injected negative delay': (
+        lambda: optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=-3,
+                                                 momentum=0.9).init(jnp.zeros(2)),
+        r'delay must be in \[0, inf\)'),
+    'injected momentum rounded by bfloat16': (
+        lambda: optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2,
+                                                 momentum=0.999).init(jnp.zeros(2, jnp.bfloat16)),
+        'hyperparam_dtype=jnp.float32'),
+    'numpy 0-d momentum': (lambda: sgd_sc(0.1, 2, np.array(1.0)), 'momentum'),
+    'jax momentum': (lambda: spike_compensation(2, jnp.asarray(1.0)), 'momentum'),
+    'array momentum': (lambda: spike_compensation(2, np.array([0.9])), 'a scalar'),
+    'injected lwp horizon': (
+        lambda: optax.inject_hyperparams(linear_weight_prediction)(
+            inner=optax.sgd(0.1), horizon=-1).init(jnp.zeros(2)), 'horizon'),
+    # The smaller gaps.
+    'momentum None': (lambda: sgd_sc(0.1, 2, None), 'momentum must be a real number, got None'),
+    'delay None': (lambda: spike_compensation(None, 0.9), 'delay must be a real number'),
+    'horizon None': (lambda: linear_weight_prediction(optax.sgd(0.1), None), 'horizon'),
+    'momentum list': (lambda: sgd_sc(0.1, 2, [0.9]), 'momentum must be a real number, got'),
+    'delay bool': (lambda: spike_compensation(True, 0.9), 'delay must be a real number, got the '
+                   'bool'),
+    'delay_gradients bool': (lambda: delay_gradients(True), 'delay must be a Python int'),
+    'fractional delay': (lambda: spike_compensation(2.5, 0.9), 'whole number'),
+    'fractional adam delay': (lambda: adam_sc(0.1, 1.5), 'whole number'),
+    'infinite strength': (lambda: optim.delay_compensation(float('inf')), 'strength'),
+    'nan learning rate': (lambda: sgd_sc(float('nan'), 2, 0.9), 'learning_rate'),
+    'nesterov as number': (lambda: sgd_sc(0.1, 2, 0.9, nesterov=1), 'nesterov must be a Python '
+                           'bool'),
+    'accumulator dtype int': (lambda: sgd_sc(0.1, 2, 0.9, accumulator_dtype=jnp.int32),
+                              'floating dtype'),
+    'mu dtype': (lambda: scale_by_adam_sc(2, mu_dtype='int8'), 'mu_dtype'),
+    'mu dtype unknown': (lambda: scale_by_adam_sc(2, mu_dtype='half-ish'), 'mu_dtype'),
+    'adam eps_root': (lambda: adam_sc(0.1, 2, eps_root=-1.0), 'eps_root'),
+    'lwp update form with lr': (
+        lambda: linear_weight_prediction(optax.sgd(0.1), 2, learning_rate=0.1), 'belong to inner'),
+    'lwp velocity lr twice': (
+        lambda: linear_weight_prediction(
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9), 2,
+            form='velocity', learning_rate=0.1).init(jnp.zeros(2)),
+        'learning rate is given twice'),
+    'predicted_params swapped': (
+        lambda: predicted_params(jnp.zeros(2), linear_weight_prediction(
+            optax.sgd(0.1), 1).init(jnp.zeros(2))), 'arguments are swapped'),
+    'predicted_params wrong tree': (
+        lambda: predicted_params(linear_weight_prediction(optax.sgd(0.1), 1).init(
+            {'a': jnp.zeros(2)}), {'b': jnp.zeros(2)}), 'structure'),
+    'predicted_params wrong shape': (
+        lambda: predicted_params(linear_weight_prediction(optax.sgd(0.1), 1).init(
+            jnp.zeros(2)), jnp.zeros(3)), 'shapes'),
+    'backward params swapped': (
+        lambda: pipemare_backward_params(jnp.zeros(2), pipemare_discrepancy().init(jnp.zeros(2)),
+                                         2), 'arguments are swapped'),
+    'sc gradient tree': (
+        lambda: spike_compensation(2, 0.9).update({'b': jnp.zeros(2)},
+                                                  spike_compensation(2, 0.9).init(
+                                                      {'a': jnp.zeros(2)})),
+        'the gradients must have the structure and leaf shapes of the params'),
+    'delay gradient shape': (
+        lambda: delay_gradients(2).update(jnp.zeros(3), delay_gradients(2).init(jnp.zeros(2))),
+        'delay_gradients: the gradients must have'),
+    'adam gradient shape': (
+        lambda: scale_by_adam_sc(2).update(jnp.zeros(3), scale_by_adam_sc(2).init(jnp.zeros(2))),
+        'scale_by_adam_sc: the gradients must have'),
+    'discrepancy gradient shape': (
+        lambda: pipemare_discrepancy().update(jnp.zeros(3),
+                                              pipemare_discrepancy().init(jnp.zeros(2))),
+        'pipemare_discrepancy: the gradients must have'),
+    'dc gradient params tree': (
+        lambda: optim.delay_compensation().update(jnp.zeros(2), optax.EmptyState(), jnp.zeros(2),
+                                                  gradient_params=jnp.zeros(3)),
+        'gradient_params must have the structure and leaf shapes of params'),
     'recipe batch 0': (lambda: Recipe(0, 0.1, 0.9), 'batch_size must be an int >= 1'),
     'recipe momentum': (lambda: Recipe(8, 0.1, 1.0), 'momentum'),
     'recipe learning rate': (lambda: Recipe(8, 0.0, 0.9), 'learning_rate'),
@@ -789,6 +1184,31 @@ def test_docstring_examples_run(module_name):
   with_examples = [t for t in doctest.DocTestFinder().find(module) if t.examples]
   assert result.attempted > 0
   assert len(with_examples) == inspect.getsource(module).count('Example:')
+
+
+TRANSFORMATIONS = ('adam_sc', 'delay_compensation', 'delay_gradients', 'linear_weight_prediction',
+                   'pipemare', 'pipemare_discrepancy', 'scale_by_adam_sc', 'sgd_sc',
+                   'spike_compensation')
+
+
+@pytest.mark.parametrize('name', TRANSFORMATIONS + ('predicted_params',
+                                                     'pipemare_backward_params'))
+def test_docstring_examples_train_a_toy_problem(name):
+  # A training step as optax's own docstrings show one: init, update, apply_updates.
+  examples = [e.source for t in doctest.DocTestFinder().find(getattr(optim, name), name)
+              for e in t.examples]
+  for call in ('.init(', '.update(', 'optax.apply_updates('):
+    assert any(call in source for source in examples), f'{name} shows no {call}'
+
+
+def test_every_transformation_is_in_the_list_above():
+  returns_one = [name for name in optim.__all__ if inspect.isfunction(getattr(optim, name)) and
+                 'GradientTransformation' in str(inspect.signature(getattr(optim, name)))]
+  assert sorted(returns_one) == sorted(TRANSFORMATIONS)
+
+
+def test_pipemare_backward_params_says_it_belongs_in_a_pipeline():
+  assert 'Only meaningful inside a pipeline' in pipemare_backward_params.__doc__
 
 
 def test_public_api_is_reexported():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -24,7 +23,7 @@ def delay_compensation(strength: Any = 0.04) -> optax.GradientTransformationExtr
   transformation is stateless; ``update`` needs ``params`` (:math:`w_\text{now}`) and the extra
   argument ``gradient_params`` (:math:`w_\text{then}`, the weights the gradient was computed on).
   In a pipeline those are the forward's weights, kept beside the stashed input as PipeDream does
-  (the ``dcasgd`` method of :mod:`pipejax.methods`).
+  (the ``dcasgd`` method of :mod:`pipejax.methods`). A ``None`` gradient leaf stays ``None``.
 
   Args:
     strength: :math:`\lambda \ge 0`; 0.04 is the default of MXNet's ``dcasgd`` optimizer.
@@ -39,14 +38,18 @@ def delay_compensation(strength: Any = 0.04) -> optax.GradientTransformationExtr
     >>> opt = optax.chain(delay_compensation(0.04), optax.sgd(0.1, momentum=0.9))
     >>> w = jnp.array([1.0, 2.0])
     >>> state = opt.init(w)
+    >>> # The gradient was computed at [0, 2]; the weights have since moved to [1, 2].
     >>> updates, state = opt.update(jnp.array([0.5, -1.0]), state, w,
     ...                             gradient_params=jnp.array([0.0, 2.0]))
+    >>> optax.apply_updates(w, updates)  # g + 0.04 * g**2 * (w - w_then) = [0.51, -1]
+    Array([0.949, 2.1  ], dtype=float32)
 
   References:
     Zheng et al., `Asynchronous Stochastic Gradient Descent with Delay Compensation
     <https://arxiv.org/abs/1609.08326>`_, ICML 2017.
   """
-  _checks.check_range(strength, 'strength', 'delay_compensation', low=0)
+  owner = 'delay_compensation'
+  _checks.check_range(strength, 'strength', owner, low=0)
 
   def init_fn(params):
     del params
@@ -55,9 +58,10 @@ def delay_compensation(strength: Any = 0.04) -> optax.GradientTransformationExtr
   def update_fn(updates, state, params=None, *, gradient_params=None, **extra_args):
     del extra_args
     if params is None or gradient_params is None:
-      raise ValueError('delay_compensation: update needs params (the weights being updated) and '
+      raise ValueError(f'{owner}: update needs params (the weights being updated) and '
                        'gradient_params (the weights the gradient was computed on).')
-    corrected = jax.tree.map(
+    _checks.check_same_structure(gradient_params, params, 'gradient_params', 'params', owner)
+    corrected = _checks.map_gradients(
         lambda g, now, then: g + jnp.asarray(strength, g.dtype) * g * g * (now - then).astype(
             g.dtype), updates, params, gradient_params)
     return corrected, state

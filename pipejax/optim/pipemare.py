@@ -60,9 +60,8 @@ def pipemare_learning_rate(learning_rate: optax.ScalarOrSchedule, delay: Any,
     <https://arxiv.org/abs/1910.05124>`_, MLSys 2021.
   """
   owner = 'pipemare_learning_rate'
-  if not callable(learning_rate):
-    _checks.check_range(learning_rate, 'learning_rate', owner, low=0)
-  _checks.check_range(delay, 'delay', owner, low=0)
+  _checks.check_learning_rate(learning_rate, owner)
+  _checks.check_count(delay, 'delay', owner)
   _checks.check_range(anneal_steps, 'anneal_steps', owner, low=0)
 
   def schedule(count):
@@ -89,6 +88,7 @@ def pipemare_discrepancy(gamma: Any = DEFAULT_GAMMA) -> optax.GradientTransforma
 
   from which :func:`pipemare_backward_params` estimates the weights of ``D`` steps ago as
   :math:`w - D\,\delta`, the weights the forward pass of the gradient now being computed saw.
+  A ``None`` update leaf (a frozen parameter) passes through and keeps its average.
 
   **Default** ``gamma = 0.9``: not the paper's value (its text was not available here to check),
   but a choice by the following reasoning. ``D * delta`` should equal the sum of the last ``D``
@@ -112,7 +112,7 @@ def pipemare_discrepancy(gamma: Any = DEFAULT_GAMMA) -> optax.GradientTransforma
     >>> state = opt.init(params)
     >>> updates, state = opt.update(jnp.array([1.0]), state, params)
     >>> params = optax.apply_updates(params, updates)
-    >>> pipemare_backward_params(params, state, delay=4)  # 0.9 - 4 * 0.5 * (-0.1)
+    >>> pipemare_backward_params(state, params, delay=4)  # 0.9 - 4 * 0.5 * (-0.1)
     Array([1.1], dtype=float32)
 
   References:
@@ -127,36 +127,68 @@ def pipemare_discrepancy(gamma: Any = DEFAULT_GAMMA) -> optax.GradientTransforma
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    delta = optax.tree_utils.tree_update_moment(updates, state.delta, gamma, 1)
+    _checks.check_gradients(updates, state.delta, 'pipemare_discrepancy')
+    delta = _checks.keep_where_no_gradient(
+        updates, optax.tree_utils.tree_update_moment(updates, state.delta, gamma, 1), state.delta)
     return updates, PipeMareState(count=optax.safe_increment(state.count),
                                   delta=optax.tree_utils.tree_cast_like(delta, state.delta))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def pipemare_backward_params(params: optax.Params, opt_state: optax.OptState,
+def pipemare_backward_params(opt_state: optax.OptState, params: optax.Params,
                              delay: Any) -> optax.Params:
   """PipeMare's estimate of the weights ``delay`` steps ago: ``params - delay * delta``.
 
-  The backward pass of a stage with delay ``D`` recomputes its forward on these weights, so that
-  forward and backward see (nearly) the same weights without stashing old copies.
+  **Only meaningful inside a pipeline.** There a stage with delay ``D`` receives, for its
+  backward pass, the input of a forward that ran ``D`` updates ago on older weights; recomputing
+  the stage on these estimated weights makes forward and backward see (nearly) the same weights
+  without stashing old copies (PipeDream stashes them). In an ordinary training loop every
+  gradient is computed on the current weights, so there is nothing to estimate; to study
+  staleness alone there, use :func:`delay_gradients`.
+
+  Arguments in the order of optax's ``schedule_free_eval_params(state, params)``, as
+  :func:`predicted_params`. Under ``optax.masked`` or ``optax.multi_transform`` each parameter
+  uses the :func:`pipemare_discrepancy` that updates it; parameters none updates are returned as
+  they are.
 
   Args:
+    opt_state: a state containing :func:`pipemare_discrepancy`'s (anywhere in chain /
+      inject_hyperparams / MultiSteps / masked / multi_transform states).
     params: current weights.
-    opt_state: a state containing :func:`pipemare_discrepancy`'s (found by the field ``delta``
-      anywhere in chain / inject_hyperparams / MultiSteps states).
-    delay: the stage's delay ``D``.
+    delay: the stage's delay ``D >= 0``.
 
   Returns:
     The estimated past weights, with the dtypes of ``params``.
 
   Raises:
-    ValueError: if the state has no (or several) ``delta`` fields.
+    ValueError: if the state has no ``delta``, two cover one parameter, or the arguments are
+      swapped.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim import pipemare, pipemare_backward_params
+    >>> opt = pipemare(0.1, delay=2, momentum=0.9, anneal_steps=0, gamma=0.0)
+    >>> params = jnp.array([1.0])
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(jnp.array([1.0]), state, params)
+    >>> params = optax.apply_updates(params, updates)  # a stage's update, as the engine makes it
+    >>> # The stage's backward recomputes on the weights its forward saw two updates ago:
+    >>> pipemare_backward_params(state, params, delay=2)  # 0.9 - 2 * (-0.1)
+    Array([1.1], dtype=float32)
   """
-  delta = _checks.get_unique(opt_state, 'delta', helper='pipemare_backward_params',
-                             provider='pipemare_discrepancy')
-  return jax.tree.map(lambda p, d: (p - jnp.asarray(delay, d.dtype) * d).astype(p.dtype),
-                      params, delta)
+  helper = 'pipemare_backward_params'
+  _checks.check_count(delay, 'delay', helper)
+  states = _checks.find_states(opt_state, params, PipeMareState, helper, 'pipemare_discrepancy',
+                               f'{helper}(opt_state, params, delay)')
+
+  def past(param, index, delta):
+    del index
+    return (param - jnp.asarray(delay, delta.dtype) * delta).astype(param.dtype)
+
+  return _checks.merge_per_leaf(params, [s.delta for s in states], past, helper,
+                                'pipemare_discrepancy')
 
 
 def pipemare(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any, anneal_steps: Any,
@@ -183,9 +215,14 @@ def pipemare(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any, a
 
   Example:
     >>> import jax.numpy as jnp
+    >>> import optax
     >>> from pipejax.optim import pipemare
-    >>> opt = pipemare(0.1, delay=6, momentum=0.9, anneal_steps=1000)
-    >>> state = opt.init(jnp.zeros(3))
+    >>> opt = pipemare(0.1, delay=4, momentum=0.9, anneal_steps=1000)
+    >>> params = jnp.array([1.0, -1.0])
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(params, state, params)  # the gradient of |w|^2 / 2
+    >>> optax.apply_updates(params, updates)  # the first step's rate is 0.1 / 4
+    Array([ 0.975, -0.975], dtype=float32)
 
   References:
     Yang et al., `PipeMare: Asynchronous Pipeline Parallel DNN Training

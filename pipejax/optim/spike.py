@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pipejax.optim import _checks
@@ -45,7 +46,7 @@ def spike_coefficients(delay: Any, momentum: Any) -> tuple[Any, Any]:
   in flight, and ``a`` the fraction of the gradient still left in the trace after them.
 
   Args:
-    delay: the gradient delay ``D >= 0`` (Python number or jax array).
+    delay: the gradient delay ``D >= 0``, a whole number (Python number or jax array).
     momentum: the momentum ``m`` in ``[0, 1)`` (Python number or jax array).
 
   Returns:
@@ -56,19 +57,24 @@ def spike_coefficients(delay: Any, momentum: Any) -> tuple[Any, Any]:
     >>> spike_coefficients(2, 0.5)
     (0.25, 1.5)
   """
-  _checks.check_range(momentum, 'momentum', 'spike_coefficients', low=0, high=1, high_open=True)
-  _checks.check_range(delay, 'delay', 'spike_coefficients', low=0)
+  _check_delay_and_momentum(delay, momentum, 'spike_coefficients')
   a = momentum**delay
-  b = (1 - a) / (1 - momentum)
+  if _checks.is_concrete_number(momentum):
+    return a, (1 - a) / (1 - momentum)
+  # A traced momentum escapes the range check; at m = 1 the sum is D, not 0 / 0.
+  at_one = momentum == 1
+  b = jnp.where(at_one, jnp.asarray(delay, jnp.result_type(a)),
+                (1 - a) / jnp.where(at_one, 1, 1 - momentum))
   return a, b
 
 
 def _check_delay_and_momentum(delay: Any, momentum: Any, owner: str) -> None:
-  _checks.check_range(delay, 'delay', owner, low=0)
+  _checks.check_count(delay, 'delay', owner)
   _checks.check_range(momentum, 'momentum', owner, low=0, high=1, high_open=True)
 
 
-def spike_compensation(delay: Any, momentum: Any) -> optax.GradientTransformationExtraArgs:
+def spike_compensation(delay: Any, momentum: Any, nesterov: bool = False,
+                       accumulator_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Heavy-ball momentum with Spike Compensation for gradients ``delay`` steps late.
 
   With the gradient :math:`g_t` that arrives at step :math:`t` (computed ``D`` steps earlier):
@@ -85,14 +91,23 @@ def spike_compensation(delay: Any, momentum: Any) -> optax.GradientTransformatio
   :math:`a\,m^j g = m^{D+j} g` ``j`` steps later, so from its arrival on the weights follow the
   trajectory undelayed momentum would have given that gradient.
 
-  With ``delay=0`` it is ``optax.trace(decay=momentum)`` exactly, so
+  **Nesterov.** Nesterov momentum, :math:`u_t = g_t + m v_t` (``optax.trace(nesterov=True)``),
+  applies a gradient ``k`` steps after it was computed with the weight :math:`m^{k+1}` (and
+  :math:`1 + m` at once): it is heavy-ball momentum one step ahead. Its compensation is therefore
+  the one above with ``D + 1``: :math:`u_t = m^{D+1} v_t + \frac{1 - m^{D+1}}{1 - m} g_t`.
+
+  With ``delay=0`` it is ``optax.trace(decay=momentum, nesterov=nesterov)`` exactly, so
   ``optax.chain(spike_compensation(0, m), optax.scale_by_learning_rate(lr))`` is
-  ``optax.sgd(lr, momentum=m)`` bit for bit.
+  ``optax.sgd(lr, momentum=m)`` bit for bit. A ``None`` gradient leaf (a frozen parameter) gives a
+  ``None`` update, and its trace is kept as it was.
 
   Args:
-    delay: gradient delay ``D >= 0`` in steps; a stage ``s`` of an ``S``-stage pipeline has
-      ``D = 2(S - 1 - s)``. May be a jax array (``optax.inject_hyperparams``).
+    delay: gradient delay ``D >= 0`` in steps, a whole number; a stage ``s`` of an ``S``-stage
+      pipeline has ``D = 2(S - 1 - s)``. May be a jax array (``optax.inject_hyperparams``).
     momentum: heavy-ball momentum ``m`` in ``[0, 1)``.
+    nesterov: use Nesterov momentum (a Python bool).
+    accumulator_dtype: dtype of the trace (None: the params' dtype), as in ``optax.trace``. Give
+      ``jnp.float32`` for bfloat16 params whenever ``m`` is close to 1: in bfloat16 0.99918 is 1.0.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`SpikeCompensationState`.
@@ -108,36 +123,55 @@ def spike_compensation(delay: Any, momentum: Any) -> optax.GradientTransformatio
     >>> updates, state = opt.update(jnp.array([1.0, -1.0]), state, params)
     >>> updates  # -0.1 * (0.25 + 1.5) * g
     Array([-0.175,  0.175], dtype=float32)
+    >>> optax.apply_updates(params, updates)
+    Array([0.825, 2.175], dtype=float32)
 
   References:
     Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
     <https://arxiv.org/abs/2003.11666>`_, MLSys 2021.
   """
-  _check_delay_and_momentum(delay, momentum, 'spike_compensation')
+  owner = 'spike_compensation'
+  _check_delay_and_momentum(delay, momentum, owner)
+  _check_flag(nesterov, 'nesterov', owner)
+  accumulator_dtype = _checks.canonicalize_dtype(accumulator_dtype, 'accumulator_dtype', owner)
 
   def init_fn(params):
-    return SpikeCompensationState(count=jnp.zeros([], jnp.int32),
-                                  trace=optax.tree_utils.tree_zeros_like(params))
+    return SpikeCompensationState(
+        count=jnp.zeros([], jnp.int32),
+        trace=optax.tree_utils.tree_zeros_like(params, dtype=accumulator_dtype))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.trace, owner)
     # Same operation order as optax.trace (g + m * v), so that delay 0 matches it bit for bit.
-    trace = jax.tree.map(lambda g, v: g + jnp.asarray(momentum, v.dtype) * v, updates, state.trace)
+    trace = _checks.map_gradients(lambda g, v: g + jnp.asarray(momentum, v.dtype) * v, updates,
+                                  state.trace)
     if _checks.is_concrete_zero(delay):
-      compensated = trace
+      compensated = (_checks.map_gradients(
+          lambda g, v: g + jnp.asarray(momentum, v.dtype) * v, updates, trace)
+                     if nesterov else trace)
     else:
-      a, b = spike_coefficients(_checks.at_least_float32(delay), _checks.at_least_float32(momentum))
-      compensated = jax.tree.map(
-          lambda v, g: jnp.asarray(a, v.dtype) * v + jnp.asarray(b, g.dtype) * g, trace, updates)
-    trace = optax.tree_utils.tree_cast_like(trace, state.trace)
+      a, b = spike_coefficients(_checks.at_least_float32(delay) + (1 if nesterov else 0),
+                                _checks.at_least_float32(momentum))
+      compensated = _checks.map_gradients(
+          lambda g, v: jnp.asarray(a, v.dtype) * v + jnp.asarray(b, g.dtype) * g, updates, trace)
+    trace = optax.tree_utils.tree_cast_like(
+        _checks.keep_where_no_gradient(updates, trace, state.trace), state.trace)
     return compensated, SpikeCompensationState(count=optax.safe_increment(state.count),
                                                trace=trace)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _check_flag(value: Any, name: str, owner: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{owner}: {name} must be a Python bool, got {value!r} '
+                     f'({type(value).__name__}).')
+
+
 def sgd_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any,
-           weight_decay: Any = 0.0) -> optax.GradientTransformationExtraArgs:
+           weight_decay: Any = 0.0, nesterov: bool = False,
+           accumulator_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Momentum SGD with Spike Compensation: the per-stage update rule of PB + SC.
 
   .. math::
@@ -148,20 +182,40 @@ def sgd_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any,
   Weight decay is coupled (an L2 term added to the gradient before the momentum, as
   ``optax.sgd`` with ``optax.add_decayed_weights`` in front), so it is delayed and compensated
   like the gradient it joins; it is left out of the chain when ``weight_decay`` is a Python 0.
+  With ``delay=0`` it is ``optax.sgd(learning_rate, momentum, nesterov, accumulator_dtype)``.
 
   Args:
     learning_rate: ``eta``, a float or an optax schedule of the step count.
-    delay: gradient delay ``D >= 0`` of the stage.
+    delay: gradient delay ``D >= 0`` of the stage, a whole number.
     momentum: heavy-ball momentum ``m`` in ``[0, 1)``.
     weight_decay: coupled weight decay ``lambda >= 0``.
+    nesterov: Nesterov momentum, compensated as :func:`spike_compensation` says.
+    accumulator_dtype: dtype of the momentum trace (None: the params' dtype). With bfloat16
+      params and a momentum close to 1, give ``jnp.float32``.
 
   Returns:
     ``optax.chain(add_decayed_weights, spike_compensation, scale_by_learning_rate)``.
 
   Example:
+    >>> import jax.numpy as jnp
     >>> import optax
     >>> from pipejax.optim import sgd_sc
-    >>> opt = optax.inject_hyperparams(sgd_sc)(learning_rate=0.1, delay=2, momentum=0.9)
+    >>> opt = sgd_sc(learning_rate=0.1, delay=2, momentum=0.5)
+    >>> params = {'w': jnp.array([1.0, -1.0])}
+    >>> state = opt.init(params)
+    >>> for _ in range(3):  # minimise |w|^2 / 2, whose gradient is w
+    ...   updates, state = opt.update(params, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params['w']
+    Array([ 0.5346..., -0.5346...], dtype=float32)
+
+    Under ``optax.inject_hyperparams`` the hyperparameters live in the state and can be changed
+    between steps (``hyperparam_dtype`` keeps them in float32 for bfloat16 params):
+
+    >>> opt = optax.inject_hyperparams(sgd_sc, hyperparam_dtype=jnp.float32)(
+    ...     learning_rate=0.1, delay=2, momentum=0.9)
+    >>> state = opt.init(params)
+    >>> state.hyperparams['learning_rate'] = jnp.float32(0.05)
 
   References:
     Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
@@ -169,25 +223,26 @@ def sgd_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any,
   """
   _check_delay_and_momentum(delay, momentum, 'sgd_sc')
   _checks.check_range(weight_decay, 'weight_decay', 'sgd_sc', low=0)
-  if not callable(learning_rate):
-    _checks.check_range(learning_rate, 'learning_rate', 'sgd_sc', low=0)
+  _checks.check_learning_rate(learning_rate, 'sgd_sc')
   parts = []
   if not _checks.is_concrete_zero(weight_decay):
     parts.append(optax.add_decayed_weights(weight_decay))
-  parts.append(spike_compensation(delay, momentum))
+  parts.append(spike_compensation(delay, momentum, nesterov, accumulator_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   return optax.chain(*parts)
 
 
-def _check_adam(delay: Any, b1: Any, b2: Any, eps: Any, owner: str) -> None:
-  _checks.check_range(delay, 'delay', owner, low=0)
+def _check_adam(delay: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, owner: str) -> None:
+  _checks.check_count(delay, 'delay', owner)
   _checks.check_range(b1, 'b1', owner, low=0, high=1, high_open=True)
   _checks.check_range(b2, 'b2', owner, low=0, high=1, high_open=True)
   _checks.check_range(eps, 'eps', owner, low=0)
+  _checks.check_range(eps_root, 'eps_root', owner, low=0)
 
 
-def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
-                     eps: Any = 1e-8) -> optax.GradientTransformationExtraArgs:
+def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
+                     eps_root: Any = 0.0,
+                     mu_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose first moment is spike-compensated for gradients ``delay`` steps late.
 
   Adam's first moment is the EMA form of momentum; its Spike Compensation (docs/design.md §3) is
@@ -198,8 +253,9 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
     \hat\mu_t = \frac{\mu_t}{1 - \beta_1^t}, \qquad
     u^{(1)}_t = \beta_1^D\,\hat\mu_t + (1 - \beta_1^D)\,g_t
 
-  and the update is :math:`u^{(1)}_t / (\sqrt{\hat\nu_t} + \epsilon)` with Adam's bias-corrected
-  second moment :math:`\hat\nu_t` (no learning rate; see :func:`adam_sc`).
+  and the update is :math:`u^{(1)}_t / (\sqrt{\hat\nu_t + \epsilon_\text{root}} + \epsilon)`
+  with Adam's bias-corrected second moment :math:`\hat\nu_t` (no learning rate; see
+  :func:`adam_sc`).
 
   **Bias correction comes first.** ``mu_hat`` is a weighted average of the gradients seen so far
   (weights summing to one), and the compensation mixes it with the new gradient with weights
@@ -211,13 +267,18 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
   The second moment is not compensated: it normalises the step size, and a gradient's share of it
   does not depend on when the gradient arrives.
 
-  With ``delay=0`` it is ``optax.scale_by_adam(b1, b2, eps)`` exactly.
+  With ``delay=0`` it is ``optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype)`` exactly. A
+  ``None`` gradient leaf gives a ``None`` update and keeps its moments.
 
   Args:
-    delay: gradient delay ``D >= 0``.
+    delay: gradient delay ``D >= 0``, a whole number.
     b1: decay of the first moment, in ``[0, 1)``.
     b2: decay of the second moment, in ``[0, 1)``.
-    eps: added to the denominator, ``>= 0``.
+    eps: added to the denominator outside the square root, ``>= 0``.
+    eps_root: added to the second moment inside the square root, ``>= 0`` (as in
+      ``optax.scale_by_adam``: keeps the gradient of the update finite when differentiating
+      through it).
+    mu_dtype: dtype of the first moment (None: the params' dtype), as in ``optax.scale_by_adam``.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`ScaleByAdamSCState`.
@@ -227,7 +288,11 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
     >>> import optax
     >>> from pipejax.optim import scale_by_adam_sc
     >>> opt = optax.chain(scale_by_adam_sc(delay=4), optax.scale_by_learning_rate(1e-3))
-    >>> state = opt.init(jnp.zeros(3))
+    >>> params = jnp.array([1.0, -2.0])
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update(jnp.array([0.5, 0.5]), state, params)
+    >>> optax.apply_updates(params, updates)  # Adam's first step: -lr * sign(g)
+    Array([ 0.999, -2.001], dtype=float32)
 
   References:
     Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
@@ -235,15 +300,18 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
     Kingma and Ba, `Adam: A Method for Stochastic Optimization
     <https://arxiv.org/abs/1412.6980>`_, ICLR 2015.
   """
-  _check_adam(delay, b1, b2, eps, 'scale_by_adam_sc')
+  owner = 'scale_by_adam_sc'
+  _check_adam(delay, b1, b2, eps, eps_root, owner)
+  mu_dtype = _checks.canonicalize_dtype(mu_dtype, 'mu_dtype', owner)
 
   def init_fn(params):
     return ScaleByAdamSCState(count=jnp.zeros([], jnp.int32),
-                              mu=optax.tree_utils.tree_zeros_like(params),
+                              mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
                               nu=optax.tree_utils.tree_zeros_like(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    _checks.check_gradients(updates, state.nu, owner)
     # The same helpers as optax.scale_by_adam, so that delay 0 reproduces it exactly.
     mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
     nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
@@ -252,46 +320,65 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999,
     nu_hat = optax.tree_utils.tree_bias_correction(nu, b2, count)
     if not _checks.is_concrete_zero(delay):
       kept = _checks.at_least_float32(b1)**_checks.at_least_float32(delay)
-      mu_hat = jax.tree.map(
-          lambda m, g: jnp.asarray(kept, m.dtype) * m + jnp.asarray(1 - kept, g.dtype) * g,
-          mu_hat, updates)
-    adam_updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+      mu_hat = _checks.map_gradients(
+          lambda g, m: jnp.asarray(kept, m.dtype) * m + jnp.asarray(1 - kept, g.dtype) * g,
+          updates, mu_hat)
+    adam_updates = _checks.map_gradients(lambda g, m, v: m / (jnp.sqrt(v + eps_root) + eps),
+                                         updates, mu_hat, nu_hat)
     return adam_updates, ScaleByAdamSCState(
         count=count,
-        mu=optax.tree_utils.tree_cast_like(mu, state.mu),
-        nu=optax.tree_utils.tree_cast_like(nu, state.nu))
+        mu=optax.tree_utils.tree_cast_like(
+            _checks.keep_where_no_gradient(updates, mu, state.mu), state.mu),
+        nu=optax.tree_utils.tree_cast_like(
+            _checks.keep_where_no_gradient(updates, nu, state.nu), state.nu))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def adam_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, b1: Any = 0.9, b2: Any = 0.999,
-            eps: Any = 1e-8, weight_decay: Any = 0.0) -> optax.GradientTransformationExtraArgs:
+            eps: Any = 1e-8, weight_decay: Any = 0.0, eps_root: Any = 0.0, mu_dtype: Any = None,
+            mask: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Adam (AdamW when ``weight_decay > 0``) with a spike-compensated first moment.
 
   .. math::
 
-    w \leftarrow w - \eta\,\Big(\frac{u^{(1)}}{\sqrt{\hat\nu} + \epsilon} + \lambda w\Big)
+    w \leftarrow w - \eta\,\Big(\frac{u^{(1)}}{\sqrt{\hat\nu + \epsilon_\text{root}}
+    + \epsilon} + \lambda w\Big)
 
   with :math:`u^{(1)}` from :func:`scale_by_adam_sc`. Weight decay is decoupled and scaled by the
   learning rate, as in ``optax.adamw``; with ``delay=0`` this is ``optax.adamw`` (``optax.adam``
-  when ``weight_decay`` is 0).
+  when ``weight_decay`` is 0), ``mask`` included.
 
   Args:
     learning_rate: ``eta``, a float or an optax schedule.
-    delay: gradient delay ``D >= 0`` of the stage.
+    delay: gradient delay ``D >= 0`` of the stage, a whole number.
     b1: decay of the first moment, in ``[0, 1)``.
     b2: decay of the second moment, in ``[0, 1)``.
     eps: added to the denominator, ``>= 0``.
     weight_decay: decoupled weight decay ``lambda >= 0``.
+    eps_root: added inside the square root, ``>= 0``.
+    mu_dtype: dtype of the first moment (None: the params' dtype).
+    mask: which leaves weight decay applies to, as in ``optax.adamw``: a tree of bools like the
+      params, or a function of the params returning one (None: every leaf). Leave biases and
+      normalisation scales out.
 
   Returns:
     ``optax.chain(scale_by_adam_sc, add_decayed_weights, scale_by_learning_rate)``.
 
   Example:
+    >>> import jax
     >>> import jax.numpy as jnp
+    >>> import optax
     >>> from pipejax.optim import adam_sc
-    >>> opt = adam_sc(learning_rate=1e-3, delay=6, weight_decay=1e-4)
-    >>> state = opt.init({'w': jnp.ones((2, 2))})
+    >>> params = {'kernel': jnp.ones((2, 2)), 'bias': jnp.zeros(2)}
+    >>> decay_kernels = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    >>> opt = adam_sc(learning_rate=1e-3, delay=6, weight_decay=1e-4, mask=decay_kernels)
+    >>> state = opt.init(params)
+    >>> grads = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}
+    >>> updates, state = opt.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> [round(float(b), 6) for b in params['bias']]  # no decay on the bias: -lr * sign(g)
+    [-0.001, -0.001]
 
   References:
     Kosson et al., `Pipelined Backpropagation at Scale: Training Large Models without Batches
@@ -299,12 +386,11 @@ def adam_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, b1: Any = 0.9, b2
     Loshchilov and Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
   """
-  _check_adam(delay, b1, b2, eps, 'adam_sc')
+  _check_adam(delay, b1, b2, eps, eps_root, 'adam_sc')
   _checks.check_range(weight_decay, 'weight_decay', 'adam_sc', low=0)
-  if not callable(learning_rate):
-    _checks.check_range(learning_rate, 'learning_rate', 'adam_sc', low=0)
-  parts = [scale_by_adam_sc(delay, b1, b2, eps)]
+  _checks.check_learning_rate(learning_rate, 'adam_sc')
+  parts = [scale_by_adam_sc(delay, b1, b2, eps, eps_root, mu_dtype)]
   if not _checks.is_concrete_zero(weight_decay):
-    parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   return optax.chain(*parts)
