@@ -35,6 +35,7 @@ def digits_config(**overrides):
   config.max_test_examples = 0
   config.model_kwargs = {"hidden": (16, 12), "layers_per_stage": 1}
   config.epochs = 240 / 1437
+  config.warmup_epochs = 40 / 1437  # within the run (a longer warm-up is refused)
   config.ticks_per_chunk = 40
   config.eval_every_samples = 80
   config.checkpoint_every_samples = 40
