@@ -99,7 +99,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   who = (f"process {process_id} of {num_processes}" if process_id is not None
          else "this process")
   waiting = _Waiting(
-      f"{who} waits for all processes to connect to the coordinator at "
+      who, "for all processes to connect to the coordinator at "
       f"{coordinator_address or '(detected from the environment)'}",
       initialization_timeout,
       advice=("Start every process with the same --coordinator_address and --num_processes "
@@ -150,8 +150,8 @@ class _Waiting:
   """While its block runs: a line every :data:`WAIT_REPORT_EVERY` seconds saying what it waits
   for and, at ``timeout`` seconds, a message and exit code 1 (the block cannot be interrupted)."""
 
-  def __init__(self, what: str, timeout: float, advice: str):
-    self.what, self.timeout, self.advice = what, timeout, advice
+  def __init__(self, who: str, what: str, timeout: float, advice: str):
+    self.who, self.what, self.timeout, self.advice = who, what, timeout, advice
     self._done = threading.Event()
 
   def __enter__(self):
@@ -164,11 +164,12 @@ class _Waiting:
                                   max(self.timeout - (time.monotonic() - start), 0))):
       waited = time.monotonic() - start
       if waited >= self.timeout:
-        print(f"error: Start-up failed: {self.what}, and gave up after {self.timeout:.0f} s "
-              f"(--startup_timeout). {self.advice}", file=sys.stderr, flush=True)
+        print(f"error: Start-up failed: {self.who} waited {self.timeout:.0f} s "
+              f"(--startup_timeout) {self.what}, in vain. {self.advice}", file=sys.stderr,
+              flush=True)
         os._exit(1)  # pylint: disable=protected-access
-      logging.warning("Start-up: %s (%.0f s of the %.0f s start-up timeout, --startup_timeout).",
-                      self.what, waited, self.timeout)
+      logging.warning("Start-up: %s waits %s (%.0f s of the %.0f s start-up timeout, "
+                      "--startup_timeout).", self.who, self.what, waited, self.timeout)
 
   def __exit__(self, *exc):
     self._done.set()
@@ -219,6 +220,16 @@ def exchange(name: str, value: str, timeout: float = STARTUP_TIMEOUT) -> list[st
       logging.warning("Start-up: process %d waits for process %d's %s (%.0f s of the %.0f s "
                       "start-up timeout, --startup_timeout).", jax.process_index(), process,
                       name, time.monotonic() - start, timeout)
+  # Process 0 hosts the coordination service: none may act on the values (a refusal ends the
+  # process) before every process has read them.
+  try:
+    client.wait_at_barrier(f"pipejax/{name}/read",
+                           int(1000 * max(timeout - (time.monotonic() - start), 1)))
+  except jax.errors.JaxRuntimeError as e:
+    raise StartupError(
+        f"Process {jax.process_index()} lost the other processes while they compared their "
+        f"{name} ({str(e).strip().splitlines()[0][:200]}): one of them stopped (its log says "
+        "why). End all processes and start them again.") from None
   return values
 
 
@@ -239,7 +250,7 @@ def agree(fingerprint: dict[str, Any], timeout: float = STARTUP_TIMEOUT) -> None
   differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in everyone}) > 1]
   if differing:
     details = "; ".join(
-        f"{k}: " + ", ".join(f"process {p} {f.get(k)!r}" for p, f in enumerate(everyone))
+        f"{k}: " + ", ".join(f"{f.get(k)!r} on process {p}" for p, f in enumerate(everyone))
         for k in differing)
     raise StartupError(
         f"The {len(everyone)} processes of this run differ in {', '.join(differing)} ({details}). "
@@ -272,7 +283,7 @@ def agree_on_shared_workdir(workdir: str, timeout: float = STARTUP_TIMEOUT) -> N
       if seen != tokens[0]:
         problem = f"{path} holds another run's token"
     except OSError as e:
-      problem = f"cannot read {path} ({e.strerror})"
+      problem = f"cannot read {os.path.abspath(path)} ({e.strerror})"
   verdicts = exchange("workdir_verdict", problem, timeout)
   bad = {p: v for p, v in enumerate(verdicts) if v}
   if bad:

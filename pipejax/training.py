@@ -505,13 +505,21 @@ def _memory_available() -> tuple[int, str]:
 
 
 def _state_bytes(setup: Setup) -> int:
-  """Bytes of the pipeline state on one device (the largest share on a mesh), computed from
-  shapes alone: weights, optimizer states, delay lines."""
+  """Bytes of the pipeline state on one device (the largest share on a mesh), from shapes alone:
+  weights, optimizer states, delay lines (and stashed weights where the method keeps them)."""
   if setup.sharded is not None:
     from pipejax import sharding  # pylint: disable=g-import-not-at-top
     return max(device["allocated"] for device in sharding.device_memory(setup.sharded))
-  shapes = jax.eval_shape(setup.pipeline.init, jax.random.PRNGKey(0))
-  return accounting.tree_bytes(shapes)
+  pipe = setup.pipeline
+  params = pipe._params_shapes  # pylint: disable=protected-access
+  total = accounting.tree_bytes(params) + pipe.stash_bytes()
+  optimizers = {}  # by delay: stages with one delay share the optimizer's per-weight layout
+  for delay, stage_params in zip(pipe.delays, params):
+    tx = optimizers.setdefault(delay, pipe.method.optimizer(delay))
+    total += accounting.tree_bytes(jax.eval_shape(tx.init, stage_params))
+  if pipe._stashes_weights:  # pylint: disable=protected-access
+    total += sum((d + 1) * accounting.tree_bytes(p) for d, p in zip(pipe.delays, params))
+  return total
 
 
 def _gib(n: int) -> str:
