@@ -220,11 +220,15 @@ def exchange(name: str, value: str, timeout: float = STARTUP_TIMEOUT) -> list[st
       logging.warning("Start-up: process %d waits for process %d's %s (%.0f s of the %.0f s "
                       "start-up timeout, --startup_timeout).", jax.process_index(), process,
                       name, time.monotonic() - start, timeout)
-  # Process 0 hosts the coordination service: none may act on the values (a refusal ends the
-  # process) before every process has read them.
+  # Process 0 hosts the coordination service, and a refusal ends the process: it waits until
+  # every other process has read all values (its acknowledgement is stored once it returns).
   try:
-    client.wait_at_barrier(f"pipejax/{name}/read",
-                           int(1000 * max(timeout - (time.monotonic() - start), 1)))
+    if jax.process_index():
+      client.key_value_set(f"pipejax/{name}/read/{jax.process_index()}", "1")
+    else:
+      for process in range(1, jax.process_count()):
+        client.blocking_key_value_get(f"pipejax/{name}/read/{process}",
+                                      int(1000 * max(timeout - (time.monotonic() - start), 1)))
   except jax.errors.JaxRuntimeError as e:
     raise StartupError(
         f"Process {jax.process_index()} lost the other processes while they compared their "

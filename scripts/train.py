@@ -19,8 +19,9 @@ Exit codes (for job schedulers and study runners):
         divergence, a full or read-only disk, a workdir held by another run, another process of
         a multi-host run that died (rerun all of them to resume).
     2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
-    75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
-        same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during set-up before there was
+        anything to save (EX_TEMPFAIL: not finished, rerun the same command to resume). A run
+        killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
 import os
