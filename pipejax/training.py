@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -308,8 +309,13 @@ class _StopRequest:
       signal.signal(sig, handler)
 
 
+# Seconds between the set-up's "still ..." lines: a deep model builds and compiles for minutes.
+SETUP_REPORT_EVERY = 30.0
+
+
 class _SetupPhases:
-  """Says in the log what the set-up is doing, and tells the signal watch.
+  """Says in the log what the set-up is doing (again every :data:`SETUP_REPORT_EVERY` seconds
+  while a phase lasts), and tells the signal watch.
 
   With several processes, an immediate exit of one would leave the others to fail in their next
   collective, so the watch holds signals from the start and the processes agree at every phase
@@ -320,16 +326,35 @@ class _SetupPhases:
     self._watch = cli.signal_watch()
     self._start = time.perf_counter()
     self._several = jax.process_count() > 1
+    self._phase = None
+    self._done = threading.Event()
     if self._watch and self._several:
       self._watch.hold()
 
+  def __enter__(self):
+    threading.Thread(target=self._report, name="pipejax-setup-progress", daemon=True).start()
+    return self
+
+  def __exit__(self, *exc):
+    self.done()
+
+  def _report(self):
+    while not self._done.wait(SETUP_REPORT_EVERY):
+      if self._phase:
+        logging.info("Set-up (%.0f s): still %s.", time.perf_counter() - self._start, self._phase)
+
   def enter(self, phase: str) -> None:
+    self._phase = phase
     logging.info("Set-up (%.0f s): %s.", time.perf_counter() - self._start, phase)
     if self._watch is None:
       return
     self._watch.set_phase(phase)
     if self._several and _agree_to_stop(self._watch.signal_name is not None):
       raise StoppedDuringSetup(self._watch.signal_name or "a signal to another process", phase)
+
+  def done(self) -> None:
+    """The first chunk has trained: the set-up is over."""
+    self._done.set()
 
 
 def make_evaluator(model, batch_size: int):
@@ -565,7 +590,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
     try:
-      return _train(config, workdir, primary)
+      with _SetupPhases() as phases:
+        return _train(config, workdir, primary, phases)
     except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
       problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
       if problem is None:
@@ -573,8 +599,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise problem from None
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> dict:
-  phases = _SetupPhases()
+def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
+           phases: _SetupPhases) -> dict:
   phases.enter("loading the data and building the model")
   setup = build(config)
 
@@ -669,6 +695,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
       state, chunk_metrics = setup.run(state, x, y, valid)
       chunk_metrics = jax.device_get(chunk_metrics)
       stop.training_started()
+      phases.done()
       _raise_if_diverged(config, setup, state, chunk_metrics, first_tick, samples, valid,
                          checkpointer)
       previous, samples = samples, samples + ticks * b

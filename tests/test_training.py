@@ -2,10 +2,13 @@
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -434,3 +437,20 @@ def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line,
   assert process.returncode == 75, output[-3000:]
   assert f"STOPPED by {signal.Signals(sig).name}" in output, output[-3000:]
   assert "Traceback" not in output and "Fatal Python error" not in output, output[-3000:]
+
+
+def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog):
+  caplog.set_level(logging.INFO)
+  monkeypatch.setattr(training, "SETUP_REPORT_EVERY", 0.2)
+  build = training.build
+
+  def slow_build(config):  # a deep model builds for minutes
+    time.sleep(1.0)
+    return build(config)
+
+  monkeypatch.setattr(training, "build", slow_build)
+  training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  lines = [r.getMessage() for r in caplog.records]
+  assert any(re.match(r"Set-up \(\d+ s\): still loading the data and building the model\.", line)
+             for line in lines)
+  assert any("Pipeline state: " in line and "per device" in line for line in lines)
