@@ -283,7 +283,7 @@ def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
        f"--workdir={tmp_path / 'mesh'}", "--config.dataset=digits",
        "--config.max_train_examples=0", "--config.max_test_examples=0",
        "--config.model_kwargs.hidden=(16,12)", f"--config.epochs={240 / 1437!r}",
-       "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
+       f"--config.warmup_epochs={40 / 1437!r}", "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
        "--config.checkpoint_every_samples=40", "--config.eval_batch_size=128",
        "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
