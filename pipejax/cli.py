@@ -1,13 +1,19 @@
-"""What the absl binaries of ``scripts/`` share: how a usage error reaches the user."""
+"""What the absl binaries of ``scripts/`` share: how a usage error and a stop signal reach the user."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from typing import Callable
 
 from absl import app
 
 EXIT_USAGE = 2  # a bad command line, as the shell's own builtins and scripts/train.py use it
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning resumes
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def run(main: Callable[[list[str]], None], **kwargs) -> None:
@@ -25,3 +31,69 @@ def run(main: Callable[[list[str]], None], **kwargs) -> None:
       sys.exit(EXIT_USAGE)
 
   app.run(main_with_usage_errors, **kwargs)
+
+
+class SignalWatch:
+  """SIGTERM and SIGINT taken by a thread of their own, in every phase of a run.
+
+  A Python signal handler runs only when the main thread returns to the interpreter, so during a
+  long XLA compile or a blocking ``jax.distributed`` call a signal waits (or, as a
+  ``KeyboardInterrupt`` unwinding native code, crashes the process), and the coordination
+  service's own SIGTERM handler swallows it. Here both signals are blocked in every thread before
+  any library starts one (the mask is inherited), and one thread takes them with ``sigwait`` as
+  they arrive, whatever the main thread is doing.
+
+  Until :meth:`hold` is called, nothing of the run needs saving: the watch prints why it
+  stops and ends the process with :data:`EXIT_STOPPED` at once. Inside it, a signal only sets
+  :attr:`signal_name`, which the training loop checks between chunks (it then saves a checkpoint
+  and exits with the same code).
+  """
+
+  def __init__(self):
+    self.signal_name: str | None = None
+    self.phase = "start-up"
+    self._deferred = False
+    self._lock = threading.Lock()
+
+  def start(self) -> "SignalWatch":
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=self._watch, name="pipejax-signal-watch", daemon=True).start()
+    return self
+
+  def _watch(self):
+    while True:
+      signum = signal.sigwait(STOP_SIGNALS)
+      with self._lock:
+        self.signal_name = signal.Signals(signum).name
+        if self._deferred:
+          continue
+        # Under the lock: the main thread cannot start holding signals meanwhile.
+        sys.stdout.flush()
+        print(f"STOPPED by {self.signal_name} during {self.phase}, before this session trained "
+              "or saved anything; rerun the same command to continue.", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_STOPPED)  # pylint: disable=protected-access
+
+  def set_phase(self, phase: str) -> None:
+    """Names what the run is doing, for the message of a stop."""
+    self.phase = phase
+
+  def hold(self) -> None:
+    """From now on a signal is a request the run honours between chunks, not an exit."""
+    with self._lock:
+      self._deferred = True
+
+
+_WATCH: list[SignalWatch] = []
+
+
+def watch_signals() -> SignalWatch:
+  """Starts the process's :class:`SignalWatch` (once; call it before importing JAX)."""
+  if not _WATCH:
+    _WATCH.append(SignalWatch().start())
+  return _WATCH[0]
+
+
+def signal_watch() -> SignalWatch | None:
+  """The process's :class:`SignalWatch` if a binary started one, else None (library use)."""
+  return _WATCH[0] if _WATCH else None

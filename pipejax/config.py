@@ -11,6 +11,7 @@ import difflib
 import importlib.util
 import os
 import re
+import shlex
 import sys
 from typing import Any, NoReturn
 
@@ -100,6 +101,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
   config.max_train_examples = 2000
   config.max_test_examples = 500
   config.epochs = 1.0
+  config.warmup_epochs = min(config.warmup_epochs, config.epochs)  # a warm-up fits in the run
   config.ticks_per_chunk = max(1, 250 // config.micro_batch_size)
   config.eval_every_samples = 1000
   config.checkpoint_every_samples = 1000
@@ -144,6 +146,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   """
   from absl import flags  # the binaries' dependency, not the config files'
 
+  _COMMAND_LINE[:] = argv[1:]
   model_kwargs, kept = {}, []
   for arg in argv:
     match = _MODEL_KWARG.match(arg)
@@ -174,14 +177,24 @@ def parse_flags(argv: list[str]) -> list[str]:
     _exit(_describe_config_error(e, kept))
   if model_kwargs:
     with config.unlocked():
-      if "model_kwargs" not in config:
-        config.model_kwargs = ml_collections.ConfigDict()
+      merged = dict(config.model_kwargs) if "model_kwargs" in config else {}
       for key, value in model_kwargs.items():
-        if key in config.model_kwargs and isinstance(config.model_kwargs[key], str) and \
-            value is not None and not isinstance(value, str):
+        if isinstance(merged.get(key), str) and value is not None and not isinstance(value, str):
           value = str(value)  # e.g. a string-valued keyword given as a number-like word
-        config.model_kwargs[key] = value
+        merged[key] = value
+      # A new field, not one typed by the config file's value: the model's builder decides what
+      # a keyword may be, and the trainer's validation says so in one line (depth=8.5).
+      config.model_kwargs = ml_collections.ConfigDict(merged)
   return rest
+
+
+_COMMAND_LINE: list[str] = []
+
+
+def command_line() -> str:
+  """The arguments :func:`parse_flags` was given, ``--config.model_kwargs.*`` included: the
+  line that reproduces the run (quoted for a shell)."""
+  return shlex.join(_COMMAND_LINE)
 
 
 def _describe_config_error(error: Exception, argv: list[str]) -> str:

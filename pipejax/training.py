@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import inspect
 import json
 import math
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 import optax
 
 from pipejax import accounting
+from pipejax import cli
 from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import metrics as metrics_lib
@@ -35,6 +38,7 @@ from pipejax import workdir as workdir_lib
 from pipejax.models import sequential
 from pipejax.checkpoint import Checkpointer, CheckpointError, storage_error, weights_digest
 from pipejax.engine import Pipeline
+from pipejax.stages import ModelError
 from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exported)
 
 # Config keys that may differ on resume without changing what is trained: where the data lives, how
@@ -128,6 +132,70 @@ def validate(config) -> None:
   if config.method == "sync" and config.ticks_per_chunk % config.micro_batches:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
                       f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
+  if config.schedule == "cosine" and config.warmup_epochs > config.epochs:
+    raise ConfigError(
+        f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
+        f"{config.epochs}): the learning rate would never reach its peak and never decay. Set "
+        "--config.warmup_epochs to at most --config.epochs.")
+  if config.dataset not in data_lib.NAMES:
+    raise ConfigError(f"config.dataset={config.dataset!r} is not a known data set. Known data "
+                      f"sets: {', '.join(data_lib.NAMES)}.")
+  _check_model(config)
+
+
+def _model_kwargs(config) -> dict:
+  kwargs = dict(config.model_kwargs)
+  if config.method == "sgd":
+    # The reference without a pipeline: the whole network as one stage, where the engine is
+    # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
+    # weights of the split the config names (Setup.initial_weights_from).
+    kwargs["layers_per_stage"] = None
+  return kwargs
+
+
+def _check_model(config) -> None:
+  """Builds the model once with placeholder classes: its keywords' names, types and values.
+
+  Building only creates the stage objects (no weights), so a misspelt keyword or an impossible
+  value is refused before the workdir exists.
+  """
+  kwargs = _model_kwargs(config)
+  defaults = {k: p.default for k, p in
+              inspect.signature(models_lib.registry._BUILDERS[config.model]).parameters.items()}  # pylint: disable=protected-access
+  for name, value in kwargs.items():
+    default = defaults.get(name, inspect.Parameter.empty)
+    wanted = _same_kind(default, value)
+    if wanted:
+      raise ConfigError(
+          f"config.model_kwargs.{name} must be {wanted} (model {config.model!r} takes {name}="
+          f"{default!r} by default); got {value!r}. Set it with "
+          f"--config.model_kwargs.{name}=VALUE.")
+  try:
+    models_lib.build(config.model, **kwargs)
+  except ModelError:
+    raise
+  except (TypeError, ValueError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ConfigError(f"config.model_kwargs {kwargs} cannot build model {config.model!r}: "
+                      f"{first}. Check the values given with --config.model_kwargs.*.") from None
+
+
+def _same_kind(default, value) -> str | None:
+  """What ``value`` must be to stand where the builder's ``default`` stands, or None if it may."""
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+  if default is inspect.Parameter.empty or default is None or value is None:
+    return None
+  if isinstance(default, bool):
+    return None if isinstance(value, bool) else "True or False"
+  if is_int(default):
+    return None if is_int(value) else "an integer"
+  if isinstance(default, float):
+    return None if is_int(value) or isinstance(value, float) else "a number"
+  if isinstance(default, str) and not isinstance(value, (str, tuple, list)):
+    return "a string"
+  if isinstance(default, (tuple, list)) and not isinstance(value, (tuple, list)):
+    return "a tuple, e.g. (256, 128)"
+  return None
 
 
 # Field groups of _validate_values; optional fields (None: use the converted recipe) are checked
@@ -184,6 +252,16 @@ def _validate_values(config) -> None:
             "made of positive integers (widths, counts)")
 
 
+# Config keys that may differ between the processes of one run: each host reads its own copy of
+# the data set, wherever it is mounted.
+PER_HOST_KEYS = ("data_dir", "download_data")
+
+
+def flat_config(config) -> dict:
+  """``{dotted key: value}`` of every field of ``config``, as JSON would hold them."""
+  return _flatten(_to_plain(config))
+
+
 def _config_fingerprint(config) -> dict:
   return {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
 
@@ -193,14 +271,38 @@ def _to_plain(config) -> dict:
       dict(config)
 
 
+class StoppedDuringSetup(Exception):
+  """A signal asked a run of several processes to stop before its first chunk; all of them stop."""
+
+  def __init__(self, signal_name: str, phase: str):
+    super().__init__(f"STOPPED by {signal_name} during set-up ({phase}), before this session "
+                     "trained or saved anything; rerun the same commands to continue.")
+
+
 class _StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop checks between chunks (then saves and exits)."""
+  """Turns SIGTERM/SIGINT into a flag the loop checks between chunks (then saves and exits).
+
+  In a binary that started a :class:`pipejax.cli.SignalWatch`, the watch takes the signals: it
+  ends the process at once until the first chunk has trained (there is nothing to save), and
+  from then on only raises the flag. Without one (library use), signal handlers raise it.
+  """
 
   def __init__(self):
-    self.signal_name = None
+    self._watch = cli.signal_watch()
+    self._signal_name = None
     self._previous = {}
 
+  @property
+  def signal_name(self) -> str | None:
+    return self._watch.signal_name if self._watch else self._signal_name
+
+  def training_started(self) -> None:
+    if self._watch:
+      self._watch.hold()
+
   def __enter__(self):
+    if self._watch:
+      return self
     for sig in (signal.SIGTERM, signal.SIGINT):
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
@@ -210,11 +312,59 @@ class _StopRequest:
 
   def _handle(self, signum, frame):
     del frame
-    self.signal_name = signal.Signals(signum).name
+    self._signal_name = signal.Signals(signum).name
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+# Seconds between the set-up's "still ..." lines: a deep model builds and compiles for minutes.
+SETUP_REPORT_EVERY = 30.0
+
+
+class _SetupPhases:
+  """Says in the log what the set-up is doing (again every :data:`SETUP_REPORT_EVERY` seconds
+  while a phase lasts), and tells the signal watch.
+
+  With several processes, an immediate exit of one would leave the others to fail in their next
+  collective, so the watch holds signals from the start and the processes agree at every phase
+  whether one of them was asked to stop (:class:`StoppedDuringSetup` on all of them).
+  """
+
+  def __init__(self):
+    self._watch = cli.signal_watch()
+    self._start = time.perf_counter()
+    self._several = jax.process_count() > 1
+    self._phase = None
+    self._done = threading.Event()
+    if self._watch and self._several:
+      self._watch.hold()
+
+  def __enter__(self):
+    threading.Thread(target=self._report, name="pipejax-setup-progress", daemon=True).start()
+    return self
+
+  def __exit__(self, *exc):
+    self.done()
+
+  def _report(self):
+    while not self._done.wait(SETUP_REPORT_EVERY):
+      if self._phase:
+        logging.info("Set-up (%.0f s): still %s.", time.perf_counter() - self._start, self._phase)
+
+  def enter(self, phase: str) -> None:
+    self._phase = phase
+    logging.info("Set-up (%.0f s): %s.", time.perf_counter() - self._start, phase)
+    if self._watch is None:
+      return
+    self._watch.set_phase(phase)
+    if self._several and _agree_to_stop(self._watch.signal_name is not None):
+      raise StoppedDuringSetup(self._watch.signal_name or "a signal to another process", phase)
+
+  def done(self) -> None:
+    """The first chunk has trained: the set-up is over."""
+    self._done.set()
 
 
 def make_evaluator(model, batch_size: int):
@@ -327,18 +477,22 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   if config.max_test_examples:
     test_source = data_lib.Subset(test_source, config.max_test_examples)
 
+  for split, source in (("training", train_source), ("test", test_source)):
+    if len(source) == 0:
+      raise ConfigError(
+          f"The {split} split of data set {config.dataset!r} is empty"
+          f"{f' in {config.data_dir}' if config.data_dir else ''}: there is nothing to "
+          f"{'train on' if split == 'training' else 'evaluate'}. Check the data files (or "
+          "--config.data_dir).")
+
   b = config.micro_batch_size
-  model_kwargs = dict(config.model_kwargs)
   split_model = None
-  if config.method == "sgd":
-    # The reference without a pipeline: the whole network as one stage, where the engine is
-    # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
-    # weights of the split the config names.
-    if model_kwargs.get("layers_per_stage", 1) is not None:
-      split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
-                                     **model_kwargs)
-    model_kwargs["layers_per_stage"] = None
-  model = models_lib.build(config.model, num_classes=train_source.num_classes, **model_kwargs)
+  if config.method == "sgd" and config.model_kwargs.get("layers_per_stage", 1) is not None:
+    # The one-stage baseline starts from the weights of the split the config names.
+    split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                                   **dict(config.model_kwargs))
+  model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                           **_model_kwargs(config))
   hp = resolve_hyperparameters(config, len(train_source))
   if config.pipemare_anneal_fraction > 0:
     anneal_steps = max(1, round(config.pipemare_anneal_fraction * hp.steps))
@@ -389,6 +543,89 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   return Setup(train_source, test_source, model, hp, pipe, sharded, initial_weights_from)
 
 
+def run_ticks(config, train_size: int) -> int:
+  """Ticks the run trains: ``config.epochs`` of the training split, whatever the chunk length.
+
+  Whole micro-batches (whole groups of ``config.micro_batches`` in the synchronous mode), at
+  least one.
+  """
+  group = config.micro_batches if config.method == "sync" else 1
+  ticks = int(config.epochs * train_size) // config.micro_batch_size
+  return max(group, ticks - ticks % group)
+
+
+# The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).
+CHUNK_MEMORY_SHARE = 0.25
+
+
+def chunk_bytes(setup: Setup, ticks: int) -> int:
+  """Bytes of one chunk of ``ticks`` ticks: its inputs and labels on the host and on the devices,
+  and its per-tick metrics."""
+  pipe = setup.pipeline
+  b, m = pipe.micro_batch_size, pipe.method.micro_batches_per_step
+  scheduled = ticks if m is None else ticks // m * (m + accounting.bubble_ticks(pipe.num_stages, m))
+  example = math.prod(setup.train_source.example_shape) * 4 + 4  # float32 inputs, int32 label
+  metrics = 4 * (4 + 5 * pipe.num_stages)  # loss, accuracy; per stage valid, sample, finite, ...
+  return scheduled * (2 * b * example + metrics)
+
+
+def _memory_available() -> tuple[int, str]:
+  """The memory a chunk and the state compete for: the first device's, or the host's on CPU."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def _state_bytes(setup: Setup) -> int:
+  """Bytes of the pipeline state on one device (the largest share on a mesh), from shapes alone:
+  weights, optimizer states, delay lines (and stashed weights where the method keeps them)."""
+  if setup.sharded is not None:
+    from pipejax import sharding  # pylint: disable=g-import-not-at-top
+    return max(device["allocated"] for device in sharding.device_memory(setup.sharded))
+  pipe = setup.pipeline
+  params = pipe._params_shapes  # pylint: disable=protected-access
+  total = accounting.tree_bytes(params) + pipe.stash_bytes()
+  optimizers = {}  # by delay: stages with one delay share the optimizer's per-weight layout
+  for delay, stage_params in zip(pipe.delays, params):
+    tx = optimizers.setdefault(delay, pipe.method.optimizer(delay))
+    total += accounting.tree_bytes(jax.eval_shape(tx.init, stage_params))
+  if pipe._stashes_weights:  # pylint: disable=protected-access
+    total += sum((d + 1) * accounting.tree_bytes(p) for d, p in zip(pipe.delays, params))
+  return total
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _check_memory(config, setup: Setup, chunk_ticks: int) -> None:
+  """Refuses, before anything is compiled, a chunk or a state that cannot fit in memory."""
+  available, where = _memory_available()
+  chunk = chunk_bytes(setup, chunk_ticks)
+  if chunk > CHUNK_MEMORY_SHARE * available:
+    per_tick = max(chunk // chunk_ticks, 1)
+    fitting = max(1, int(CHUNK_MEMORY_SHARE * available) // per_tick)
+    raise ConfigError(
+        f"A chunk of {chunk_ticks} ticks (config.ticks_per_chunk={config.ticks_per_chunk}, at "
+        f"most the run's length) needs about {_gib(chunk)} for its inputs and metrics, more than "
+        f"{CHUNK_MEMORY_SHARE:.0%} of {where} ({_gib(available)}). Lower "
+        f"--config.ticks_per_chunk to {fitting} or less (it changes no result, only how often "
+        "the run reports and can save).")
+  state = _state_bytes(setup)
+  logging.info("Pipeline state: %s per device (weights, optimizer states, delay lines of %d "
+               "stages); a chunk of %d ticks: %s.", _gib(state), setup.pipeline.num_stages,
+               chunk_ticks, _gib(chunk))
+  if state + chunk > available:
+    raise ConfigError(
+        f"The pipeline state of this config needs about {_gib(state)} per device (weights, "
+        f"optimizer states and the delay lines of {setup.pipeline.num_stages} stages, which grow "
+        f"with the square of the stage count), more than {where} ({_gib(available)}). Use fewer "
+        "stages (--config.model_kwargs.layers_per_stage, or a smaller depth), narrower layers, "
+        "or a mesh over more devices (--config.mesh.stage).")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
 
@@ -402,7 +639,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
     try:
-      return _train(config, workdir, primary)
+      with _SetupPhases() as phases:
+        return _train(config, workdir, primary, phases)
     except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
       problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
       if problem is None:
@@ -410,7 +648,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       raise problem from None
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> dict:
+def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
+           phases: _SetupPhases) -> dict:
+  phases.enter("loading the data and building the model")
   setup = build(config)
 
   train_source, test_source = setup.train_source, setup.test_source
@@ -419,10 +659,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   augment = train_source.default_augment if config.augment else None
   stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
 
-  samples_per_chunk = config.ticks_per_chunk * b
-  total_samples = int(config.epochs * len(train_source))
-  total_samples -= total_samples % samples_per_chunk or 0
-  total_samples = max(total_samples, samples_per_chunk)
+  total_ticks = run_ticks(config, len(train_source))
+  total_samples = total_ticks * b
+  _check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
 
   feed = placement = None
   if jax.process_count() > 1:  # each process feeds and saves its own devices' part
@@ -430,9 +669,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
     feed, placement = distributed.trainer_parts(setup.sharded)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
                               primary=primary, placement=placement)
+  phases.enter(f"initialising the pipeline state ({pipe.num_stages} stages)")
   state = setup.init(jax.random.PRNGKey(config.seed))
   init_digest = weights_digest([st.params for st in setup.logical(state).stages])
   samples, seconds_before = 0, 0.0
+  phases.enter("looking for a checkpoint to resume")
   restored = checkpointer.restore_newest(
       setup.logical(state), lambda step, meta: _check_resumable(config, checkpointer, step, meta))
   if restored is not None:
@@ -494,19 +735,26 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
   interval_start = (time.perf_counter(), samples)
   stopped_by = None
   test_result = None
+  phases.enter(f"compiling the chunk (a scan over ticks of {pipe.num_stages} stages) and "
+               "running the first one")
   with _StopRequest() as stop:
     while samples < total_samples:
+      # The last chunk is shorter when the run is not a whole number of chunks: the run's length
+      # and its schedule follow from the config alone.
+      ticks = min(config.ticks_per_chunk, (total_samples - samples) // b)
       if feed is None:
-        x, y = stream.next_chunk(config.ticks_per_chunk)
+        x, y = stream.next_chunk(ticks)
         x, y, valid = pipe.schedule(x, y)
       else:
-        x, y, valid = feed.next_chunk(stream, config.ticks_per_chunk)
+        x, y, valid = feed.next_chunk(stream, ticks)
       first_tick = int(state.tick)
       state, chunk_metrics = setup.run(state, x, y, valid)
       chunk_metrics = jax.device_get(chunk_metrics)
+      stop.training_started()
+      phases.done()
       _raise_if_diverged(config, setup, state, chunk_metrics, first_tick, samples, valid,
                          checkpointer)
-      samples += samples_per_chunk
+      previous, samples = samples, samples + ticks * b
       # The rate of this interval alone: a running average would count compile time forever.
       now = time.perf_counter()
       rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
@@ -527,7 +775,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
                   float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
                   float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
                   rate, _duration((total_samples - samples) / max(rate, 1e-9)))
-      crossed = lambda every: samples // every != (samples - samples_per_chunk) // every
+      crossed = lambda every: samples // every != previous // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
       if _agree_to_stop(stop.signal_name is not None):
@@ -546,7 +794,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool) -> di
         save(state)
       test_result = evaluate_now()
       writer.write_hparams(
-          {**_flatten(_to_plain(config)), "num_stages": pipe.num_stages,
+          {**flat_config(config), "num_stages": pipe.num_stages,
            "resolved.lr": hp.learning_rate, "resolved.momentum": hp.momentum,
            "resolved.weight_decay": hp.weight_decay},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
@@ -588,7 +836,7 @@ def _flatten(tree, prefix: str = "") -> dict:
 
 def _changed_settings(config, meta: dict) -> dict:
   """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not."""
-  old, new = _flatten(meta.get("config", {})), _flatten(_to_plain(config))
+  old, new = _flatten(meta.get("config", {})), flat_config(config)
   return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
 
 

@@ -19,18 +19,27 @@ Exit codes (for job schedulers and study runners):
         divergence, a full or read-only disk, a workdir held by another run, another process of
         a multi-host run that died (rerun all of them to resume).
     2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
-    75  stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: not finished, rerun the
-        same command to resume). A run killed with SIGKILL gets the shell's 137 and also resumes.
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during set-up before there was
+        anything to save (EX_TEMPFAIL: not finished, rerun the same command to resume). A run
+        killed with SIGKILL gets the shell's 137 and also resumes.
 """
 
 import os
 import sys
+import traceback
 
+from pipejax import cli
+
+if __name__ == "__main__":
+  # Before JAX and the coordination service start threads (they inherit the blocked signals), so
+  # that a signal in any phase, set-up and compile included, ends the run with a message.
+  cli.watch_signals()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from pipejax import cli
 from pipejax import config as configlib
 from pipejax import training
 
@@ -49,6 +58,10 @@ _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "heartbeat_timeout", 30, "Multi-host runs: seconds without a heartbeat after which a process "
     "counts as dead and every other process exits (JAX's coordination service; see "
     "docs/distributed.md).")
+_STARTUP_TIMEOUT = flags.DEFINE_integer(
+    "startup_timeout", 300, "Multi-host runs: seconds each process waits at start-up for the "
+    "others, to connect and then to compare their configs, before it gives up with a message "
+    "(docs/distributed.md).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 EXIT_FINISHED, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -70,26 +83,33 @@ class _HideLibraryChatter:
 def main(argv):
   logging.get_absl_handler().addFilter(_HideLibraryChatter())
   # The first line of the log: scripts/study.py times a run's setup from it.
-  logging.info("pipejax training: %s", " ".join(sys.argv[1:]))
+  logging.info("pipejax training: %s", configlib.command_line())
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
-    from pipejax import distributed  # only multi-host runs pay for it
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  several = _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1
   try:
-    summary = training.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    training.validate(config)  # before the processes wait for each other, or make the workdir
+    if several:
+      _start_processes(config, workdir)
+    summary = training.train_and_evaluate(config, workdir)
+  except training.StoppedDuringSetup as e:
+    print(e)
+    _exit(EXIT_STOPPED)
   except training.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
-    sys.exit(EXIT_ERROR)
+    _exit(EXIT_ERROR)
   except jax.errors.JaxRuntimeError as e:
-    if jax.process_count() == 1:
+    if not jax.distributed.is_initialized():
       raise
     from pipejax import distributed  # pylint: disable=g-import-not-at-top
     print(f"error: {distributed.lost_process_message(e)}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    # A normal exit would wait in JAX's shutdown barrier for the process that is gone.
-    os._exit(EXIT_ERROR)  # pylint: disable=protected-access
+    _exit(EXIT_ERROR)
+  except Exception:  # pylint: disable=broad-except
+    if not jax.distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    _exit(EXIT_ERROR)
   if summary["stopped_by"]:
     print(f"STOPPED by {summary['stopped_by']} after {summary['samples']} samples; rerun to "
           "resume.")
@@ -98,6 +118,34 @@ def main(argv):
         f"method={summary['method']} samples={summary['samples']} "
         f"seconds={summary['train_seconds']:.0f} processes={summary['processes']} "
         f"mesh=data{summary['mesh']['data']}xstage{summary['mesh']['stage']}")
+
+
+def _start_processes(config, workdir):
+  """Connects the processes and makes them agree on what they run, before any of them trains."""
+  from pipejax import distributed  # only multi-host runs pay for it
+  try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           initialization_timeout=_STARTUP_TIMEOUT.value,
+                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+    cli.signal_watch().set_phase("start-up (the processes compare their configs)")
+    fingerprint = {f"config.{k}": v for k, v in training.flat_config(config).items()
+                   if k not in training.PER_HOST_KEYS}
+    distributed.agree({**fingerprint, "code": distributed.code_version(), "workdir": workdir},
+                      _STARTUP_TIMEOUT.value)
+    distributed.agree_on_shared_workdir(workdir, _STARTUP_TIMEOUT.value)
+  except distributed.StartupError as e:
+    print(f"error: {e}", file=sys.stderr)
+    _exit(EXIT_ERROR)
+
+
+def _exit(code: int):
+  """Exits; with several processes, without JAX's shutdown barrier, which would wait for a
+  process that is gone or failed before it."""
+  if not jax.distributed.is_initialized():
+    sys.exit(code)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

@@ -304,3 +304,110 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
   # the trainer says what happened; JAX's heartbeat (5 s here) is the backstop for silent deaths.
   assert survivor_code == 1, survivor_log[-3000:]
   assert "another process of the run died" in survivor_log, survivor_log[-3000:]
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def _start_two(tmp_path, cache, extras=((), ()), cwds=(ROOT, ROOT), address=None,
+               startup_timeout=60) -> list[tuple[subprocess.Popen, pathlib.Path]]:
+  """Two trainer processes with their own extra flags and working directories."""
+  address = address or f"localhost:{_free_port()}"
+  config = [f"--config={ROOT / 'configs' / 'default.py'}:smoke", *CONFIG[1:]]
+  started = []
+  for i in range(2):
+    command = TRAIN + config + [f"--coordinator_address={address}", "--num_processes=2",
+                                f"--process_id={i}", f"--startup_timeout={startup_timeout}",
+                                *extras[i]]
+    log = tmp_path / f"process{i}.log"
+    with open(log, "w") as out:
+      started.append((subprocess.Popen(command, cwd=cwds[i], env=_env(2, cache), stdout=out,
+                                       stderr=subprocess.STDOUT), log))
+  return started
+
+
+def _error_line(log: str) -> str:
+  lines = [line for line in log.splitlines() if line.startswith("error: ")]
+  assert len(lines) == 1, log[-3000:]
+  return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differences, fields", [
+    (("--config.seed=1", "--config.reference.lr=0.4"), ("config.seed", "config.reference.lr")),
+    (("--config.method=pb",), ("config.method",)),
+])
+def test_processes_that_differ_refuse_to_start_naming_the_fields(tmp_path, cache, differences,
+                                                                 fields):
+  workdir = tmp_path / "run"
+  results = _finish(_start_two(tmp_path, cache, ([f"--workdir={workdir}"],
+                                                  [f"--workdir={workdir}", *differences])),
+                    timeout=120)
+  for code, log in results:
+    assert code == 1, log[-3000:]
+    error = _error_line(log)
+    assert "The 2 processes of this run differ in" in error
+    for field in fields:
+      assert field in error
+    assert "FINAL" not in log and "Traceback" not in log
+  assert "config.seed: 0 on process 0, 1 on process 1" in _error_line(results[0][1]) or \
+      "config.seed" not in fields
+  assert not workdir.exists()  # refused before anything was created
+
+
+@pytest.mark.slow
+def test_a_workdir_not_shared_by_the_processes_ends_both_with_a_message(tmp_path, cache):
+  # One relative --workdir from two working directories: one path, two directories, as on a host
+  # where the shared mount is missing.
+  cwds = [tmp_path / "host0", tmp_path / "host1"]
+  for cwd in cwds:
+    cwd.mkdir()
+  start = time.monotonic()
+  results = _finish(_start_two(tmp_path, cache, (["--workdir=run"], ["--workdir=run"]), cwds),
+                    timeout=120)
+  assert time.monotonic() - start < 100
+  for code, log in results:
+    assert code == 1, log[-3000:]
+    error = _error_line(log)
+    assert "is not one directory shared by all 2 processes: process 1 cannot read" in error
+  assert not (cwds[1] / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_coordinator_port_in_use_is_named_and_the_waiting_process_says_why(tmp_path, cache):
+  with socket.socket() as holder:
+    holder.bind(("", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    results = _finish(_start_two(tmp_path, cache, ([f"--workdir={tmp_path / 'run'}"],) * 2,
+                                 address=f"localhost:{port}", startup_timeout=12), timeout=120)
+  (code0, log0), (code1, log1) = results
+  assert code0 == 1 and f"port {port} is in use" in _error_line(log0), log0[-3000:]
+  assert "Traceback" not in log0
+  # The other process says what it waits for while it waits, then gives up with a message.
+  assert re.search(rf"process 1 of 2 waits for all processes to connect to the coordinator at "
+                   rf"localhost:{port} \(10 s of the 12 s start-up timeout", log1), log1[-3000:]
+  assert code1 == 1 and "waited 12 s (--startup_timeout)" in _error_line(log1), log1[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_set_up_stops_both_processes_with_75(tmp_path, cache):
+  processes = _start_two(tmp_path, cache, ([f"--workdir={tmp_path / 'run'}"],) * 2)
+  _wait_for_line(processes[1][1], re.compile(r"Set-up \(\d+ s\)"), processes)
+  processes[1][0].send_signal(signal.SIGTERM)
+  results = _finish(processes)
+  _skip_without_collectives(results)
+  for code, log in results:
+    assert code == 75, log[-3000:]
+    assert "STOPPED by" in log and "FINAL" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_two_processes_has_no_failure(tmp_path):
+  """scripts/chaos.py's two-process trials, one of each: a mismatched process, a killed one."""
+  import random  # pylint: disable=import-outside-toplevel
+  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
+  chaos = load_script("scripts/chaos.py")
+  outcomes = chaos.two_process_round(str(tmp_path), random.Random(0), trials=1)
+  assert outcomes == {"two processes, mismatch: refused": 1,
+                      "two processes, kill one: exact": 1}, outcomes

@@ -483,3 +483,12 @@ def test_a_stop_requested_on_one_process_stops_both():
   outputs = [w.communicate(timeout=180)[0] for w in workers]
   for output in outputs:
     assert "ANSWERS [False, True, False]" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("key, value", [("ticks_per_chunk", 10 ** 9), ("ticks_per_chunk", 7)])
+def test_the_run_length_follows_from_the_config_alone(key, value):
+  config = digits_config(**{key: value})
+  assert training.run_ticks(config, 1437) * config.micro_batch_size == 240
+  # The synchronous mode trains whole groups of micro-batches.
+  sync = digits_config(method="sync", micro_batches=7, ticks_per_chunk=14)
+  assert training.run_ticks(sync, 1437) == 238

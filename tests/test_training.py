@@ -2,10 +2,13 @@
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -35,6 +38,7 @@ def digits_config(**overrides):
   config.max_test_examples = 0
   config.model_kwargs = {"hidden": (16, 12), "layers_per_stage": 1}
   config.epochs = 240 / 1437
+  config.warmup_epochs = 40 / 1437  # within the run (a longer warm-up is refused)
   config.ticks_per_chunk = 40
   config.eval_every_samples = 80
   config.checkpoint_every_samples = 40
@@ -279,7 +283,7 @@ def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
        f"--workdir={tmp_path / 'mesh'}", "--config.dataset=digits",
        "--config.max_train_examples=0", "--config.max_test_examples=0",
        "--config.model_kwargs.hidden=(16,12)", f"--config.epochs={240 / 1437!r}",
-       "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
+       f"--config.warmup_epochs={40 / 1437!r}", "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
        "--config.checkpoint_every_samples=40", "--config.eval_batch_size=128",
        "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -288,3 +292,165 @@ def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
   assert mesh["samples"] == single["samples"]
   assert mesh["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1e-9)
   assert mesh["test_loss"] == pytest.approx(single["test_loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------ chunks never change the recipe
+
+
+def test_the_chunk_length_changes_neither_the_run_length_nor_the_schedule(tmp_path):
+  # 240 samples: 6 chunks of 40 ticks, or 3 of 70 and a last one of 30, or one of all 240.
+  results = {}
+  for ticks in (40, 70, 10 ** 9):
+    workdir = str(tmp_path / f"chunk{ticks}")
+    summary = training.train_and_evaluate(digits_config(ticks_per_chunk=ticks), workdir)
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    train = [r for r in records if r["split"] == "train"]
+    saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    results[ticks] = {"samples": summary["samples"], "last record": train[-1]["samples"],
+                      "position": saver.restore_meta(saver.latest_step())["data_position"],
+                      "final rate": train[-1]["learning_rate"], "test loss": summary["test_loss"]}
+  assert results[40]["samples"] == 240 and results[40]["final rate"] == 0.0
+  for ticks in (70, 10 ** 9):
+    # The same ticks at the same rates; XLA compiles scans of other lengths differently, so the
+    # weights agree to rounding, not bit for bit (ticks_per_chunk is fixed for a run's resumes).
+    assert results[ticks]["test loss"] == pytest.approx(results[40]["test loss"], rel=1e-5)
+    assert {k: v for k, v in results[ticks].items() if k != "test loss"} == \
+        {k: v for k, v in results[40].items() if k != "test loss"}
+
+
+def test_a_chunk_too_large_for_memory_is_refused_with_its_estimate(tmp_path, monkeypatch):
+  monkeypatch.setattr(training, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
+  with pytest.raises(training.ConfigError, match=r"A chunk of 240 ticks .* needs about "
+                     r"[\d.]+ MiB .* Lower --config.ticks_per_chunk to 1 or less"):
+    training.train_and_evaluate(digits_config(ticks_per_chunk=10 ** 9), str(tmp_path / "run"))
+
+
+def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monkeypatch):
+  monkeypatch.setattr(training, "_memory_available", lambda: (2 ** 20, "this machine's memory"))
+  config = digits_config()
+  config.model = "residual_mlp"
+  config.model_kwargs = {"depth": 40, "width": 64}
+  with pytest.raises(training.ConfigError, match=r"pipeline state of this config needs about "
+                     r"[\d.]+ MiB per device .* delay lines of 40 stages"):
+    training.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_a_warm_up_longer_than_the_run_is_refused():
+  with pytest.raises(training.ConfigError, match=r"warmup_epochs \(5.0\) is longer than the run"):
+    training.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
+  training.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
+
+
+# ------------------------------------------------------------------ the data and the model's values
+
+
+def test_an_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
+  from pipejax import data  # pylint: disable=import-outside-toplevel
+  load = data.load
+
+  def without_test_examples(*args, **kwargs):
+    train, test = load(*args, **kwargs)
+    empty = data.ArraySource(np.zeros((0, 8, 8, 1), np.uint8), np.zeros((0,), np.int64),
+                             test.num_classes, "empty", normalization=test.normalization)
+    return train, empty
+
+  monkeypatch.setattr(training.data_lib, "load", without_test_examples)
+  with pytest.raises(training.ConfigError, match="The test split of data set 'digits' is empty"):
+    training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"depth": 8.5}, r"config.model_kwargs.depth must be an integer .* got 8.5"),
+    ({"depth": "abc"}, r"config.model_kwargs.depth must be an integer .* got 'abc'"),
+    ({"width": 1e9}, r"config.model_kwargs.width must be an integer .* got 1000000000.0"),
+])
+def test_model_keywords_of_the_wrong_type_are_named(kwargs, message):
+  config = digits_config()
+  config.model = "residual_mlp"
+  config.model_kwargs = {"depth": 4, **kwargs}
+  with pytest.raises(training.ConfigError, match=message):
+    training.validate(config)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"dataset": "fashion_mnist_idz"}, training.ConfigError, "not a known data set"),
+    ({"model": "residual_mlp", "model_kwargs": {"depth": 1}}, ModelError, "depth >= 3"),
+    ({"model": "residual_mlp", "model_kwargs": {"depth": 2}}, ModelError, "depth >= 3"),
+    ({"model_kwargs": {"hiden": (16,)}}, ModelError, "Did you mean 'hidden' for 'hiden'"),
+])
+def test_config_errors_never_create_the_workdir(tmp_path, change, error, message):
+  config = digits_config()
+  for key, value in change.items():
+    config[key] = value
+  with pytest.raises(error, match=message):
+    training.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ the binary: messages and signals
+
+
+def _train_command(workdir, *overrides, config="default.py:smoke"):
+  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+          f"--config={os.path.join(ROOT, 'configs', config)}", f"--workdir={workdir}", *overrides]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["8.5", "abc", "1e9"])
+def test_bad_model_keyword_values_are_one_line_and_logged_in_the_command_line(tmp_path, value):
+  key = "width" if value == "1e9" else "depth"
+  result = subprocess.run(
+      _train_command(tmp_path / "run", f"--config.model_kwargs.{key}={value}",
+                     config="deep_mlp.py:smoke"),
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode in (1, 2), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  (error,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+  assert f"config.model_kwargs.{key} must be an integer" in error
+  # The run's first line reproduces it, the model's keywords included.
+  first = result.stderr.splitlines()[0]
+  assert "pipejax training: " in first and f"--config.model_kwargs.{key}={value}" in first
+  assert not (tmp_path / "run").exists()
+
+
+# A line the binary logs in each phase, and the signal sent when it appears.
+_PHASES = [("pipejax training:", signal.SIGINT), ("Set-up (", signal.SIGTERM),
+           ("initialising the pipeline state", signal.SIGINT),
+           ("compiling the chunk", signal.SIGTERM), ("compiling the chunk", signal.SIGINT)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line, sig", _PHASES)
+def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line, sig):
+  process = subprocess.Popen(_train_command(tmp_path / "run"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
+  seen = []
+  for text in process.stdout:
+    seen.append(text)
+    if line in text:
+      process.send_signal(sig)
+      break
+  rest, _ = process.communicate(timeout=300)
+  output = "".join(seen) + rest
+  assert process.returncode == 75, output[-3000:]
+  assert f"STOPPED by {signal.Signals(sig).name}" in output, output[-3000:]
+  assert "Traceback" not in output and "Fatal Python error" not in output, output[-3000:]
+
+
+def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog):
+  caplog.set_level(logging.INFO)
+  monkeypatch.setattr(training, "SETUP_REPORT_EVERY", 0.2)
+  build = training.build
+
+  def slow_build(config):  # a deep model builds for minutes
+    time.sleep(1.0)
+    return build(config)
+
+  monkeypatch.setattr(training, "build", slow_build)
+  training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  lines = [r.getMessage() for r in caplog.records]
+  assert any(re.match(r"Set-up \(\d+ s\): still loading the data and building the model\.", line)
+             for line in lines)
+  assert any("Pipeline state: " in line and "per device" in line for line in lines)
