@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import engine, packing
+from pipejax import checks, engine, packing
 from pipejax.engine import Batch, Packet, Pipeline, PipelineError, PipelineRunner, PipelineState
 from pipejax.packing import LOCAL, SHARED, PackedState
 # The mesh, the partition algorithm and the byte accounting live in modules of their own; their
@@ -273,7 +273,7 @@ class ShardedPipeline(PipelineRunner):
       raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.pack(); got "
                           f"{type(packed).__name__}.")
     if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
-      raise PipelineError(engine.DONATED_STATE_MESSAGE)
+      raise PipelineError(checks.DONATED_STATE_MESSAGE)
     names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
              for family in (SHARED, LOCAL)}
     fits = set(packed.shared) == names[SHARED] and set(packed.local) == names[LOCAL] and all(
