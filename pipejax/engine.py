@@ -646,12 +646,13 @@ class Pipeline(PipelineRunner):
     return Batch(inputs, labels, valid)
 
   @functools.cached_property
-  def _state_spec(self):
+  def state_spec(self) -> PipelineState:
+    """The abstract state ``init`` makes (ShapeDtypeStructs)."""
     return jax.eval_shape(self.init, jax.random.PRNGKey(0))
 
   def check_state(self, state: PipelineState) -> None:
     """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed."""
-    checks.check_state(state, self._state_spec, self.num_stages)
+    checks.check_state(state, self.state_spec, self.num_stages)
 
   @functools.cached_property
   def num_classes(self) -> int | None:
