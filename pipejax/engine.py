@@ -265,6 +265,13 @@ class PipelineRunner:
       return self._jit_run_full(state, batch)
     return self._jit_run(state, batch)
 
+  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
+    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
+    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    program = self._jit_run_full if every_slot_full else self._jit_run
+    return program.lower(state, batch)
+
   def _tick(self, state, batch: Batch, every_slot_full: bool = False):
     raise NotImplementedError
 

@@ -1,4 +1,4 @@
-"""Runs of identical stages advanced as one stacked group under ``vmap`` (docs/design.md §8).
+"""Runs of identical stages advanced as one stacked group under ``vmap`` (docs/design.md §6.1).
 
 A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, a ResNet group's
 blocks, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
@@ -21,7 +21,7 @@ last stage never group (they skip the input gradient, and meet the loss). A meth
 update cannot take a traced delay (an optimizer factory that branches on it in Python) makes no
 group: the pipeline then runs stage by stage.
 
-**Delay lines** (docs/design.md §8). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
+**Delay lines** (docs/design.md §6.1). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
 ``L_s`` differs from stage to stage. The group keeps one buffer per leaf with all its stages'
 rings laid end to end, stage ``i`` at offset ``o_i = L_0 + ... + L_{i-1}``, so it holds exactly
 the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of every stage

@@ -39,7 +39,8 @@ from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exporte
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
 FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
-             "keep_checkpoints", "eval_batch_size", "mesh", "allow_changes_on_resume")
+             "keep_checkpoints", "eval_batch_size", "mesh", "stack_stages",
+             "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
@@ -264,18 +265,19 @@ class Setup:
   hyperparameters: Hyperparameters
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
+  stacked: Any = None  # a pipejax.stacking.StackedPipeline when the model has identical runs
 
   @property
   def runner(self):
     """The pipeline training runs, on one device or over the mesh: one interface
     (:class:`pipejax.engine.PipelineRunner`)."""
-    return self.pipeline if self.sharded is None else self.sharded
+    return self.sharded or self.stacked or self.pipeline
 
   def init(self, rng):
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which on a CPU takes longer than compiling the whole init once (nearly
     # twice as long for ResNet-20). The numbers are the same. A mesh's init is jitted already.
-    if self.sharded is None:
+    if self.runner is self.pipeline:
       return jax.jit(self.pipeline.init)(rng)
     return self.runner.init(rng)
 
@@ -337,7 +339,13 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                  sharding.imbalance(costs, sharded.partition), balance,
                  sharding.boundary_bytes_per_tick(sharded)["total"],
                  [device["allocated"] for device in sharding.device_memory(sharded)])
-  return Setup(train_source, test_source, model, hp, pipe, sharded)
+  stacked = None
+  if config.stack_stages and sharded is None:
+    from pipejax import stacking  # pylint: disable=import-outside-toplevel
+    stacked = stacking.StackedPipeline(pipe)
+    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
+    stacked = stacked if stacked.stacked else None
+  return Setup(train_source, test_source, model, hp, pipe, sharded, stacked)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:

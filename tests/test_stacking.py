@@ -144,3 +144,21 @@ def test_a_logical_or_foreign_state_is_refused():
   other = StackedPipeline(Pipeline(dense_model((5, 5, 5, 5, 5)), pipe.method, x[0], y[0]))
   with pytest.raises(PipelineError, match="does not belong"):
     stacked.run(other.init(0), x, y)
+
+
+def test_the_trainer_stacks_identical_runs_unless_told_not_to():
+  from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
+  config = configlib.base_config()
+  config.dataset, config.model = "digits", "residual_mlp"
+  config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
+  setup = training.build(config)
+  assert isinstance(setup.runner, StackedPipeline) and setup.runner.runs == ((0, 1), (1, 4),
+                                                                             (4, 5))
+  state = setup.init(jax.random.PRNGKey(0))
+  assert_same(jax.tree.map(np.asarray, setup.logical(state)),
+              jax.tree.map(np.asarray, jax.jit(setup.pipeline.init)(jax.random.PRNGKey(0))),
+              exact=True)
+  config.stack_stages = False
+  unstacked = training.build(config)
+  assert unstacked.runner is unstacked.pipeline
+  assert "stack_stages" in training.FREE_KEYS  # a checkpoint resumes in either layout
