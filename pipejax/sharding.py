@@ -98,6 +98,10 @@ class ShardedPipeline(PipelineRunner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
+    if not isinstance(pipeline, Pipeline):
+      raise MeshError(f"ShardedPipeline takes the single-device Pipeline; got "
+                      f"{type(pipeline).__name__}. A StackedPipeline's groups do not run on a "
+                      "mesh: give its .pipeline (the mesh then runs the stages one by one).")
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_groups = self.mesh.shape[STAGE]

@@ -162,3 +162,12 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
   unstacked = training.build(config)
   assert unstacked.runner is unstacked.pipeline
   assert "stack_stages" in training.FREE_KEYS  # a checkpoint resumes in either layout
+
+
+def test_a_mesh_takes_the_plain_pipeline_and_names_the_fix():
+  from pipejax import sharding  # pylint: disable=import-outside-toplevel
+  x, y = make_stream(1, 1)
+  pb = methods.make_method("pb", learning_rate=0.1)
+  stacked = StackedPipeline(Pipeline(dense_model(EVEN), pb, x[0], y[0]))
+  with pytest.raises(sharding.MeshError, match="give its .pipeline"):
+    sharding.ShardedPipeline(stacked, sharding.make_mesh(1, 1))
