@@ -657,13 +657,13 @@ def compile_time(num_stages):
 
 def depth_records(num_stages, ticks, repeats, unstacked_max):
   """The ``depth`` section's records at one depth: stacked, per stage (up to ``unstacked_max``
-  stages) and the plain loop."""
+  stages) and the plain loop, timed side by side (interleaved, as :func:`best_times` does)."""
   from pipejax import stacking  # pylint: disable=import-outside-toplevel
   model = models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
                        normalization="layer", layers_per_stage=1)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   tx = optax.sgd(0.01, momentum=0.9)
-  records = []
+  records, timed = {}, {}
   for stacked in (True, False):
     if not stacked and num_stages > unstacked_max:
       continue
@@ -675,39 +675,36 @@ def depth_records(num_stages, ticks, repeats, unstacked_max):
     build_s = time.perf_counter() - start
     start = time.perf_counter()
     compiled = runner.lower(run.state, x, y).compile()
-    compile_s = time.perf_counter() - start
-    run.warm_up()
-    (wall, _), = best_times({"run": run}, repeats).values()
-    records.append({
+    records[stacked] = {
         "num_stages": num_stages, "stacked": stacked, "build_and_init_s": build_s,
-        "trace_and_compile_s": compile_s,
+        "trace_and_compile_s": time.perf_counter() - start,
         "operations_per_tick": operations_per_tick(compiled.as_text()),
-        "samples_per_s": ticks / wall,
         "delay_line_bytes": runner.held_stash_bytes(run.state) if stacked
                             else pipe.held_stash_bytes(run.state),
-        "delay_line_formula_bytes": pipe.stash_bytes()})
-    logging.info("depth: %s", records[-1])
+        "delay_line_formula_bytes": pipe.stash_bytes()}
+    run.warm_up()
+    timed[stacked] = run
   params = [st.params for st in pipe.init(jax.random.PRNGKey(0)).stages]
   scan = jax.jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs),
                  donate_argnums=0)
   plain = {"carry": (params, tx.init(params))}
   start = time.perf_counter()
   compiled = scan.lower(plain["carry"], (x, y)).compile()
-  compile_s = time.perf_counter() - start
+  records[None] = {"num_stages": num_stages, "stacked": None, "build_and_init_s": None,
+                   "trace_and_compile_s": time.perf_counter() - start,
+                   "operations_per_tick": operations_per_tick(compiled.as_text()),
+                   "delay_line_bytes": 0, "delay_line_formula_bytes": 0}
 
   def run_scan():
     plain["carry"], losses = compiled(plain["carry"], (x, y))
     return losses
 
   run_scan()
-  (wall, _), = best_times({"plain": run_scan}, repeats).values()
-  records.append({"num_stages": num_stages, "stacked": None, "build_and_init_s": None,
-                  "trace_and_compile_s": compile_s,
-                  "operations_per_tick": operations_per_tick(compiled.as_text()),
-                  "samples_per_s": ticks / wall, "delay_line_bytes": 0,
-                  "delay_line_formula_bytes": 0})
-  logging.info("depth: %s", records[-1])
-  return records
+  timed[None] = run_scan
+  for stacked, (wall, cpu) in best_times(timed, repeats).items():
+    records[stacked].update(samples_per_s=ticks / wall, samples_per_cpu_s=ticks / cpu)
+    logging.info("depth: %s", records[stacked])
+  return list(records.values())
 
 
 def main(argv):
