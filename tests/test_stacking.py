@@ -170,4 +170,4 @@ def test_a_mesh_takes_the_plain_pipeline_and_names_the_fix():
   pb = methods.make_method("pb", learning_rate=0.1)
   stacked = StackedPipeline(Pipeline(dense_model(EVEN), pb, x[0], y[0]))
   with pytest.raises(sharding.MeshError, match="give its .pipeline"):
-    sharding.ShardedPipeline(stacked, sharding.make_mesh(1, 1))
+    sharding.ShardedPipeline(stacked, sharding.make_mesh(jax.device_count(), 1))
