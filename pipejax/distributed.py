@@ -393,7 +393,7 @@ class HostFeed:
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
       y = np.zeros((num_ticks, 0), np.int32)
     x, y, valid = pipe.schedule(x, y)
-    pipe._check_class_labels(y, valid)  # pylint: disable=protected-access
+    pipe.check_labels(y, valid)
     return (self._global(x), self._global(y),
             jax.make_array_from_callback(valid.shape, NamedSharding(self.mesh, P()),
                                          lambda index: valid[index]))

@@ -27,8 +27,12 @@ exactly what the forward saw and computes the same function. The backward variab
 both passes read the variables as the previous tick left them: the forward's update and the
 backward's increment concern different samples and disjoint variables, so their order does not
 matter (the last stage's forward is its recompute: its forward variables come from there). An
-empty slot updates no variable, like no weight. Stateless stages carry ``None`` and run the same
-computation as before stages had state.
+empty slot updates no variable, like no weight. Stateless stages carry ``None``.
+
+A stage's tick is three steps: :meth:`Pipeline.forward_step` (forward and the delay-line entry),
+the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, VJP, update).
+The stage's index and delay enter both as values, so ``pipejax.stacking`` runs the same two steps
+under ``vmap`` for a run of identical stages. The boundary checks live in ``pipejax.checks``.
 """
 
 from __future__ import annotations
@@ -42,15 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipejax import accounting
+from pipejax import accounting, checks
+from pipejax.checks import PipelineError  # noqa: F401  # the runners' error, imported from here
 from pipejax.methods import Method
 from pipejax.stages import Model, Variables, softmax_cross_entropy
 
 PyTree = Any
-
-
-class PipelineError(ValueError):
-  """Bad input at the pipeline's boundary; the message says what is wrong and how to fix it."""
 
 
 class Packet(NamedTuple):
@@ -136,15 +137,23 @@ class Batch(NamedTuple):
   valid: jax.Array  # bool per tick: False feeds an empty slot (drain, bubbles)
 
 
+class Forward(NamedTuple):
+  """What a stage's forward step gives the rest of its tick."""
+
+  params: PyTree  # the weights the forward used
+  out: Packet | None  # the packet for the next stage (None for the last stage)
+  ok: jax.Array  # bool[]: the output is finite, or the slot is empty
+  variables: PyTree  # the forward variables after this input (None: stateless or last stage)
+  entry: DelayLine  # what the stage's delay line stores this tick (single leaves, no slot axis)
+
+
 def jit(fn, **kwargs):
   """``jax.jit`` with the compiler options every pipeline program is built with.
 
-  On a CPU, XLA's default copy insertion copies every loop-carried weight whose old value is read
-  by work the update does not depend on (the forward, the input gradient, a weight stash): two
-  extra passes over the weights per tick, about a fifth of PB's tick at micro-batch 1 (see
-  docs/performance.md). Region-based copy insertion sees that those reads end before the in-place
-  update and keeps no copy. It changes which buffers are copied, never a value. On a GPU the same
-  analysis removed 11 of the 109 kernels of an 8-stage tick (docs/performance.md §5).
+  On a CPU and a GPU, XLA's default copy insertion copies every loop-carried weight whose old
+  value is read by work the update does not depend on (the forward, the input gradient, a weight
+  stash). Region-based copy insertion sees that those reads end before the in-place update and
+  keeps no copy. It changes which buffers are copied, never a value.
   """
   option = _REGION_ANALYSIS_OPTION.get(jax.default_backend())
   if option:
@@ -154,12 +163,6 @@ def jit(fn, **kwargs):
 
 _REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
                            "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
-
-
-DONATED_STATE_MESSAGE = (
-    "The state passed in was donated to an earlier run() call, which freed its buffers. Use the "
-    "state that call returned (state, metrics = pipe.run(state, ...)), or keep a copy "
-    "(jax.tree.map(jnp.copy, state)) before running if you need the old one.")
 
 
 def raw_key(rng) -> jax.Array:
@@ -187,27 +190,6 @@ def _relative_distance(a, b) -> jax.Array:
   return jnp.where(norm > 0, jnp.sqrt(diff / jnp.where(norm > 0, norm, 1.0)), 0.0)
 
 
-def _spec(tree):
-  """Shapes and dtypes of a tree of arrays, ShapeDtypeStructs or Python/numpy values.
-
-  The array's own dtype, not JAX's canonical one: a float64 batch must not pass silently as the
-  float32 the pipeline was built for.
-  """
-  def leaf(a):
-    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-    return jax.ShapeDtypeStruct(np.shape(a), dtype)
-  return jax.tree.map(leaf, tree)
-
-
-def _canonical(spec):
-  return jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype)), spec)
-
-
-def _describe(tree) -> str:
-  return str(jax.tree.map(lambda a: f"{tuple(a.shape)} {jnp.dtype(a.dtype).name}", tree))
-
-
 def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, increment: PyTree,
                        backward_valid, every_slot_full: bool) -> Variables:
   """The variables after one tick: the forward's update and the backward's increment, each kept
@@ -220,8 +202,10 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
+
 class PipelineRunner:
-  """The one interface of a pipeline, on one device (:class:`Pipeline`) or over a device mesh
+  """The one interface of a pipeline, on one device (:class:`Pipeline`), in stacked groups
+  (:class:`pipejax.stacking.StackedPipeline`) or over a device mesh
   (:class:`pipejax.sharding.ShardedPipeline`); training code needs nothing else.
 
   * ``init(rng)``: a fresh state, in the runner's own layout;
@@ -240,17 +224,71 @@ class PipelineRunner:
   def init(self, rng: jax.Array, fill_value: float = 0.0):
     raise NotImplementedError
 
-  def run(self, state, inputs, labels, valid=None):
-    raise NotImplementedError
-
-  def tick(self, state, inputs, labels, valid=True):
-    raise NotImplementedError
-
   def to_logical(self, state) -> PipelineState:
     raise NotImplementedError
 
   def from_logical(self, logical_state: PipelineState):
     raise NotImplementedError
+
+  def check_state(self, state) -> None:
+    raise NotImplementedError
+
+  def every_slot_full(self, state) -> bool:
+    raise NotImplementedError
+
+  def tick(self, state, inputs, labels, valid=True):
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
+
+    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
+    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
+    ``finite`` (one flag per stage).
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    return self._jit_tick(state, batch)
+
+  def run(self, state, inputs, labels, valid=None):
+    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
+
+    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
+    stacked along T.
+
+    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
+    real: PB after its fill), a second compiled version runs without the per-stage guard against
+    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
+    same numbers up to float rounding (the two programs fuse differently); which one runs depends
+    only on the state and the stream, so a resumed run still repeats the original bit for bit.
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
+      return self._jit_run_full(state, batch)
+    return self._jit_run(state, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
+    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
+
+  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
+    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
+    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    program = self._jit_run_full if every_slot_full else self._jit_run
+    return program.lower(state, batch)
+
+  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
+    raise NotImplementedError
+
+  def _run(self, state, batches: Batch, every_slot_full: bool = False):
+    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
+                        batches)
+
+  def _compile(self):
+    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
+    return (jit(self._tick), jit(self._run, donate_argnums=0),
+            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))
 
   def drain(self, state):
     """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
@@ -290,42 +328,17 @@ class Pipeline(PipelineRunner):
   track_weight_discrepancy: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.model, Model):
-      raise PipelineError(f"model must be a pipejax.Model (pipejax.Model([stage, ...])); got "
-                          f"{type(self.model).__name__}.")
-    if not isinstance(self.method, Method):
-      raise PipelineError(
-          f"method must be a pipejax Method, e.g. methods.make_method('pb', learning_rate=0.01) or "
-          f"methods.pb(optax.sgd(0.01, momentum=0.9)); got {type(self.method).__name__}.")
-    inputs, labels = _canonical(_spec(self.example_inputs)), _canonical(_spec(self.example_labels))
-    batch_sizes = {a.shape[0] if a.shape else None for a in jax.tree.leaves((inputs, labels))}
-    if len(batch_sizes) != 1 or None in batch_sizes:
-      raise PipelineError(
-          f"Inputs {_describe(inputs)} and labels {_describe(labels)} must share one leading "
-          "micro-batch axis of size b >= 1. Give one micro-batch, e.g. inputs of shape (b, 784) "
-          "and labels of shape (b,).")
-    (b,) = batch_sizes
-    if b < 1:
-      raise PipelineError("The micro-batch size b must be at least 1 (got b = 0). PB trains with "
-                          "b = 1 and up; give example inputs with a non-empty leading axis.")
+    checks.check_model_and_method(self.model, self.method)
+    inputs, labels = checks.micro_batch_specs(self.example_inputs, self.example_labels)
     object.__setattr__(self, "example_inputs", inputs)
     object.__setattr__(self, "example_labels", labels)
     params, stage_inputs = self.model.trace_shapes(jax.random.PRNGKey(0), inputs)
-    for s, stage_params in enumerate(params):
-      for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-          raise PipelineError(
-              f"{self.model.stage_label(s)} has a trainable parameter "
-              f"{jax.tree_util.keystr(path)} of dtype {jnp.dtype(leaf.dtype).name}; gradients "
-              "and updates need floating weights. Keep integer constants out of the params: in "
-              "the stage's closure, or as a stateful stage's variables.")
+    checks.check_floating_params(self.model, params)
     object.__setattr__(self, "_params_shapes", params)
     object.__setattr__(self, "_stage_inputs", stage_inputs)
-    self._check_loss()
-    object.__setattr__(self, "_jit_tick", jit(self._tick))
-    object.__setattr__(self, "_jit_run", jit(self._run, donate_argnums=0))
-    object.__setattr__(self, "_jit_run_full", jit(
-        functools.partial(self._run, every_slot_full=True), donate_argnums=0))
+    checks.check_loss(self.model.loss, self._last_stage_output(), labels)
+    for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
+      object.__setattr__(self, name, program)
 
   # ------------------------------------------------------------------ static facts
 
@@ -347,7 +360,13 @@ class Pipeline(PipelineRunner):
     return list(self._stage_inputs)
 
   @property
-  def _stashes_weights(self) -> bool:
+  def stage_param_shapes(self) -> list[PyTree]:
+    """ShapeDtypeStructs of each stage's parameters."""
+    return list(self._params_shapes)
+
+  @property
+  def stashes_weights(self) -> bool:
+    """Whether delay lines keep the forward's weights beside each input."""
     return self.method.stash_forward_weights or self.track_weight_discrepancy
 
   def stash_bytes(self) -> int:
@@ -357,7 +376,7 @@ class Pipeline(PipelineRunner):
   @staticmethod
   def held_stash_bytes(state: PipelineState) -> int:
     """Bytes of stashed activations actually held in ``state``'s delay lines."""
-    return sum(accounting.tree_bytes(st.delay_line.x) for st in state.stages)
+    return held_stash_bytes(state.stages)
 
   def _last_stage_output(self):
     """The last stage's output shape (abstractly, with its variables if it has any)."""
@@ -366,25 +385,6 @@ class Pipeline(PipelineRunner):
     out, _ = jax.eval_shape(last.forward, self._params_shapes[-1], x, key,
                             jax.eval_shape(last.variables, key, x))
     return out
-
-  def _check_loss(self):
-    last_out = self._last_stage_output()
-    try:
-      result = jax.eval_shape(self.model.loss, last_out, self.example_labels)
-    except Exception as e:
-      raise PipelineError(
-          f"The loss cannot take the last stage's output {_describe(last_out)} with labels "
-          f"{_describe(self.example_labels)}: {str(e).strip().splitlines()[0]}. Check the "
-          "number of classes of the last stage and the labels' shape.") from None
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
-      raise PipelineError(
-          "The loss must return a pair (scalar loss, dict of scalar metrics), e.g. "
-          "(jnp.mean(nll), {'accuracy': accuracy}) or (loss, {}); it returned "
-          f"{_describe(result)}.")
-    loss, _ = result
-    if loss.shape != ():
-      raise PipelineError(f"The loss must return a scalar (mean over the micro-batch); it "
-                          f"returned shape {loss.shape}.")
 
   # ------------------------------------------------------------------ state
 
@@ -414,8 +414,7 @@ class Pipeline(PipelineRunner):
       variables = stage.variables(keys[s], x_zeros)
       tx = self.method.optimizer(self.delays[s])
       slots = self.delays[s] + 1
-      weights = (jax.tree.map(lambda p: jnp.full((slots,) + p.shape, fill_value, p.dtype), params)
-                 if self._stashes_weights else None)
+      weights = filled(params, (slots,)) if self.stashes_weights else None
       delay_line = DelayLine(filled(x_spec, (slots,)), jnp.zeros((slots,), bool),
                              jnp.full((slots,), -1, jnp.int32), weights,
                              None if variables is None else filled(variables.forward, (slots,)))
@@ -428,8 +427,128 @@ class Pipeline(PipelineRunner):
 
   # ------------------------------------------------------------------ one tick
 
-  def _stage_key(self, rng, index, s):
-    return jax.random.fold_in(jax.random.fold_in(rng, index), s)
+  @staticmethod
+  def stage_key(rng, index, number):
+    """The key of stage ``number``'s randomness for sample ``index`` (the same in both passes)."""
+    return jax.random.fold_in(jax.random.fold_in(rng, index), number)
+
+  def forward_step(self, s: int, st: StageState, inbound: Packet, rng: jax.Array,
+                   number=None, delay=None) -> Forward:
+    """Stage s forwards the new micro-batch; returns it and the entry its delay line stores.
+
+    ``s`` picks the stage's code; ``number`` (default ``s``) and ``delay`` (default D_s) may be
+    traced values, the same code then serving a stacked run of identical stages. The last stage
+    forwards nothing here: its forward is its backward's recompute.
+    """
+    number, delay = (s if number is None else number), (self.delays[s] if delay is None else delay)
+    variables = st.variables
+    forward_params = self.method.forward_weights(st.params, st.opt_state, delay)
+    out, ok, forwarded = None, jnp.array(True), None
+    if s != self.num_stages - 1:
+      y, forwarded = self.model.stages[s].forward(
+          forward_params, inbound.x, self.stage_key(rng, inbound.index, number), variables)
+      out = Packet(y, inbound.labels, inbound.valid, inbound.index)
+      ok = jnp.logical_or(~inbound.valid, _all_finite(y))
+    entry = st.delay_line.entry(inbound, forward_params,
+                                None if variables is None else variables.forward)
+    return Forward(forward_params, out, ok, forwarded, entry)
+
+  def _gradients(self, s: int, st: StageState, oldest: DelayLine, backward_params, labels,
+                 cotangent, key):
+    """The VJP of stage s recomputed on its stashed input.
+
+    Returns ``(grads, backward_out, increment, forwarded_variables, loss_metrics, ok)``: the
+    weight gradient, the cotangent for stage s-1 (None for stage 0), the backward variables'
+    increment and the last stage's forward variables (None when stateless), the loss's metrics
+    (last stage only) and whether the backward stayed finite.
+    """
+    stage, variables = self.model.stages[s], st.variables
+    is_first, is_last = s == 0, s == self.num_stages - 1
+
+    # A stateful stage also differentiates with respect to its backward variables: that
+    # cotangent is their increment.
+    def recompute(w, x):
+      if variables is None:
+        return stage.forward(w, x, key, None)
+      params, backward_variables = w
+      return stage.forward(params, x, key, Variables(oldest.variables, backward_variables))
+
+    trainable = backward_params if variables is None else (backward_params, variables.backward)
+    valid, backward_out, forwarded, metrics = oldest.valid, None, None, {}
+    if is_last:
+      def loss_of(w, x):
+        y, forward_variables = recompute(w, x)
+        loss, aux = self.model.loss(y, labels)
+        return loss, (aux, forward_variables)
+      loss, vjp, (aux, forwarded) = jax.vjp(loss_of, trainable, oldest.x, has_aux=True)
+      grads, backward_out = vjp(jnp.ones_like(loss))
+      metrics = {"loss": jnp.where(valid, loss, 0.0),
+                 **{k: jnp.where(valid, v, 0.0) for k, v in aux.items()},
+                 "valid": valid, "sample": oldest.index}
+      ok = jnp.logical_or(~valid, jnp.isfinite(loss))
+    elif is_first:  # nobody needs d loss / d data: skip that product.
+      _, vjp, _ = jax.vjp(lambda w: recompute(w, oldest.x), trainable, has_aux=True)
+      (grads,) = vjp(cotangent)
+      ok = jnp.array(True)
+    else:
+      _, vjp, _ = jax.vjp(recompute, trainable, oldest.x, has_aux=True)
+      grads, backward_out = vjp(cotangent)
+      ok = jnp.logical_or(~valid, _all_finite(backward_out))
+    if is_first:
+      backward_out = None
+    increment = None
+    if variables is not None:
+      grads, increment = grads
+    return grads, backward_out, increment, forwarded, metrics, ok
+
+  def _update(self, st: StageState, grads, backward_params, valid, delay, reduce_grads,
+              every_slot_full: bool):
+    """The stage's own optax step; an empty slot changes nothing.
+
+    The guard is a select: a ``lax.cond`` copies every weight and optimizer slot through its
+    branches. NaN gradients from empty slots are never selected, so they need no scrubbing.
+    """
+    if reduce_grads is not None:
+      grads = reduce_grads(grads)
+    extra = {"gradient_params": backward_params} if self.method.pass_gradient_weights else {}
+    updates, opt_state = self.method.optimizer(delay).update(grads, st.opt_state, st.params,
+                                                             **extra)
+    params = optax.apply_updates(st.params, updates)
+    if not every_slot_full:
+      params, opt_state = optax.tree_utils.tree_where(valid, (params, opt_state),
+                                                      (st.params, st.opt_state))
+    return params, opt_state
+
+  def backward_step(self, s: int, st: StageState, forward: Forward, oldest: DelayLine,
+                    inbound: Packet, cotangent: PyTree, rng: jax.Array, number=None, delay=None,
+                    reduce_grads=None, every_slot_full: bool = False):
+    """Stage s backwards the ``oldest`` entry of its delay line and updates.
+
+    Returns the stage state without its delay line (``delay_line=None``: the caller writes its
+    own) and the stage's metrics. ``number`` and ``delay`` as in :meth:`forward_step`.
+    """
+    number, delay = (s if number is None else number), (self.delays[s] if delay is None else delay)
+    method, valid = self.method, oldest.valid
+    backward_params = (oldest.weights if method.stash_forward_weights
+                       else method.backward_weights(st.params, st.opt_state, delay))
+    grads, backward_out, increment, forwarded, metrics, backward_ok = self._gradients(
+        s, st, oldest, backward_params, inbound.labels, cotangent,
+        self.stage_key(rng, oldest.index, number))
+    if self.track_weight_discrepancy:
+      metrics["weight_discrepancy"] = jnp.where(
+          valid, _relative_distance(oldest.weights, backward_params), 0.0)
+    variables = st.variables
+    if variables is not None:
+      is_last = s == self.num_stages - 1
+      variables = _advance_variables(
+          variables, forwarded if is_last else forward.variables,
+          valid if is_last else inbound.valid, increment, valid, every_slot_full)
+    params, opt_state = self._update(st, grads, backward_params, valid, delay, reduce_grads,
+                                     every_slot_full)
+    # A NaN weight shows in the stage's own output within a tick; checking activations instead of
+    # every weight keeps the tick's cost independent of the parameter count.
+    metrics["finite"] = jnp.logical_and(forward.ok, backward_ok)
+    return StageState(params, opt_state, None, forward.out, backward_out, variables), metrics
 
   def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
                     tick: jax.Array, rng: jax.Array, reduce_grads=None,
@@ -438,98 +557,20 @@ class Pipeline(PipelineRunner):
 
     Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
     forwarded last tick; ``cotangent`` what stage s+1 sent back last tick (ignored for the last
-    stage, which meets the loss). This function is the whole algorithm; single- and multi-device
-    ticks only route registers between calls of it. ``reduce_grads``, when given, combines the
-    weight gradient across pipeline replicas (``lax.pmean`` over a ``data`` mesh axis).
-    ``every_slot_full`` promises that the micro-batch backwarded is a real one (see
-    :meth:`Pipeline.run`), which drops the guard that keeps empty slots from updating weights.
-    ``delay_line_entries`` returns, in place of the new delay line, the entry this tick writes
-    into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).
+    stage, which meets the loss). Single- and multi-device ticks only route registers between
+    calls of it. ``reduce_grads``, when given, combines the weight gradient across pipeline
+    replicas (``lax.pmean`` over a ``data`` mesh axis). ``every_slot_full`` promises that the
+    micro-batch backwarded is a real one (see :meth:`Pipeline.run`), which drops the guard that
+    keeps empty slots from updating weights. ``delay_line_entries`` returns, in place of the new
+    delay line, the entry this tick writes into it (:meth:`DelayLine.write` of it at ``tick``
+    gives the line).
     """
-    stage, method = self.model.stages[s], self.method
-    delay = self.delays[s]
-    is_first, is_last = s == 0, s == self.num_stages - 1
-    variables = st.variables  # None for a stateless stage
-    metrics = {}
-
-    # Forward the new micro-batch (the last stage's forward happens inside its backward below).
-    forward_params = method.forward_weights(st.params, st.opt_state, delay)
-    forward_out, forward_ok, forwarded_variables = None, jnp.array(True), None
-    if not is_last:
-      y, forwarded_variables = stage.forward(forward_params, inbound.x,
-                                             self._stage_key(rng, inbound.index, s), variables)
-      forward_out = Packet(y, inbound.labels, inbound.valid, inbound.index)
-      forward_ok = jnp.logical_or(~inbound.valid, _all_finite(y))
-
-    # Stash the input (and the forward variables it met); read back the one written D ticks ago.
-    entry = st.delay_line.entry(inbound, forward_params,
-                                None if variables is None else variables.forward)
-    oldest = st.delay_line.read(tick, entry)
-    line = entry if delay_line_entries else st.delay_line.write(tick, entry)
-    x_old, valid, index = oldest.x, oldest.valid, oldest.index
-    backward_params = (oldest.weights if method.stash_forward_weights
-                       else method.backward_weights(st.params, st.opt_state, delay))
-    key = self._stage_key(rng, index, s)
-    if self.track_weight_discrepancy:
-      metrics["weight_discrepancy"] = jnp.where(
-          valid, _relative_distance(oldest.weights, backward_params), 0.0)
-
-    # Backward: recompute the stage on the stashed input and take the VJP. A stateful stage also
-    # differentiates with respect to its backward variables: that cotangent is their increment.
-    def recompute(w, x):
-      if variables is None:
-        return stage.forward(w, x, key, None)
-      params, backward_variables = w
-      return stage.forward(params, x, key, Variables(oldest.variables, backward_variables))
-
-    trainable = backward_params if variables is None else (backward_params, variables.backward)
-    backward_out = None
-    if is_last:
-      def loss_of(w, x):
-        y, forward_variables = recompute(w, x)
-        loss, aux = self.model.loss(y, inbound.labels)
-        return loss, (aux, forward_variables)
-      loss, vjp, (aux, forwarded_variables) = jax.vjp(loss_of, trainable, x_old, has_aux=True)
-      grads, backward_out = vjp(jnp.ones_like(loss))
-      metrics["loss"] = jnp.where(valid, loss, 0.0)
-      metrics.update({k: jnp.where(valid, v, 0.0) for k, v in aux.items()})
-      metrics["valid"] = valid
-      metrics["sample"] = index
-      backward_ok = jnp.logical_or(~valid, jnp.isfinite(loss))
-    elif is_first:  # nobody needs d loss / d data: skip that product.
-      _, vjp, _ = jax.vjp(lambda w: recompute(w, x_old), trainable, has_aux=True)
-      (grads,) = vjp(cotangent)
-      backward_ok = jnp.array(True)
-    else:
-      _, vjp, _ = jax.vjp(recompute, trainable, x_old, has_aux=True)
-      grads, backward_out = vjp(cotangent)
-      backward_ok = jnp.logical_or(~valid, _all_finite(backward_out))
-    if is_first:
-      backward_out = None
-    if variables is not None:
-      grads, increment = grads
-      forward_valid = valid if is_last else inbound.valid
-      variables = _advance_variables(variables, forwarded_variables, forward_valid, increment,
-                                     valid, every_slot_full)
-
-    # Update with the stage's own transformation; an empty slot changes nothing. The guard is a
-    # select: a lax.cond copies every weight and optimizer slot through its branches, which was
-    # slower in scripts/benchmark.py. NaN gradients from empty slots are never selected, so they
-    # need no scrubbing.
-    if reduce_grads is not None:
-      grads = reduce_grads(grads)
-    tx = method.optimizer(delay)
-    extra = {"gradient_params": backward_params} if method.pass_gradient_weights else {}
-    updates, opt_state = tx.update(grads, st.opt_state, st.params, **extra)
-    params = optax.apply_updates(st.params, updates)
-    if not every_slot_full:
-      params, opt_state = optax.tree_utils.tree_where(valid, (params, opt_state),
-                                                      (st.params, st.opt_state))
-
-    # A NaN weight shows in the stage's own output within a tick; checking activations instead of
-    # every weight keeps the tick's cost independent of the parameter count.
-    metrics["finite"] = jnp.logical_and(forward_ok, backward_ok)
-    return StageState(params, opt_state, line, forward_out, backward_out, variables), metrics
+    forward = self.forward_step(s, st, inbound, rng)
+    oldest = st.delay_line.read(tick, forward.entry)
+    line = forward.entry if delay_line_entries else st.delay_line.write(tick, forward.entry)
+    new, metrics = self.backward_step(s, st, forward, oldest, inbound, cotangent, rng,
+                                      reduce_grads=reduce_grads, every_slot_full=every_slot_full)
+    return new._replace(delay_line=line), metrics
 
   def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
                      cotangent: PyTree, tick, rng, reduce_grads=None,
@@ -554,21 +595,13 @@ class Pipeline(PipelineRunner):
     inbound = Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
     stages, stage_metrics = self.advance_stages(0, state.stages, inbound, None, state.tick,
                                                 state.rng, every_slot_full=every_slot_full)
-    metrics = dict(stage_metrics[-1])
-    for per_stage in ("finite", "weight_discrepancy"):
-      if per_stage in stage_metrics[0]:
-        metrics[per_stage] = jnp.stack([m[per_stage] for m in stage_metrics])
-    return PipelineState(stages, state.tick + 1, state.rng), metrics
+    return PipelineState(stages, state.tick + 1, state.rng), tick_metrics(stage_metrics)
 
   def metric_shapes(self) -> dict:
     """ShapeDtypeStructs of one tick's metrics (what ``tick`` returns), computed abstractly."""
     state = jax.eval_shape(self.init, jax.random.PRNGKey(0))
     batch = Batch(self.example_inputs, self.example_labels, jax.ShapeDtypeStruct((), bool))
     return jax.eval_shape(self._tick, state, batch)[1]
-
-  def _run(self, state: PipelineState, batches: Batch, every_slot_full: bool = False):
-    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
-                        batches)
 
   @staticmethod
   def every_slot_full(state: PipelineState) -> bool:
@@ -577,41 +610,9 @@ class Pipeline(PipelineRunner):
     Then, if every micro-batch fed next is real too, every backward of the coming ticks is real:
     it reads either a slot that is full now or one written from the new micro-batches.
     """
-    flags = [(st.delay_line.valid, st.forward_out.valid if st.forward_out is not None else True)
-             for st in state.stages]
-    return all(bool(np.all(v)) for v in jax.tree.leaves(jax.device_get(flags)))
+    return slots_full(state.stages)
 
-  # ------------------------------------------------------------------ public, checked entry points
-
-  def tick(self, state: PipelineState, inputs, labels, valid=True):
-    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
-
-    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
-    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
-    ``finite`` (one flag per stage).
-    """
-    self.check_state(state)
-    batch = self.checked_batch(inputs, labels, valid, ticks=None)
-    return self._jit_tick(state, batch)
-
-  def run(self, state: PipelineState, inputs, labels, valid=None):
-    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
-
-    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
-    stacked along T.
-
-    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
-    real: PB after its fill), a second compiled version runs without the per-stage guard against
-    empty slots (faster: the guard is one more pass over every weight per tick, and at
-    micro-batch 1 such passes cost as much as the products). It computes the same numbers up to
-    float rounding (the two programs fuse differently); which one runs depends only on the state
-    and the stream, so a resumed run still repeats the original bit for bit.
-    """
-    self.check_state(state)
-    batch = self.checked_batch(inputs, labels, valid, ticks=True)
-    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
-      return self._jit_run_full(state, batch)
-    return self._jit_run(state, batch)
+  # ------------------------------------------------------------------ layout
 
   @property
   def pipeline(self) -> Pipeline:
@@ -630,17 +631,11 @@ class Pipeline(PipelineRunner):
     Asynchronous methods take one micro-batch per tick. The synchronous mode feeds groups of M
     followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
     """
-    counts = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves((inputs, labels))}
-    if len(counts) != 1 or None in counts:
-      raise PipelineError(f"schedule() takes inputs and labels with one leading axis of K "
-                          f"micro-batches each; their leading axes are {sorted(counts, key=str)}.")
-    (count,) = counts
+    count = checks.stream_length(inputs, labels)
     m = self.method.micro_batches_per_step
     if m is None:
       return inputs, labels, np.ones((count,), bool)
-    if count % m:
-      raise PipelineError(f"The synchronous mode steps every M = {m} micro-batches; got {count}, "
-                          f"which is not a multiple of {m}. Feed whole groups.")
+    checks.check_whole_groups(count, m)
     gap = accounting.bubble_ticks(self.num_stages, m)
     groups = count // m
 
@@ -652,108 +647,55 @@ class Pipeline(PipelineRunner):
     valid = spread(np.ones((count,), bool))
     return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
 
+  # ------------------------------------------------------------------ boundary (pipejax.checks)
+
   def checked_batch(self, inputs, labels, valid, ticks):
     """Validates a micro-batch (``ticks=None``) or a stream of them; returns a :class:`Batch`."""
-    lead = ()
-    if ticks:
-      leaves = jax.tree.leaves((inputs, labels))
-      if not leaves or any(np.ndim(a) == 0 for a in leaves):
-        raise PipelineError("run() takes inputs and labels with a leading time axis (ticks, b, "
-                            "...); use tick() for a single micro-batch.")
-      lead = (np.shape(leaves[0])[0],)
-      counts = {what: {np.shape(a)[0] for a in jax.tree.leaves(tree)}
-                for what, tree in (("inputs", inputs), ("labels", labels))}
-      if counts["inputs"] | counts["labels"] != set(lead):
-        raise PipelineError(
-            f"The inputs have {sorted(counts['inputs'])} ticks and the labels "
-            f"{sorted(counts['labels'])} (the leading axis): run() takes one micro-batch of "
-            "each per tick. Give both the same number of ticks.")
-      if valid is None and self.method.micro_batches_per_step is not None:
-        raise PipelineError(
-            f"The synchronous method steps every M = {self.method.micro_batches_per_step} "
-            "micro-batches with the pipeline's fill and drain in between; a stream fed tick by "
-            "tick without them trains asynchronously instead. Lay the stream out first: "
-            "inputs, labels, valid = pipe.schedule(inputs, labels); pipe.run(state, inputs, "
-            "labels, valid).")
-    for what, got, want in (("inputs", inputs, self.example_inputs),
-                            ("labels", labels, self.example_labels)):
-      got_spec = _spec(got)
-      if jax.tree.structure(got_spec) != jax.tree.structure(want):
-        raise PipelineError(f"The {what} have structure {jax.tree.structure(got_spec)} but the "
-                            f"pipeline was built for {jax.tree.structure(want)}.")
-      for g, w in zip(jax.tree.leaves(got_spec), jax.tree.leaves(want)):
-        if tuple(g.shape) != lead + tuple(w.shape) or g.dtype != w.dtype:
-          expected = f"{lead + tuple(w.shape)} {jnp.dtype(w.dtype).name}"
-          raise PipelineError(
-              f"The {what} have shape {tuple(g.shape)} {jnp.dtype(g.dtype).name} but the pipeline "
-              f"was built for {expected}"
-              + (" (ticks, micro-batch, ...)" if ticks else " (micro-batch, ...)")
-              + f". Reshape or cast the {what} (e.g. .astype(np.{jnp.dtype(w.dtype).name})), or "
-              "build the pipeline for this shape. Example inputs and labels of 64-bit types are "
-              "recorded as 32-bit ones, as JAX keeps them.")
-    if valid is None:
-      valid = np.ones(lead, bool)
-    valid = jnp.asarray(valid, bool)
-    if valid.shape != lead:
-      raise PipelineError(f"valid must have shape {lead} (one flag per tick); got {valid.shape}.")
-    self._check_class_labels(labels, valid)
+    valid = checks.checked_stream(
+        inputs, labels, valid, example_inputs=self.example_inputs,
+        example_labels=self.example_labels, micro_batches=self.method.micro_batches_per_step,
+        ticks=bool(ticks))
+    self.check_labels(labels, valid)
     return Batch(inputs, labels, valid)
 
-  # ------------------------------------------------------------------ boundary checks
-
   @functools.cached_property
-  def _state_spec(self):
+  def state_spec(self) -> PipelineState:
+    """The abstract state ``init`` makes (ShapeDtypeStructs)."""
     return jax.eval_shape(self.init, jax.random.PRNGKey(0))
 
   def check_state(self, state: PipelineState) -> None:
-    """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed.
-
-    Structure, shapes and dtypes only: no device work, so it costs nothing per call.
-    """
-    leaves = jax.tree.leaves(state)
-    if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
-      raise PipelineError(DONATED_STATE_MESSAGE)
-    want = self._state_spec
-    if jax.tree.structure(state) != jax.tree.structure(want) or any(
-        np.shape(a) != w.shape or jnp.result_type(a) != w.dtype
-        for a, w in zip(leaves, jax.tree.leaves(want))):
-      raise PipelineError(
-          "The state does not belong to this pipeline: its structure, shapes or dtypes differ "
-          f"from what this pipeline's init() makes ({self.num_stages} stages of this model and "
-          "method). Create the state with this pipeline's init(), or restore a checkpoint "
-          "written by the same model and method.")
+    """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed."""
+    checks.check_state(state, self.state_spec, self.num_stages)
 
   @functools.cached_property
-  def _num_classes(self) -> int | None:
+  def num_classes(self) -> int | None:
     """The logits' width when the loss is the built-in classification loss, else None."""
     if self.model.loss is not softmax_cross_entropy:
       return None  # a custom loss defines what its labels are
     return int(self._last_stage_output().shape[-1])
 
-  def _check_class_labels(self, labels, valid) -> None:
-    """Class labels must be integers in [0, classes): JAX would clamp -1 or 50 silently.
+  def check_labels(self, labels, valid) -> None:
+    """Refuses class labels outside ``[0, classes)`` (:func:`pipejax.checks.check_class_labels`)."""
+    checks.check_class_labels(labels, valid, self.num_classes)
 
-    The range is checked on host arrays (what a data loader gives); labels already on a device
-    are checked only in run(), once per call, so a tick never waits for a device transfer.
-    """
-    num_classes = self._num_classes
-    if num_classes is None:
-      return
-    for leaf in jax.tree.leaves(labels):
-      if not jnp.issubdtype(leaf.dtype, jnp.integer):
-        raise PipelineError(
-            f"The labels are {jnp.dtype(leaf.dtype).name}, but the softmax cross-entropy takes "
-            "integer class indices (floats would be truncated). Build the pipeline with integer "
-            "example labels and feed labels.astype(np.int32).")
-      if isinstance(leaf, jax.Array) and np.ndim(valid) == 0:
-        continue
-      values = np.asarray(leaf)
-      if np.ndim(valid):
-        values = values[np.asarray(valid)]
-      elif not bool(valid):
-        continue
-      if values.size and (values.min() < 0 or values.max() >= num_classes):
-        raise PipelineError(
-            f"Labels must be class indices in [0, {num_classes}) for this model's "
-            f"{num_classes} outputs; got values from {values.min()} to {values.max()}. Map the "
-            "labels to 0..classes-1, or build the model with more classes.")
+
+def tick_metrics(stage_metrics: list[dict]) -> dict:
+  """One tick's metrics from its stages': the last stage's, with the per-stage flags stacked."""
+  metrics = dict(stage_metrics[-1])
+  for per_stage in ("finite", "weight_discrepancy"):
+    if per_stage in stage_metrics[0]:
+      metrics[per_stage] = jnp.concatenate([jnp.atleast_1d(m[per_stage]) for m in stage_metrics])
+  return metrics
+
+
+def slots_full(stage_states) -> bool:
+  """Whether the delay lines and forward registers of ``stage_states`` (one stage's or a stacked
+  group's each) hold only real micro-batches."""
+  flags = [(st.delay_line.valid, st.forward_out.valid if st.forward_out is not None else True)
+           for st in stage_states]
+  return all(bool(np.all(v)) for v in jax.tree.leaves(jax.device_get(flags)))
+
+
+def held_stash_bytes(stage_states) -> int:
+  """Bytes of stashed activations the delay lines of ``stage_states`` hold."""
+  return sum(accounting.tree_bytes(st.delay_line.x) for st in stage_states)

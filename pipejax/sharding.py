@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import engine, packing
+from pipejax import checks, engine, packing
 from pipejax.engine import Batch, Packet, Pipeline, PipelineError, PipelineRunner, PipelineState
 from pipejax.packing import LOCAL, SHARED, PackedState
 # The mesh, the partition algorithm and the byte accounting live in modules of their own; their
@@ -98,6 +98,10 @@ class ShardedPipeline(PipelineRunner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
+    if not isinstance(pipeline, Pipeline):
+      raise MeshError(f"ShardedPipeline takes the single-device Pipeline; got "
+                      f"{type(pipeline).__name__}. A StackedPipeline's groups do not run on a "
+                      "mesh: give its .pipeline (the mesh then runs the stages one by one).")
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_groups = self.mesh.shape[STAGE]
@@ -273,7 +277,7 @@ class ShardedPipeline(PipelineRunner):
       raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.pack(); got "
                           f"{type(packed).__name__}.")
     if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
-      raise PipelineError(engine.DONATED_STATE_MESSAGE)
+      raise PipelineError(checks.DONATED_STATE_MESSAGE)
     names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
              for family in (SHARED, LOCAL)}
     fits = set(packed.shared) == names[SHARED] and set(packed.local) == names[LOCAL] and all(

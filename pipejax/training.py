@@ -45,7 +45,8 @@ from pipejax.config import apply_variant, base_config  # noqa: F401  (re-exporte
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
 FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
-             "keep_checkpoints", "eval_batch_size", "mesh", "allow_changes_on_resume")
+             "keep_checkpoints", "eval_batch_size", "mesh", "stack_stages",
+             "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
 # cannot be resumed.
@@ -425,6 +426,7 @@ class Setup:
   hyperparameters: Hyperparameters
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
+  stacked: Any = None  # a pipejax.stacking.StackedPipeline when the model has identical runs
   # The pipeline whose initial weights this run starts from, merged into its own stages, when
   # the two split the network differently: the one-stage SGD baseline starts where the pipelined
   # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
@@ -434,24 +436,29 @@ class Setup:
   def runner(self):
     """The pipeline training runs, on one device or over the mesh: one interface
     (:class:`pipejax.engine.PipelineRunner`)."""
-    return self.pipeline if self.sharded is None else self.sharded
+    return self.sharded or self.stacked or self.pipeline
 
   def init(self, rng):
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which on a CPU takes longer than compiling the whole init once. The
-    # numbers are the same. A mesh's init is jitted already.
-    state = jax.jit(self.pipeline.init)(rng) if self.sharded is None else self.runner.init(rng)
-    if self.initial_weights_from is None:
-      return state
-    source = jax.jit(self.initial_weights_from.init)(rng)
-    weights = sequential.split_layer_params(
-        self.model, sequential.merge_stage_params([st.params for st in source.stages]),
-        self.pipeline.example_inputs)
-    logical = self.runner.to_logical(state)
-    stages = tuple(
-        st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
-        for st, w, delay in zip(logical.stages, weights, self.pipeline.delays))
-    return self.runner.from_logical(logical._replace(stages=stages))
+    # numbers are the same. A mesh's init is jitted already; a stacked runner starts from the
+    # per-stage init, restacked, so that both layouts start from the same bits.
+    if self.sharded is not None:
+      state = self.runner.init(rng)
+      if self.initial_weights_from is None:
+        return state
+      logical = self.runner.to_logical(state)
+    else:
+      logical = jax.jit(self.pipeline.init)(rng)
+    if self.initial_weights_from is not None:
+      source = jax.jit(self.initial_weights_from.init)(rng)
+      weights = sequential.split_layer_params(
+          self.model, sequential.merge_stage_params([st.params for st in source.stages]),
+          self.pipeline.example_inputs)
+      logical = logical._replace(stages=tuple(
+          st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
+          for st, w, delay in zip(logical.stages, weights, self.pipeline.delays)))
+    return logical if self.runner is self.pipeline else self.runner.from_logical(logical)
 
   def run(self, state, inputs, labels, valid):
     return self.runner.run(state, inputs, labels, valid)
@@ -540,7 +547,14 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                  sharding.imbalance(costs, sharded.partition), balance,
                  sharding.boundary_bytes_per_tick(sharded)["total"],
                  [device["allocated"] for device in sharding.device_memory(sharded)])
-  return Setup(train_source, test_source, model, hp, pipe, sharded, initial_weights_from)
+  stacked = None
+  if config.stack_stages and sharded is None:
+    from pipejax import stacking  # pylint: disable=import-outside-toplevel
+    stacked = stacking.StackedPipeline(pipe)
+    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
+    stacked = stacked if stacked.stacked else None
+  return Setup(train_source, test_source, model, hp, pipe, sharded, stacked,
+               initial_weights_from=initial_weights_from)
 
 
 def run_ticks(config, train_size: int) -> int:
@@ -585,13 +599,13 @@ def _state_bytes(setup: Setup) -> int:
     from pipejax import sharding  # pylint: disable=g-import-not-at-top
     return max(device["allocated"] for device in sharding.device_memory(setup.sharded))
   pipe = setup.pipeline
-  params = pipe._params_shapes  # pylint: disable=protected-access
+  params = pipe.stage_param_shapes
   total = accounting.tree_bytes(params) + pipe.stash_bytes()
   optimizers = {}  # by delay: stages with one delay share the optimizer's per-weight layout
   for delay, stage_params in zip(pipe.delays, params):
     tx = optimizers.setdefault(delay, pipe.method.optimizer(delay))
     total += accounting.tree_bytes(jax.eval_shape(tx.init, stage_params))
-  if pipe._stashes_weights:  # pylint: disable=protected-access
+  if pipe.stashes_weights:
     total += sum((d + 1) * accounting.tree_bytes(p) for d, p in zip(pipe.delays, params))
   return total
 

@@ -26,6 +26,12 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   after the fill: ``Pipeline.run`` of the default MLP, a deeper MLP (seven hidden layers of 128)
   and ResNet-20 at width 8, with no normalization, LayerNorm, GroupNorm (ResNet only) and Online
   Norm, each relative to the same model without normalization. Only when asked.
+* ``depth``: configs/deep_mlp.py's residual MLP (width 128, LayerNorm) at b = 1 and
+  ``--depth_stages`` stages, PB + momentum SGD: per depth a record with ``stacked`` True
+  (``pipejax.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain loop: the whole
+  network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
+  the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
+  delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
@@ -67,8 +73,9 @@ from pipejax import accounting, cli, engine, methods, models
 from pipejax.engine import Pipeline
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
-              "lm"]
-OPT_IN = ("normalization", "sharding", "lm")  # each adds minutes; 'sharding' needs fake devices
+              "lm", "depth"]
+# Each adds minutes; 'sharding' needs fake devices.
+OPT_IN = ("normalization", "sharding", "lm", "depth")
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -88,6 +95,12 @@ _CONV_SAMPLES = flags.DEFINE_integer("conv_samples", 128,
 _LM_SEQUENCES = flags.DEFINE_integer("lm_sequences", 256,
                                      "Sequences (micro-batches of b = 1) per timed call of 'lm'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
+_DEPTH_STAGES = flags.DEFINE_list("depth_stages", ["8", "32", "128", "256"],
+                                  "Stage counts of the residual MLP for 'depth'.")
+_DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of 'depth'.")
+_DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
+    "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
+    "(its compile time grows with depth).")
 
 WIDTH, LAYERS = 256, 8
 SHORTEST_TIMED_CALL_S = 0.05
@@ -171,7 +184,7 @@ class Runner:
     the pipeline is full, then once more.
     """
     self()
-    while not Pipeline.every_slot_full(self.pipeline_state()):
+    while not self.runner.every_slot_full(self.state):
       self()
     self()
 
@@ -194,7 +207,7 @@ def plain_step(model, tx):
 
 
 def weight_bytes(pipe):
-  return sum(accounting.tree_bytes(p) for p in pipe._params_shapes)
+  return sum(accounting.tree_bytes(p) for p in pipe.stage_param_shapes)
 
 
 def copy_bytes(hlo_text):
@@ -296,10 +309,9 @@ def passes(compiled, per_pass_bytes):
 def pipeline_passes(pipe, x, y):
   """Passes per tick of both programs of ``Pipeline.run``: after the fill, and while filling."""
   state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
-  batch = pipe.checked_batch(x[:4], y[:4], None, ticks=True)
   per_pass = weight_bytes(pipe)
-  full, filling = (passes(program.lower(state, batch).compile(), per_pass)
-                   for program in (pipe._jit_run_full, pipe._jit_run))
+  full, filling = (passes(pipe.lower(state, x[:4], y[:4], every_slot_full=full).compile(),
+                          per_pass) for full in (True, False))
   return {"full": full, "filling": filling}
 
 
@@ -493,7 +505,7 @@ def memory(name, model, example_input, num_classes, ticks=64):
                   x[0], y[0])
   state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
   batch = pipe.checked_batch(x, y, None, ticks=True)
-  compiled = pipe._jit_run_full.lower(state, batch).compile()
+  compiled = pipe.lower(state, x, y).compile()
   stats = compiled.memory_analysis()
   parts = {
       "weights": sum(accounting.tree_bytes(st.params) for st in state.stages),
@@ -525,7 +537,7 @@ def sharded_passes(sharded, x, y):
   """Passes per tick of a ShardedPipeline's full-pipeline program, over all stages' weights."""
   packed = sharded.init(jax.random.PRNGKey(0))
   batch = sharded.placed_batch(x[:4], y[:4])
-  compiled = sharded._jit_run_full.lower(packed, batch).compile()
+  compiled = sharded.programs[1].lower(packed, batch).compile()
   # One loop iteration runs ticks_per_iteration ticks (two over several devices).
   return passes(compiled, weight_bytes(sharded.pipeline) * sharded.ticks_per_iteration)
 
@@ -666,9 +678,61 @@ def compile_time(num_stages):
   build_s = time.perf_counter() - start
   batch = pipe.checked_batch(x, y, None, ticks=True)
   start = time.perf_counter()
-  pipe._jit_run.lower(state, batch).compile()
+  pipe.programs[0].lower(state, batch).compile()
   return {"num_stages": num_stages, "build_and_init_s": build_s,
           "trace_and_compile_s": time.perf_counter() - start}
+
+
+def depth_records(num_stages, ticks, repeats, unstacked_max):
+  """The ``depth`` section's records at one depth: stacked, per stage (up to ``unstacked_max``
+  stages) and the plain loop, timed side by side (interleaved, as :func:`best_times` does)."""
+  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  model = models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
+                       normalization="layer", layers_per_stage=1)
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  tx = optax.sgd(0.01, momentum=0.9)
+  records, timed = {}, {}
+  for stacked in (True, False):
+    if not stacked and num_stages > unstacked_max:
+      continue
+    start = time.perf_counter()
+    pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+    runner = stacking.StackedPipeline(pipe) if stacked else pipe
+    run = Runner(runner, x, y)
+    jax.block_until_ready(run.state)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = runner.lower(run.state, x, y).compile()
+    records[stacked] = {
+        "num_stages": num_stages, "stacked": stacked, "build_and_init_s": build_s,
+        "trace_and_compile_s": time.perf_counter() - start,
+        "operations_per_tick": operations_per_tick(compiled.as_text()),
+        "delay_line_bytes": runner.held_stash_bytes(run.state) if stacked
+                            else pipe.held_stash_bytes(run.state),
+        "delay_line_formula_bytes": pipe.stash_bytes()}
+    run.warm_up()
+    timed[stacked] = run
+  params = [st.params for st in pipe.init(jax.random.PRNGKey(0)).stages]
+  scan = jax.jit(lambda carry, xs: jax.lax.scan(plain_step(model, tx), carry, xs),
+                 donate_argnums=0)
+  plain = {"carry": (params, tx.init(params))}
+  start = time.perf_counter()
+  compiled = scan.lower(plain["carry"], (x, y)).compile()
+  records[None] = {"num_stages": num_stages, "stacked": None, "build_and_init_s": None,
+                   "trace_and_compile_s": time.perf_counter() - start,
+                   "operations_per_tick": operations_per_tick(compiled.as_text()),
+                   "delay_line_bytes": 0, "delay_line_formula_bytes": 0}
+
+  def run_scan():
+    plain["carry"], losses = compiled(plain["carry"], (x, y))
+    return losses
+
+  run_scan()
+  timed[None] = run_scan
+  for stacked, (wall, cpu) in best_times(timed, repeats).items():
+    records[stacked].update(samples_per_s=ticks / wall, samples_per_cpu_s=ticks / cpu)
+    logging.info("depth: %s", records[stacked])
+  return list(records.values())
 
 
 def main(argv):
@@ -708,6 +772,9 @@ def main(argv):
           "method_passes": sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [compile_time(int(s)) for s in _COMPILE_STAGES.value],
       "lm": lambda: lm_speeds(_LM_SEQUENCES.value, _REPEATS.value),
+      "depth": lambda: [record for s in _DEPTH_STAGES.value
+                        for record in depth_records(int(s), _DEPTH_TICKS.value, _REPEATS.value,
+                                                    _DEPTH_UNSTACKED_MAX.value)],
   }
   for name, measure in sections.items():
     if name in _ONLY.value:

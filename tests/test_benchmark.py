@@ -35,10 +35,10 @@ def test_warm_up_compiles_every_program_the_timed_calls_run(benchmark):
   runner = benchmark.Runner(pipe, x, y)
   runner.warm_up()
   assert Pipeline.every_slot_full(runner.state)
-  programs = (pipe._jit_run._cache_size(), pipe._jit_run_full._cache_size())
+  programs = (pipe.programs[0]._cache_size(), pipe.programs[1]._cache_size())
   assert programs == (1, 1)
   runner()  # what a timed call runs: nothing new to compile
-  assert (pipe._jit_run._cache_size(), pipe._jit_run_full._cache_size()) == programs
+  assert (pipe.programs[0]._cache_size(), pipe.programs[1]._cache_size()) == programs
 
 
 def test_copy_bytes_counts_the_unfused_copies_of_an_hlo_module(benchmark):

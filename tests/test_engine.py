@@ -11,10 +11,13 @@ import pipejax
 from pipejax import accounting, engine, methods
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.models import online_norm
+from pipejax.stacking import StackedPipeline
 from tests import oracle
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
 
 WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
+EVEN = (5, 5, 5, 5)  # stages 1..3 identical: the stacked layout runs them as one group
+LAYOUTS = ("per_stage", "stacked")
 LR, MOMENTUM = 0.05, 0.9
 
 
@@ -50,21 +53,33 @@ CASES = {
 }
 
 
+def runner_for(layout, pipe):
+  """The pipeline itself, or its stacked layout (which must then stack a group)."""
+  if layout == "per_stage":
+    return pipe
+  stacked = StackedPipeline(pipe)
+  assert stacked.stacked
+  return stacked
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_engine_matches_naive_oracle(name, b):
+def test_engine_matches_naive_oracle(name, b, layout):
   make_method, oracle_method = CASES[name]
-  model = make_model()
+  model = make_model(EVEN if layout == "stacked" else WIDTHS)
   num_stages = model.num_stages
-  x, y = make_stream(3 * num_stages + 2, b)
+  x, y = make_stream(2 * ((3 * num_stages + 3) // 2), b)  # whole groups of M = 2
   pipe = Pipeline(model, make_method(), x[0], y[0])
+  runner = runner_for(layout, pipe)
   x, y, valid = pipe.schedule(x, y)
   assert len(valid) >= 3 * num_stages
-  state = pipe.init(jax.random.PRNGKey(42))
-  init_params = stage_params(state)
+  logical = pipe.init(jax.random.PRNGKey(42))
+  init_params = stage_params(logical)
   expected_params, expected_metrics = oracle.run_oracle(model, oracle_method, init_params, x, y,
                                                         valid)
-  state, metrics = pipe.run(state, x, y, valid)
+  state, metrics = runner.run(runner.from_logical(logical), x, y, valid)
+  state = runner.to_logical(state)
   assert_trees_close(stage_params(state), expected_params)
   expected_valid = np.array([m["valid"] for m in expected_metrics])
   np.testing.assert_array_equal(np.asarray(metrics["valid"]), expected_valid)
@@ -79,13 +94,15 @@ def test_engine_matches_naive_oracle(name, b):
   assert min(moved) > 1e-4
 
 
-def make_stateful_model():
-  """Online Norm in stages 0, 2 and the head (fast decays, so the variables move within a few
-  samples); stage 1 stateless: a mix, each stage with its own variable shapes."""
+def make_stateful_model(widths=WIDTHS, stateless=(1,)):
+  """Online Norm in every stage but those ``stateless`` and in the head (fast decays, so the
+  variables move within a few samples). By default a mix, each stage with its own variable
+  shapes."""
   norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
   layer = lambda w, stateful: nn.Sequential([nn.Dense(w)] + ([norm()] if stateful else [])
                                             + [nn.tanh])
-  stages = [pipejax.from_flax(layer(w, s != 1), name=f"dense{w}") for s, w in enumerate(WIDTHS)]
+  stages = [pipejax.from_flax(layer(w, s not in stateless), name=f"dense{w}")
+            for s, w in enumerate(widths)]
   head = nn.Sequential([nn.Dense(NUM_CLASSES), norm()])
   return pipejax.Model(stages + [pipejax.from_flax(head, name="head")])
 
@@ -94,20 +111,26 @@ def stage_variables(state):
   return jax.tree.map(np.array, [st.variables for st in state.stages])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,b", [("pb", 1), ("pipedream", 3)])
-def test_stateful_stages_match_naive_oracle(name, b):
+def test_stateful_stages_match_naive_oracle(name, b, layout):
   """Forward variables stashed with the input, backward variables advanced by the VJP's increment;
   the delay lines start out NaN, so an empty slot that touched a variable would show."""
   make_method, oracle_method = CASES[name]
-  model = make_stateful_model()
+  model = (make_stateful_model() if layout == "per_stage"
+           else make_stateful_model(EVEN, stateless=(0,)))
   x, y = make_stream(3 * model.num_stages + 2, b)
   pipe = Pipeline(model, make_method(), x[0], y[0])
+  runner = runner_for(layout, pipe)
   state = pipe.init(jax.random.PRNGKey(42), fill_value=jnp.nan)
-  assert state.stages[1].variables is None and state.stages[1].delay_line.variables is None
+  stateless = 1 if layout == "per_stage" else 0
+  assert state.stages[stateless].variables is None
+  assert state.stages[stateless].delay_line.variables is None
   init_params, init_variables = stage_params(state), stage_variables(state)
   expected_params, expected_metrics, expected_variables = oracle.run_oracle(
       model, oracle_method, init_params, x, y, init_variables=init_variables)
-  state, metrics = pipe.run(state, x, y)
+  state, metrics = runner.run(runner.from_logical(state), x, y)
+  state = runner.to_logical(state)
   assert_trees_close(stage_params(state), expected_params, rtol=1e-5, atol=1e-5)
   assert_trees_close(stage_variables(state), expected_variables, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(metrics["loss"]),

@@ -274,7 +274,7 @@ def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
   assert_states_equal(metrics, host(expected_metrics))
   assert np.asarray(metrics["valid"]).all()
   # Both runners compiled their full-pipeline program for this call (and only for it).
-  assert sharded._jit_run_full._cache_size() == 1 and pipe._jit_run_full._cache_size() >= 1
+  assert sharded.programs[1]._cache_size() == 1 and pipe.programs[1]._cache_size() >= 1
 
 
 def unfused_copy_sizes(hlo_text: str) -> list[int]:
@@ -307,7 +307,7 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
   sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]))
   assert sharded.partition == [(0, 2), (2, 4)]
   x, y = make_stream(4, b=1)
-  program = sharded._jit_run_full.lower(sharded.init(jax.random.PRNGKey(0)),
+  program = sharded.programs[1].lower(sharded.init(jax.random.PRNGKey(0)),
                                         sharded.placed_batch(x, y))
   sizes = unfused_copy_sizes(program.compile().as_text())
   assert max(sizes, default=0) < width * width, sorted(sizes)[-8:]

@@ -1,0 +1,288 @@
+"""Runs of identical stages advanced as one stacked group under ``vmap`` (docs/design.md §6.1).
+
+A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, a ResNet group's
+blocks, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
+so its kernels and its compile time grow with depth. :class:`StackedPipeline` advances each such
+run as one group: the group's weights, optimizer states, registers and variables are stacked on
+a leading stage axis, and the engine's own :meth:`~pipejax.engine.Pipeline.forward_step` and
+:meth:`~pipejax.engine.Pipeline.backward_step` run under ``jax.vmap`` over it, with the stage
+number (the rng fold-in) and the delay ``D_s`` as arrays over the axis. Every method's weight
+views and update rules take the delay as a value (``pipejax.optim`` accepts traced
+hyperparameters), so Spike Compensation's coefficients, the prediction horizons and PipeMare's
+rates become per-stage arrays without any change to the methods.
+
+**Which stages group** (:func:`find_groups`). Two stages are identical when their forward, and
+the method's weight views and update with the delay as an input, written over the flattened
+leaves of the stage's state, trace to the same jaxprs (operations, shapes, dtypes, constants);
+the backward is the forward's VJP. Their
+parameter trees may differ in names only (``block3`` against ``block4``): the group keeps its
+first stage's tree structure, and the logical state keeps every stage's own. The first and the
+last stage never group (they skip the input gradient, and meet the loss). A method whose
+update cannot take a traced delay (an optimizer factory that branches on it in Python) makes no
+group: the pipeline then runs stage by stage.
+
+**Delay lines** (docs/design.md §6.1). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
+``L_s`` differs from stage to stage. The group keeps one buffer per leaf with all its stages'
+rings laid end to end, stage ``i`` at offset ``o_i = L_0 + ... + L_{i-1}``, so it holds exactly
+the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of every stage
+(the oldest input) and scatters the new entries to ``o_i + t mod L_i``: one gather and one
+scatter of ``n`` rows per leaf, whatever ``n``. Within its span each stage's slots are where the
+logical state has them, so :meth:`StackedPipeline.to_logical` is slicing and stacking back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipejax import checks, engine
+from pipejax.engine import (Batch, DelayLine, Packet, Pipeline, PipelineRunner, PipelineState,
+                            StageState)
+
+PyTree = Any
+
+
+class StackedState(NamedTuple):
+  """A :class:`~pipejax.engine.PipelineState` with each group's stages stacked into one.
+
+  ``parts[k]`` is the :class:`~pipejax.engine.StageState` of a single stage, or of a group with
+  a leading stage axis on every leaf but the delay line's, whose rings lie end to end.
+  """
+
+  parts: tuple[StageState, ...]
+  tick: jax.Array
+  rng: jax.Array
+
+
+def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
+  """What stage ``s`` computes, as text and constants: equal for identical stages.
+
+  The stage's forward, and the method's weight views and update with the delay as a traced
+  value, each traced over the flattened leaves of the stage's state; the backward is the
+  forward's VJP. None when the method cannot take a traced delay.
+  """
+  stage, method, st = pipeline.model.stages[s], pipeline.method, spec.stages[s]
+  leaves, treedef = jax.tree.flatten(st._replace(delay_line=None))
+  opt_structure = []
+
+  def forward(leaves, x, key):
+    st = jax.tree.unflatten(treedef, leaves)
+    return stage.forward(st.params, x, key, st.variables)
+
+  def update(leaves, delay):
+    st = jax.tree.unflatten(treedef, leaves)
+    extra = {"gradient_params": st.params} if method.pass_gradient_weights else {}
+    updates, opt_state = method.optimizer(delay).update(st.params, st.opt_state, st.params,
+                                                        **extra)
+    opt_structure.append(jax.tree.structure(opt_state))
+    return (method.forward_weights(st.params, st.opt_state, delay),
+            method.backward_weights(st.params, st.opt_state, delay), updates, opt_state)
+
+  try:
+    traced = (jax.make_jaxpr(forward)(leaves, spec.stages[s - 1].forward_out.x, spec.rng),
+              jax.make_jaxpr(update)(leaves, jax.ShapeDtypeStruct((), jnp.int32)))
+  except (TypeError, ValueError):  # a traced delay the method cannot take, among them
+    return None
+  if opt_structure[0] != jax.tree.structure(st.opt_state):
+    return None  # the update's state is not the state the stage's init makes
+  consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes())
+                 for closed in traced for c in closed.consts)
+  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(st.delay_line)]
+  return tuple(str(closed.jaxpr) for closed in traced), consts, str(line)
+
+
+def find_groups(pipeline: Pipeline) -> list[tuple[int, int]]:
+  """The pipeline's stages as contiguous ``(start, stop)`` runs; a run of two or more stages is
+  a group of identical stages (module docstring), every other run a single stage."""
+  num, spec = pipeline.num_stages, pipeline.state_spec
+  signatures = [None] + [_signature(pipeline, s, spec) for s in range(1, num - 1)] + [None]
+  runs, start = [], 0
+  for s in range(1, num + 1):
+    same = (s < num and signatures[s] is not None and signatures[s] == signatures[start])
+    if not same:
+      runs.append((start, s))
+      start = s
+  return runs
+
+
+class _Group(NamedTuple):
+  """Static facts of one stacked group."""
+
+  start: int
+  stop: int
+  treedefs: tuple  # each stage's StageState structure, delay line left out
+  line_treedefs: tuple  # each stage's DelayLine structure
+  offsets: np.ndarray  # where each stage's ring starts in the group's buffers
+  lengths: np.ndarray  # each stage's ring length D_s + 1
+
+
+def _stack(trees, treedef):
+  """Stacks trees whose leaves match one by one under ``treedef`` (names may differ)."""
+  leaves = [jax.tree.leaves(t) for t in trees]
+  return jax.tree.unflatten(treedef, [jnp.stack(column) for column in zip(*leaves)])
+
+
+def _body(st: StageState) -> StageState:
+  return st._replace(delay_line=None)
+
+
+class StackedPipeline(PipelineRunner):
+  """A :class:`~pipejax.engine.Pipeline` whose runs of identical stages tick as stacked groups.
+
+  The same numbers as ``pipeline`` (tests/test_stacking.py), in fewer operations per tick and a
+  compile time that does not grow with the length of a run. The logical state
+  (:meth:`to_logical`, what checkpoints hold) is the pipeline's own, so either layout resumes
+  the other's checkpoints.
+
+  Args:
+    pipeline: the single-device pipeline.
+    groups: contiguous ``(start, stop)`` runs covering every stage; default
+      :func:`find_groups`. A run of two or more stages must be identical stages.
+  """
+
+  def __init__(self, pipeline: Pipeline, groups=None):
+    self.pipeline = pipeline
+    self.runs = tuple(find_groups(pipeline) if groups is None else groups)
+    spec = pipeline.state_spec
+    self._groups = {}
+    for start, stop in self.runs:
+      if stop - start < 2:
+        continue
+      lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
+      self._groups[start] = _Group(
+          start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
+          tuple(jax.tree.structure(st.delay_line) for st in spec.stages[start:stop]),
+          np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
+    self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
+    self._jit_init = jax.jit(lambda rng, fill: self._stack(pipeline.init(rng, fill)))
+    self._jit_to_logical = jax.jit(self._unstack)
+    self._jit_from_logical = jax.jit(self._stack)
+    self._state_spec = jax.eval_shape(self._stack, spec)
+
+  @property
+  def num_stages(self) -> int:
+    return self.pipeline.num_stages
+
+  @property
+  def stacked(self) -> bool:
+    """Whether any run of stages is stacked."""
+    return bool(self._groups)
+
+  # ------------------------------------------------------------------ layout
+
+  def init(self, rng: jax.Array, fill_value: float = 0.0) -> StackedState:
+    """The pipeline's initial state (the same numbers), in the stacked layout."""
+    return self._jit_init(engine.raw_key(rng), jnp.float32(fill_value))
+
+  def from_logical(self, logical_state: PipelineState) -> StackedState:
+    self.pipeline.check_state(logical_state)
+    return self._jit_from_logical(logical_state)
+
+  def to_logical(self, state: StackedState) -> PipelineState:
+    self.check_state(state)
+    return self._jit_to_logical(state)
+
+  def _stack(self, logical: PipelineState) -> StackedState:
+    parts = []
+    for start, stop in self.runs:
+      stages = logical.stages[start:stop]
+      group = self._groups.get(start)
+      if group is None:
+        parts.append(stages[0])
+        continue
+      body = _stack([_body(st) for st in stages], group.treedefs[0])
+      line_leaves = [jax.tree.leaves(st.delay_line) for st in stages]
+      line = jax.tree.unflatten(group.line_treedefs[0],
+                                [jnp.concatenate(column) for column in zip(*line_leaves)])
+      parts.append(body._replace(delay_line=line))
+    return StackedState(tuple(parts), logical.tick, logical.rng)
+
+  def _unstack(self, state: StackedState) -> PipelineState:
+    stages = []
+    for (start, _), part in zip(self.runs, state.parts):
+      group = self._groups.get(start)
+      if group is None:
+        stages.append(part)
+        continue
+      body, line = jax.tree.leaves(_body(part)), jax.tree.leaves(part.delay_line)
+      for i, (offset, length) in enumerate(zip(group.offsets, group.lengths)):
+        st = jax.tree.unflatten(group.treedefs[i], [leaf[i] for leaf in body])
+        stage_line = jax.tree.unflatten(group.line_treedefs[i],
+                                        [leaf[offset:offset + length] for leaf in line])
+        stages.append(st._replace(delay_line=stage_line))
+    return PipelineState(tuple(stages), state.tick, state.rng)
+
+  def check_state(self, state: StackedState) -> None:
+    if isinstance(state, PipelineState):
+      raise checks.PipelineError(
+          "This is a logical PipelineState; a StackedPipeline runs the stacked state of its "
+          "init(), or stacked.from_logical(state) of a logical one.")
+    checks.check_state(state, self._state_spec, self.num_stages)
+
+  def every_slot_full(self, state: StackedState) -> bool:
+    return engine.slots_full(state.parts)
+
+  def held_stash_bytes(self, state: StackedState) -> int:
+    """Bytes of stashed activations the state's delay lines hold."""
+    return engine.held_stash_bytes(state.parts)
+
+  def schedule(self, inputs, labels):
+    return self.pipeline.schedule(inputs, labels)
+
+  # ------------------------------------------------------------------ one tick
+
+  def _advance_group(self, group: _Group, st: StageState, inbound: Packet, cotangent: PyTree,
+                     tick, rng, every_slot_full: bool):
+    """One tick of a stacked group: the engine's steps under vmap, the packed rings between."""
+    pipe, s = self.pipeline, group.start
+    shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
+    shift_back = lambda own, last: jnp.concatenate([own[1:], last[None]])
+    inbound = jax.tree.map(shift_in, inbound, st.forward_out)
+    cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
+    numbers = jnp.arange(group.start, group.stop, dtype=jnp.int32)
+    delays = jnp.asarray(pipe.delays[group.start:group.stop], jnp.int32)
+    body_axes = StageState(0, 0, None, 0, 0, 0)
+
+    forward = jax.vmap(
+        lambda st, inbound, number, delay: pipe.forward_step(s, st, inbound, rng, number, delay),
+        in_axes=(body_axes, 0, 0, 0))(st, inbound, numbers, delays)
+    read = jnp.asarray(group.offsets) + (tick + 1) % jnp.asarray(group.lengths)
+    write = jnp.asarray(group.offsets) + tick % jnp.asarray(group.lengths)
+    oldest = jax.tree.map(lambda ring: jnp.take(ring, read, axis=0), st.delay_line)
+    line = jax.tree.map(
+        lambda ring, new: ring.at[write].set(new, indices_are_sorted=True, unique_indices=True),
+        st.delay_line, forward.entry)
+    new, metrics = jax.vmap(
+        lambda st, forward, oldest, inbound, cotangent, number, delay: pipe.backward_step(
+            s, st, forward, oldest, inbound, cotangent, rng, number, delay,
+            every_slot_full=every_slot_full),
+        in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
+                                                delays)
+    return new._replace(delay_line=line), metrics
+
+  def _tick(self, state: StackedState, batch: Batch, every_slot_full: bool = False):
+    parts = state.parts
+    last_of = lambda k: (parts[k].forward_out if k not in self._group_index
+                         else jax.tree.map(lambda a: a[-1], parts[k].forward_out))
+    first_of = lambda k: (parts[k].backward_out if k not in self._group_index
+                          else jax.tree.map(lambda a: a[0], parts[k].backward_out))
+    new_parts, stage_metrics = [], []
+    for k, ((start, _), st) in enumerate(zip(self.runs, parts)):
+      inbound = (Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
+                 if k == 0 else last_of(k - 1))
+      cotangent = first_of(k + 1) if k + 1 < len(parts) else None
+      if k in self._group_index:
+        new, metrics = self._advance_group(self._groups[start], st, inbound, cotangent,
+                                           state.tick, state.rng, every_slot_full)
+      else:
+        new, metrics = self.pipeline.advance_stage(start, st, inbound, cotangent, state.tick,
+                                                   state.rng, every_slot_full=every_slot_full)
+      new_parts.append(new)
+      stage_metrics.append(metrics)
+    return (StackedState(tuple(new_parts), state.tick + 1, state.rng),
+            engine.tick_metrics(stage_metrics))
+
