@@ -12,4 +12,4 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENT
 rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # One worker per core (at most 4), each test file on one worker so that its module fixtures are
 # built once: the suite is mostly compiling and starting trainer processes, one core at a time.
-exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=20 "$@"
