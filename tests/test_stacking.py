@@ -74,11 +74,15 @@ def test_a_method_that_needs_a_python_delay_runs_stage_by_stage():
 def test_every_preset_gives_the_per_stage_numbers(name):
   """Bit for bit, but where a method's coefficients depend on the delay (m**D in float32 from a
   traced delay, in Python floats from an int one); NaN in every empty slot."""
-  method = methods.make_method(name, learning_rate=0.05, momentum=0.9, micro_batches=2,
-                               anneal_steps=6, gamma=0.7, dc_strength=3.0)
+  optimizer = methods.optimizers_of(name)[0]
+  method = methods.make_method(name, learning_rate=0.05 if optimizer == "sgd" else 1e-3,
+                               momentum=0.9, micro_batches=2, anneal_steps=6, gamma=0.7,
+                               dc_strength=3.0, optimizer=optimizer,
+                               num_stages=dense_model(EVEN).num_stages)
   per_stage, per_stage_metrics, grouped, grouped_metrics = both_layouts(
       dense_model(EVEN), method, 2, 3 * len(EVEN) + 6, fill_value=jnp.nan)
-  exact = name not in ("pb_sc", "pb_sc_lwp")
+  # Coefficients computed from the traced delay: the same numbers to float32 rounding.
+  exact = name not in ("pb_sc", "pb_sc_lwp", "pipeoptim", "nesterov_asyncpp")
   assert_same(grouped, per_stage, exact)
   assert_same(grouped_metrics, per_stage_metrics, exact)
   assert np.isfinite(per_stage_metrics["loss"]).all() and per_stage_metrics["valid"].sum() > 4

@@ -65,6 +65,20 @@ def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, 
   Returns:
     A ``GradientTransformationExtraArgs`` with state :class:`AdamPredictionState`.
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim.adam_family import adam_predicted_params, adam_weight_prediction
+    >>> tx = adam_weight_prediction(1e-2, horizon=4)
+    >>> params = jnp.array([1.0, -2.0])
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jnp.array([0.5, -0.5]), state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> [round(float(w), 4) for w in params]  # Adam's first step: lr in each coordinate
+    [0.99, -1.99]
+    >>> [round(float(w), 4) for w in adam_predicted_params(params, state)]  # four more steps
+    [0.95, -1.95]
+
   References:
     Guan et al., `PipeOptim: Ensuring Effective 1F1B Schedule with Optimizer-Dependent Weight
     Prediction <https://arxiv.org/abs/2312.00839>`_ (code: guanleics/PipeOptim).
@@ -180,6 +194,18 @@ def nesterov_asyncpp(learning_rate: optax.ScalarOrSchedule, delay: Any, max_dela
     b2, eps: NAdamW's second-moment decay and epsilon.
     weight_decay: decoupled weight decay (scaled by the corrected rate, as in both codes).
     mask: the decay mask (e.g. :func:`decay_mask`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from pipejax.optim.adam_family import nesterov_asyncpp
+    >>> tx = nesterov_asyncpp(1e-2, delay=4, max_delay=6, anneal_steps=100)
+    >>> params = jnp.array([1.0, -2.0])
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jnp.array([0.5, -0.5]), state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> bool(params[0] < 1.0 and params[1] > -2.0)  # a step against the gradient
+    True
 
   References:
     Ajanthan et al., `Nesterov Method for Asynchronous Pipeline Parallel Optimization
