@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax import checks, engine
-from pipejax.engine import (Batch, DelayLine, Packet, Pipeline, PipelineRunner, PipelineState,
+from pipejax.engine import (Batch, Packet, Pipeline, PipelineRunner, PipelineState,
                             StageState)
 
 PyTree = Any

@@ -61,7 +61,7 @@ import platform
 import re
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
