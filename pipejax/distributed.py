@@ -52,6 +52,11 @@ class StartupError(RuntimeError):
   """The processes of a run could not start together; the message says why and what to do."""
 
 
+class SharedRefusal(StartupError):
+  """A refusal that every process reached from the same exchanged values, so all of them can
+  leave together (:func:`leave_together`)."""
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: Sequence[int] | None = None,
                num_cpu_devices: int | None = None, cpu_collectives: str = "gloo",
@@ -220,20 +225,6 @@ def exchange(name: str, value: str, timeout: float = STARTUP_TIMEOUT) -> list[st
       logging.warning("Start-up: process %d waits for process %d's %s (%.0f s of the %.0f s "
                       "start-up timeout, --startup_timeout).", jax.process_index(), process,
                       name, time.monotonic() - start, timeout)
-  # Process 0 hosts the coordination service, and a refusal ends the process: it waits until
-  # every other process has read all values (its acknowledgement is stored once it returns).
-  try:
-    if jax.process_index():
-      client.key_value_set(f"pipejax/{name}/read/{jax.process_index()}", "1")
-    else:
-      for process in range(1, jax.process_count()):
-        client.blocking_key_value_get(f"pipejax/{name}/read/{process}",
-                                      int(1000 * max(timeout - (time.monotonic() - start), 1)))
-  except jax.errors.JaxRuntimeError as e:
-    raise StartupError(
-        f"Process {jax.process_index()} lost the other processes while they compared their "
-        f"{name} ({str(e).strip().splitlines()[0][:200]}): one of them stopped (its log says "
-        "why). End all processes and start them again.") from None
   return values
 
 
@@ -256,7 +247,7 @@ def agree(fingerprint: dict[str, Any], timeout: float = STARTUP_TIMEOUT) -> None
     details = "; ".join(
         f"{k}: " + ", ".join(f"{f.get(k)!r} on process {p}" for p, f in enumerate(everyone))
         for k in differing)
-    raise StartupError(
+    raise SharedRefusal(
         f"The {len(everyone)} processes of this run differ in {', '.join(differing)} ({details}). "
         "Every process must run the same code with the same config and --workdir (one directory "
         "shared by all hosts); only --process_id differs. Start them again with the same "
@@ -291,11 +282,23 @@ def agree_on_shared_workdir(workdir: str, timeout: float = STARTUP_TIMEOUT) -> N
   verdicts = exchange("workdir_verdict", problem, timeout)
   bad = {p: v for p, v in enumerate(verdicts) if v}
   if bad:
-    raise StartupError(
+    raise SharedRefusal(
         f"The workdir {os.path.abspath(workdir)} is not one directory shared by all "
         f"{len(verdicts)} processes: " + "; ".join(f"process {p} {v}" for p, v in bad.items())
         + ". Mount the same shared directory at this path on every host (or give every process "
         "the same local path on one machine), then start all processes again.")
+
+
+def leave_together(timeout: float = STARTUP_TIMEOUT) -> None:
+  """Disconnects through JAX's shutdown barrier, after a :class:`SharedRefusal` on every process.
+
+  Process 0 hosts the coordination service: were it to exit first, a process still printing its
+  refusal would lose the service and JAX would abort it. The barrier lets the service go last.
+  After ``timeout`` seconds the process exits anyway (code 1), without the barrier.
+  """
+  with _Waiting(f"process {jax.process_index()}", "for the others to leave after the refusal",
+                timeout, advice="The refusal above is the reason."):
+    jax.distributed.shutdown()
 
 
 def lost_process_message(error: BaseException) -> str:

@@ -134,7 +134,9 @@ def _start_processes(config, workdir):
                       _STARTUP_TIMEOUT.value)
     distributed.agree_on_shared_workdir(workdir, _STARTUP_TIMEOUT.value)
   except distributed.StartupError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if isinstance(e, distributed.SharedRefusal):
+      distributed.leave_together(_STARTUP_TIMEOUT.value)
     _exit(EXIT_ERROR)
 
 
