@@ -36,7 +36,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", None, "Trainings at a time; default
                                  "CPU cores (each training then uses one core).")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report from results.jsonl.")
 _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these overrides, e.g. "
-                           "--where=model_kwargs.depth=32,method=pb (the report covers all).")
+                           "--where=model_kwargs.depth=32,method=pb|pb_sc_lwp (one of the values "
+                           "separated by '|'; the report covers all).")
 flags.mark_flags_as_required(["study", "workdir"])
 
 
