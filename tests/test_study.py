@@ -437,6 +437,15 @@ def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, mo
   assert len(study_records.read_results(str(tmp_path))) == 5
 
 
+def test_where_selects_runs_whose_value_is_one_of_the_alternatives(tmp_path):
+  planned = study_runner.outcome(STUDY, str(tmp_path),
+                                 {"model_kwargs.depth": "8", "method": "sgd|pb", "seed": "0|2"})
+  assert sorted(planned.planned) == sorted(
+      study_lib.run_id({"model_kwargs.depth": 8, "method": m, "seed": s})
+      for m in ("sgd", "pb") for s in (0, 2))
+  assert study_runner.outcome(STUDY, str(tmp_path), {"method": "adam|sg"}).planned == []
+
+
 def test_the_runner_and_the_report_count_the_same_records(tmp_path, fake_trainer, capsys):
   workdir = tmp_path / "study"
   workdir.mkdir()
