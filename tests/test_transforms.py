@@ -655,17 +655,19 @@ def test_pipemare_discrepancy_tracks_the_applied_updates():
 
 @pytest.mark.parametrize('form', ['heavy_ball', 'ema'])
 def test_scale_recipe_round_trip_and_invariants(form):
-  recipe = Recipe(batch_size=256, learning_rate=0.2, momentum=0.9, weight_decay=5e-4, form=form)
+  recipe = Recipe(batch_size=256, learning_rate=0.2, momentum=0.9, weight_decay=5e-4, form=form,
+                  b2=0.99)
   for batch_size in (1, 16, 1024):
     scaled = scale_recipe(recipe, batch_size)
     back = scale_recipe(scaled, recipe.batch_size)
     assert back.batch_size == recipe.batch_size and back.form == form
-    np.testing.assert_allclose([back.learning_rate, back.momentum, back.weight_decay],
-                               [recipe.learning_rate, recipe.momentum, recipe.weight_decay],
-                               rtol=1e-9)
-    # The momentum's decay per sample.
+    np.testing.assert_allclose([back.learning_rate, back.momentum, back.weight_decay, back.b2],
+                               [recipe.learning_rate, recipe.momentum, recipe.weight_decay,
+                                recipe.b2], rtol=1e-9)
+    # The momentum's and the second moment's decay per sample.
     np.testing.assert_allclose(scaled.momentum**(1 / batch_size),
                                recipe.momentum**(1 / recipe.batch_size), rtol=1e-12)
+    np.testing.assert_allclose(scaled.b2**(1 / batch_size), 0.99**(1 / 256), rtol=1e-12)
     # Each sample's total displacement.
     def per_sample(r):
       return r.learning_rate / (r.batch_size * (1 - r.momentum if form == 'heavy_ball' else 1))
@@ -1144,6 +1146,7 @@ BAD_INPUTS = {
     'recipe learning rate': (lambda: Recipe(8, 0.0, 0.9), 'learning_rate'),
     'recipe weight decay': (lambda: Recipe(8, 0.1, 0.9, weight_decay=-1e-4), 'weight_decay'),
     'recipe form': (lambda: Recipe(8, 0.1, 0.9, form='nesterov'), 'form'),
+    'recipe b2': (lambda: Recipe(8, 0.1, 0.9, form='ema', b2=1.0), 'b2'),
     'scale to batch 0': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 0), 'batch_size'),
     'scale to batch 2.5': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 2.5), 'batch_size'),
     'steps batch 0': (lambda: steps_for_samples(100, 0), 'batch_size'),
