@@ -197,8 +197,8 @@ _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
                   "reference.batch_size", "mesh.stage", "mesh.data")
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
-_NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "micro_batch.lr",
-                       "micro_batch.weight_decay",
+_POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learning rate
+_NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay",
                        "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
 _MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
@@ -230,6 +230,9 @@ def _validate_values(config) -> None:
   require(config.seed < 2**32, "seed", "below 2**32")
   v = config.epochs
   require(is_real(v) and v > 0, "epochs", "a positive finite number")
+  for key in _POSITIVE_REALS:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and v > 0), key, "a finite number > 0")
   for key in _NON_NEGATIVE_REALS:
     v = _field(config, key)
     require(v is None or (is_real(v) and v >= 0), key, "a finite number >= 0")

@@ -262,7 +262,7 @@ def test_storage_error_recognises_permissions_and_full_disks():
     ("epochs", float("nan")), ("micro_batch.weight_decay", -1.0), ("reference.batch_size", 0),
     ("eval_batch_size", 0), ("warmup_epochs", -0.5), ("mesh.data", 0), ("mesh.stage", -2),
     ("mesh.balance", "nope"), ("micro_batch.lr", -0.1), ("micro_batch.lr", float("nan")),
-    ("micro_batch.lr", float("inf")),
+    ("micro_batch.lr", float("inf")), ("micro_batch.lr", 0.0), ("reference.lr", 0.0),
     ("model_kwargs.hidden", (0,)), ("seed", -1), ("reference.momentum", 1.0),
 ])
 def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, value):
