@@ -107,7 +107,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
   for rec in records:
-    point = key_of({"r": rec["overrides"].get(table.rows), "c": rec["overrides"].get(table.columns)})
+    overrides = rec["overrides"]
+    point = key_of({"r": overrides.get(table.rows), "c": overrides.get(table.columns)})
     status_by_point[point].add(rec["status"])
   header = f"| {study.label(table.rows)} | " + " | ".join(study.label(c) for c in columns) + " |"
   lines = [header, "|" + "---|" * (len(columns) + 1)]
@@ -232,7 +233,8 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
         tests = statistics.margin_tests(cell.values, study.margin)
         m = _number(study.margin, table.scale, 2)
         text += (f"; non-inferior at margin {m}: "
-                 f"{'yes' if tests.non_inferior else 'not shown'} (p = {tests.non_inferiority_p:.2g})"
+                 f"{'yes' if tests.non_inferior else 'not shown'} "
+                 f"(p = {tests.non_inferiority_p:.2g})"
                  f"; equivalent within ±{m}: {'yes' if tests.equivalent else 'not shown'} "
                  f"(TOST p = {tests.equivalence_p:.2g})")
       if cell.diverged:
