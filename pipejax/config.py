@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
   # converted rate and diverges: the batch-128 lr is --config.reference.lr.
   config.reference = ml_collections.ConfigDict(
       {"batch_size": 128, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
-       "beta2": 0.999})  # beta2: Adam's second-moment decay (optimizer='adam' only)
+       "b2": 0.999})  # b2: Adam's second-moment decay (optimizer='adam' only)
   config.micro_batch = ml_collections.ConfigDict({
       "lr": config_dict.placeholder(float), "momentum": config_dict.placeholder(float),
       "weight_decay": config_dict.placeholder(float)})

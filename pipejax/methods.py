@@ -160,12 +160,17 @@ class Hyperparameters:
                            self.weight_decay)
     return optim.sgd_sc(self.learning_rate, delay, self.momentum, weight_decay=self.weight_decay)
 
-  def predicting(self, inner: Callable[[int], optax.GradientTransformation],
+  def predicting(self, inner: Callable[[Hyperparameters, int], optax.GradientTransformation],
                  form: str = "update") -> Callable[[int], optax.GradientTransformation]:
+    """``inner`` (e.g. ``Hyperparameters.base``) under Linear Weight Prediction, per delay."""
     def factory(delay):
+      horizon = delay if self.horizon is None else self.horizon
+      if form == "update":
+        return optim.linear_weight_prediction(inner(self, delay), horizon, outermost=True)
+      # The velocity forms build inner from the learning rate they predict with: one rate.
       return optim.linear_weight_prediction(
-          inner(delay), delay if self.horizon is None else self.horizon, form=form,
-          learning_rate=None if form == "update" else self.learning_rate,
+          lambda rate: inner(dataclasses.replace(self, learning_rate=rate), delay), horizon,
+          form=form, learning_rate=self.learning_rate,
           momentum=self.momentum if form == "next_velocity" else None,
           outermost=True)  # the stage's whole update: the prediction is read, not recomputed
     return factory
@@ -212,12 +217,13 @@ def _pb_sc(h):
 
 @_preset("pb_lwp")
 def _pb_lwp(h):
-  return Method("pb_lwp", h.predicting(h.base), forward_weights=_predicted)
+  return Method("pb_lwp", h.predicting(Hyperparameters.base), forward_weights=_predicted)
 
 
 @_preset("pb_sc_lwp")
 def _pb_sc_lwp(h):
-  return Method("pb_sc_lwp", h.predicting(h.spike_compensated), forward_weights=_predicted)
+  return Method("pb_sc_lwp", h.predicting(Hyperparameters.spike_compensated),
+                forward_weights=_predicted)
 
 
 @_preset("pipedream")
@@ -228,7 +234,7 @@ def _pipedream(h):
 @_preset("spectrain", optimizers=("sgd",))
 def _spectrain(h):
   # The reference code predicts with the next velocity m v + g (see linear_weight_prediction).
-  return Method("spectrain", h.predicting(h.base, form="next_velocity"),
+  return Method("spectrain", h.predicting(Hyperparameters.base, form="next_velocity"),
                 forward_weights=_predicted)
 
 

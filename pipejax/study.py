@@ -4,9 +4,10 @@ A study file (``configs/studies/*.py``) defines ``get_study(arg)`` returning a :
 training config every run starts from, the grid of overrides (method x depth x seed x ...), what
 the report shows. This module holds that declaration and each run's identity and trainer flags;
 ``pipejax.study_runner`` runs the grid as trainer processes, ``pipejax.study_records`` keeps one
-record per run in ``results.jsonl``, and ``pipejax.study_report`` makes the tables, statistics and
-figures from the records alone, so a report can be regenerated, merged or published without the
-runs' workdirs.
+record per run in ``results.jsonl``, ``pipejax.study_cells`` groups the records into cells, and
+``pipejax.study_report`` and ``pipejax.study_figures`` make the tables, statistics and figures
+from the records alone, so a report can be regenerated, merged or published without the runs'
+workdirs.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ class Study:
     from pipejax.methods import DISPLAY_NAMES  # pylint: disable=import-outside-toplevel
     text = str(value)
     return self.labels.get(text, DISPLAY_NAMES.get(text, KEY_NAMES.get(text, text)))
+
+  def baseline_label(self) -> str:
+    """How the report names the baseline of gaps, e.g. 'SGD'."""
+    return ", ".join(self.label(v) for v in self.baseline.values())
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order)."""

@@ -1,4 +1,4 @@
-"""A study's report from its records: tables with 95% CIs, paired gaps, verdicts, conclusions, figures.
+"""A study's report from its records: tables with 95% CIs, paired gaps, verdicts, conclusions.
 
 Conventions (the report states them too):
 
@@ -19,145 +19,17 @@ from __future__ import annotations
 
 import collections
 import csv
-import dataclasses
 import json
-import math
 import os
-from typing import Iterable, Sequence
+from typing import Sequence
 
-from pipejax import plotting, statistics
-from pipejax.study import Figure, Overrides, Study, Table
-from pipejax.study_records import (DIVERGED, FAILED, FINISHED, SKIPPED, diverged, is_number, key_of,
+from pipejax import statistics
+from pipejax.study import Overrides, Study, Table
+from pipejax.study_cells import (Cell, axis_values, group, is_diverged, lookup, ordered, select,
+                                 without_seed)
+from pipejax.study_figures import draw_figure
+from pipejax.study_records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
                                    metric_of, read_results)
-
-
-@dataclasses.dataclass
-class Cell:
-  """The runs of one grid point (all seeds): each one's value, or why it has none."""
-
-  values: list[float]
-  diverged: int
-  seeds: list[int]
-  not_reached: int = 0  # finished runs without a value (a 'samples_to' level never reached)
-  paired: bool = False  # values are per-seed differences to the baseline
-
-  @property
-  def stats(self) -> statistics.Interval:
-    return statistics.paired(self.values) if self.paired else statistics.interval(self.values)
-
-  @property
-  def mean(self) -> float:
-    return self.stats.mean
-
-  @property
-  def std(self) -> float:
-    return self.stats.std
-
-  @property
-  def runs(self) -> int:
-    return len(self.values) + self.diverged + self.not_reached
-
-
-def _without_seed(overrides: Overrides) -> tuple:
-  return key_of({k: v for k, v in overrides.items() if k != "seed"})
-
-
-def _is_diverged(record: dict) -> bool:
-  return record["status"] == DIVERGED or diverged(record)
-
-
-def group(records: Iterable[dict], metric: str = "test_accuracy",
-          baseline: Overrides | None = None) -> dict[tuple, Cell]:
-  """Groups finished and diverged records by their overrides without the seed.
-
-  With ``baseline``, each value is the run's metric minus that of its baseline run: the run with
-  the same overrides except the baseline's keys (and their values). A seed whose baseline run is
-  missing or diverged has no gap.
-  """
-  records = [r for r in records if r["status"] in (FINISHED, DIVERGED)]
-  references = []
-  if baseline is not None:
-    references = [r for r in records if not _is_diverged(r) and is_number(metric_of(r, metric))
-                  and all(r["overrides"].get(k) == v for k, v in baseline.items())]
-  grouped: dict[tuple, Cell] = {}
-  for r in records:
-    cell = grouped.setdefault(_without_seed(r["overrides"]),
-                              Cell([], 0, [], paired=baseline is not None))
-    cell.seeds.append(r["overrides"].get("seed", 0))
-    value = metric_of(r, metric)
-    if _is_diverged(r):
-      cell.diverged += 1
-    elif not is_number(value):
-      cell.not_reached += 1
-    elif baseline is None:
-      cell.values.append(value)
-    else:
-      reference = baseline_run([ref for ref in references if ref is not r], r["overrides"],
-                               baseline) or (r if r in references else None)
-      if reference is not None:
-        cell.values.append(value - metric_of(reference, metric))
-  return grouped
-
-
-def baseline_run(references: Sequence[dict], overrides: Overrides,
-                 baseline: Overrides) -> dict | None:
-  """The baseline run a run is paired with, among ``references`` (which exclude the run itself):
-  the run with the same overrides but the baseline's (same seed, same cell), else the most
-  specific baseline run whose every override the run shares. So a control arm that adds an
-  override to the baseline's, such as ``sgd_stage_rates``, pairs with the plain baseline run of
-  its seed."""
-  wanted = key_of({**overrides, **baseline})
-  best = None
-  for ref in references:
-    if key_of(ref["overrides"]) == wanted:
-      return ref
-    shared = all(overrides.get(k) == v for k, v in ref["overrides"].items() if k not in baseline)
-    if shared and ref["overrides"].get("seed", 0) == overrides.get("seed", 0) and (
-        best is None or len(ref["overrides"]) > len(best["overrides"])):
-      best = ref
-  return best
-
-
-def cells(records: Iterable[dict], metric: str = "test_accuracy") -> dict[tuple, Cell]:
-  return group(records, metric)
-
-
-def paired_gaps(records: Iterable[dict], baseline: Overrides,
-                metric: str = "test_accuracy") -> dict[tuple, Cell]:
-  return group(records, metric, baseline)
-
-
-def lookup(grouped: dict[tuple, Cell], point: Overrides) -> Cell | None:
-  """The cell whose overrides include every item of ``point``, if exactly one does."""
-  wanted = set(key_of(point))
-  found = [c for key, c in grouped.items() if wanted <= set(key)]
-  return found[0] if len(found) == 1 else None
-
-
-def axis_values(records: Sequence[dict], key: str) -> list:
-  values = []
-  for r in records:
-    if key in r["overrides"] and r["overrides"][key] not in values:
-      values.append(r["overrides"][key])
-  try:
-    return sorted(values)
-  except TypeError:
-    return values
-
-
-def ordered(study: Study, key: str, present: list) -> list:
-  """Grid order for a key (the study file's order), keeping only values that have records."""
-  order = [v for grid in study.grids for v in grid.get(key, ())]
-  known = list(dict.fromkeys(v for v in order if v in present))
-  return known + [v for v in present if v not in known]
-
-
-def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
-  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None)."""
-  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
-
-
-# ----------------------------------------------------------------------------- text
 
 
 def _number(value: float, scale: float, decimals: int, signed: bool = False) -> str:
@@ -198,7 +70,7 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
   ``study.min_accuracy``. Either end is None where no such value was run.
   """
   records = select(records, table.where)
-  grouped = cells(records, table.metric)
+  grouped = group(records, table.metric)
   trains, fails = [], []
   for value in ordered(study, table.rows, axis_values(records, table.rows)):
     cell = lookup(grouped, {table.rows: value, table.columns: column_value})
@@ -235,7 +107,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
   for rec in records:
-    point = key_of({"r": rec["overrides"].get(table.rows), "c": rec["overrides"].get(table.columns)})
+    overrides = rec["overrides"]
+    point = key_of({"r": overrides.get(table.rows), "c": overrides.get(table.columns)})
     status_by_point[point].add(rec["status"])
   header = f"| {study.label(table.rows)} | " + " | ".join(study.label(c) for c in columns) + " |"
   lines = [header, "|" + "---|" * (len(columns) + 1)]
@@ -262,16 +135,16 @@ def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
 
 
 def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  means = cells(records, table.metric)
+  means = group(records, table.metric)
   gaps = group(records, table.metric, study.baseline)
   points = {}
   for r in sorted(records, key=lambda r: r["overrides"].get("seed", 0)):
     if r["status"] in (FINISHED, DIVERGED):
-      points.setdefault(_without_seed(r["overrides"]),
+      points.setdefault(without_seed(r["overrides"]),
                         {k: v for k, v in r["overrides"].items() if k != "seed"})
   common = dict(set.intersection(*(set(key_of(p)) for p in points.values()))) if points else {}
   common = {k: json_value for k, json_value in ((k, json.loads(v)) for k, v in common.items())}
-  lines = [f"| run | {table.metric.replace('_', ' ')} | gap to {_baseline_name(study)} |",
+  lines = [f"| run | {table.metric.replace('_', ' ')} | gap to {study.baseline_label()} |",
            "|---|---|---|"]
   for key, overrides in points.items():
     is_baseline = all(overrides.get(k) == v for k, v in study.baseline.items()) and \
@@ -287,7 +160,7 @@ def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
 
 def best_value(study: Study, records: Sequence[dict], table: Table, column_value):
   """The ``rows`` value at which ``column_value``'s cell has the best mean (no diverged seed)."""
-  grouped = cells(records, table.metric)
+  grouped = group(records, table.metric)
   best = None
   for value in ordered(study, table.rows, axis_values(records, table.rows)):
     cell = lookup(grouped, {table.rows: value, table.columns: column_value})
@@ -302,7 +175,7 @@ def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
   baseline_best = best_value(study, records, table, baseline_column)
   by_point = {}
   for r in records:
-    if r["status"] == FINISHED and not _is_diverged(r) and is_number(metric_of(r, table.metric)):
+    if r["status"] == FINISHED and not is_diverged(r) and is_number(metric_of(r, table.metric)):
       o = r["overrides"]
       by_point[(json.dumps(o.get(table.rows)), o.get(table.columns), o.get("seed", 0))] = \
           metric_of(r, table.metric)
@@ -329,15 +202,11 @@ def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
   return "\n".join(lines)
 
 
-def _baseline_name(study: Study) -> str:
-  return ", ".join(study.label(v) for v in study.baseline.values())
-
-
 def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str]:
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
   records = select(records, table.where)
   grouped = group(records, table.metric, study.baseline)
-  baseline, unit = _baseline_name(study), "points" if table.scale == 100 else "units"
+  baseline, unit = study.baseline_label(), "points" if table.scale == 100 else "units"
   sentences = []
   for r in ordered(study, table.rows, axis_values(records, table.rows)):
     for c in ordered(study, table.columns, axis_values(records, table.columns)):
@@ -364,7 +233,8 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
         tests = statistics.margin_tests(cell.values, study.margin)
         m = _number(study.margin, table.scale, 2)
         text += (f"; non-inferior at margin {m}: "
-                 f"{'yes' if tests.non_inferior else 'not shown'} (p = {tests.non_inferiority_p:.2g})"
+                 f"{'yes' if tests.non_inferior else 'not shown'} "
+                 f"(p = {tests.non_inferiority_p:.2g})"
                  f"; equivalent within ±{m}: {'yes' if tests.equivalent else 'not shown'} "
                  f"(TOST p = {tests.equivalence_p:.2g})")
       if cell.diverged:
@@ -385,143 +255,6 @@ def write_csv(records: Sequence[dict], path: str) -> None:
       writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
                        *(r.get(k, "") for k in fields[len(keys) + 2:])])
   os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- figures
-
-
-def _cell_points(study: Study, selected: Sequence[dict], figure: Figure):
-  """Per series: its (x, mean, CI half-width) points and its (x, 'k/n') diverged marks."""
-  grouped = group(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
-  xs = ordered(study, figure.x, axis_values(selected, figure.x))
-  result = []
-  for s in ordered(study, figure.series, axis_values(selected, figure.series)):
-    if figure.kind == "gap" and study.baseline.get(figure.series) == s:
-      continue  # the baseline's gap to itself is zero by construction
-    points, failed = [], []
-    for x in xs:
-      cell = lookup(grouped, {figure.x: x, figure.series: s})
-      if cell is None:
-        continue
-      if cell.values:
-        st = cell.stats
-        points.append((x / figure.x_unit, st.mean * 100,
-                       0.0 if math.isnan(st.half_width) else st.half_width * 100))
-      if cell.diverged:
-        failed.append((x / figure.x_unit, f"{cell.diverged}/{cell.runs}"))
-    result.append((s, points, failed))
-  return result
-
-
-def _draw_cells(study: Study, figure: Figure, series, ax, band) -> None:
-  """Means with 95% CIs, each series nudged sideways so that their bars stay apart; diverged
-  runs as 'k/n' marks in ``band``, never on the metric axis."""
-  count = len(series)
-  for i, (s, points, failed) in enumerate(series):
-    shift = (i - (count - 1) / 2) * 0.012
-    nudge = (lambda x: x * 2 ** shift) if figure.log_x else (lambda x: x)
-    colour = f"C{i % 10}"
-    if points:
-      px, py, pe = zip(*points)
-      ax.errorbar([nudge(x) for x in px], py, yerr=pe, marker="o", ms=4, capsize=3, lw=1.2,
-                  color=colour, label=study.label(s))
-    if band is not None:
-      for x, text in failed:
-        band.plot([x], [i], marker="x", color=colour, ms=7)
-        band.annotate(text, (x, i), textcoords="offset points", xytext=(5, -3), fontsize=7)
-  if band is not None:
-    band.set_yticks(range(count), [study.label(s) for s, _, _ in series], fontsize=7)
-    band.set_ylim(-0.7, count - 0.3)
-    band.set_title("diverged runs (of the cell's runs)", fontsize=8, loc="left")
-
-
-def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
-  """Mean test accuracy over training samples per series, with its 95% CI as a band."""
-  drawn = False
-  for i, s in enumerate(ordered(study, figure.series, axis_values(selected, figure.series))):
-    runs = [r for r in selected if r["overrides"].get(figure.series) == s
-            and r.get("test_curve") and not _is_diverged(r)]
-    by_samples = collections.defaultdict(list)
-    for r in runs:
-      for samples, accuracy, _ in r["test_curve"]:
-        if is_number(accuracy):
-          by_samples[samples].append(accuracy)
-    if not by_samples:
-      continue
-    xs = sorted(by_samples)
-    st = [statistics.interval(by_samples[x]) for x in xs]
-    ax.plot(xs, [v.mean * 100 for v in st], color=f"C{i % 10}",
-            label=f"{study.label(s)} (n={len(runs)})")
-    if all(v.n > 1 for v in st):
-      ax.fill_between(xs, [v.low * 100 for v in st], [v.high * 100 for v in st],
-                      color=f"C{i % 10}", alpha=0.2)
-    drawn = True
-  ax.set_xlabel("training samples")
-  return drawn
-
-
-def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str) -> bool:
-  """Draws ``figure`` to ``path``; False when no record has what it needs."""
-  plt = plotting.pyplot()
-  selected = select(records, figure.where)
-  band = None
-  if figure.kind in ("mean", "gap"):
-    series = _cell_points(study, selected, figure)
-    drawn = any(points or failed for _, points, failed in series)
-    if any(failed for _, _, failed in series):
-      fig, (ax, band) = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True,
-                                     gridspec_kw={"height_ratios": [4, 1.4]})
-    else:
-      fig, ax = plt.subplots(figsize=(7, 4.2))
-    _draw_cells(study, figure, series, ax, band)
-    (band or ax).set_xlabel(figure.x_label or study.label(figure.x))
-    what = "test accuracy" if figure.metric == "test_accuracy" else figure.metric
-    ax.set_ylabel(f"{what} gap to {_baseline_name(study)} (points)" if figure.kind == "gap"
-                  else f"{what} (%)")
-    if figure.kind == "gap":
-      ax.axhline(0, color="k", lw=0.8)
-    if figure.log_x:
-      ax.set_xscale("log", base=2)
-  else:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    if figure.kind == "curves":
-      drawn = _draw_curves(study, selected, figure, ax)
-      ax.set_ylabel("test accuracy (%)")
-    else:
-      drawn = _draw_staleness(study, selected, figure, ax)
-  if figure.threshold is not None:
-    ax.axhline(figure.threshold * 100, color="tab:red", ls="--", lw=1,
-               label=f"threshold {figure.threshold * 100:g}%")
-  if not drawn:
-    plt.close(fig)
-    return False
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8, ncol=2, title="mean, 95% CI over seeds" if figure.kind != "staleness"
-            else None, title_fontsize=8)
-  ax.set_title(figure.title or study.name)
-  fig.tight_layout()
-  plotting.save(fig, path)
-  return True
-
-
-def _draw_staleness(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
-  """Each series' per-stage weight discrepancy (its first seed's diagnostics)."""
-  drawn = False
-  for s in ordered(study, figure.series, axis_values(selected, figure.series)):
-    runs = [r for r in selected if r["overrides"].get(figure.series) == s
-            and r.get("weight_discrepancy")]
-    if runs:
-      run = min(runs, key=lambda r: r["overrides"].get("seed", 0))
-      ax.plot(range(len(run["weight_discrepancy"])), run["weight_discrepancy"], marker="o",
-              ms=3, label=study.label(s))
-      drawn = True
-  ax.set_xlabel("stage")
-  ax.set_ylabel("‖w_fwd − w_bwd‖ / ‖w_bwd‖ (second half of training)")
-  ax.set_yscale("symlog", linthresh=1e-5)
-  return drawn
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def write_report(study: Study, workdir: str, command: str = "") -> str:

@@ -62,54 +62,46 @@ class TrainingDiverged(RuntimeError):
   """A stage produced a non-finite value; the message names the stage and the tick."""
 
 
-@dataclasses.dataclass
-class Hyperparameters:
-  """The optimizer settings at the micro-batch actually trained, after the scaling rules."""
-
-  learning_rate: float
-  momentum: float
-  weight_decay: float
-  steps: int  # optimizer steps of each stage over the run
-  warmup_steps: int
-  beta2: float = 0.999  # Adam's second-moment decay (optimizer='adam')
-
-
-def resolve_hyperparameters(config, train_size: int) -> Hyperparameters:
-  """Converts the config's reference recipe to its micro-batch (docs/design.md §4, scaling rules).
+def resolve_recipe(config) -> optim.Recipe:
+  """The config's reference recipe converted to the batch each update sees (docs/design.md §4).
 
   ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
-  values. Schedules are kept in samples and converted to steps here.
+  values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
   """
-  b = config.micro_batch_size
-  group = b * (config.micro_batches if config.method == "sync" else 1)
+  group = config.micro_batch_size * (config.micro_batches if config.method == "sync" else 1)
   ref = config.reference
   recipe = optim.scale_recipe(
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
-                   weight_decay=ref.weight_decay,
+                   weight_decay=ref.weight_decay, b2=ref.get("b2", 0.999),
                    form="ema" if config.optimizer == "adam" else "heavy_ball"), group)
-  # Every length the schedules need is kept in samples and converted by one rule.
-  steps = max(1, optim.steps_for_samples(int(config.epochs * train_size), group))
-  return Hyperparameters(
-      learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
+  return dataclasses.replace(
+      recipe, learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
       momentum=_override(config.micro_batch.momentum, recipe.momentum),
-      weight_decay=_override(config.micro_batch.weight_decay, recipe.weight_decay),
-      steps=steps,
-      warmup_steps=optim.steps_for_samples(int(config.warmup_epochs * train_size), group),
-      # The second moment's half-life is kept in samples, like the first's.
-      beta2=ref.get("beta2", 0.999) ** (group / ref.batch_size))
+      weight_decay=_override(config.micro_batch.weight_decay, recipe.weight_decay))
 
 
 def _override(value, converted):
   return converted if value is None else value
 
 
-def learning_rate_schedule(config, hp: Hyperparameters):
+def schedule_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int, int]:
+  """``(steps, warmup_steps)``: each stage's optimizer steps over the run, and of warm-up.
+
+  Schedules are kept in samples and converted to steps by one rule, at the recipe's batch.
+  """
+  steps = max(1, optim.steps_for_samples(int(config.epochs * train_size), recipe.batch_size))
+  warmup = optim.steps_for_samples(int(config.warmup_epochs * train_size), recipe.batch_size)
+  return steps, warmup
+
+
+def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
   if config.schedule == "constant":
-    return optax.constant_schedule(hp.learning_rate)
+    return optax.constant_schedule(recipe.learning_rate)
   if config.schedule == "cosine":
-    warmup = max(hp.warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
-    return optax.warmup_cosine_decay_schedule(0.0, hp.learning_rate, warmup,
-                                              max(hp.steps, warmup + 1))
+    steps, warmup_steps = schedule_steps(config, recipe, train_size)
+    warmup = max(warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
+    return optax.warmup_cosine_decay_schedule(0.0, recipe.learning_rate, warmup,
+                                              max(steps, warmup + 1))
   raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {config.schedule!r}.")
 
 
@@ -205,10 +197,10 @@ _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
                   "reference.batch_size", "mesh.stage", "mesh.data")
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
-_NON_NEGATIVE_REALS = ("reference.lr", "reference.weight_decay", "micro_batch.lr",
-                       "micro_batch.weight_decay",
+_POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learning rate
+_NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay",
                        "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
-_MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.beta2")
+_MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
             "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", "pipemare")}
 
@@ -238,6 +230,9 @@ def _validate_values(config) -> None:
   require(config.seed < 2**32, "seed", "below 2**32")
   v = config.epochs
   require(is_real(v) and v > 0, "epochs", "a positive finite number")
+  for key in _POSITIVE_REALS:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and v > 0), key, "a finite number > 0")
   for key in _NON_NEGATIVE_REALS:
     v = _field(config, key)
     require(v is None or (is_real(v) and v >= 0), key, "a finite number >= 0")
@@ -418,12 +413,12 @@ def _first_non_finite(finite: np.ndarray, first_tick: int, model) -> str | None:
 
 @dataclasses.dataclass
 class Setup:
-  """What a config builds: the data splits, the model, its hyperparameters and the pipeline."""
+  """What a config builds: the data splits, the model, its recipe and the pipeline."""
 
   train_source: Any
   test_source: Any
   model: Any
-  hyperparameters: Hyperparameters
+  recipe: optim.Recipe  # the reference recipe at the batch each update sees
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
   stacked: Any = None  # a pipejax.stacking.StackedPipeline when the model has identical runs
@@ -500,18 +495,20 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                                    **dict(config.model_kwargs))
   model = models_lib.build(config.model, num_classes=train_source.num_classes,
                            **_model_kwargs(config))
-  hp = resolve_hyperparameters(config, len(train_source))
+  recipe = resolve_recipe(config)
+  schedule = learning_rate_schedule(config, recipe, len(train_source))
   if config.pipemare_anneal_fraction > 0:
-    anneal_steps = max(1, round(config.pipemare_anneal_fraction * hp.steps))
+    anneal_steps = max(1, round(config.pipemare_anneal_fraction *
+                                 schedule_steps(config, recipe, len(train_source))[0]))
   elif config.pipemare_anneal_epochs == 0:
     anneal_steps = 0  # no rescheduling: every stage at the base rate from the start
   else:
     anneal_steps = max(1, optim.steps_for_samples(
         int(config.pipemare_anneal_epochs * len(train_source)), b))
   method = methods_lib.make_method(
-      config.method, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
-      weight_decay=hp.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=hp.beta2,
+      config.method, learning_rate=schedule, momentum=recipe.momentum,
+      weight_decay=recipe.weight_decay, micro_batches=config.micro_batches,
+      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=recipe.b2,
       num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
   if config.sgd_stage_rates == "pipemare" and split_model is not None:
     layer_delays = {}
@@ -520,8 +517,8 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
       layer_delays.update({name: delay for name in stage_params})
     method = methods_lib.sgd_with_pipemare_rates(
-        layer_delays, learning_rate=learning_rate_schedule(config, hp), momentum=hp.momentum,
-        weight_decay=hp.weight_decay, anneal_steps=anneal_steps)
+        layer_delays, learning_rate=schedule, momentum=recipe.momentum,
+        weight_decay=recipe.weight_decay, anneal_steps=anneal_steps)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
                   track_weight_discrepancy=bool(config.diagnostics))
@@ -553,7 +550,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     stacked = stacking.StackedPipeline(pipe)
     logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
     stacked = stacked if stacked.stacked else None
-  return Setup(train_source, test_source, model, hp, pipe, sharded, stacked,
+  return Setup(train_source, test_source, model, recipe, pipe, sharded, stacked,
                initial_weights_from=initial_weights_from)
 
 
@@ -668,7 +665,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   setup = build(config)
 
   train_source, test_source = setup.train_source, setup.test_source
-  model, hp, pipe = setup.model, setup.hyperparameters, setup.pipeline
+  model, recipe, pipe = setup.model, setup.recipe, setup.pipeline
   b = config.micro_batch_size
   augment = train_source.default_augment if config.augment else None
   stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
@@ -715,7 +712,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
                "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
                "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method, b,
-               hp.learning_rate, hp.momentum, hp.weight_decay, hp.steps, hp.warmup_steps,
+               recipe.learning_rate, recipe.momentum, recipe.weight_decay,
+               *schedule_steps(config, recipe, len(train_source)),
                pipe.delays, total_samples)
 
   start_time = time.perf_counter()
@@ -728,8 +726,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
     writer.flush()
 
   evaluate = make_evaluator(model, config.eval_batch_size)
-  schedule = learning_rate_schedule(config, hp)  # the base rate, logged beside the loss
-  group_size = b * (config.micro_batches if config.method == "sync" else 1)
+  # The base rate, logged beside the loss.
+  schedule = learning_rate_schedule(config, recipe, len(train_source))
+  group_size = recipe.batch_size  # samples per optimizer step
 
   def evaluate_now():
     stages = setup.logical(state).stages
@@ -809,8 +808,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       test_result = evaluate_now()
       writer.write_hparams(
           {**flat_config(config), "num_stages": pipe.num_stages,
-           "resolved.lr": hp.learning_rate, "resolved.momentum": hp.momentum,
-           "resolved.weight_decay": hp.weight_decay},
+           "resolved.lr": recipe.learning_rate, "resolved.momentum": recipe.momentum,
+           "resolved.weight_decay": recipe.weight_decay},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
     # Still under the stop request: a SIGTERM while the run writes its last files must not kill
     # it between its final checkpoint and summary.json (the run has finished; it exits 0).
@@ -826,7 +825,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
         "method": config.method, "model": config.model, "dataset": config.dataset,
         "micro_batch_size": b, "num_stages": pipe.num_stages,
         "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
-        "learning_rate": hp.learning_rate, "momentum": hp.momentum,
+        "learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
         "train_seconds": seconds_before + time.perf_counter() - start_time,
         "test_accuracy": None if test_result is None else test_result["accuracy"],
         "test_loss": None if test_result is None else test_result["loss"],

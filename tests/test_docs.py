@@ -101,6 +101,21 @@ def test_nothing_cites_the_developers_brief():
   offenders = [path for path in project_text_files()
                if os.path.basename(path) != BRIEF and BRIEF in read(path)]
   assert not offenders, f"{offenders} mention {BRIEF}; cite docs/design.md's sections instead"
+  outside = [page for page in DOC_PAGES if "../shared" in read(page)]
+  assert not outside, f"{outside} cite ../shared, which a clone does not hold"
+
+
+def test_the_module_map_names_every_module_of_the_package():
+  text = read("docs/design.md")
+  start = text.index("### 11.2 The module map")
+  named = set(re.findall(r"`([\w.]+)`", text[start:text.index("\n## ", start)]))
+  modules = set()
+  for path in glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True):
+    parts = os.path.relpath(path, os.path.join(ROOT, "pipejax"))[:-len(".py")].split(os.sep)
+    modules.add(".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else
+                ".".join(parts))
+  missing = sorted(modules - named)
+  assert not missing, f"docs/design.md §11.2 does not name {missing}: give each its one job"
 
 
 # ----------------------------------------------------------------------------- commands

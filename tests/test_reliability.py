@@ -262,7 +262,7 @@ def test_storage_error_recognises_permissions_and_full_disks():
     ("epochs", float("nan")), ("micro_batch.weight_decay", -1.0), ("reference.batch_size", 0),
     ("eval_batch_size", 0), ("warmup_epochs", -0.5), ("mesh.data", 0), ("mesh.stage", -2),
     ("mesh.balance", "nope"), ("micro_batch.lr", -0.1), ("micro_batch.lr", float("nan")),
-    ("micro_batch.lr", float("inf")),
+    ("micro_batch.lr", float("inf")), ("micro_batch.lr", 0.0), ("reference.lr", 0.0),
     ("model_kwargs.hidden", (0,)), ("seed", -1), ("reference.momentum", 1.0),
 ])
 def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, value):
@@ -282,9 +282,19 @@ def test_sync_micro_batches_must_be_positive(micro_batches):
 
 def test_one_training_example_gives_a_valid_schedule():
   config = digits_config(max_train_examples=1, epochs=1.0)
-  hp = training.resolve_hyperparameters(config, train_size=1)
-  schedule = training.learning_rate_schedule(config, hp)  # optax refused decay_steps=0
+  recipe = training.resolve_recipe(config)
+  schedule = training.learning_rate_schedule(config, recipe, train_size=1)  # optax refused 0 steps
   assert np.isfinite(float(schedule(0))) and np.isfinite(float(schedule(5)))
+
+
+def test_the_resolved_recipe_keeps_every_decay_per_sample_and_takes_the_overrides():
+  config = digits_config(optimizer="adam", micro_batch_size=2, **{
+      "reference.batch_size": 128, "reference.momentum": 0.9, "reference.b2": 0.99,
+      "micro_batch.weight_decay": 0.5})
+  recipe = training.resolve_recipe(config)
+  assert recipe.batch_size == 2 and recipe.form == "ema" and recipe.weight_decay == 0.5
+  np.testing.assert_allclose([recipe.momentum, recipe.b2], [0.9**(2 / 128), 0.99**(2 / 128)],
+                             rtol=1e-12)
 
 
 # ------------------------------------------------------------------ 7. labels and states

@@ -15,6 +15,8 @@ import pytest
 
 from pipejax import statistics
 from pipejax import study as study_lib
+from pipejax import study_cells
+from pipejax import study_figures
 from pipejax import study_records
 from pipejax import study_report
 from pipejax import study_runner
@@ -48,7 +50,7 @@ def test_grids_are_the_union_of_products_without_duplicates():
 def test_cells_average_over_seeds_and_never_average_diverged_runs():
   records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
              record("pb", 8, 2, None, status=study_records.DIVERGED)]
-  (cell,) = study_report.cells(records).values()
+  (cell,) = study_cells.group(records).values()
   assert cell.values == [0.80, 0.84] and cell.diverged == 1
   assert cell.mean == pytest.approx(0.82)
   assert cell.std == pytest.approx(np.std([0.80, 0.84], ddof=1))
@@ -56,8 +58,8 @@ def test_cells_average_over_seeds_and_never_average_diverged_runs():
   half = 12.7062 * np.std([0.80, 0.84], ddof=1) / np.sqrt(2) * 100
   assert study_report.format_cell(cell) == \
       f"82.00 [{82 - half:.2f}, {82 + half:.2f}] n=2 (1/3 div.)"
-  all_diverged = study_report.cells([record("pb", 8, s, None, study_records.DIVERGED)
-                                  for s in range(3)])
+  all_diverged = study_cells.group([record("pb", 8, s, None, study_records.DIVERGED)
+                                   for s in range(3)])
   assert study_report.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
 
 
@@ -65,10 +67,10 @@ def test_gaps_are_paired_by_seed_with_the_baseline_at_the_same_depth():
   records = [record("sgd", 8, 0, 0.85), record("sgd", 8, 1, 0.80),
              record("pb", 8, 0, 0.84), record("pb", 8, 1, 0.78),
              record("sgd", 4, 0, 0.50), record("pb", 4, 0, 0.90)]
-  gaps = study_report.paired_gaps(records, {"method": "sgd"})
-  cell = study_report.lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
+  gaps = study_cells.group(records, "test_accuracy", {"method": "sgd"})
+  cell = study_cells.lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
   assert cell.values == pytest.approx([-0.01, -0.02])  # not 0.84 - mean(sgd) etc.
-  assert study_report.lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
+  assert study_cells.lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
       pytest.approx([0.40])
 
 
@@ -297,8 +299,8 @@ def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
   assert study_records.diverged(finished)
   assert not study_records.diverged(dict(finished, test_loss=0.9))
   assert study_records.diverged(dict(finished, test_loss=float("nan"), test_accuracy=0.1))
-  (cell,) = study_report.cells([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
-                                               initial_test_loss=2.3)]).values()
+  (cell,) = study_cells.group([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
+                                              initial_test_loss=2.3)]).values()
   assert cell.values == [0.8] and cell.diverged == 1
 
 
@@ -330,8 +332,8 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   study = Study(name="c", config="c.py", grids=[{"method": ("sgd", "pipemare"), "seed": (0,)}],
                 baseline={"method": "sgd"}, labels={"sgd_stage_rates": "per-layer rates"},
                 tables=[Table("t", rows="", columns="", kind="cells")])
-  gaps = study_report.paired_gaps(records, study.baseline)
-  rescheduled = study_report.lookup(gaps, {"sgd_stage_rates": "pipemare"})
+  gaps = study_cells.group(records, "test_accuracy", study.baseline)
+  rescheduled = study_cells.lookup(gaps, {"sgd_stage_rates": "pipemare"})
   assert rescheduled.values == pytest.approx([0.005] * 3)  # paired with plain SGD, seed by seed
   lines = study_report.markdown_table(study, records, study.tables[0]).splitlines()
   assert lines[2].startswith("| SGD | 81.00 [") and lines[2].endswith("| baseline |")
@@ -364,9 +366,9 @@ def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
              record("pb", 8, 0, None, study_records.DIVERGED), record("pb", 8, 1, 0.7)]
   figure = Figure("f.png", x="model_kwargs.depth", series="method", title="Accuracy by depth")
   series = dict((s, (points, failed)) for s, points, failed in
-                study_report._cell_points(STUDY, records, figure))  # pylint: disable=W0212
+                study_figures._cell_points(STUDY, records, figure))  # pylint: disable=W0212
   assert series["pb"] == ([(4, 80.0, 0.0), (8, 70.0, 0.0)], [(8, "1/2")])
-  assert study_report.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
+  assert study_figures.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
   assert (tmp_path / "f.png").stat().st_size > 1000
 # ------------------------------------------------------------- the runner, with stand-in trainers
 

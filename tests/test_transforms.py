@@ -151,10 +151,11 @@ CASES = {
         view=_predicted_weights),
     'lwp_velocity': Case(
         linear_weight_prediction,
-        lambda s: dict(inner=optax.sgd(s.learning_rate, momentum=s.momentum), horizon=s.delay,
-                       form='velocity', learning_rate=s.learning_rate),
+        lambda s: dict(inner=lambda rate: optax.sgd(rate, momentum=s.momentum),
+                       horizon=s.delay, form='velocity', learning_rate=s.learning_rate),
         injected=('learning_rate', 1.0),
-        view=_predicted_weights),
+        view=_predicted_weights,
+        static_args=('inner',)),
     'delay_gradients': Case(
         delay_gradients,
         lambda s: dict(delay=s.delay),
@@ -566,10 +567,10 @@ def test_update_form_offset_is_horizon_times_last_update():
 @pytest.mark.parametrize('learning_rate', [0.1, optax.linear_schedule(0.1, 0.01, 5)],
                          ids=['constant', 'schedule'])
 def test_velocity_and_update_forms_agree_for_momentum_sgd(learning_rate):
-  inner = optax.sgd(learning_rate, momentum=0.9)
-  by_update = _run_prediction(linear_weight_prediction(inner, 4))
-  by_velocity = _run_prediction(
-      linear_weight_prediction(inner, 4, form='velocity', learning_rate=learning_rate))
+  by_update = _run_prediction(
+      linear_weight_prediction(optax.sgd(learning_rate, momentum=0.9), 4))
+  by_velocity = _run_prediction(linear_weight_prediction(
+      lambda rate: optax.sgd(rate, momentum=0.9), 4, form='velocity', learning_rate=learning_rate))
   for (params, _, update_state), (_, _, velocity_state) in zip(by_update, by_velocity):
     update_offset = predicted_params(update_state, params) - params
     chex.assert_trees_all_close(predicted_params(velocity_state, params) - params, update_offset,
@@ -580,8 +581,8 @@ def test_velocity_and_update_forms_agree_for_momentum_sgd(learning_rate):
 def test_velocity_and_update_forms_differ_under_spike_compensation():
   lr, delay, momentum, horizon = 0.1, 3, 0.9, 3
   a, b = spike_coefficients(delay, momentum)
-  opt = linear_weight_prediction(sgd_sc(lr, delay, momentum), horizon, form='velocity',
-                                 learning_rate=lr)
+  opt = linear_weight_prediction(lambda rate: sgd_sc(rate, delay, momentum), horizon,
+                                 form='velocity', learning_rate=lr)
   previous_trace = jnp.zeros(4)
   for params, updates, state in _run_prediction(opt):
     trace = optax.tree_utils.tree_get(state, 'trace')
@@ -655,17 +656,19 @@ def test_pipemare_discrepancy_tracks_the_applied_updates():
 
 @pytest.mark.parametrize('form', ['heavy_ball', 'ema'])
 def test_scale_recipe_round_trip_and_invariants(form):
-  recipe = Recipe(batch_size=256, learning_rate=0.2, momentum=0.9, weight_decay=5e-4, form=form)
+  recipe = Recipe(batch_size=256, learning_rate=0.2, momentum=0.9, weight_decay=5e-4, form=form,
+                  b2=0.99)
   for batch_size in (1, 16, 1024):
     scaled = scale_recipe(recipe, batch_size)
     back = scale_recipe(scaled, recipe.batch_size)
     assert back.batch_size == recipe.batch_size and back.form == form
-    np.testing.assert_allclose([back.learning_rate, back.momentum, back.weight_decay],
-                               [recipe.learning_rate, recipe.momentum, recipe.weight_decay],
-                               rtol=1e-9)
-    # The momentum's decay per sample.
+    np.testing.assert_allclose([back.learning_rate, back.momentum, back.weight_decay, back.b2],
+                               [recipe.learning_rate, recipe.momentum, recipe.weight_decay,
+                                recipe.b2], rtol=1e-9)
+    # The momentum's and the second moment's decay per sample.
     np.testing.assert_allclose(scaled.momentum**(1 / batch_size),
                                recipe.momentum**(1 / recipe.batch_size), rtol=1e-12)
+    np.testing.assert_allclose(scaled.b2**(1 / batch_size), 0.99**(1 / 256), rtol=1e-12)
     # Each sample's total displacement.
     def per_sample(r):
       return r.learning_rate / (r.batch_size * (1 - r.momentum if form == 'heavy_ball' else 1))
@@ -755,6 +758,8 @@ class LibraryTest(chex.TestCase):
   def test_outermost_keeps_the_same_prediction_whole(self, kwargs):
     """When nothing follows it, outermost=True gives the prediction of the default mode."""
     inner = sgd_sc(0.1, 2, 0.9)
+    if kwargs['form'] != 'update':
+      inner = lambda rate: sgd_sc(rate, 2, 0.9)  # pylint: disable=unnecessary-lambda-assignment
     whole = linear_weight_prediction(inner, 3, outermost=True, **kwargs)
     computed = linear_weight_prediction(inner, 3, **kwargs)
     params = jnp.linspace(-1.0, 1.0, 4)
@@ -954,7 +959,8 @@ class LibraryTest(chex.TestCase):
       ('lwp_outermost', lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2, outermost=True),
        True),
       ('lwp_next_velocity', lambda: linear_weight_prediction(
-          sgd_sc(0.1, 2, 0.9), 2, form='next_velocity', learning_rate=0.1, momentum=0.9), True),
+          lambda rate: sgd_sc(rate, 2, 0.9), 2, form='next_velocity', learning_rate=0.1,
+          momentum=0.9), True),
   )
   def test_frozen_parameters_as_none_gradients(self, build, keeps_structure):
     """A None gradient leaf gives a None update; the other leaves move as without the leaf."""
@@ -999,7 +1005,7 @@ class LibraryTest(chex.TestCase):
     injected = linear_weight_prediction(
         optax.inject_hyperparams(optax.sgd)(learning_rate=schedule, momentum=0.9), 3, form=form,
         **momentum)
-    explicit = linear_weight_prediction(optax.sgd(schedule, momentum=0.9), 3, form=form,
+    explicit = linear_weight_prediction(lambda rate: optax.sgd(rate, momentum=0.9), 3, form=form,
                                         learning_rate=schedule, **momentum)
     for (params, _, state), (_, _, reference) in zip(_run_prediction(injected),
                                                      _run_prediction(explicit)):
@@ -1037,9 +1043,21 @@ BAD_INPUTS = {
                                          form='velocity').init(jnp.zeros(2)),
         'needs the inner learning rate'),
     'lwp velocity without trace': (
-        lambda: linear_weight_prediction(optax.adam(0.1), 2, form='velocity',
+        lambda: linear_weight_prediction(optax.adam, 2, form='velocity',
                                          learning_rate=0.1).init(jnp.zeros(2)),
         "no 'trace' field"),
+    'lwp velocity lr beside a built inner': (
+        lambda: linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2, form='velocity',
+                                         learning_rate=0.2),
+        'needs inner as a function of the learning rate'),
+    'lwp next velocity lr beside a built inner': (
+        lambda: linear_weight_prediction(sgd_sc(0.1, 2, 0.9), 2, form='next_velocity',
+                                         learning_rate=0.1, momentum=0.9),
+        'needs inner as a function of the learning rate'),
+    'lwp inner of the learning rate returns no transformation': (
+        lambda: linear_weight_prediction(lambda rate: rate, 2, form='velocity',
+                                         learning_rate=0.1),
+        'inner\\(learning_rate\\) must return'),
     'predicted_params without prediction': (
         lambda: predicted_params(optax.sgd(0.1).init(jnp.zeros(2)), jnp.zeros(2)),
         'holds no linear_weight_prediction state'),
@@ -1105,8 +1123,8 @@ BAD_INPUTS = {
         lambda: linear_weight_prediction(optax.sgd(0.1), 2, learning_rate=0.1), 'belong to inner'),
     'lwp velocity lr twice': (
         lambda: linear_weight_prediction(
-            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9), 2,
-            form='velocity', learning_rate=0.1).init(jnp.zeros(2)),
+            lambda rate: optax.inject_hyperparams(optax.sgd)(learning_rate=rate, momentum=0.9),
+            2, form='velocity', learning_rate=0.1).init(jnp.zeros(2)),
         'learning rate is given twice'),
     'predicted_params swapped': (
         lambda: predicted_params(jnp.zeros(2), linear_weight_prediction(
@@ -1144,6 +1162,7 @@ BAD_INPUTS = {
     'recipe learning rate': (lambda: Recipe(8, 0.0, 0.9), 'learning_rate'),
     'recipe weight decay': (lambda: Recipe(8, 0.1, 0.9, weight_decay=-1e-4), 'weight_decay'),
     'recipe form': (lambda: Recipe(8, 0.1, 0.9, form='nesterov'), 'form'),
+    'recipe b2': (lambda: Recipe(8, 0.1, 0.9, form='ema', b2=1.0), 'b2'),
     'scale to batch 0': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 0), 'batch_size'),
     'scale to batch 2.5': (lambda: scale_recipe(Recipe(8, 0.1, 0.9), 2.5), 'batch_size'),
     'steps batch 0': (lambda: steps_for_samples(100, 0), 'batch_size'),

@@ -11,7 +11,7 @@ predicted weights from that state and the current weights, as optax's
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ def _injected_learning_rate(inner_state: optax.OptState) -> Any:
 
 
 def linear_weight_prediction(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation],
     horizon: Any,
     form: str = 'update',
     learning_rate: optax.ScalarOrSchedule | None = None,
@@ -87,21 +87,31 @@ def linear_weight_prediction(
   forms take the step from the trace and :math:`\eta_t`, not from the update applied, so they too
   hold wherever the transformation sits, given the learning rate the weights move by.
 
+  The velocity forms read :math:`\eta_t` where it cannot differ from the rate ``inner`` applies:
+  from ``inner``'s state when ``inner`` is built with ``optax.inject_hyperparams``, or from
+  ``learning_rate`` when ``inner`` is a function that builds the update rule from that rate (e.g.
+  ``lambda lr: optax.sgd(lr, momentum=0.9)``). A built ``inner`` beside a ``learning_rate`` is
+  refused: nothing could check that the two rates agree, and a mismatch would only scale the
+  prediction silently.
+
   The next-velocity form is SpecTrain as its reference implementation computes it
   (``load_predicted_weights`` in ntueclab/SpecTrain-PyTorch, ``src/optimizer.py``): the step
   ahead is taken with the velocity the *next* update would have if its gradient equalled the last
   one, :math:`m v_t + g_t`, where :math:`g_t` is the raw gradient this update received.
 
   Args:
-    inner: the update rule, e.g. ``sgd_sc(lr, D, m)`` or ``optax.sgd(lr, momentum=m)``.
+    inner: the update rule, e.g. ``sgd_sc(lr, D, m)`` or ``optax.sgd(lr, momentum=m)``; with
+      ``learning_rate`` (velocity forms), a function of the learning rate that returns it, e.g.
+      ``lambda lr: sgd_sc(lr, D, m)``.
     horizon: prediction horizon ``T >= 0`` in steps, usually the stage's delay ``D``. May be a jax
       array (``optax.inject_hyperparams``).
     form: ``'update'`` (any inner), ``'velocity'`` or ``'next_velocity'`` (inner must keep a
       ``trace``).
-    learning_rate: the velocity forms' :math:`\eta`, a float or schedule of the step count: the
-      learning rate of ``inner``. Leave it None when ``inner`` is built with
-      ``optax.inject_hyperparams``: the rate is then read from its state, so the two cannot
-      disagree (giving both is an error). The update form takes none.
+    learning_rate: the velocity forms' :math:`\eta`, a float or schedule of the step count,
+      handed to ``inner`` (a function of it) to build the update rule, so that the prediction
+      and the update use one rate. Leave it None when ``inner`` is built with
+      ``optax.inject_hyperparams``: the rate is then read from its state (giving both is an
+      error). The update form takes none.
     momentum: the heavy-ball momentum ``m`` of ``inner``; required by the next-velocity form.
     outermost: a promise that the updates this returns are applied as they are (nothing after it
       in a chain, the weights not changed after ``apply_updates``). The prediction is then made
@@ -115,9 +125,9 @@ def linear_weight_prediction(
     A ``GradientTransformationExtraArgs`` whose state is a :class:`WeightPredictionState`.
 
   Raises:
-    ValueError: for an unknown form, a negative horizon, a learning rate with the update form, a
-      non-bool ``outermost``, or (at ``init``) a velocity form whose inner state has no ``trace`` or whose learning rate is
-      missing or given twice.
+    ValueError: for an unknown form, a negative horizon, a learning rate with the update form or
+      beside a built ``inner``, a non-bool ``outermost``, or (at ``init``) a velocity form whose
+      inner state has no ``trace`` or whose learning rate is missing or given twice.
 
   Example:
     >>> import jax.numpy as jnp
@@ -142,6 +152,8 @@ def linear_weight_prediction(
   if form not in _FORMS:
     raise ValueError(f'{owner}: form must be one of {_FORMS}, got {form!r}.')
   _checks.check_range(horizon, 'horizon', owner, low=0)
+  if form != 'update' and learning_rate is not None:
+    inner = _built_from_learning_rate(inner, learning_rate, form, owner)
   if not isinstance(inner, optax.GradientTransformation):
     hint = (f' (did you mean {inner.__name__}(...), called with its arguments?)'
             if callable(inner) else '')
@@ -157,8 +169,6 @@ def linear_weight_prediction(
     elif momentum is not None:
       raise ValueError(f"{owner}: form='velocity' takes no momentum (only 'next_velocity' "
                        'does).')
-    if learning_rate is not None:
-      _checks.check_learning_rate(learning_rate, owner)
   if not isinstance(outermost, bool):
     raise ValueError(f'{owner}: outermost must be a Python bool, got {outermost!r}.')
   inner = optax.with_extra_args_support(inner)
@@ -167,9 +177,10 @@ def linear_weight_prediction(
     injected = _injected_learning_rate(inner_state)
     if learning_rate is None and injected is None:
       raise ValueError(f"{owner}: form={form!r} needs the inner learning rate to turn the "
-                       'momentum trace into a step: pass learning_rate (a float or schedule, '
-                       'the one inner uses), or build inner with optax.inject_hyperparams so '
-                       'that it is read from its state.')
+                       'momentum trace into a step: build inner with optax.inject_hyperparams '
+                       'so that it is read from its state, or pass learning_rate (a float or '
+                       'schedule) with inner as a function of it, e.g. '
+                       'inner=lambda lr: optax.sgd(lr, momentum=0.9).')
     if learning_rate is not None and injected is not None:
       raise ValueError(f'{owner}: the learning rate is given twice, as learning_rate and as '
                        "the injected 'learning_rate' of inner; leave learning_rate out so that "
@@ -237,6 +248,24 @@ def linear_weight_prediction(
         horizon=stored_horizon(), previous_params=previous, offset=offset, forward_params=forward)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _built_from_learning_rate(make_inner: Any, learning_rate: Any, form: str,
+                              owner: str) -> optax.GradientTransformation:
+  """``make_inner(learning_rate)``: the update rule built from the rate the prediction uses."""
+  _checks.check_learning_rate(learning_rate, owner)
+  if isinstance(make_inner, optax.GradientTransformation) or not callable(make_inner):
+    raise ValueError(
+        f'{owner}: form={form!r} with learning_rate needs inner as a function of the learning '
+        'rate, e.g. inner=lambda lr: optax.sgd(lr, momentum=0.9), so that the prediction steps '
+        'with the rate the update applies; the rate inside a built inner cannot be checked '
+        f'against learning_rate (got {type(make_inner).__name__}). An inner built with '
+        'optax.inject_hyperparams needs no learning_rate: it is read from its state.')
+  inner = make_inner(learning_rate)
+  if not isinstance(inner, optax.GradientTransformation):
+    raise ValueError(f'{owner}: inner(learning_rate) must return an optax '
+                     f'GradientTransformation; got {type(inner).__name__}.')
+  return inner
 
 
 def _extrapolate(param, horizon, previous):

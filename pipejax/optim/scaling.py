@@ -5,7 +5,8 @@ published hyperparameters were tuned for batches of hundreds. Kosson et al. (202
 keeping what each *sample* does to the weights fixed (docs/design.md §4):
 
 * the momentum's half-life in samples: :math:`m_b = m_B^{\,b/B}` (``B/b`` steps of ``m_b`` decay the
-  trace as much as one step of ``m_B``);
+  trace as much as one step of ``m_B``), and likewise Adam's second-moment decay
+  :math:`\beta_{2,b} = \beta_{2,B}^{\,b/B}`;
 * each sample's total displacement. In the heavy-ball form (``v <- m v + g``, ``w <- w - eta v``) a
   gradient moves the weights by :math:`\eta/(1-m)` in total, and one step's gradient is the mean
   over ``b`` samples, so a sample moves them by :math:`\eta/(b(1-m))`:
@@ -66,6 +67,8 @@ class Recipe:
       the module docstring).
     form: ``'heavy_ball'`` (``v <- m v + g``, optax.sgd) or ``'ema'``
       (``v <- m v + (1 - m) g``, Adam's first moment).
+    b2: Adam's second-moment decay in ``[0, 1)`` (optax's ``b2``), kept in samples like the
+      momentum; a heavy-ball recipe carries it unused.
   """
 
   batch_size: int
@@ -73,16 +76,18 @@ class Recipe:
   momentum: float
   weight_decay: float = 0.0
   form: Literal['heavy_ball', 'ema'] = 'heavy_ball'
+  b2: float = 0.999
 
   def __post_init__(self):
     _check_batch_size(self.batch_size, 'Recipe')
-    for name in ('learning_rate', 'momentum', 'weight_decay'):
+    for name in ('learning_rate', 'momentum', 'weight_decay', 'b2'):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f'Recipe: {name} must be a Python number, got {value!r}.')
     _checks.check_range(self.learning_rate, 'learning_rate', 'Recipe', low=0, low_open=True)
     _checks.check_range(self.momentum, 'momentum', 'Recipe', low=0, high=1, high_open=True)
     _checks.check_range(self.weight_decay, 'weight_decay', 'Recipe', low=0)
+    _checks.check_range(self.b2, 'b2', 'Recipe', low=0, high=1, high_open=True)
     if self.form not in _FORMS:
       raise ValueError(f'Recipe: form must be one of {_FORMS}, got {self.form!r}.')
 
@@ -92,7 +97,7 @@ def scale_recipe(recipe: Recipe, batch_size: int) -> Recipe:
 
   .. math::
 
-    m_b = m_B^{\,b/B}, \qquad
+    m_b = m_B^{\,b/B}, \qquad \beta_{2,b} = \beta_{2,B}^{\,b/B}, \qquad
     \eta_b = \eta_B\,\frac{b}{B}\,\frac{1 - m_b}{1 - m_B}\ \text{(heavy ball)}, \qquad
     \eta_b = \eta_B\,\frac{b}{B}\ \text{(EMA)}, \qquad \lambda_b = \lambda_B
 
@@ -126,7 +131,7 @@ def scale_recipe(recipe: Recipe, batch_size: int) -> Recipe:
   if recipe.form == 'heavy_ball':
     learning_rate *= (1 - momentum) / (1 - recipe.momentum)
   return dataclasses.replace(recipe, batch_size=batch_size, learning_rate=learning_rate,
-                             momentum=momentum)
+                             momentum=momentum, b2=recipe.b2**ratio)
 
 
 def steps_for_samples(num_samples: int, batch_size: int) -> int:
