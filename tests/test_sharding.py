@@ -477,14 +477,17 @@ def test_mesh_stacked_pieces_match_one_device_bit_for_bit(eight_devices, method_
   assert metrics["valid"].sum() >= 6 and metrics["finite"].all()  # NaN fill reached nothing
 
 
-def test_mesh_stacked_online_norm_and_data_replicas_match_one_device(eight_devices):
+def test_mesh_stacked_online_norm_matches_one_device(eight_devices):
   expected, expected_metrics, actual, metrics = stacked_and_mesh("pb", 2, stateful=True)
   assert_bit_equal(actual, expected)
   assert_bit_equal(metrics, expected_metrics)
   initial = jax.jit(grouped_pipeline("pb", stateful=True).init)(jax.random.PRNGKey(42))
   assert all(np.abs(a - e).max() > 1e-3 for a, e in zip(  # the group's statistics moved
       jax.tree.leaves(actual.stages[2].variables), jax.tree.leaves(initial.stages[2].variables)))
-  # Data replicas average their gradients (pmean under vmap): one device's numbers, to rounding.
+
+
+def test_mesh_stacked_data_replicas_match_one_device(eight_devices):
+  """Replicas average their gradients (pmean under vmap): one device's numbers, to rounding."""
   expected, expected_metrics, actual, metrics = stacked_and_mesh("pb_sc_lwp", 2, data=2)
   assert_states_equal(actual, expected)
   assert_states_equal(metrics, expected_metrics)
@@ -493,27 +496,28 @@ def test_mesh_stacked_online_norm_and_data_replicas_match_one_device(eight_devic
 def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devices):
   """Both layouts keep the logical state: half a run in one, the rest in the other."""
   pipe = grouped_pipeline("pb")
-  mesh = sharding.make_mesh(4, 1, eight_devices[:4])
-  stacked = ShardedPipeline(StackedPipeline(pipe), mesh, partition=GROUPED_PARTITIONS[4])
-  per_stage = ShardedPipeline(pipe, mesh, partition=GROUPED_PARTITIONS[4])
+  sharded = ShardedPipeline(StackedPipeline(pipe), sharding.make_mesh(4, 1, eight_devices[:4]),
+                            partition=GROUPED_PARTITIONS[4])
   x, y = make_stream(24)
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(7)))
   whole, _ = pipe.run(jax.tree.map(np.copy, state), x, y)
-  for first, second in ((stacked, per_stage), (per_stage, stacked)):
-    half, _ = first.run(first.pack(state), x[:12], y[:12])
-    rest, _ = second.run(second.pack(first.unpack(half)), x[12:], y[12:])
-    assert_bit_equal(host(second.unpack(rest)), host(whole))
+  half, _ = sharded.run(sharded.pack(state), x[:12], y[:12])
+  rest, _ = pipe.run(sharded.unpack(half), x[12:], y[12:])
+  assert_bit_equal(host(rest), host(whole))
+  half, _ = pipe.run(jax.tree.map(np.copy, state), x[:12], y[:12])
+  rest, _ = sharded.run(sharded.pack(host(half)), x[12:], y[12:])
+  assert_bit_equal(host(sharded.unpack(rest)), host(whole))
 
 
 def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices):
   from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
-  config.model_kwargs = {"depth": 6, "width": 8, "layers_per_stage": 1}
-  config.mesh.stage = 2
+  config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}
+  config.mesh.stage = DEVICES  # the trainer's mesh takes every device
   setup = training.build(config)
-  assert isinstance(setup.runner, ShardedPipeline) and setup.runner.runs == ((0, 1), (1, 5),
-                                                                             (5, 6))
+  assert isinstance(setup.runner, ShardedPipeline) and setup.runner.runs == ((0, 1), (1, 7),
+                                                                             (7, 8))
   config.stack_stages = False
   assert training.build(config).runner.runs is None
 
