@@ -101,6 +101,7 @@ class ShardedPipeline(PipelineRunner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
+    # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
     pipeline, self.runs = stacking.pipeline_and_runs(pipeline)
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)

@@ -28,6 +28,11 @@ the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of 
 (the oldest input) and scatters the new entries to ``o_i + t mod L_i``: one gather and one
 scatter of ``n`` rows per leaf, whatever ``n``. Within its span each stage's slots are where the
 logical state has them, so :meth:`StackedPipeline.to_logical` is slicing and stacking back.
+
+**On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` keeps
+each stage's state in its per-stage buffers and advances each device's stages with
+:func:`advance_stages`: the device's piece of every group (:func:`pieces`) is stacked for the
+tick, run through the same vmapped steps, and cut back into stages, each with its own delay line.
 """
 
 from __future__ import annotations
@@ -136,9 +141,8 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
 
   ``st`` is their stacked state; its delay line, not mapped, only gives the entries' structure
   and dtypes: ``read_oldest`` maps the stacked entries this tick writes to the stacked oldest
-  entries, one per stage. ``inbound`` enters the
-  first stage, ``cotangent`` the last. Returns the stacked entries, the stacked new state without
-  its delay line, and the stacked metrics.
+  entries, one per stage. ``inbound`` enters the first stage, ``cotangent`` the last. Returns
+  the stacked entries, the stacked new state without its delay line, and the stacked metrics.
   """
   shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
   shift_back = lambda own, last: jnp.concatenate([own[1:], last[None]])
@@ -200,8 +204,8 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
       return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_stage)
 
     # The first stage's line stands for all: a step only takes its structure and dtypes.
-    stacked = _stack([_body(st) for st in own], treedefs[0])._replace(delay_line=own[0].delay_line)
-    entries, new, metrics = _stacked_steps(pipe, a, z, stacked, piece_in, piece_cotangent, rng,
+    body = _stack([_body(st) for st in own], treedefs[0])._replace(delay_line=own[0].delay_line)
+    entries, new, metrics = _stacked_steps(pipe, a, z, body, piece_in, piece_cotangent, rng,
                                            read_oldest, reduce_grads, every_slot_full)
     leaves = jax.tree.leaves(new)
     for i, st in enumerate(own):
@@ -354,7 +358,6 @@ class StackedPipeline(PipelineRunner):
       stage_metrics.append(metrics)
     return (StackedState(tuple(new_parts), state.tick + 1, state.rng),
             engine.tick_metrics(stage_metrics))
-
 
 
 def pipeline_and_runs(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
