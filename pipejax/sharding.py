@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import checks, engine, packing
+from pipejax import checks, engine, packing, stacking
 from pipejax.engine import Batch, Packet, Pipeline, PipelineError, PipelineRunner, PipelineState
 from pipejax.packing import LOCAL, SHARED, PackedState
 # The mesh, the partition algorithm and the byte accounting live in modules of their own; their
@@ -78,7 +78,10 @@ class ShardedPipeline(PipelineRunner):
 
   Args:
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
-      is the global one; each data replica takes ``b / data`` samples of it.
+      is the global one; each data replica takes ``b / data`` samples of it. A
+      :class:`~pipejax.stacking.StackedPipeline` runs its pipeline with each device's piece of
+      every stacked group ticked under ``vmap`` (:func:`pipejax.stacking.advance_stages`); the
+      state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see :func:`make_mesh`).
     partition: explicit ``(start, stop)`` groups of logical stages, one per stage-axis device.
       Default: :func:`partition_stages` on ``costs``.
@@ -98,10 +101,8 @@ class ShardedPipeline(PipelineRunner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
-    if not isinstance(pipeline, Pipeline):
-      raise MeshError(f"ShardedPipeline takes the single-device Pipeline; got "
-                      f"{type(pipeline).__name__}. A StackedPipeline's groups do not run on a "
-                      "mesh: give its .pipeline (the mesh then runs the stages one by one).")
+    # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
+    pipeline, self.runs = stacking.pipeline_and_runs(pipeline)
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_groups = self.mesh.shape[STAGE]
@@ -468,9 +469,10 @@ class ShardedPipeline(PipelineRunner):
     reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
     ring_widths = self.packing.ring_widths
-    group, stage_metrics = self.pipeline.advance_stages(start, group, inbound, cotangent, tick, rng,
-                                                        reduce_grads, every_slot_full,
-                                                        delay_line_entries=bool(ring_widths))
+    advance = (self.pipeline.advance_stages if self.runs is None
+               else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
+    group, stage_metrics = advance(start, group, inbound, cotangent, tick, rng, reduce_grads,
+                                   every_slot_full, delay_line_entries=bool(ring_widths))
     body, packet, cotangent_out = packing.split_group(group)
     windows = packing.ring_windows(buffers, body_layout, body, tick, ring_widths)
     buffers = packing.write_tree(buffers, body_layout, body, skip=ring_widths)

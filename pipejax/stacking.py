@@ -28,6 +28,11 @@ the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of 
 (the oldest input) and scatters the new entries to ``o_i + t mod L_i``: one gather and one
 scatter of ``n`` rows per leaf, whatever ``n``. Within its span each stage's slots are where the
 logical state has them, so :meth:`StackedPipeline.to_logical` is slicing and stacking back.
+
+**On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` keeps
+each stage's state in its per-stage buffers and advances each device's stages with
+:func:`advance_stages`: the device's piece of every group (:func:`pieces`) is stacked for the
+tick, run through the same vmapped steps, and cut back into stages, each with its own delay line.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import numpy as np
 from pipejax import checks, engine
 from pipejax.engine import (Batch, Packet, Pipeline, PipelineRunner, PipelineState,
                             StageState)
+from pipejax.mesh import MeshError
 
 PyTree = Any
 
@@ -127,6 +133,88 @@ def _stack(trees, treedef):
 
 def _body(st: StageState) -> StageState:
   return st._replace(delay_line=None)
+
+
+def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inbound: Packet,
+                   cotangent: PyTree, rng, read_oldest, reduce_grads, every_slot_full: bool):
+  """The engine's two steps for identical stages ``start .. stop-1`` under ``vmap``.
+
+  ``st`` is their stacked state; its delay line, not mapped, only gives the entries' structure
+  and dtypes: ``read_oldest`` maps the stacked entries this tick writes to the stacked oldest
+  entries, one per stage. ``inbound`` enters the first stage, ``cotangent`` the last. Returns
+  the stacked entries, the stacked new state without its delay line, and the stacked metrics.
+  """
+  shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
+  shift_back = lambda own, last: jnp.concatenate([own[1:], last[None]])
+  inbound = jax.tree.map(shift_in, inbound, st.forward_out)
+  cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
+  numbers = jnp.arange(start, stop, dtype=jnp.int32)
+  delays = jnp.asarray(pipe.delays[start:stop], jnp.int32)
+  body_axes = StageState(0, 0, None, 0, 0, 0)
+  forward = jax.vmap(
+      lambda st, inbound, number, delay: pipe.forward_step(start, st, inbound, rng, number,
+                                                           delay),
+      in_axes=(body_axes, 0, 0, 0))(st, inbound, numbers, delays)
+  oldest = read_oldest(forward.entry)
+  new, metrics = jax.vmap(
+      lambda st, forward, oldest, inbound, cotangent, number, delay: pipe.backward_step(
+          start, st, forward, oldest, inbound, cotangent, rng, number, delay,
+          reduce_grads=reduce_grads, every_slot_full=every_slot_full),
+      in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
+                                              delays)
+  return forward.entry, new, metrics
+
+
+def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
+  """The runs cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
+  ``(start, stop, stacked)``: ``stacked`` when the run is a group, however short its piece."""
+  cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in runs]
+  return [(a, z, stacked) for a, z, stacked in cut if a < z]
+
+
+def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, ...],
+                   inbound: Packet, cotangent: PyTree, tick, rng, reduce_grads=None,
+                   every_slot_full: bool = False, delay_line_entries: bool = False):
+  """:meth:`Pipeline.advance_stages <pipejax.engine.Pipeline.advance_stages>` (the same
+  arguments, state and results) with each piece of a run of identical stages advanced stacked.
+
+  This is a mesh device's tick (``pipejax.sharding``): its stages stay in their per-stage
+  layout, and its piece of each group in ``runs`` (:func:`find_groups`) is stacked for the tick,
+  run under ``vmap`` and cut back into stages. A piece of one stage runs stacked too, so that
+  its delay is a traced value as in :class:`StackedPipeline`: the numbers are that runner's bit
+  for bit. Each stage keeps its own delay line: the stacked step reads every stage's oldest
+  entry from it and returns the entries for the caller to write, as the per-stage engine does.
+  """
+  new_stages, stage_metrics = [], []
+  for a, z, stacked in pieces(runs, first, first + len(stages)):
+    own = stages[a - first:z - first]
+    piece_in = inbound if a == first else stages[a - first - 1].forward_out
+    piece_cotangent = cotangent if z == first + len(stages) else stages[z - first].backward_out
+    if not stacked:
+      new, metrics = pipe.advance_stage(a, own[0], piece_in, piece_cotangent, tick, rng,
+                                        reduce_grads, every_slot_full, delay_line_entries)
+      new_stages.append(new)
+      stage_metrics.append(metrics)
+      continue
+    treedefs = [jax.tree.structure(_body(st)) for st in own]
+
+    def read_oldest(entries, own=own):
+      per_stage = [st.delay_line.read(tick, jax.tree.map(lambda a, i=i: a[i], entries))
+                   for i, st in enumerate(own)]
+      return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_stage)
+
+    # The first stage's line stands for all: a step only takes its structure and dtypes.
+    body = _stack([_body(st) for st in own], treedefs[0])._replace(delay_line=own[0].delay_line)
+    entries, new, metrics = _stacked_steps(pipe, a, z, body, piece_in, piece_cotangent, rng,
+                                           read_oldest, reduce_grads, every_slot_full)
+    leaves = jax.tree.leaves(new)
+    for i, st in enumerate(own):
+      entry = jax.tree.map(lambda a, i=i: a[i], entries)
+      line = entry if delay_line_entries else st.delay_line.write(tick, entry)
+      new_stages.append(jax.tree.unflatten(treedefs[i], [leaf[i] for leaf in leaves])
+                        ._replace(delay_line=line))
+      stage_metrics.append(jax.tree.map(lambda a, i=i: a[i], metrics))
+  return tuple(new_stages), stage_metrics
 
 
 class StackedPipeline(PipelineRunner):
@@ -238,30 +326,15 @@ class StackedPipeline(PipelineRunner):
   def _advance_group(self, group: _Group, st: StageState, inbound: Packet, cotangent: PyTree,
                      tick, rng, every_slot_full: bool):
     """One tick of a stacked group: the engine's steps under vmap, the packed rings between."""
-    pipe, s = self.pipeline, group.start
-    shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
-    shift_back = lambda own, last: jnp.concatenate([own[1:], last[None]])
-    inbound = jax.tree.map(shift_in, inbound, st.forward_out)
-    cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
-    numbers = jnp.arange(group.start, group.stop, dtype=jnp.int32)
-    delays = jnp.asarray(pipe.delays[group.start:group.stop], jnp.int32)
-    body_axes = StageState(0, 0, None, 0, 0, 0)
-
-    forward = jax.vmap(
-        lambda st, inbound, number, delay: pipe.forward_step(s, st, inbound, rng, number, delay),
-        in_axes=(body_axes, 0, 0, 0))(st, inbound, numbers, delays)
     read = jnp.asarray(group.offsets) + (tick + 1) % jnp.asarray(group.lengths)
     write = jnp.asarray(group.offsets) + tick % jnp.asarray(group.lengths)
-    oldest = jax.tree.map(lambda ring: jnp.take(ring, read, axis=0), st.delay_line)
+    read_oldest = lambda entry: jax.tree.map(lambda ring: jnp.take(ring, read, axis=0),
+                                             st.delay_line)
+    entry, new, metrics = _stacked_steps(self.pipeline, group.start, group.stop, st, inbound,
+                                         cotangent, rng, read_oldest, None, every_slot_full)
     line = jax.tree.map(
         lambda ring, new: ring.at[write].set(new, indices_are_sorted=True, unique_indices=True),
-        st.delay_line, forward.entry)
-    new, metrics = jax.vmap(
-        lambda st, forward, oldest, inbound, cotangent, number, delay: pipe.backward_step(
-            s, st, forward, oldest, inbound, cotangent, rng, number, delay,
-            every_slot_full=every_slot_full),
-        in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
-                                                delays)
+        st.delay_line, entry)
     return new._replace(delay_line=line), metrics
 
   def _tick(self, state: StackedState, batch: Batch, every_slot_full: bool = False):
@@ -286,3 +359,13 @@ class StackedPipeline(PipelineRunner):
     return (StackedState(tuple(new_parts), state.tick + 1, state.rng),
             engine.tick_metrics(stage_metrics))
 
+
+def pipeline_and_runs(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
+  """What a mesh runs for ``runner``: its single-device pipeline, and the runs whose pieces each
+  device stacks (:func:`advance_stages`), None when it runs stage by stage."""
+  if isinstance(runner, StackedPipeline):
+    return runner.pipeline, (runner.runs if runner.stacked else None)
+  if isinstance(runner, Pipeline):
+    return runner, None
+  raise MeshError(f"ShardedPipeline takes a Pipeline, or a StackedPipeline to stack each "
+                  f"device's share of its groups; got {type(runner).__name__}.")

@@ -421,7 +421,9 @@ class Setup:
   recipe: optim.Recipe  # the reference recipe at the batch each update sees
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
-  stacked: Any = None  # a pipejax.stacking.StackedPipeline when the model has identical runs
+  # A pipejax.stacking.StackedPipeline when the model has identical runs (on a mesh, `sharded`
+  # runs it, each device stacking its piece of every group).
+  stacked: Any = None
   # The pipeline whose initial weights this run starts from, merged into its own stages, when
   # the two split the network differently: the one-stage SGD baseline starts where the pipelined
   # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
@@ -526,6 +528,12 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   if split_model is not None and split_model.num_stages > 1:
     initial_weights_from = Pipeline(split_model, method, example_x,
                                     np.zeros((b,) + train_source.label_shape, np.int32))
+  stacked = None
+  if config.stack_stages:
+    from pipejax import stacking  # pylint: disable=import-outside-toplevel
+    stacked = stacking.StackedPipeline(pipe)
+    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
+    stacked = stacked if stacked.stacked else None
   sharded = None
   if config.mesh.stage * config.mesh.data > 1:
     if config.diagnostics:
@@ -536,20 +544,15 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     balance = config.mesh.get("balance", "params")
     costs = (sharding.measure_stage_costs(pipe) if balance == "measured"
              else sharding.param_counts(pipe))
-    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None,
-                                       costs=costs)
+    # With stacked groups each device stacks its piece of them (pipejax.stacking.advance_stages).
+    sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
+                                       partition=config.mesh.get("partition") or None, costs=costs)
     logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
                  "%d bytes cross devices per tick; bytes allocated per device: %s.",
                  config.mesh.data, config.mesh.stage, sharded.partition,
                  sharding.imbalance(costs, sharded.partition), balance,
                  sharding.boundary_bytes_per_tick(sharded)["total"],
                  [device["allocated"] for device in sharding.device_memory(sharded)])
-  stacked = None
-  if config.stack_stages and sharded is None:
-    from pipejax import stacking  # pylint: disable=import-outside-toplevel
-    stacked = stacking.StackedPipeline(pipe)
-    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
-    stacked = stacked if stacked.stacked else None
   return Setup(train_source, test_source, model, recipe, pipe, sharded, stacked,
                initial_weights_from=initial_weights_from)
 

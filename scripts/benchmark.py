@@ -32,6 +32,11 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
   the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
   delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+* ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
+  ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
+  device's piece of the group stacked) against that of the ``Pipeline``: build and compile
+  seconds, the kernels of one loop iteration (two ticks), samples/s after the fill. Needs the
+  devices, as ``sharding`` does. Only when asked.
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
@@ -73,9 +78,9 @@ from pipejax import accounting, cli, engine, methods, models
 from pipejax.engine import Pipeline
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
-              "lm", "depth"]
-# Each adds minutes; 'sharding' needs fake devices.
-OPT_IN = ("normalization", "sharding", "lm", "depth")
+              "lm", "depth", "stacked_mesh"]
+# Each adds minutes; 'sharding' and 'stacked_mesh' need fake devices.
+OPT_IN = ("normalization", "sharding", "lm", "depth", "stacked_mesh")
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -101,6 +106,10 @@ _DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of
 _DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
     "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
     "(its compile time grows with depth).")
+_STACKED_MESH_STAGES = flags.DEFINE_integer("stacked_mesh_stages", 32,
+                                            "Stages of the residual MLP for 'stacked_mesh'.")
+_STACKED_MESH_DEVICES = flags.DEFINE_integer("stacked_mesh_devices", 4,
+                                             "Stage-axis devices for 'stacked_mesh'.")
 
 WIDTH, LAYERS = 256, 8
 SHORTEST_TIMED_CALL_S = 0.05
@@ -683,12 +692,40 @@ def compile_time(num_stages):
           "trace_and_compile_s": time.perf_counter() - start}
 
 
+def depth_model(num_stages):
+  """configs/deep_mlp.py's residual MLP (width 128, LayerNorm), one block per stage."""
+  return models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
+                      normalization="layer", layers_per_stage=1)
+
+
+def stacked_mesh_records(num_stages, devices, ticks, repeats):
+  """The ``stacked_mesh`` section: the depth MLP on a stage mesh, stacked pieces and not."""
+  from pipejax import sharding, stacking  # pylint: disable=import-outside-toplevel
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  pipe = Pipeline(depth_model(num_stages), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  mesh = sharding.make_mesh(devices, 1, jax.devices()[:devices])
+  records, timed = {}, {}
+  for stacked in (True, False):
+    start = time.perf_counter()
+    sharded = sharding.ShardedPipeline(stacking.StackedPipeline(pipe) if stacked else pipe, mesh)
+    run = Runner(sharded, x, y)
+    compiled = sharded.programs[1].lower(run.state, sharded.placed_batch(x, y)).compile()
+    records[stacked] = {"num_stages": num_stages, "stage_devices": devices, "stacked": stacked,
+                        "partition": sharded.partition,
+                        "build_and_compile_s": time.perf_counter() - start,
+                        "operations_per_iteration": operations_per_tick(compiled.as_text())}
+    run.warm_up()
+    timed[stacked] = run
+  for stacked, (wall, cpu) in best_times(timed, repeats).items():
+    records[stacked].update(samples_per_s=ticks / wall, samples_per_cpu_s=ticks / cpu)
+  return list(records.values())
+
+
 def depth_records(num_stages, ticks, repeats, unstacked_max):
   """The ``depth`` section's records at one depth: stacked, per stage (up to ``unstacked_max``
   stages) and the plain loop, timed side by side (interleaved, as :func:`best_times` does)."""
   from pipejax import stacking  # pylint: disable=import-outside-toplevel
-  model = models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
-                       normalization="layer", layers_per_stage=1)
+  model = depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   tx = optax.sgd(0.01, momentum=0.9)
   records, timed = {}, {}
@@ -775,6 +812,9 @@ def main(argv):
       "depth": lambda: [record for s in _DEPTH_STAGES.value
                         for record in depth_records(int(s), _DEPTH_TICKS.value, _REPEATS.value,
                                                     _DEPTH_UNSTACKED_MAX.value)],
+      "stacked_mesh": lambda: stacked_mesh_records(
+          _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value,
+          _REPEATS.value),
   }
   for name, measure in sections.items():
     if name in _ONLY.value:

@@ -27,6 +27,7 @@ from pipejax import methods, sharding
 from pipejax.models import online_norm
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.sharding import MeshError, ShardedPipeline
+from pipejax.stacking import StackedPipeline
 from tests import _two_process_worker as worker
 from tests import helpers
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
@@ -422,6 +423,103 @@ def test_mesh_errors_say_how_to_fix_them(eight_devices):
     ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
                     layout="packed")
   assert issubclass(MeshError, PipelineError) and issubclass(MeshError, ValueError)
+
+
+# ----------------------------------------------------------------------------- stacked groups
+
+GROUPED = (5, 5, 5, 5, 5)  # stages 1..4 identical (a group); stage 0 and the head single
+# Each device's piece of the group: one stage (devices 0 and 1), two (device 2), then the head
+# alone; and on two devices, the group split 2 | 2, the head with the second piece.
+GROUPED_PARTITIONS = {2: [(0, 3), (3, 6)], 4: [(0, 2), (2, 3), (3, 5), (5, 6)]}
+
+
+@functools.cache
+def grouped_pipeline(method_name, stateful=False):
+  if not stateful:
+    return make_pipeline(method_name, widths=GROUPED)
+  norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
+  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), norm(), nn.tanh])) for w in GROUPED]
+  model = pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES))])
+  x, y = make_stream(1)
+  return Pipeline(model, methods.make_method(method_name, learning_rate=0.05, momentum=0.9),
+                  x[0], y[0])
+
+
+def stacked_and_mesh(method_name, stage, data=1, stateful=False):
+  """The single-device StackedPipeline's run and the mesh's (stacked pieces) from one state."""
+  pipe = grouped_pipeline(method_name, stateful)
+  stacked = StackedPipeline(pipe)
+  assert stacked.runs == ((0, 1), (1, 5), (5, 6))
+  mesh = sharding.make_mesh(stage, data, jax.devices()[:stage * data])
+  sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
+  assert sharded.pipeline is pipe and sharded.runs == stacked.runs
+  x, y = make_stream(2 * pipe.num_stages + 3)
+  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
+  expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
+  packed, metrics = sharded.run(sharded.pack(state), x, y)
+  return (host(stacked.to_logical(expected)), host(expected_metrics), host(sharded.unpack(packed)),
+          host(metrics))
+
+
+def assert_bit_equal(actual, expected):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, e, err_msg=jax.tree_util.keystr(path))
+
+
+# pb_sc_lwp's coefficients come from the traced delay (float32 m**D), as in the single-device
+# stacked runner, even in a piece of one stage: bit for bit with it, not with Pipeline.
+@pytest.mark.parametrize("method_name, stage", [("pb", 2), ("pb_sc_lwp", 4), ("pipedream", 4)])
+def test_mesh_stacked_pieces_match_one_device_bit_for_bit(eight_devices, method_name, stage):
+  expected, expected_metrics, actual, metrics = stacked_and_mesh(method_name, stage)
+  assert_bit_equal(actual, expected)
+  assert_bit_equal(metrics, expected_metrics)
+  assert metrics["valid"].sum() >= 6 and metrics["finite"].all()  # NaN fill reached nothing
+
+
+def test_mesh_stacked_online_norm_matches_one_device(eight_devices):
+  expected, expected_metrics, actual, metrics = stacked_and_mesh("pb", 2, stateful=True)
+  assert_bit_equal(actual, expected)
+  assert_bit_equal(metrics, expected_metrics)
+  initial = jax.jit(grouped_pipeline("pb", stateful=True).init)(jax.random.PRNGKey(42))
+  assert all(np.abs(a - e).max() > 1e-3 for a, e in zip(  # the group's statistics moved
+      jax.tree.leaves(actual.stages[2].variables), jax.tree.leaves(initial.stages[2].variables)))
+
+
+def test_mesh_stacked_data_replicas_match_one_device(eight_devices):
+  """Replicas average their gradients (pmean under vmap): one device's numbers, to rounding."""
+  expected, expected_metrics, actual, metrics = stacked_and_mesh("pb_sc_lwp", 2, data=2)
+  assert_states_equal(actual, expected)
+  assert_states_equal(metrics, expected_metrics)
+
+
+def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devices):
+  """Both layouts keep the logical state: half a run in one, the rest in the other."""
+  pipe = grouped_pipeline("pb")
+  sharded = ShardedPipeline(StackedPipeline(pipe), sharding.make_mesh(4, 1, eight_devices[:4]),
+                            partition=GROUPED_PARTITIONS[4])
+  x, y = make_stream(24)
+  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(7)))
+  whole, _ = pipe.run(jax.tree.map(np.copy, state), x, y)
+  half, _ = sharded.run(sharded.pack(state), x[:12], y[:12])
+  rest, _ = pipe.run(sharded.unpack(half), x[12:], y[12:])
+  assert_bit_equal(host(rest), host(whole))
+  half, _ = pipe.run(jax.tree.map(np.copy, state), x[:12], y[:12])
+  rest, _ = sharded.run(sharded.pack(host(half)), x[12:], y[12:])
+  assert_bit_equal(host(sharded.unpack(rest)), host(whole))
+
+
+def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices):
+  from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
+  config = configlib.base_config()
+  config.dataset, config.model = "digits", "residual_mlp"
+  config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}
+  config.mesh.stage = DEVICES  # the trainer's mesh takes every device
+  setup = training.build(config)
+  assert isinstance(setup.runner, ShardedPipeline) and setup.runner.runs == ((0, 1), (1, 7),
+                                                                             (7, 8))
+  config.stack_stages = False
+  assert training.build(config).runner.runs is None
 
 
 # ----------------------------------------------------------------------------- other processes

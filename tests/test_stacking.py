@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import accounting, methods, models
+from pipejax import accounting, methods, models, stacking
 from pipejax.engine import Pipeline, PipelineError
 from pipejax.stacking import StackedPipeline, find_groups
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
@@ -168,10 +168,22 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
   assert "stack_stages" in training.FREE_KEYS  # a checkpoint resumes in either layout
 
 
-def test_a_mesh_takes_the_plain_pipeline_and_names_the_fix():
+def test_a_mesh_stacks_each_devices_piece_of_a_group():
+  """On a one-device mesh the piece is the whole group: the stacked runner's numbers, bit for
+  bit (tests/test_sharding.py splits groups over 2 and 4 devices)."""
   from pipejax import sharding  # pylint: disable=import-outside-toplevel
-  x, y = make_stream(1, 1)
-  pb = methods.make_method("pb", learning_rate=0.1)
-  stacked = StackedPipeline(Pipeline(dense_model(EVEN), pb, x[0], y[0]))
-  with pytest.raises(sharding.MeshError, match="give its .pipeline"):
-    sharding.ShardedPipeline(stacked, sharding.make_mesh(jax.device_count(), 1))
+  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
+  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 7, 9) == [(7, 8, True), (8, 9, False)]
+  x, y = make_stream(14, 2)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0],
+                  y[0])
+  stacked = StackedPipeline(pipe)
+  sharded = sharding.ShardedPipeline(stacked, sharding.make_mesh(1, 1, jax.devices()[:1]))
+  assert sharded.runs == stacked.runs and sharded.pipeline is pipe
+  expected, _ = stacked.run(stacked.init(1), x, y)
+  actual, _ = sharded.run(sharded.init(1), x, y)
+  assert_same(jax.tree.map(np.asarray, sharded.unpack(actual)),
+              jax.tree.map(np.asarray, stacked.to_logical(expected)), exact=True)
+  assert sharding.ShardedPipeline(pipe, sharded.mesh).runs is None
+  with pytest.raises(sharding.MeshError, match="takes a Pipeline, or a StackedPipeline"):
+    sharding.ShardedPipeline(sharded, sharded.mesh)
