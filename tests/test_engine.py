@@ -9,7 +9,8 @@ import pytest
 
 import pipejax
 from pipejax import accounting, engine, methods
-from pipejax.engine import Pipeline, PipelineError
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
 from pipejax.models import online_norm
 from pipejax.stacking import StackedPipeline
 from tests import oracle
@@ -240,7 +241,7 @@ def test_held_stash_bytes_equal_the_formula():
   # By hand: inputs of widths 6, 5, 7, 3 held D_s + 1 = 7, 5, 3, 1 times, float32, b = 3.
   by_hand = 4 * b * (7 * IN_DIM + 5 * 5 + 3 * 7 + 1 * 3)
   assert pipe.stash_bytes() == by_hand
-  assert Pipeline.held_stash_bytes(state) == by_hand
+  assert pipe.held_stash_bytes(state) == by_hand
   assert [st.delay_line.valid.shape[0] for st in state.stages] == [7, 5, 3, 1]
 
 

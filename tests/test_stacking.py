@@ -9,7 +9,8 @@ import pytest
 
 import pipejax
 from pipejax import accounting, methods, models
-from pipejax.engine import Pipeline, PipelineError
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
 from pipejax.stacking import StackedPipeline, find_groups
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
 
@@ -151,27 +152,28 @@ def test_a_logical_or_foreign_state_is_refused():
 
 
 def test_the_trainer_stacks_identical_runs_unless_told_not_to():
-  from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
+  from pipejax import config as configlib, config_checks, experiment  # pylint: disable=import-outside-toplevel
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
-  setup = training.build(config)
+  setup = experiment.build(config)
   assert isinstance(setup.runner, StackedPipeline) and setup.runner.runs == ((0, 1), (1, 4),
                                                                              (4, 5))
   state = setup.init(jax.random.PRNGKey(0))
-  assert_same(jax.tree.map(np.asarray, setup.logical(state)),
-              jax.tree.map(np.asarray, jax.jit(setup.pipeline.init)(jax.random.PRNGKey(0))),
+  assert_same(jax.tree.map(np.asarray, setup.runner.to_logical(state)),
+              jax.tree.map(np.asarray, setup.pipeline.init(jax.random.PRNGKey(0))),
               exact=True)
   config.stack_stages = False
-  unstacked = training.build(config)
+  unstacked = experiment.build(config)
   assert unstacked.runner is unstacked.pipeline
-  assert "stack_stages" in training.FREE_KEYS  # a checkpoint resumes in either layout
+  assert "stack_stages" in config_checks.FREE_KEYS  # a checkpoint resumes in either layout
 
 
 def test_a_mesh_takes_the_plain_pipeline_and_names_the_fix():
   from pipejax import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   x, y = make_stream(1, 1)
   pb = methods.make_method("pb", learning_rate=0.1)
   stacked = StackedPipeline(Pipeline(dense_model(EVEN), pb, x[0], y[0]))
-  with pytest.raises(sharding.MeshError, match="give its .pipeline"):
-    sharding.ShardedPipeline(stacked, sharding.make_mesh(jax.device_count(), 1))
+  with pytest.raises(MeshError, match="give its .pipeline"):
+    sharding.ShardedPipeline(stacked, make_mesh(jax.device_count(), 1))
