@@ -181,7 +181,9 @@ def build(config: ml_collections.ConfigDict) -> Setup:
       raise ConfigError("config.diagnostics is measured on one device only; set "
                         "--config.diagnostics=False on a mesh, or train on one device.")
     # Single-device runs never touch meshes.
-    from pipejax import mesh as mesh_lib, partition as partition_lib, sharding  # pylint: disable=g-import-not-at-top
+    from pipejax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from pipejax import partition as partition_lib  # pylint: disable=g-import-not-at-top
+    from pipejax import sharding  # pylint: disable=g-import-not-at-top
     mesh = mesh_lib.make_mesh(config.mesh.stage, config.mesh.data)
     balance = config.mesh.get("balance", "params")
     costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"

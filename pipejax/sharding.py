@@ -78,7 +78,8 @@ class ShardedPipeline(Runner):
   Args:
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
       is the global one; each data replica takes ``b / data`` samples of it.
-    mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see :func:`pipejax.mesh.make_mesh`).
+    mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
+      :func:`pipejax.mesh.make_mesh`).
     partition: explicit ``(start, stop)`` groups of logical stages, one per stage-axis device.
       Default: :func:`pipejax.partition.partition_stages` on ``costs``.
     costs: per-stage costs to balance (default :func:`pipejax.partition.param_counts`; or
@@ -266,8 +267,8 @@ class ShardedPipeline(Runner):
       raise PipelineError("This is a logical PipelineState; a ShardedPipeline runs the packed "
                           "state of its init(), or sharded.from_logical(state) of a logical one.")
     if not isinstance(packed, PackedState):
-      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.from_logical(); got "
-                          f"{type(packed).__name__}.")
+      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.from_logical(); "
+                          f"got {type(packed).__name__}.")
     if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
       raise PipelineError(checks.DONATED_STATE_MESSAGE)
     names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
@@ -330,6 +331,12 @@ class ShardedPipeline(Runner):
     if bool(np.all(_to_host(batch.valid))) and self.every_slot_full(packed):
       return self._jit_run_full(packed, batch)
     return self._jit_run(packed, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between, ``(filling, full)``, each taking the
+    packed state and a :meth:`placed_batch` (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
 
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
     """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""
