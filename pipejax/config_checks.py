@@ -79,8 +79,8 @@ def _check_model(config) -> None:
   value is refused before the workdir exists.
   """
   kwargs = model_kwargs(config)
-  defaults = {k: p.default for k, p in
-              inspect.signature(models_lib.registry._BUILDERS[config.model]).parameters.items()}  # pylint: disable=protected-access
+  builder = models_lib.registry._BUILDERS[config.model]  # pylint: disable=protected-access
+  defaults = {k: p.default for k, p in inspect.signature(builder).parameters.items()}
   for name, value in kwargs.items():
     default = defaults.get(name, inspect.Parameter.empty)
     wanted = _same_kind(default, value)

@@ -152,7 +152,8 @@ def test_a_logical_or_foreign_state_is_refused():
 
 
 def test_the_trainer_stacks_identical_runs_unless_told_not_to():
-  from pipejax import config as configlib, config_checks, experiment  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from pipejax import config as configlib, config_checks, experiment
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}

@@ -326,7 +326,8 @@ def test_a_chunk_too_large_for_memory_is_refused_with_its_estimate(tmp_path, mon
 
 
 def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monkeypatch):
-  monkeypatch.setattr(config_checks, "_memory_available", lambda: (2 ** 20, "this machine's memory"))
+  monkeypatch.setattr(config_checks, "_memory_available",
+                      lambda: (2 ** 20, "this machine's memory"))
   config = digits_config()
   config.model = "residual_mlp"
   config.model_kwargs = {"depth": 40, "width": 64}
@@ -336,7 +337,8 @@ def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monk
 
 
 def test_a_warm_up_longer_than_the_run_is_refused():
-  with pytest.raises(config_checks.ConfigError, match=r"warmup_epochs \(5.0\) is longer than the run"):
+  with pytest.raises(config_checks.ConfigError,
+                     match=r"warmup_epochs \(5.0\) is longer than the run"):
     config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
   config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
 
@@ -355,7 +357,8 @@ def test_an_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
     return train, empty
 
   monkeypatch.setattr(data, "load", without_test_examples)
-  with pytest.raises(config_checks.ConfigError, match="The test split of data set 'digits' is empty"):
+  with pytest.raises(config_checks.ConfigError,
+                     match="The test split of data set 'digits' is empty"):
     training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists()
 
