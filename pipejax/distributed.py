@@ -2,7 +2,7 @@
 
 Every process runs the same training program. :func:`initialize` connects the processes (it must
 come before any other JAX call); afterwards ``jax.devices()`` lists the devices of all processes,
-:func:`make_mesh` lays them out as ``('data', 'stage')``, and
+:func:`pipejax.mesh.make_mesh` lays them out as ``('data', 'stage')``, and
 :class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. For the trainer,
 :class:`HostFeed` loads only the examples this process's devices consume, and
 :func:`checkpoint_shardings` places the state so that all processes save and restore it together;
@@ -29,13 +29,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import sharding
 from pipejax.engine import PipelineState
-from pipejax.sharding import MeshError
+from pipejax.mesh import DATA, STAGE, MeshError
 
-__all__ = ["HostFeed", "MeshError", "StartupError", "agree", "agree_on_shared_workdir",
-           "any_process", "checkpoint_shardings", "code_version", "exchange", "initialize",
-           "lost_process_message", "make_mesh", "shutdown", "trainer_parts"]
+__all__ = ["HostFeed", "StartupError", "agree", "agree_on_shared_workdir", "any_process",
+           "checkpoint_shardings", "code_version", "exchange", "initialize",
+           "lost_process_message", "shutdown", "trainer_parts"]
 
 # Seconds without a heartbeat after which a process counts as dead (JAX's default is 100).
 HEARTBEAT_TIMEOUT = 30
@@ -337,21 +336,12 @@ def any_process(flag: bool) -> bool:
   return bool(np.any(flags))
 
 
-def make_mesh(stage: int, data: int = 1) -> jax.sharding.Mesh:
-  """A ``('data', 'stage')`` mesh over all devices of all processes.
-
-  Raises:
-    MeshError: ``stage * data`` is not the global device count (the message gives the count).
-  """
-  return sharding.make_mesh(stage, data)
-
-
 # ----------------------------------------------------------------------------- data per process
 
 
 def _stage_axis_devices(mesh: Mesh, index: int) -> np.ndarray:
   """The devices at position ``index`` of the stage axis, one per data replica."""
-  return np.take(np.asarray(mesh.devices), index, axis=mesh.axis_names.index(sharding.STAGE))
+  return np.take(np.asarray(mesh.devices), index, axis=mesh.axis_names.index(STAGE))
 
 
 class HostFeed:
@@ -371,7 +361,7 @@ class HostFeed:
   def __init__(self, sharded):
     self.sharded = sharded
     self.mesh = sharded.mesh
-    b, data = sharded.pipeline.micro_batch_size, sharded.data
+    b, data = sharded.pipeline.micro_batch_size, sharded.num_replicas
     per_replica = b // data
     first_stage = _stage_axis_devices(self.mesh, 0)
     me = jax.process_index()
@@ -386,7 +376,7 @@ class HostFeed:
 
     Every process must call it with its own copy of the same stream (same seed and position); each
     reads only :attr:`slots`, but all advance by whole micro-batches. The method's schedule
-    (``Pipeline.schedule``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
+    (``Runner.schedule``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
     """
     pipe = self.sharded.pipeline
     if self.slots:
@@ -405,7 +395,7 @@ class HostFeed:
     """The ``(ticks, b, ...)`` global array of which this process holds the columns :attr:`slots`."""
     ticks, b = local.shape[0], self.sharded.pipeline.micro_batch_size
     shape = (ticks, b) + local.shape[2:]
-    by_replica = NamedSharding(self.mesh, P(None, sharding.DATA))
+    by_replica = NamedSharding(self.mesh, P(None, DATA))
     blocks = []
     for device in by_replica.addressable_devices:
       r = self._replica_of.get(device)

@@ -37,6 +37,7 @@ under ``vmap`` for a run of identical stages. The boundary checks live in ``pipe
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import Any, NamedTuple
@@ -47,8 +48,8 @@ import numpy as np
 import optax
 
 from pipejax import accounting, checks
-from pipejax.checks import PipelineError  # noqa: F401  # the runners' error, imported from here
 from pipejax.methods import Method
+from pipejax.runner import Runner
 from pipejax.stages import Model, Variables, softmax_cross_entropy
 
 PyTree = Any
@@ -202,39 +203,20 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
-
-class PipelineRunner:
-  """The one interface of a pipeline, on one device (:class:`Pipeline`), in stacked groups
-  (:class:`pipejax.stacking.StackedPipeline`) or over a device mesh
-  (:class:`pipejax.sharding.ShardedPipeline`); training code needs nothing else.
-
-  * ``init(rng)``: a fresh state, in the runner's own layout;
-  * ``run(state, inputs, labels, valid=None)``: ``T`` ticks, ``(state, metrics stacked along T)``;
-    the state is donated;
-  * ``tick(state, inputs, labels, valid=True)``: one tick;
-  * ``drain(state)``: finishes every backward in flight (written once, here);
-  * ``to_logical(state)``: the device-independent :class:`PipelineState` (what checkpoints hold);
-  * ``from_logical(logical_state)``: back into the runner's layout.
-
-  ``pipeline`` is the single-device :class:`Pipeline` with the model, method and micro-batch shape.
+class ScanRunner(Runner):
+  """What a runner whose tick is one traced function shares (:class:`Pipeline`,
+  :class:`pipejax.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
+  checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
+  ``check_state(state)``, and builds the programs with :meth:`_compile`.
   """
 
-  pipeline: Pipeline
+  @abc.abstractmethod
+  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
+    """One tick of a checked :class:`Batch`: ``(state, metrics)``, traceable."""
 
-  def init(self, rng: jax.Array, fill_value: float = 0.0):
-    raise NotImplementedError
-
-  def to_logical(self, state) -> PipelineState:
-    raise NotImplementedError
-
-  def from_logical(self, logical_state: PipelineState):
-    raise NotImplementedError
-
+  @abc.abstractmethod
   def check_state(self, state) -> None:
-    raise NotImplementedError
-
-  def every_slot_full(self, state) -> bool:
-    raise NotImplementedError
+    """Refuses a state of another runner, or one whose buffers an earlier run() consumed."""
 
   def tick(self, state, inputs, labels, valid=True):
     """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
@@ -278,9 +260,6 @@ class PipelineRunner:
     program = self._jit_run_full if every_slot_full else self._jit_run
     return program.lower(state, batch)
 
-  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
-    raise NotImplementedError
-
   def _run(self, state, batches: Batch, every_slot_full: bool = False):
     return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
                         batches)
@@ -290,19 +269,9 @@ class PipelineRunner:
     return (jit(self._tick), jit(self._run, donate_argnums=0),
             jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))
 
-  def drain(self, state):
-    """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
-    pipeline = self.pipeline
-    ticks = accounting.fill_ticks(pipeline.num_stages)
-    if ticks == 0:
-      return state, None
-    empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
-    return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
-                    jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline(PipelineRunner):
+class Pipeline(ScanRunner):
   """A model, a method and the shape of one micro-batch: everything static about a pipeline.
 
   Construction traces every stage abstractly, so a stage that does not fit the next one, S = 0 or
@@ -339,6 +308,9 @@ class Pipeline(PipelineRunner):
     checks.check_loss(self.model.loss, self._last_stage_output(), labels)
     for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
       object.__setattr__(self, name, program)
+    # One compiled program: run op by op, each initializer of each new weight shape compiles a
+    # program of its own, which takes longer than compiling the whole init once.
+    object.__setattr__(self, "_jit_init", jax.jit(self._init))
 
   # ------------------------------------------------------------------ static facts
 
@@ -373,8 +345,7 @@ class Pipeline(PipelineRunner):
     """Bytes of stashed activations by the formula sum_s (D_s + 1) |x_s|."""
     return accounting.stash_bytes(self._stage_inputs)
 
-  @staticmethod
-  def held_stash_bytes(state: PipelineState) -> int:
+  def held_stash_bytes(self, state: PipelineState) -> int:
     """Bytes of stashed activations actually held in ``state``'s delay lines."""
     return held_stash_bytes(state.stages)
 
@@ -393,8 +364,12 @@ class Pipeline(PipelineRunner):
 
     Empty slots hold ``fill_value`` (floating leaves; integer leaves hold 0) and are flagged
     invalid. Tests fill them with NaN to prove that nothing empty ever reaches weights or metrics.
+    Every runner starts from this one compiled program, so every layout starts from the same bits.
     """
-    param_key, run_key = jax.random.split(raw_key(rng))
+    return self._jit_init(raw_key(rng), jnp.float32(fill_value))
+
+  def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
+    param_key, run_key = jax.random.split(rng)
     keys = jax.random.split(param_key, self.num_stages)
 
     def filled(spec, leading=()):
@@ -599,17 +574,11 @@ class Pipeline(PipelineRunner):
 
   def metric_shapes(self) -> dict:
     """ShapeDtypeStructs of one tick's metrics (what ``tick`` returns), computed abstractly."""
-    state = jax.eval_shape(self.init, jax.random.PRNGKey(0))
     batch = Batch(self.example_inputs, self.example_labels, jax.ShapeDtypeStruct((), bool))
-    return jax.eval_shape(self._tick, state, batch)[1]
+    return jax.eval_shape(self._tick, self.state_spec, batch)[1]
 
-  @staticmethod
-  def every_slot_full(state: PipelineState) -> bool:
-    """True when every delay-line slot and forward register holds a real micro-batch.
-
-    Then, if every micro-batch fed next is real too, every backward of the coming ticks is real:
-    it reads either a slot that is full now or one written from the new micro-batches.
-    """
+  def every_slot_full(self, state: PipelineState) -> bool:
+    """See :meth:`pipejax.runner.Runner.every_slot_full`."""
     return slots_full(state.stages)
 
   # ------------------------------------------------------------------ layout
@@ -624,28 +593,6 @@ class Pipeline(PipelineRunner):
 
   def from_logical(self, logical_state: PipelineState) -> PipelineState:
     return logical_state
-
-  def schedule(self, inputs, labels):
-    """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
-
-    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds groups of M
-    followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
-    """
-    count = checks.stream_length(inputs, labels)
-    m = self.method.micro_batches_per_step
-    if m is None:
-      return inputs, labels, np.ones((count,), bool)
-    checks.check_whole_groups(count, m)
-    gap = accounting.bubble_ticks(self.num_stages, m)
-    groups = count // m
-
-    def spread(a):
-      a = np.asarray(a).reshape((groups, m) + a.shape[1:])
-      pad = np.zeros((groups, gap) + a.shape[2:], a.dtype)
-      return np.concatenate([a, pad], axis=1).reshape((groups * (m + gap),) + a.shape[2:])
-
-    valid = spread(np.ones((count,), bool))
-    return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
 
   # ------------------------------------------------------------------ boundary (pipejax.checks)
 

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 import numpy as np
 
-from pipejax.engine import PipelineError
+from pipejax.checks import PipelineError
 
 STAGE, DATA = "stage", "data"
 

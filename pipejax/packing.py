@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax import accounting
-from pipejax.engine import DelayLine, Packet, PipelineError, PipelineState, StageState
+from pipejax.checks import PipelineError
+from pipejax.engine import DelayLine, Packet, PipelineState, StageState
 
 PyTree = Any
 SHARED, LOCAL = "shared", "local"
@@ -222,7 +223,7 @@ class PackedState(NamedTuple):
   ``shared[name]`` has global shape ``(stage, n)`` (sharded over ``stage``, replicated over
   ``data``); ``local[name]`` has global shape ``(data, stage, n)``. Names are the dtype
   (``'float32'``) in the flat layout, dtype and slot (``'float32/body3'``) in the slots layout.
-  ``tick`` and ``rng`` are replicated. Use :meth:`ShardedPipeline.unpack` for the logical state.
+  ``tick`` and ``rng`` are replicated. Use :meth:`ShardedPipeline.to_logical` for the logical state.
   """
 
   shared: dict[str, jax.Array]
@@ -351,3 +352,69 @@ class Packing:
       n = accounting.tree_bytes(leaf)
       total += n // self.num_replicas if role.batch_axis is not None else n
     return total
+
+  # ------------------------------------------------------------------ what a mesh holds and sends
+
+  def boundary_bytes_per_tick(self) -> dict[str, int]:
+    """Bytes that cross device boundaries in one tick, over the whole mesh.
+
+    Returns a dict:
+
+    * ``forward``: packets (activations, labels, valid flag, sample index) from each group's last
+      stage to the next group, summed over the boundaries and the data replicas;
+    * ``backward``: cotangents from each group's first stage to the previous group;
+    * ``gradient_all_reduce``: the data axis's gradient averaging, ``2 (data - 1) |g_s|`` summed
+      over the stages (what a ring all-reduce sends in total; 0 without a data axis);
+    * ``total``: the sum of the three;
+    * ``forward_padded`` / ``backward_padded``: what ``ppermute`` actually sends, each message
+      padded to the largest group's register.
+    """
+    state, data = self.abstract_state, self.num_replicas
+    forward = backward = 0
+    for a, _ in self.partition[1:]:
+      sender, receiver = state.stages[a - 1], state.stages[a]
+      forward += data * self.replica_bytes(sender.forward_out, self.roles(sender).forward_out)
+      backward += accounting.tree_bytes(receiver.backward_out)
+    all_reduce = sum(2 * (data - 1) * accounting.tree_bytes(st.params) for st in state.stages)
+    messages = (len(self.partition) - 1) * data
+    return {
+        "forward": forward,
+        "backward": backward,
+        "gradient_all_reduce": all_reduce,
+        "total": forward + backward + all_reduce,
+        "forward_padded": messages * self.region_bytes(self.packet_region),
+        "backward_padded": messages * self.region_bytes(self.cotangent_region),
+    }
+
+  def device_memory(self) -> list[dict[str, Any]]:
+    """Bytes each stage-axis device holds (the same on every data replica of it).
+
+    Per device: ``stages`` (its ``(start, stop)``), ``weights``, ``optimizer``, ``delay_lines``
+    (stashed inputs with their flags), ``weight_stash`` (PipeDream's weight copies), ``variables``
+    (stateful stages' variables, live and stashed with the inputs), ``registers``
+    (forward packets and cotangents), their sum ``logical``, ``allocated`` (the padded buffers
+    every device actually holds) and ``messages`` (the two transient boundary buffers of a tick).
+    Activations count the device's own ``b / data`` samples.
+    """
+    tree_bytes = accounting.tree_bytes
+    report = []
+    for a, z in self.partition:
+      row = {"stages": (a, z), "weights": 0, "optimizer": 0, "delay_lines": 0, "weight_stash": 0,
+             "variables": 0, "registers": 0}
+      for st in self.abstract_state.stages[a:z]:
+        roles = self.roles(st)
+        line, line_roles = st.delay_line, roles.delay_line
+        row["weights"] += tree_bytes(st.params)
+        row["optimizer"] += tree_bytes(st.opt_state)
+        row["delay_lines"] += self.replica_bytes(
+            (line.x, line.valid, line.index), (line_roles.x, line_roles.valid, line_roles.index))
+        row["weight_stash"] += tree_bytes(line.weights)
+        row["variables"] += tree_bytes((st.variables, line.variables))
+        row["registers"] += self.replica_bytes((st.forward_out, st.backward_out),
+                                               (roles.forward_out, roles.backward_out))
+      row["logical"] = sum(row[k] for k in ("weights", "optimizer", "delay_lines", "weight_stash",
+                                            "variables", "registers"))
+      row["allocated"] = self.allocated_bytes()
+      row["messages"] = self.message_bytes()
+      report.append(row)
+    return report

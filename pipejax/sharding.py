@@ -45,8 +45,9 @@ slot of each, so the switch returns that slot alone and the loop writes it in pl
 switch (``packing.ring_windows``), instead of rewriting the whole line into the other set.
 
 A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
-gradient of the whole micro-batch's mean loss that the single-device state holds; :meth:`pack` and
-:meth:`unpack` convert, so ``unpack(run(pack(s)))`` compares directly with ``Pipeline.run(s)``.
+gradient of the whole micro-batch's mean loss that the single-device state holds;
+:meth:`~ShardedPipeline.from_logical` and :meth:`~ShardedPipeline.to_logical` convert, so
+``to_logical(run(from_logical(s)))`` compares directly with ``Pipeline.run(s)``.
 """
 
 from __future__ import annotations
@@ -61,19 +62,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax import checks, engine, packing, stacking
-from pipejax.engine import Batch, Packet, Pipeline, PipelineError, PipelineRunner, PipelineState
+from pipejax.checks import PipelineError
+from pipejax.engine import Batch, Packet, Pipeline, PipelineState
+from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh
 from pipejax.packing import LOCAL, SHARED, PackedState
-# The mesh, the partition algorithm and the byte accounting live in modules of their own; their
-# names stay importable from here.
-from pipejax.accounting import boundary_bytes_per_tick, device_memory  # noqa: F401
-from pipejax.mesh import DATA, STAGE, MeshError, make_mesh, normalized_mesh  # noqa: F401
-from pipejax.partition import (check_partition, imbalance, measure_stage_costs,  # noqa: F401
-                               param_counts, partition_stages)
+from pipejax.partition import check_partition, param_counts, partition_stages
+from pipejax.runner import Runner
 
 PyTree = Any
 
 
-class ShardedPipeline(PipelineRunner):
+class ShardedPipeline(Runner):
   """A :class:`~pipejax.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
 
   Args:
@@ -82,11 +81,12 @@ class ShardedPipeline(PipelineRunner):
       :class:`~pipejax.stacking.StackedPipeline` runs its pipeline with each device's piece of
       every stacked group ticked under ``vmap`` (:func:`pipejax.stacking.advance_stages`); the
       state and the numbers are the same.
-    mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see :func:`make_mesh`).
+    mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
+      :func:`pipejax.mesh.make_mesh`).
     partition: explicit ``(start, stop)`` groups of logical stages, one per stage-axis device.
-      Default: :func:`partition_stages` on ``costs``.
-    costs: per-stage costs to balance (default :func:`param_counts`; or
-      :func:`measure_stage_costs`).
+      Default: :func:`pipejax.partition.partition_stages` on ``costs``.
+    costs: per-stage costs to balance (default :func:`pipejax.partition.param_counts`; or
+      :func:`pipejax.partition.measure_stage_costs`).
     layout: how a group's state is packed: ``'slots'`` (each state leaf in a buffer of its own,
       padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
       buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
@@ -134,8 +134,6 @@ class ShardedPipeline(PipelineRunner):
     self._jit_run = engine.jit(self._run, donate_argnums=0, out_shardings=out_shardings)
     self._jit_run_full = engine.jit(functools.partial(self._run, every_slot_full=True),
                                     donate_argnums=0, out_shardings=out_shardings)
-    # Compiled, not op by op: eager init dispatches hundreds of tiny computations.
-    self._jit_init = jax.jit(pipeline.init)
 
   # ------------------------------------------------------------------ static layout
 
@@ -207,11 +205,6 @@ class ShardedPipeline(PipelineRunner):
   # ------------------------------------------------------------------ facts
 
   @property
-  def data(self) -> int:
-    """The former name of :attr:`num_replicas`, kept so that older code keeps working."""
-    return self.num_replicas
-
-  @property
   def num_stages(self) -> int:
     return self.pipeline.num_stages
 
@@ -232,10 +225,10 @@ class ShardedPipeline(PipelineRunner):
   # ------------------------------------------------------------------ state
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
-    """``pack(pipeline.init(rng, fill_value))``: the same initial state as one device."""
-    return self.pack(self._jit_init(engine.raw_key(rng), jnp.float32(fill_value)))
+    """``from_logical(pipeline.init(rng, fill_value))``: the same initial state as one device."""
+    return self.from_logical(self.pipeline.init(rng, fill_value))
 
-  def pack(self, state: PipelineState) -> PackedState:
+  def from_logical(self, state: PipelineState) -> PackedState:
     """Lays a logical :class:`PipelineState` out over the mesh (works in multi-process runs).
 
     Every process passes the same logical state; each keeps only its own devices' parts.
@@ -253,7 +246,7 @@ class ShardedPipeline(PipelineRunner):
           leaf = np.asarray(leaf)
           if leaf.dtype.name != slot.key[1]:
             raise PipelineError(f"State leaf of dtype {leaf.dtype.name} where the pipeline holds "
-                                f"{slot.key[1]}; pack states made by this pipeline's init.")
+                                f"{slot.key[1]}; lay out states made by this pipeline's init.")
           span = slice(slot.offset, slot.offset + slot.size)
           if slot.role.batch_axis is None:
             host[slot.key][d, span] = leaf.reshape(-1)
@@ -273,10 +266,10 @@ class ShardedPipeline(PipelineRunner):
     """Refuses a logical state, a state of another mesh or pipeline, or one a run consumed."""
     if isinstance(packed, PipelineState):
       raise PipelineError("This is a logical PipelineState; a ShardedPipeline runs the packed "
-                          "state of its init(), or sharded.pack(state) of a logical one.")
+                          "state of its init(), or sharded.from_logical(state) of a logical one.")
     if not isinstance(packed, PackedState):
-      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.pack(); got "
-                          f"{type(packed).__name__}.")
+      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.from_logical(); "
+                          f"got {type(packed).__name__}.")
     if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
       raise PipelineError(checks.DONATED_STATE_MESSAGE)
     names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
@@ -287,10 +280,10 @@ class ShardedPipeline(PipelineRunner):
       raise PipelineError(
           "The state does not belong to this sharded pipeline: its buffers differ from this "
           "mesh's and partition's (another pipeline, mesh or partition made it). Use this "
-          "pipeline's init(), or unpack() the state with the pipeline that made it and pack() "
-          "it here.")
+          "pipeline's init(), or to_logical() the state with the pipeline that made it and "
+          "from_logical() it here.")
 
-  def unpack(self, packed: PackedState) -> PipelineState:
+  def to_logical(self, packed: PackedState) -> PipelineState:
     """The logical :class:`PipelineState` (for checkpoints and comparisons).
 
     In a multi-process run every process must call it (it gathers the other processes' parts).
@@ -317,14 +310,6 @@ class ShardedPipeline(PipelineRunner):
     state = PipelineState(tuple(stages), _to_host(packed.tick), _to_host(packed.rng))
     return jax.tree.map(jnp.asarray, state)
 
-  def to_logical(self, packed: PackedState) -> PipelineState:
-    """:meth:`unpack`: the device-independent state (the :class:`PipelineRunner` interface)."""
-    return self.unpack(packed)
-
-  def from_logical(self, logical_state: PipelineState) -> PackedState:
-    """:meth:`pack`: the logical state laid out over this mesh."""
-    return self.pack(logical_state)
-
   def _to_global(self, host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
 
@@ -347,6 +332,12 @@ class ShardedPipeline(PipelineRunner):
     if bool(np.all(_to_host(batch.valid))) and self.every_slot_full(packed):
       return self._jit_run_full(packed, batch)
     return self._jit_run(packed, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between, ``(filling, full)``, each taking the
+    packed state and a :meth:`placed_batch` (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
 
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
     """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""

@@ -44,8 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax import checks, engine
-from pipejax.engine import (Batch, Packet, Pipeline, PipelineRunner, PipelineState,
-                            StageState)
+from pipejax.engine import Batch, Packet, Pipeline, PipelineState, ScanRunner, StageState
 from pipejax.mesh import MeshError
 
 PyTree = Any
@@ -217,7 +216,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
   return tuple(new_stages), stage_metrics
 
 
-class StackedPipeline(PipelineRunner):
+class StackedPipeline(ScanRunner):
   """A :class:`~pipejax.engine.Pipeline` whose runs of identical stages tick as stacked groups.
 
   The same numbers as ``pipeline`` (tests/test_stacking.py), in fewer operations per tick and a
@@ -246,7 +245,6 @@ class StackedPipeline(PipelineRunner):
           np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
     self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
-    self._jit_init = jax.jit(lambda rng, fill: self._stack(pipeline.init(rng, fill)))
     self._jit_to_logical = jax.jit(self._unstack)
     self._jit_from_logical = jax.jit(self._stack)
     self._state_spec = jax.eval_shape(self._stack, spec)
@@ -264,7 +262,7 @@ class StackedPipeline(PipelineRunner):
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> StackedState:
     """The pipeline's initial state (the same numbers), in the stacked layout."""
-    return self._jit_init(engine.raw_key(rng), jnp.float32(fill_value))
+    return self._jit_from_logical(self.pipeline.init(rng, fill_value))
 
   def from_logical(self, logical_state: PipelineState) -> StackedState:
     self.pipeline.check_state(logical_state)
@@ -317,9 +315,6 @@ class StackedPipeline(PipelineRunner):
   def held_stash_bytes(self, state: StackedState) -> int:
     """Bytes of stashed activations the state's delay lines hold."""
     return engine.held_stash_bytes(state.parts)
-
-  def schedule(self, inputs, labels):
-    return self.pipeline.schedule(inputs, labels)
 
   # ------------------------------------------------------------------ one tick
 

@@ -553,13 +553,13 @@ def sharded_passes(sharded, x, y):
 
 def sharding_speeds(ticks, repeats):
   """Ticks/s of Pipeline.run and of ShardedPipeline.run on 1, 2, 4, 8-device stage meshes."""
-  from pipejax import sharding  # only this benchmark needs meshes
+  from pipejax import mesh, sharding  # only this benchmark needs meshes
   x, y = stream(ticks, 1)
   pipe = Pipeline(mlp_model(), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
   runners, sharded = {}, {}
   for devices in [None] + [n for n in (1, 2, 4, 8) if n <= jax.device_count()]:
     runner = pipe if devices is None else sharding.ShardedPipeline(
-        pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]))
+        pipe, mesh.make_mesh(devices, 1, jax.devices()[:devices]))
     if devices is not None:
       sharded[devices] = runner
     runners[devices or "Pipeline.run"] = Runner(runner, x, y)
@@ -582,7 +582,7 @@ def sharded_method_passes(names, device_counts=(1, 2, 8)):
   A delay line that a tick rewrote whole, PipeDream's weight stash above all, shows here as
   passes the 1-device program does not make.
   """
-  from pipejax import sharding  # only this benchmark needs meshes
+  from pipejax import mesh as mesh_lib, sharding  # only this benchmark needs meshes
   x, y = stream(4, 1)
   rows = []
   for name in names:
@@ -590,7 +590,7 @@ def sharded_method_passes(names, device_counts=(1, 2, 8)):
                     x[0], y[0])
     row = {"method": name, "pipeline_run": pipeline_passes(pipe, x, y)["full"]}
     for devices in (n for n in device_counts if n <= jax.device_count()):
-      mesh = sharding.make_mesh(devices, 1, jax.devices()[:devices])
+      mesh = mesh_lib.make_mesh(devices, 1, jax.devices()[:devices])
       row[f"{devices}_devices"] = sharded_passes(sharding.ShardedPipeline(pipe, mesh), x, y)
     rows.append(row)
   return rows
@@ -654,14 +654,14 @@ def two_halves_speedup(b, ticks, repeats, width=512, layers=8):
   One dense layer per stage; the partition puts the first half on device 0 and the second on
   device 1, so with two devices each one's products run on its own core.
   """
-  from pipejax import sharding  # only this benchmark needs meshes
+  from pipejax import mesh, sharding  # only this benchmark needs meshes
   x, y = stream(ticks, b, (width,), classes=width)
   pipe = Pipeline(mlp_model(layers, width), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
   half = layers // 2
   runners = {"Pipeline.run": Runner(pipe, x, y)}
   for devices, partition in ((1, None), (2, [(0, half), (half, layers)])):
     runners[devices] = Runner(sharding.ShardedPipeline(
-        pipe, sharding.make_mesh(devices, 1, jax.devices()[:devices]), partition=partition), x, y)
+        pipe, mesh.make_mesh(devices, 1, jax.devices()[:devices]), partition=partition), x, y)
   for runner in runners.values():
     runner.warm_up()
   seconds = best_times(runners, repeats)

@@ -114,7 +114,7 @@ def _like_state():
   if not _LIKE:
     import importlib.util  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
-    from pipejax import training  # pylint: disable=g-import-not-at-top
+    from pipejax import experiment  # pylint: disable=g-import-not-at-top
     spec = importlib.util.spec_from_file_location("default", os.path.join(ROOT, "configs",
                                                                          "default.py"))
     module = importlib.util.module_from_spec(spec)
@@ -123,7 +123,7 @@ def _like_state():
     for override in OVERRIDES:
       key, value = override[len("--config."):].split("=")
       config[key] = type(config[key])(value)
-    _LIKE.append(training.build(config).pipeline.init(jax.random.PRNGKey(0)))
+    _LIKE.append(experiment.build(config).pipeline.init(jax.random.PRNGKey(0)))
   return _LIKE[0]
 
 

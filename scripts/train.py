@@ -41,6 +41,7 @@ import jax
 from ml_collections import config_flags
 
 from pipejax import config as configlib
+from pipejax import config_checks
 from pipejax import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -89,7 +90,7 @@ def main(argv):
   config, workdir = _CONFIG.value, _WORKDIR.value
   several = _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1
   try:
-    training.validate(config)  # before the processes wait for each other, or make the workdir
+    config_checks.validate(config)  # before the processes wait for each other, or make the workdir
     if several:
       _start_processes(config, workdir)
     summary = training.train_and_evaluate(config, workdir)
@@ -128,8 +129,8 @@ def _start_processes(config, workdir):
                            initialization_timeout=_STARTUP_TIMEOUT.value,
                            heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
     cli.signal_watch().set_phase("start-up (the processes compare their configs)")
-    fingerprint = {f"config.{k}": v for k, v in training.flat_config(config).items()
-                   if k not in training.PER_HOST_KEYS}
+    fingerprint = {f"config.{k}": v for k, v in config_checks.flat_config(config).items()
+                   if k not in config_checks.PER_HOST_KEYS}
     distributed.agree({**fingerprint, "code": distributed.code_version(), "workdir": workdir},
                       _STARTUP_TIMEOUT.value)
     distributed.agree_on_shared_workdir(workdir, _STARTUP_TIMEOUT.value)

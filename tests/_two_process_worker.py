@@ -57,16 +57,16 @@ def main():
   distributed.initialize(args.coordinator_address, num_processes=2, process_id=args.process_id,
                          num_cpu_devices=2)
   import jax  # pylint: disable=g-import-not-at-top
-  from pipejax import sharding  # pylint: disable=g-import-not-at-top
+  from pipejax import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
 
   assert jax.process_count() == 2, jax.process_count()
   pipe, x, y = make_problem()
-  assert distributed.make_mesh(stage=4, data=1).devices.size == 4  # the global device count
+  assert mesh_lib.make_mesh(stage=4, data=1).devices.size == 4  # the global device count
   a, b = ([d for d in jax.devices() if d.process_index == p] for p in range(2))
   mesh = jax.sharding.Mesh(np.array([[a[0], b[0]], [b[1], a[1]]]), ("data", "stage"))
   sharded = sharding.ShardedPipeline(pipe, mesh)
   packed, metrics = sharded.run(sharded.init(jax.random.PRNGKey(3)), x, y)
-  results = flatten_result(sharded.unpack(packed), metrics)
+  results = flatten_result(sharded.to_logical(packed), metrics)
   np.savez(args.out, **results)
   distributed.shutdown()
 

@@ -255,7 +255,7 @@ def test_documented_commands_are_written_for_the_activated_virtualenv():
 
 
 def test_documented_commands_name_real_scripts_configs_and_flags():
-  from pipejax import training  # pylint: disable=import-outside-toplevel
+  from pipejax import config_checks  # pylint: disable=import-outside-toplevel
   checked = 0
   for where, tokens in documented_commands():
     if tokens[0] == "python" and tokens[1] == "-m":
@@ -271,7 +271,7 @@ def test_documented_commands_name_real_scripts_configs_and_flags():
     except flags.Error as e:
       pytest.fail(f"{where}: `{' '.join(tokens)}` does not parse: {e}")
     if script == "scripts/train.py":
-      training.validate(values["config"])
+      config_checks.validate(values["config"])
     checked += 1
   assert checked >= 25
 

@@ -1,5 +1,7 @@
 """The engine against the naive oracle, the two exact identities, NaN fill, and boundary errors."""
 
+import inspect
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,8 @@ import pytest
 
 import pipejax
 from pipejax import accounting, engine, methods
-from pipejax.engine import Pipeline, PipelineError
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
 from pipejax.models import online_norm
 from pipejax.stacking import StackedPipeline
 from tests import oracle
@@ -240,7 +243,7 @@ def test_held_stash_bytes_equal_the_formula():
   # By hand: inputs of widths 6, 5, 7, 3 held D_s + 1 = 7, 5, 3, 1 times, float32, b = 3.
   by_hand = 4 * b * (7 * IN_DIM + 5 * 5 + 3 * 7 + 1 * 3)
   assert pipe.stash_bytes() == by_hand
-  assert Pipeline.held_stash_bytes(state) == by_hand
+  assert pipe.held_stash_bytes(state) == by_hand
   assert [st.delay_line.valid.shape[0] for st in state.stages] == [7, 5, 3, 1]
 
 
@@ -357,6 +360,29 @@ def test_synchronous_stream_without_its_bubbles_is_refused():
     pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
   scheduled = pipe.schedule(x, y)
   pipe.run(pipe.init(jax.random.PRNGKey(0)), *scheduled)  # laid out, it runs
+
+
+@pytest.mark.parametrize("runner_class", ["Pipeline", "StackedPipeline", "ShardedPipeline"])
+def test_every_runner_has_the_protocols_members_as_instance_methods(runner_class):
+  from pipejax import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.runner import Runner  # pylint: disable=import-outside-toplevel
+  cls = {"Pipeline": Pipeline, "StackedPipeline": StackedPipeline,
+         "ShardedPipeline": sharding.ShardedPipeline}[runner_class]
+  assert Runner in cls.__mro__
+  for name in ("init", "run", "tick", "drain", "schedule", "to_logical", "from_logical",
+               "every_slot_full"):
+    assert inspect.isfunction(inspect.getattr_static(cls, name)), f"{runner_class}.{name}"
+
+
+def test_every_runner_schedules_a_synchronous_stream_alike():
+  x, y = make_stream(8, 1)
+  pipe = Pipeline(make_model(), CASES["sync"][0](), x[0], y[0])
+  for runner in (pipe, StackedPipeline(pipe)):
+    scheduled = runner.schedule(x, y)
+    m = pipe.method.micro_batches_per_step
+    assert scheduled[0].shape[0] == 8 // m * (m + 2 * (pipe.num_stages - 1))
+    jax.tree.map(np.testing.assert_array_equal, scheduled, pipe.schedule(x, y))
+    runner.run(runner.init(0), *scheduled)
 
 
 def test_init_takes_typed_keys_raw_keys_and_seeds_alike():

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import data, methods, models, training
+from pipejax import config_checks, data, methods, models, training
 from pipejax import study as study_lib
 from pipejax.data import text
 from pipejax.engine import Pipeline
@@ -169,7 +169,7 @@ def test_study_and_config_files_load():
     assert study.baseline == {"method": "sgd"}
     assert all(run.get("optimizer", "adam") == "adam" for run in study.runs())
   config = load_script("configs/char_lm.py").get_config("smoke")
-  training.validate(config)
+  config_checks.validate(config)
   assert config.dataset == "fortunes" and config.optimizer == "adam"
 
 

@@ -184,7 +184,7 @@ def test_full_pipeline_fast_path_matches_naive_oracle(name):
   init_params = stage_params(state)
   split = 2 * model.num_stages  # past the fill: every delay line is full
   state, first = pipe.run(state, x[:split], y[:split])
-  assert Pipeline.every_slot_full(state)
+  assert pipe.every_slot_full(state)
   state, second = pipe.run(state, x[split:], y[split:])
   expected, expected_metrics = oracle.run_oracle(model, ORACLES[name], init_params, x, y)
   assert_trees_close(stage_params(state), expected, rtol=1e-5, atol=2e-6)
@@ -197,7 +197,7 @@ def test_pipeline_is_not_full_during_fill():
   x, y = make_stream(2 * model.num_stages - 2, 1)
   pipe = Pipeline(model, methods.make_method("pb", learning_rate=LR), x[0], y[0])
   state, _ = pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
-  assert not Pipeline.every_slot_full(state)  # stage 0's 7-slot line has seen only 6 inputs
+  assert not pipe.every_slot_full(state)  # stage 0's 7-slot line has seen only 6 inputs
 
 
 def test_sgd_with_pipemare_rates_gives_each_layer_its_stages_rescheduled_rate():

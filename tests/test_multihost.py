@@ -184,7 +184,8 @@ def test_checkpoint_with_placement_saves_global_arrays_and_restores_host_copies(
 
 def test_a_run_of_several_processes_without_a_mesh_is_refused():
   from pipejax import distributed  # pylint: disable=import-outside-toplevel
-  with pytest.raises(distributed.MeshError, match="would train a copy of its own"):
+  from pipejax.mesh import MeshError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(MeshError, match="would train a copy of its own"):
     distributed.trainer_parts(None)
 
 

@@ -160,7 +160,7 @@ def test_online_norm_statistics_over_a_stream():
 def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   """normalization='online' through the binary: SIGTERM mid-run, rerun, and compare the whole
   final state (the Online Norm variables, live and stashed, included) with a run never stopped."""
-  from pipejax import checkpoint, training  # pylint: disable=g-import-not-at-top
+  from pipejax import checkpoint, experiment  # pylint: disable=g-import-not-at-top
   from tests.test_training import (  # pylint: disable=g-import-not-at-top
       digits_config, leaves_equal, sigterm_midway_and_resume)
   sigterm_midway_and_resume(tmp_path, [
@@ -175,7 +175,7 @@ def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   assert resumed_summary["test_loss"] == straight_summary["test_loss"]
   config = digits_config(epochs=1.0, ticks_per_chunk=50, schedule="constant")
   config.model_kwargs["normalization"] = "online"
-  like = training.build(config).pipeline.init(jax.random.PRNGKey(0))
+  like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
   restored = [checkpoint.Checkpointer(str(tmp_path / run / "checkpoints"))
               for run in ("straight", "killed")]
   step = restored[0].latest_step()

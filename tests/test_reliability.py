@@ -18,10 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, distributed, methods, training
+from pipejax import checkpoint, config_checks, distributed, experiment, methods, training
 from pipejax import metrics as metrics_lib
 from pipejax import workdir as workdir_lib
-from pipejax.engine import Pipeline, PipelineError
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
 from tests.test_engine import make_model, make_stream
 from tests.test_training import ROOT, digits_config
 
@@ -86,7 +87,7 @@ def test_flipped_bit_in_newest_checkpoint_falls_back_to_an_intact_one(finished, 
 def test_digest_covers_the_data_position(finished, tmp_path):
   workdir = copy_of(finished, tmp_path)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
-  like = training.build(digits_config()).pipeline.init(jax.random.PRNGKey(0))
+  like = experiment.build(digits_config()).pipeline.init(jax.random.PRNGKey(0))
   state, meta = saver.restore(240, like)
   meta["data_position"]["index_in_epoch"] += 1  # the same arrays, another data position
   digests = {"state_digest": stored_digest(workdir, 240)}
@@ -120,7 +121,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
                      r"\d+ training samples.*last good checkpoint"):
     training.train_and_evaluate(config, workdir)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
-  like = training.build(config).pipeline.init(jax.random.PRNGKey(0))
+  like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
   assert saver.all_steps()
   for step in saver.all_steps():
     state, _ = saver.restore(step, like)
@@ -143,7 +144,7 @@ def test_divergence_message_fits_the_run(tmp_path):
 def test_changed_recipe_on_resume_is_refused_with_old_and_new_values(finished, tmp_path):
   workdir = copy_of(finished, tmp_path)
   before = open(os.path.join(workdir, "config.json")).read()
-  with pytest.raises(training.ConfigError, match=r"epochs 0\.167\d* -> 0\.5; micro_batch\.lr "
+  with pytest.raises(config_checks.ConfigError, match=r"epochs 0\.167\d* -> 0\.5; micro_batch\.lr "
                      r"None -> 0\.001.*--config.allow_changes_on_resume=True"):
     training.train_and_evaluate(digits_config(**{"micro_batch.lr": 0.001}, epochs=0.5), workdir)
   assert open(os.path.join(workdir, "config.json")).read() == before
@@ -269,21 +270,21 @@ def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, val
   config = digits_config()
   parent, _, leaf = key.rpartition(".")
   (config[parent] if parent else config)[leaf] = value
-  with pytest.raises(training.ConfigError, match=re.escape(f"config.{key} must be")):
+  with pytest.raises(config_checks.ConfigError, match=re.escape(f"config.{key} must be")):
     training.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("micro_batches", [0, -2])
 def test_sync_micro_batches_must_be_positive(micro_batches):
-  with pytest.raises(training.ConfigError, match="config.micro_batches must be a positive"):
-    training.validate(digits_config(method="sync", micro_batches=micro_batches))
+  with pytest.raises(config_checks.ConfigError, match="config.micro_batches must be a positive"):
+    config_checks.validate(digits_config(method="sync", micro_batches=micro_batches))
 
 
 def test_one_training_example_gives_a_valid_schedule():
   config = digits_config(max_train_examples=1, epochs=1.0)
-  recipe = training.resolve_recipe(config)
-  schedule = training.learning_rate_schedule(config, recipe, train_size=1)  # optax refused 0 steps
+  recipe = experiment.resolve_recipe(config)
+  schedule = experiment.learning_rate_schedule(config, recipe, train_size=1)  # optax refused 0 steps
   assert np.isfinite(float(schedule(0))) and np.isfinite(float(schedule(5)))
 
 
@@ -291,7 +292,7 @@ def test_the_resolved_recipe_keeps_every_decay_per_sample_and_takes_the_override
   config = digits_config(optimizer="adam", micro_batch_size=2, **{
       "reference.batch_size": 128, "reference.momentum": 0.9, "reference.b2": 0.99,
       "micro_batch.weight_decay": 0.5})
-  recipe = training.resolve_recipe(config)
+  recipe = experiment.resolve_recipe(config)
   assert recipe.batch_size == 2 and recipe.form == "ema" and recipe.weight_decay == 0.5
   np.testing.assert_allclose([recipe.momentum, recipe.b2], [0.9**(2 / 128), 0.99**(2 / 128)],
                              rtol=1e-12)
@@ -499,7 +500,7 @@ def test_a_stop_requested_on_one_process_stops_both():
 @pytest.mark.parametrize("key, value", [("ticks_per_chunk", 10 ** 9), ("ticks_per_chunk", 7)])
 def test_the_run_length_follows_from_the_config_alone(key, value):
   config = digits_config(**{key: value})
-  assert training.run_ticks(config, 1437) * config.micro_batch_size == 240
+  assert experiment.run_ticks(config, 1437) * config.micro_batch_size == 240
   # The synchronous mode trains whole groups of micro-batches.
   sync = digits_config(method="sync", micro_batches=7, ticks_per_chunk=14)
-  assert training.run_ticks(sync, 1437) == 238
+  assert experiment.run_ticks(sync, 1437) == 238

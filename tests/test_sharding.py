@@ -23,10 +23,13 @@ import numpy as np
 import pytest
 
 import pipejax
-from pipejax import methods, sharding
+from pipejax import methods
+from pipejax import partition as partition_lib
 from pipejax.models import online_norm
-from pipejax.engine import Pipeline, PipelineError
-from pipejax.sharding import MeshError, ShardedPipeline
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
+from pipejax.mesh import MeshError, make_mesh
+from pipejax.sharding import ShardedPipeline
 from pipejax.stacking import StackedPipeline
 from tests import _two_process_worker as worker
 from tests import helpers
@@ -122,7 +125,7 @@ def test_partition_stages_is_optimal_against_brute_force(seed):
   rng = np.random.default_rng(seed)
   costs = [int(c) for c in rng.integers(0, 20, rng.integers(1, 10))]
   for num_groups in range(1, len(costs) + 1):
-    partition = sharding.partition_stages(costs, num_groups)
+    partition = partition_lib.partition_stages(costs, num_groups)
     assert len(partition) == num_groups
     assert partition[0][0] == 0 and partition[-1][1] == len(costs)
     assert all(a < z for a, z in partition)
@@ -131,49 +134,49 @@ def test_partition_stages_is_optimal_against_brute_force(seed):
 
 
 def test_partition_stages_spreads_free_stages_and_reports_imbalance():
-  assert sharding.partition_stages([0, 0, 0, 0], 2) == [(0, 2), (2, 4)]
+  assert partition_lib.partition_stages([0, 0, 0, 0], 2) == [(0, 2), (2, 4)]
   costs = [4, 1, 1, 1, 1]
-  partition = sharding.partition_stages(costs, 2)
+  partition = partition_lib.partition_stages(costs, 2)
   assert partition == [(0, 1), (1, 5)]
-  assert sharding.imbalance(costs, partition) == 1.0
-  assert sharding.imbalance([3, 1], [(0, 1), (1, 2)]) == 1.5
+  assert partition_lib.imbalance(costs, partition) == 1.0
+  assert partition_lib.imbalance([3, 1], [(0, 1), (1, 2)]) == 1.5
 
 
 def test_partition_errors_say_what_is_wrong():
   with pytest.raises(MeshError, match="Cannot split 3 stages into 4"):
-    sharding.partition_stages([1, 2, 3], 4)
+    partition_lib.partition_stages([1, 2, 3], 4)
   with pytest.raises(MeshError, match="finite and >= 0"):
-    sharding.partition_stages([1, -2, 3], 2)
+    partition_lib.partition_stages([1, -2, 3], 2)
   with pytest.raises(MeshError, match="has 1 groups but the mesh's stage axis has 2"):
-    sharding.check_partition([(0, 3)], 3, 2)
+    partition_lib.check_partition([(0, 3)], 3, 2)
   with pytest.raises(MeshError, match=r"not contiguous.*expected a group starting at 1"):
-    sharding.check_partition([(0, 1), (2, 3)], 3, 2)
+    partition_lib.check_partition([(0, 1), (2, 3)], 3, 2)
   with pytest.raises(MeshError, match="not contiguous"):
-    sharding.check_partition([(0, 2), (1, 3)], 3, 2)
+    partition_lib.check_partition([(0, 2), (1, 3)], 3, 2)
   with pytest.raises(MeshError, match="non-empty"):
-    sharding.check_partition([(0, 0), (0, 3)], 3, 2)
+    partition_lib.check_partition([(0, 0), (0, 3)], 3, 2)
   with pytest.raises(MeshError, match=r"covers stages 0\.\.1 but the pipeline has 3 stages"):
-    sharding.check_partition([(0, 1), (1, 2)], 3, 2)
+    partition_lib.check_partition([(0, 1), (1, 2)], 3, 2)
   with pytest.raises(MeshError, match=r"list of \(start, stop\) pairs"):
-    sharding.check_partition([0, 1], 3, 2)
+    partition_lib.check_partition([0, 1], 3, 2)
 
 
 def test_make_mesh_with_the_wrong_device_count_is_a_clear_error():
   with pytest.raises(MeshError, match=r"stage=2 x data=2 needs 4 devices, but there are 1"):
-    sharding.make_mesh(2, 2, jax.devices()[:1])
+    make_mesh(2, 2, jax.devices()[:1])
   with pytest.raises(MeshError, match=r"XLA_FLAGS=--xla_force_host_platform_device_count=4 "):
-    sharding.make_mesh(2, 2, jax.devices("cpu")[:1])
+    make_mesh(2, 2, jax.devices("cpu")[:1])
   with pytest.raises(MeshError, match="mesh.data must be an integer >= 1"):
-    sharding.make_mesh(1, 0, jax.devices()[:1])
+    make_mesh(1, 0, jax.devices()[:1])
 
 
 def test_one_device_mesh_is_the_single_device_engine():
   pipe = make_pipeline("pb")
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(1, 1, jax.devices()[:1]))
-  # init is pack(pipeline.init): the same initial state as one device, NaN fill included.
+  sharded = ShardedPipeline(pipe, make_mesh(1, 1, jax.devices()[:1]))
+  # init is from_logical(pipeline.init): the same initial state as one device, NaN fill included.
   packed, metrics = sharded.run(sharded.init(jax.random.PRNGKey(42), np.nan), *make_stream())
   expected_state, expected_metrics = single_device_run("pb")
-  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert_states_equal(sharded.to_logical(packed), expected_state)
   assert_states_equal(metrics, expected_metrics)
 
 
@@ -181,11 +184,11 @@ def test_param_counts_and_measured_costs_drive_the_partition():
   pipe = make_pipeline("pb", widths=(5, 7, 3))
   inputs = (IN_DIM, 5, 7, 3)
   outputs = (5, 7, 3, NUM_CLASSES)
-  assert sharding.param_counts(pipe) == [i * o + o for i, o in zip(inputs, outputs)]
-  seconds = sharding.measure_stage_costs(pipe, repeats=1)
+  assert partition_lib.param_counts(pipe) == [i * o + o for i, o in zip(inputs, outputs)]
+  seconds = partition_lib.measure_stage_costs(pipe, repeats=1)
   assert len(seconds) == 4 and all(0 < t < 1 for t in seconds)
   with pytest.raises(MeshError, match="Got 2 stage costs for a pipeline of 4 stages"):
-    ShardedPipeline(pipe, sharding.make_mesh(1, 1, jax.devices()[:1]), costs=[1.0, 2.0])
+    ShardedPipeline(pipe, make_mesh(1, 1, jax.devices()[:1]), costs=[1.0, 2.0])
 
 
 # ----------------------------------------------------------------------------- many devices
@@ -199,13 +202,13 @@ def test_param_counts_and_measured_costs_drive_the_partition():
     ("pb_sc_lwp", 8, "auto"), ("pipedream", 4, "auto")])
 def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, layout):
   pipe = make_pipeline(method_name)
-  mesh = sharding.make_mesh(stage, 1, eight_devices[:stage])
+  mesh = make_mesh(stage, 1, eight_devices[:stage])
   sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage], layout=layout)
   assert sharded.num_groups == stage < pipe.num_stages
   assert sharded.layout == ("flat" if layout == "flat" else "slots")
-  packed, metrics = sharded.run(sharded.pack(initial_state(method_name)), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(initial_state(method_name)), *make_stream())
   expected_state, expected_metrics = single_device_run(method_name)
-  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert_states_equal(sharded.to_logical(packed), expected_state)
   assert set(metrics) == set(expected_metrics)
   assert_states_equal(metrics, expected_metrics)
   assert np.asarray(metrics["valid"]).sum() >= 2 * NUM_STAGES  # many samples met the loss
@@ -215,11 +218,11 @@ def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, l
 def test_mesh_with_stateful_stages_matches_one_device(eight_devices):
   """Online Norm's variables, live and stashed in the delay lines, live with their stage."""
   pipe = make_pipeline("pb_sc_lwp", stateful=True)
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(8, 1, eight_devices))
+  sharded = ShardedPipeline(pipe, make_mesh(8, 1, eight_devices))
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
-  packed, metrics = sharded.run(sharded.pack(state), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(state), *make_stream())
   expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream())
-  actual = sharded.unpack(packed)
+  actual = sharded.to_logical(packed)
   assert_states_equal(actual, host(expected_state))
   assert_states_equal(metrics, host(expected_metrics))
   assert np.asarray(metrics["finite"]).all()
@@ -227,22 +230,22 @@ def test_mesh_with_stateful_stages_matches_one_device(eight_devices):
   assert len(variables) == 4 * 5  # mean, var, u, v in stages 0, 2, 4, 6 and the head
   initial = [leaf for st in state.stages for leaf in jax.tree.leaves(st.variables)]
   assert min(np.abs(a - b).max() for a, b in zip(variables, initial)) > 1e-3  # they all moved
-  assert sum(row["variables"] for row in sharding.device_memory(sharded)) > 0
+  assert sum(row["variables"] for row in sharded.packing.device_memory()) > 0
   with pytest.raises(MeshError, match=r"stage 0 \('dense5'\) keeps state.*data = 1"):
-    ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices))
+    ShardedPipeline(pipe, make_mesh(4, 2, eight_devices))
 
 
 def test_mesh_tick_and_drain_match_one_device(eight_devices):
   pipe = make_pipeline("pb", widths=(5, 7, 3))
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]), costs=[1, 1, 1, 1])
+  sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]), costs=[1, 1, 1, 1])
   assert sharded.partition == [(0, 2), (2, 4)]
   x, y = make_stream(3)
   state = host(pipe.init(jax.random.PRNGKey(0)))
-  packed, tick_metrics = sharded.tick(sharded.pack(state), x[0], y[0])
+  packed, tick_metrics = sharded.tick(sharded.from_logical(state), x[0], y[0])
   packed, drain_metrics = sharded.drain(packed)
   state, expected_tick = pipe.tick(jax.tree.map(np.copy, state), x[0], y[0])
   state, expected_drain = pipe.drain(state)
-  assert_states_equal(sharded.unpack(packed), host(state))
+  assert_states_equal(sharded.to_logical(packed), host(state))
   assert_states_equal(tick_metrics, host(expected_tick))
   assert_states_equal(drain_metrics, host(expected_drain))
   assert np.asarray(drain_metrics["valid"]).sum() == 1  # the one sample has met the loss
@@ -250,24 +253,23 @@ def test_mesh_tick_and_drain_match_one_device(eight_devices):
 
 def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(eight_devices):
   pipe = make_pipeline("pb_sc_lwp")
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices))
+  sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices))
   assert (sharded.num_replicas, sharded.num_groups) == (2, 4)
-  assert sharded.data == 2  # the former name still works
-  packed, metrics = sharded.run(sharded.pack(initial_state("pb_sc_lwp")), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(initial_state("pb_sc_lwp")), *make_stream())
   # Each replica saw half of every micro-batch; the averaged gradients are the whole batch's.
   expected_state, expected_metrics = single_device_run("pb_sc_lwp")
-  assert_states_equal(sharded.unpack(packed), expected_state)
+  assert_states_equal(sharded.to_logical(packed), expected_state)
   assert_states_equal(metrics, expected_metrics)
 
 
 def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
   """Once every slot is full, run() switches to the unguarded program, on a mesh as on one."""
   pipe = make_pipeline("pb_sc_lwp")
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 2, eight_devices[:4]))
-  assert not sharded.every_slot_full(sharded.pack(initial_state("pb_sc_lwp")))
+  sharded = ShardedPipeline(pipe, make_mesh(2, 2, eight_devices[:4]))
+  assert not sharded.every_slot_full(sharded.from_logical(initial_state("pb_sc_lwp")))
   filled, _ = single_device_run("pb_sc_lwp")  # after the fill: every slot holds a sample
   packed = sharded.from_logical(filled)
-  assert sharded.every_slot_full(packed) and Pipeline.every_slot_full(filled)
+  assert sharded.every_slot_full(packed) and pipe.every_slot_full(filled)
   stream = make_stream(NUM_STAGES, seed=1)
   packed, metrics = sharded.run(packed, *stream)
   expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, filled), *stream)
@@ -305,7 +307,7 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
   """
   width = 32
   pipe = make_pipeline(method_name, b=1, widths=(width,) * 3)  # 6->32, 32->32 | 32->32, 32->4
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]))
+  sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]))
   assert sharded.partition == [(0, 2), (2, 4)]
   x, y = make_stream(4, b=1)
   program = sharded.programs[1].lower(sharded.init(jax.random.PRNGKey(0)),
@@ -317,11 +319,11 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
 @pytest.mark.parametrize("layout", ["flat", "slots"])
 def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
   pipe = make_pipeline("pipedream")
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices), layout=layout)
+  sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices), layout=layout)
   state = initial_state("pipedream")
-  packed = sharded.pack(state)
+  packed = sharded.from_logical(state)
   # Bit-exact, NaN fill and the per-replica cotangent scaling included.
-  for a, e in zip(jax.tree.leaves(sharded.unpack(packed)), jax.tree.leaves(state)):
+  for a, e in zip(jax.tree.leaves(sharded.to_logical(packed)), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), e)
   sizes = sharded.buffer_sizes()
   for dtype, buffer in packed.shared.items():
@@ -351,19 +353,19 @@ def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
 def test_mesh_accounting_by_hand(eight_devices):
   pipe = make_pipeline("pb")
   partition = [(0, 2), (2, 5), (5, 7), (7, 9)]
-  one = ShardedPipeline(pipe, sharding.make_mesh(4, 1, eight_devices[:4]), partition=partition)
-  two = ShardedPipeline(pipe, sharding.make_mesh(4, 2, eight_devices), partition=partition)
+  one = ShardedPipeline(pipe, make_mesh(4, 1, eight_devices[:4]), partition=partition)
+  two = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices), partition=partition)
   b, f32 = MICRO_BATCH, 4
   inputs = (IN_DIM,) + WIDTHS  # input width of each stage
   # A packet is activations + labels (int32) + valid flag (1 byte) + sample index (int32).
   forward = sum(b * inputs[a] * f32 + b * 4 + 1 + 4 for a, _ in partition[1:])
   backward = sum(b * inputs[a] * f32 for a, _ in partition[1:])
-  traffic = sharding.boundary_bytes_per_tick(one)
+  traffic = one.packing.boundary_bytes_per_tick()
   assert (traffic["forward"], traffic["backward"], traffic["gradient_all_reduce"]) == (
       forward, backward, 0)
   assert traffic["forward_padded"] >= forward and traffic["backward_padded"] >= backward
   weight_bytes = sum(f32 * (i * o + o) for i, o in zip(inputs, WIDTHS + (NUM_CLASSES,)))
-  traffic = sharding.boundary_bytes_per_tick(two)
+  traffic = two.packing.boundary_bytes_per_tick()
   assert traffic["forward"] == forward + 5 * (len(partition) - 1)  # flags travel on each replica
   assert traffic["backward"] == backward
   assert traffic["gradient_all_reduce"] == 2 * weight_bytes
@@ -371,7 +373,7 @@ def test_mesh_accounting_by_hand(eight_devices):
 
   flags = sum(d + 1 for d in pipe.delays) * (1 + 4)  # valid + index per delay-line slot
   for sharded, data in ((one, 1), (two, 2)):
-    memory = sharding.device_memory(sharded)
+    memory = sharded.packing.device_memory()
     assert [row["stages"] for row in memory] == partition
     assert sum(row["weights"] for row in memory) == weight_bytes
     assert sum(row["optimizer"] for row in memory) == weight_bytes  # one momentum per weight
@@ -384,16 +386,16 @@ def test_mesh_accounting_by_hand(eight_devices):
 
 def test_mesh_run_refuses_a_state_it_cannot_run(eight_devices):
   pipe = make_pipeline("pb")
-  sharded = ShardedPipeline(pipe, sharding.make_mesh(2, 1, eight_devices[:2]))
-  other = ShardedPipeline(pipe, sharding.make_mesh(4, 1, eight_devices[:4]))
+  sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]))
+  other = ShardedPipeline(pipe, make_mesh(4, 1, eight_devices[:4]))
   x, y = make_stream(4)
   key = jax.random.PRNGKey(0)
-  with pytest.raises(PipelineError, match=r"logical PipelineState.*sharded.pack\(state\)"):
+  with pytest.raises(PipelineError, match=r"logical PipelineState.*sharded.from_logical\(state\)"):
     sharded.run(pipe.init(key), x, y)
   with pytest.raises(PipelineError, match="does not belong to this sharded pipeline"):
     sharded.run(other.init(key), x, y)
   with pytest.raises(PipelineError, match="does not belong to this pipeline"):
-    sharded.pack(make_pipeline("pb", widths=(6, 7, 3, 9, 4, 6, 8, 5)).init(key))
+    sharded.from_logical(make_pipeline("pb", widths=(6, 7, 3, 9, 4, 6, 8, 5)).init(key))
   state = sharded.init(key)
   sharded.run(state, x, y)
   with pytest.raises(PipelineError, match="donated to an earlier run"):
@@ -402,25 +404,25 @@ def test_mesh_run_refuses_a_state_it_cannot_run(eight_devices):
 
 def test_mesh_errors_say_how_to_fix_them(eight_devices):
   with pytest.raises(MeshError, match=r"stage=4 x data=4 needs 16 devices, but there are 8"):
-    sharding.make_mesh(4, 4, eight_devices)
+    make_mesh(4, 4, eight_devices)
   small = make_pipeline("pb", widths=(5, 7, 3))
   with pytest.raises(MeshError, match=r"stage axis has 8 devices but the pipeline has only 4 "
                      r"logical stages"):
-    ShardedPipeline(small, sharding.make_mesh(8, 1, eight_devices))
+    ShardedPipeline(small, make_mesh(8, 1, eight_devices))
   odd = make_pipeline("pb", b=3)
   with pytest.raises(MeshError, match=r"data axis has 2 replicas but the micro-batch has b = 3"):
-    ShardedPipeline(odd, sharding.make_mesh(4, 2, eight_devices))
+    ShardedPipeline(odd, make_mesh(4, 2, eight_devices))
   with pytest.raises(MeshError, match=r"not contiguous"):
-    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+    ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     partition=[(0, 4), (5, 9)])
   with pytest.raises(MeshError, match=r"has 3 groups but the mesh's stage axis has 2"):
-    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+    ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     partition=[(0, 3), (3, 6), (6, 9)])
   wrong_axes = jax.sharding.Mesh(np.array(eight_devices[:2]), ("pipe",))
   with pytest.raises(MeshError, match=r"must have a 'stage' axis.*\('pipe',\)"):
     ShardedPipeline(make_pipeline("pb"), wrong_axes)
   with pytest.raises(MeshError, match="layout must be 'auto', 'flat' or 'slots'"):
-    ShardedPipeline(make_pipeline("pb"), sharding.make_mesh(2, 1, eight_devices[:2]),
+    ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     layout="packed")
   assert issubclass(MeshError, PipelineError) and issubclass(MeshError, ValueError)
 
@@ -450,14 +452,14 @@ def stacked_and_mesh(method_name, stage, data=1, stateful=False):
   pipe = grouped_pipeline(method_name, stateful)
   stacked = StackedPipeline(pipe)
   assert stacked.runs == ((0, 1), (1, 5), (5, 6))
-  mesh = sharding.make_mesh(stage, data, jax.devices()[:stage * data])
+  mesh = make_mesh(stage, data, jax.devices()[:stage * data])
   sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
   assert sharded.pipeline is pipe and sharded.runs == stacked.runs
   x, y = make_stream(2 * pipe.num_stages + 3)
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
-  packed, metrics = sharded.run(sharded.pack(state), x, y)
-  return (host(stacked.to_logical(expected)), host(expected_metrics), host(sharded.unpack(packed)),
+  packed, metrics = sharded.run(sharded.from_logical(state), x, y)
+  return (host(stacked.to_logical(expected)), host(expected_metrics), host(sharded.to_logical(packed)),
           host(metrics))
 
 
@@ -496,30 +498,30 @@ def test_mesh_stacked_data_replicas_match_one_device(eight_devices):
 def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devices):
   """Both layouts keep the logical state: half a run in one, the rest in the other."""
   pipe = grouped_pipeline("pb")
-  sharded = ShardedPipeline(StackedPipeline(pipe), sharding.make_mesh(4, 1, eight_devices[:4]),
+  sharded = ShardedPipeline(StackedPipeline(pipe), make_mesh(4, 1, eight_devices[:4]),
                             partition=GROUPED_PARTITIONS[4])
   x, y = make_stream(24)
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(7)))
   whole, _ = pipe.run(jax.tree.map(np.copy, state), x, y)
-  half, _ = sharded.run(sharded.pack(state), x[:12], y[:12])
-  rest, _ = pipe.run(sharded.unpack(half), x[12:], y[12:])
+  half, _ = sharded.run(sharded.from_logical(state), x[:12], y[:12])
+  rest, _ = pipe.run(sharded.to_logical(half), x[12:], y[12:])
   assert_bit_equal(host(rest), host(whole))
   half, _ = pipe.run(jax.tree.map(np.copy, state), x[:12], y[:12])
-  rest, _ = sharded.run(sharded.pack(host(half)), x[12:], y[12:])
-  assert_bit_equal(host(sharded.unpack(rest)), host(whole))
+  rest, _ = sharded.run(sharded.from_logical(host(half)), x[12:], y[12:])
+  assert_bit_equal(host(sharded.to_logical(rest)), host(whole))
 
 
 def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices):
-  from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
+  from pipejax import config as configlib, experiment  # pylint: disable=import-outside-toplevel
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}
   config.mesh.stage = DEVICES  # the trainer's mesh takes every device
-  setup = training.build(config)
+  setup = experiment.build(config)
   assert isinstance(setup.runner, ShardedPipeline) and setup.runner.runs == ((0, 1), (1, 7),
                                                                              (7, 8))
   config.stack_stages = False
-  assert training.build(config).runner.runs is None
+  assert experiment.build(config).runner.runs is None
 
 
 # ----------------------------------------------------------------------------- other processes

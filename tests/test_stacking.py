@@ -9,7 +9,8 @@ import pytest
 
 import pipejax
 from pipejax import accounting, methods, models, stacking
-from pipejax.engine import Pipeline, PipelineError
+from pipejax.checks import PipelineError
+from pipejax.engine import Pipeline
 from pipejax.stacking import StackedPipeline, find_groups
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
 
@@ -151,39 +152,41 @@ def test_a_logical_or_foreign_state_is_refused():
 
 
 def test_the_trainer_stacks_identical_runs_unless_told_not_to():
-  from pipejax import config as configlib, training  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from pipejax import config as configlib, config_checks, experiment
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
-  setup = training.build(config)
+  setup = experiment.build(config)
   assert isinstance(setup.runner, StackedPipeline) and setup.runner.runs == ((0, 1), (1, 4),
                                                                              (4, 5))
   state = setup.init(jax.random.PRNGKey(0))
-  assert_same(jax.tree.map(np.asarray, setup.logical(state)),
-              jax.tree.map(np.asarray, jax.jit(setup.pipeline.init)(jax.random.PRNGKey(0))),
+  assert_same(jax.tree.map(np.asarray, setup.runner.to_logical(state)),
+              jax.tree.map(np.asarray, setup.pipeline.init(jax.random.PRNGKey(0))),
               exact=True)
   config.stack_stages = False
-  unstacked = training.build(config)
+  unstacked = experiment.build(config)
   assert unstacked.runner is unstacked.pipeline
-  assert "stack_stages" in training.FREE_KEYS  # a checkpoint resumes in either layout
+  assert "stack_stages" in config_checks.FREE_KEYS  # a checkpoint resumes in either layout
 
 
 def test_a_mesh_stacks_each_devices_piece_of_a_group():
   """On a one-device mesh the piece is the whole group: the stacked runner's numbers, bit for
   bit (tests/test_sharding.py splits groups over 2 and 4 devices)."""
   from pipejax import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 7, 9) == [(7, 8, True), (8, 9, False)]
   x, y = make_stream(14, 2)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0],
                   y[0])
   stacked = StackedPipeline(pipe)
-  sharded = sharding.ShardedPipeline(stacked, sharding.make_mesh(1, 1, jax.devices()[:1]))
+  sharded = sharding.ShardedPipeline(stacked, make_mesh(1, 1, jax.devices()[:1]))
   assert sharded.runs == stacked.runs and sharded.pipeline is pipe
   expected, _ = stacked.run(stacked.init(1), x, y)
   actual, _ = sharded.run(sharded.init(1), x, y)
-  assert_same(jax.tree.map(np.asarray, sharded.unpack(actual)),
+  assert_same(jax.tree.map(np.asarray, sharded.to_logical(actual)),
               jax.tree.map(np.asarray, stacked.to_logical(expected)), exact=True)
   assert sharding.ShardedPipeline(pipe, sharded.mesh).runs is None
-  with pytest.raises(sharding.MeshError, match="takes a Pipeline, or a StackedPipeline"):
+  with pytest.raises(MeshError, match="takes a Pipeline, or a StackedPipeline"):
     sharding.ShardedPipeline(sharded, sharded.mesh)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, methods, training
+from pipejax import checkpoint, config_checks, experiment, methods, training
 from pipejax.data import DataError
 from pipejax.engine import Pipeline
 from pipejax.stages import ModelError
@@ -149,7 +149,7 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
 
 
 def _pipeline_for(config):
-  return training.build(config).pipeline
+  return experiment.build(config).pipeline
 
 
 def test_nan_at_one_stage_is_reported_with_stage_and_tick():
@@ -226,7 +226,7 @@ def test_missing_data_says_how_to_install_it(tmp_path):
 
 
 def test_unknown_method_lists_the_known_ones(tmp_path):
-  with pytest.raises(training.ConfigError, match="Known methods: sgd, sync, pb"):
+  with pytest.raises(config_checks.ConfigError, match="Known methods: sgd, sync, pb"):
     training.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
 
 
@@ -264,7 +264,7 @@ def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
                                          "imagenet_resnet50"])
 def test_every_config_has_a_smoke_variant_and_a_command(config_name):
   config = load_config(config_name, "smoke")
-  training.validate(config)
+  config_checks.validate(config)
   assert config.max_train_examples and config.epochs <= 1
   docstring = open(os.path.join(ROOT, "configs", f"{config_name}.py")).read()
   assert f"--config=configs/{config_name}.py" in docstring
@@ -319,26 +319,28 @@ def test_the_chunk_length_changes_neither_the_run_length_nor_the_schedule(tmp_pa
 
 
 def test_a_chunk_too_large_for_memory_is_refused_with_its_estimate(tmp_path, monkeypatch):
-  monkeypatch.setattr(training, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
-  with pytest.raises(training.ConfigError, match=r"A chunk of 240 ticks .* needs about "
+  monkeypatch.setattr(config_checks, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
+  with pytest.raises(config_checks.ConfigError, match=r"A chunk of 240 ticks .* needs about "
                      r"[\d.]+ MiB .* Lower --config.ticks_per_chunk to 1 or less"):
     training.train_and_evaluate(digits_config(ticks_per_chunk=10 ** 9), str(tmp_path / "run"))
 
 
 def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monkeypatch):
-  monkeypatch.setattr(training, "_memory_available", lambda: (2 ** 20, "this machine's memory"))
+  monkeypatch.setattr(config_checks, "_memory_available",
+                      lambda: (2 ** 20, "this machine's memory"))
   config = digits_config()
   config.model = "residual_mlp"
   config.model_kwargs = {"depth": 40, "width": 64}
-  with pytest.raises(training.ConfigError, match=r"pipeline state of this config needs about "
+  with pytest.raises(config_checks.ConfigError, match=r"pipeline state of this config needs about "
                      r"[\d.]+ MiB per device .* delay lines of 40 stages"):
     training.train_and_evaluate(config, str(tmp_path / "run"))
 
 
 def test_a_warm_up_longer_than_the_run_is_refused():
-  with pytest.raises(training.ConfigError, match=r"warmup_epochs \(5.0\) is longer than the run"):
-    training.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
-  training.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
+  with pytest.raises(config_checks.ConfigError,
+                     match=r"warmup_epochs \(5.0\) is longer than the run"):
+    config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
+  config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
 
 
 # ------------------------------------------------------------------ the data and the model's values
@@ -354,8 +356,9 @@ def test_an_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
                              test.num_classes, "empty", normalization=test.normalization)
     return train, empty
 
-  monkeypatch.setattr(training.data_lib, "load", without_test_examples)
-  with pytest.raises(training.ConfigError, match="The test split of data set 'digits' is empty"):
+  monkeypatch.setattr(data, "load", without_test_examples)
+  with pytest.raises(config_checks.ConfigError,
+                     match="The test split of data set 'digits' is empty"):
     training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -369,12 +372,12 @@ def test_model_keywords_of_the_wrong_type_are_named(kwargs, message):
   config = digits_config()
   config.model = "residual_mlp"
   config.model_kwargs = {"depth": 4, **kwargs}
-  with pytest.raises(training.ConfigError, match=message):
-    training.validate(config)
+  with pytest.raises(config_checks.ConfigError, match=message):
+    config_checks.validate(config)
 
 
 @pytest.mark.parametrize("change, error, message", [
-    ({"dataset": "fashion_mnist_idz"}, training.ConfigError, "not a known data set"),
+    ({"dataset": "fashion_mnist_idz"}, config_checks.ConfigError, "not a known data set"),
     ({"model": "residual_mlp", "model_kwargs": {"depth": 1}}, ModelError, "depth >= 3"),
     ({"model": "residual_mlp", "model_kwargs": {"depth": 2}}, ModelError, "depth >= 3"),
     ({"model_kwargs": {"hiden": (16,)}}, ModelError, "Did you mean 'hidden' for 'hiden'"),
@@ -442,13 +445,13 @@ def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line,
 def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog):
   caplog.set_level(logging.INFO)
   monkeypatch.setattr(training, "SETUP_REPORT_EVERY", 0.2)
-  build = training.build
+  build = experiment.build
 
   def slow_build(config):  # a deep model builds for minutes
     time.sleep(1.0)
     return build(config)
 
-  monkeypatch.setattr(training, "build", slow_build)
+  monkeypatch.setattr(experiment, "build", slow_build)
   training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   lines = [r.getMessage() for r in caplog.records]
   assert any(re.match(r"Set-up \(\d+ s\): still loading the data and building the model\.", line)
