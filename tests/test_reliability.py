@@ -240,7 +240,7 @@ def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
 def test_workdir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
   blocker = tmp_path / "a-file"
   blocker.write_text("")
-  monkeypatch.setattr(training, "build", lambda config: pytest.fail("built before the check"))
+  monkeypatch.setattr(experiment, "build", lambda config: pytest.fail("built before the check"))
   with pytest.raises(checkpoint.StorageError, match="cannot be used"):
     training.train_and_evaluate(digits_config(), str(blocker / "run"))
   if os.geteuid() != 0:  # root writes anywhere
