@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipejax import engine, methods, models
+from pipejax import engine, methods, models, stages
 from pipejax.engine import Pipeline
 from pipejax.profiling import hlo, workloads
 from pipejax.profiling.timing import TimedRunner, best_times
@@ -38,7 +38,7 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
     plain["carry"], losses = scan(plain["carry"], (x, y))
     return losses
 
-  jitted_step = jax.jit(workloads.plain_step(model, tx), donate_argnums=0)
+  jitted_step = jax.jit(stages.plain_step(model, tx), donate_argnums=0)
 
   def run_steps():
     for t in range(ticks):

@@ -1,7 +1,7 @@
 """What the benchmarks run: the networks, their input streams, and the plain optax loop.
 
 The plain loop is the baseline every pipeline is timed against: one optax step of the whole
-network (:meth:`pipejax.Model.apply`), unpipelined, usually inside ``lax.scan``.
+network (:func:`pipejax.stages.plain_step`), unpipelined, usually inside ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import models
+from pipejax import models, stages
 
 WIDTH, LAYERS = 256, 8  # the MLP of 'throughput' and the mesh benchmarks
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
@@ -50,22 +50,8 @@ def stream(num_ticks: int, b: int, shape=(WIDTH,), classes: int = WIDTH):
   return jax.device_put(x), jax.device_put(y)
 
 
-def plain_step(model: pipejax.Model, tx: optax.GradientTransformation):
-  """One optax step of the whole network, unpipelined: ``(params, opt_state), batch -> loss``."""
-  def loss_fn(params, xb, yb):
-    return model.loss(model.apply(params, xb), yb)[0]
-
-  def step(carry, batch):
-    params, opt_state = carry
-    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  return step
-
-
 def plain_scan(model: pipejax.Model, tx: optax.GradientTransformation, jit=jax.jit):
   """The plain loop over a stream, ``(carry, (x, y)) -> (carry, losses)``, jitted by ``jit``
   (``engine.jit``: compiled as the pipeline is) with the carry donated."""
-  step = plain_step(model, tx)
+  step = stages.plain_step(model, tx)
   return jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
