@@ -2,7 +2,7 @@
 
 Every comparison warms up each candidate first and then interleaves the timed calls
 (:func:`~pipejax.profiling.timing.best_times`), so a machine whose load drifts slows every
-candidate alike. Speeds are after the fill: the pipeline's full program (docs/design.md §2).
+candidate alike. Speeds are after the fill, when ``run`` runs the full pipeline's program.
 """
 
 from __future__ import annotations
