@@ -180,5 +180,3 @@ def study_trials(case: StudyCase, workdir, trials, rng) -> collections.Counter:
     shutil.copytree(reference_dir, case_dir)
     rerun("cut line", trial, cut_results_line(case_dir, rng), case_dir)
   return outcomes
-
-

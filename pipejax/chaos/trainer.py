@@ -210,5 +210,3 @@ def trainer_trials(workdir, trials, rng) -> collections.Counter:
     print(f"corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
           flush=True)
   return outcomes
-
-

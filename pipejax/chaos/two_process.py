@@ -155,5 +155,3 @@ def two_process_round(workdir, rng, trials: int) -> collections.Counter:
     outcomes["two processes, kill one: " + _two_process_category(verdict)] += 1
     print(f"kill one {trial}: {what}; rerun: {verdict}", flush=True)
   return outcomes
-
-
