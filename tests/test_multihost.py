@@ -229,6 +229,7 @@ def test_sigterm_to_one_process_stops_both_with_a_checkpoint(runs):
       "ocdbt.process_0", "ocdbt.process_1"}
 
 
+@pytest.mark.slow
 def test_two_processes_resume_to_the_one_process_result(runs):
   reference_code, reference_log = runs["reference"][0]
   assert reference_code == 0, reference_log[-3000:]
@@ -247,6 +248,7 @@ def test_two_processes_resume_to_the_one_process_result(runs):
   assert summary["processes"] == 2 and summary["mesh"] == {"data": 2, "stage": 2}
 
 
+@pytest.mark.slow
 def test_one_process_resumes_a_two_process_checkpoint(runs):
   (code, log), = runs["resumed_on_one"]
   assert code == 0, log[-3000:]
@@ -258,6 +260,7 @@ def test_one_process_resumes_a_two_process_checkpoint(runs):
   assert resumed["state_digest"] == reference["state_digest"]
 
 
+@pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_another_mesh_shape(runs):
   (code, log), = runs["resumed_without_mesh"]
   assert code == 0, log[-3000:]
@@ -270,6 +273,7 @@ def test_a_two_process_checkpoint_resumes_on_another_mesh_shape(runs):
                                                  rel=1e-3)
 
 
+@pytest.mark.slow
 def test_only_process_0_logs_progress_at_info(runs):
   (_, log0), (_, log1) = runs["resumed_on_two"]
   # make_mesh keeps a stage's data replicas on one process: process 0 holds the first stage.

@@ -23,8 +23,8 @@ import pytest
 import pipejax
 from pipejax import methods, sharding
 from pipejax.models import online_norm
-from pipejax.profiling import hlo
 from pipejax.engine import Pipeline, PipelineError
+from pipejax.profiling import hlo
 from pipejax.sharding import MeshError, ShardedPipeline
 from tests import _two_process_worker as worker
 from tests import helpers
