@@ -390,7 +390,7 @@ def write_csv(records: Sequence[dict], path: str) -> None:
 # ----------------------------------------------------------------------------- figures
 
 
-def figure_points(study: Study, selected: Sequence[dict], figure: Figure):
+def _cell_points(study: Study, selected: Sequence[dict], figure: Figure):
   """Per series: its (x, mean, CI half-width) points and its (x, 'k/n') diverged marks."""
   grouped = group(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
   xs = ordered(study, figure.x, axis_values(selected, figure.x))
@@ -466,7 +466,7 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   selected = select(records, figure.where)
   band = None
   if figure.kind in ("mean", "gap"):
-    series = figure_points(study, selected, figure)
+    series = _cell_points(study, selected, figure)
     drawn = any(points or failed for _, points, failed in series)
     if any(failed for _, _, failed in series):
       fig, (ax, band) = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True,

@@ -32,6 +32,11 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
   the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
   delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+* ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
+  ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
+  device's piece of the group stacked) against that of the ``Pipeline``: build and compile
+  seconds, the kernels of one loop iteration (two ticks), samples/s after the fill. Needs the
+  devices, as ``sharding`` does. Only when asked.
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against
   ``Pipeline.run`` (same MLP, b = 1). Needs the devices: on a CPU run it with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (fake devices share the cores, so this
@@ -62,9 +67,9 @@ from pipejax import cli
 from pipejax.profiling import memory, meshes, speed, workloads
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
-              "lm", "depth"]
-# Each adds minutes; 'sharding' needs fake devices.
-OPT_IN = ("normalization", "sharding", "lm", "depth")
+              "lm", "depth", "stacked_mesh"]
+# Each adds minutes; 'sharding' and 'stacked_mesh' need fake devices.
+OPT_IN = ("normalization", "sharding", "lm", "depth", "stacked_mesh")
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -90,6 +95,10 @@ _DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of
 _DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
     "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
     "(its compile time grows with depth).")
+_STACKED_MESH_STAGES = flags.DEFINE_integer("stacked_mesh_stages", 32,
+                                            "Stages of the residual MLP for 'stacked_mesh'.")
+_STACKED_MESH_DEVICES = flags.DEFINE_integer("stacked_mesh_devices", 4,
+                                             "Stage-axis devices for 'stacked_mesh'.")
 
 
 def main(argv):
@@ -136,6 +145,8 @@ def main(argv):
       "depth": lambda: [record for s in _DEPTH_STAGES.value
                         for record in speed.depth_records(int(s), _DEPTH_TICKS.value, repeats,
                                                           _DEPTH_UNSTACKED_MAX.value)],
+      "stacked_mesh": lambda: meshes.stacked_mesh_records(
+          _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }
   for name, measure in sections.items():
     if name in _ONLY.value:

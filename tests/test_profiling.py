@@ -24,7 +24,7 @@ def test_warm_up_compiles_every_program_the_timed_calls_run():
   pipe, x, y = tiny_pipeline(ticks=3)
   runner = timing.TimedRunner(pipe, x, y)
   runner.warm_up()
-  assert Pipeline.every_slot_full(runner.state)
+  assert pipe.every_slot_full(runner.state)
   programs = (pipe.programs[0]._cache_size(), pipe.programs[1]._cache_size())
   assert programs == (1, 1)
   runner()  # what a timed call runs: nothing new to compile
@@ -52,7 +52,7 @@ def test_memory_formula_is_the_pipelines_own_accounting():
   state = pipe.init(jax.random.PRNGKey(0))
   parts = row["formula_parts"]
   assert parts["weights"] == sum(accounting.tree_bytes(st.params) for st in state.stages)
-  assert parts["stash"] == pipe.stash_bytes() == Pipeline.held_stash_bytes(state)
+  assert parts["stash"] == pipe.stash_bytes() == pipe.held_stash_bytes(state)
   assert row["formula_bytes"] == sum(parts.values())
   # The compiled chunk holds at least the state the formula counts.
   assert row["ratio_compiled_over_formula"] >= 1.0

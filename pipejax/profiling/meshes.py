@@ -7,6 +7,8 @@ the cores: the stage meshes then measure the machinery's overhead, not a speed-u
 
 from __future__ import annotations
 
+import time
+
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 import jax.numpy as jnp
@@ -18,12 +20,12 @@ from pipejax.engine import Pipeline
 from pipejax.mesh import make_mesh
 from pipejax.profiling import hlo
 from pipejax.profiling.timing import TimedRunner, best_times
-from pipejax.profiling.workloads import mlp_model, stream
+from pipejax.profiling.workloads import RESNET_INPUT, depth_model, mlp_model, stream
 
 
-def _sharded(pipe, devices, partition=None):
+def _sharded(runner, devices, partition=None):
   from pipejax import sharding  # pylint: disable=import-outside-toplevel
-  return sharding.ShardedPipeline(pipe, make_mesh(devices, 1, jax.devices()[:devices]),
+  return sharding.ShardedPipeline(runner, make_mesh(devices, 1, jax.devices()[:devices]),
                                   partition=partition)
 
 
@@ -142,3 +144,27 @@ def two_halves_speedup(b: int, ticks: int, repeats: int, width=512, layers=8) ->
   row["speedup_2_over_1_device"] = row["2_ticks_per_s"] / row["1_ticks_per_s"]
   row["one_device_mesh_over_pipeline_run"] = row["1_ticks_per_s"] / row["Pipeline.run_ticks_per_s"]
   return row
+
+
+def stacked_mesh_records(num_stages: int, devices: int, ticks: int, repeats: int) -> list[dict]:
+  """The depth MLP on a stage mesh, ``ShardedPipeline`` of the ``StackedPipeline`` (each device's
+  piece of the group stacked) against that of the ``Pipeline``: build and compile seconds, the
+  kernels of one loop iteration (two ticks), samples/s after the fill."""
+  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  pipe = Pipeline(depth_model(num_stages), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  records, timed = {}, {}
+  for stacked in (True, False):
+    start = time.perf_counter()
+    sharded = _sharded(stacking.StackedPipeline(pipe) if stacked else pipe, devices)
+    run = TimedRunner(sharded, x, y)
+    compiled = sharded.programs[1].lower(run.state, sharded.placed_batch(x, y)).compile()
+    records[stacked] = {"num_stages": num_stages, "stage_devices": devices, "stacked": stacked,
+                        "partition": sharded.partition,
+                        "build_and_compile_s": time.perf_counter() - start,
+                        "operations_per_iteration": hlo.operations_per_tick(compiled.as_text())}
+    run.warm_up()
+    timed[stacked] = run
+  for stacked, (wall, cpu) in best_times(timed, repeats).items():
+    records[stacked].update(samples_per_s=ticks / wall, samples_per_cpu_s=ticks / cpu)
+  return list(records.values())

@@ -221,8 +221,7 @@ def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int)
   the formula sum_s (D_s + 1)|x_s|.
   """
   from pipejax import stacking  # pylint: disable=import-outside-toplevel
-  model = models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
-                       normalization="layer", layers_per_stage=1)
+  model = workloads.depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   tx = optax.sgd(0.01, momentum=0.9)
   records, timed = {}, {}

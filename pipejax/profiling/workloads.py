@@ -38,6 +38,11 @@ def resnet20(conv_impl: str = "auto") -> pipejax.Model:
                       conv_impl=conv_impl)
 
 
+def depth_model(num_stages: int) -> pipejax.Model:
+  """configs/deep_mlp.py's residual MLP (width 128, LayerNorm), one block per stage."""
+  return models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
+                      normalization="layer", layers_per_stage=1)
+
 def stream(num_ticks: int, b: int, shape=(WIDTH,), classes: int = WIDTH):
   """Random inputs and labels for ``num_ticks`` micro-batches of ``b``, on the default device.
 
