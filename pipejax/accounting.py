@@ -70,15 +70,54 @@ def utilization(num_stages: int, micro_batches: int | None = None) -> float:
   return micro_batches / (micro_batches + bubble_ticks(num_stages, micro_batches))
 
 
-def schedule_grid(num_stages: int, num_ticks: int) -> list[list[tuple[int | None, int | None]]]:
-  """grid[t][s] = (sample forwarded, sample backwarded) by stage s at tick t (None while filling)."""
+def schedule_grid(num_stages: int, num_ticks: int, micro_batches: int | None = None
+                  ) -> list[list[tuple[int | None, int | None]]]:
+  """grid[t][s] = (sample forwarded, sample backwarded) by stage s at tick t (None while filling).
+
+  With ``micro_batches`` M, the synchronous mode's grid: the bubbles of each group of M (the ticks
+  it feeds no real micro-batch) are left empty too.
+  """
   _check_num_stages(num_stages)
-  grid = []
-  for t in range(num_ticks):
-    row = []
-    for s in range(num_stages):
-      fwd = t - s
-      bwd = t - 2 * (num_stages - 1) + s
-      row.append((fwd if fwd >= 0 else None, bwd if bwd >= 0 else None))
-    grid.append(row)
-  return grid
+  if micro_batches is None:
+    sample = lambda entered_at: entered_at if entered_at >= 0 else None
+  else:
+    cycle = micro_batches + bubble_ticks(num_stages, micro_batches)
+
+    def sample(entered_at):
+      if entered_at < 0 or entered_at % cycle >= micro_batches:
+        return None
+      return (entered_at // cycle) * micro_batches + entered_at % cycle
+
+  return [[(sample(t - s), sample(t - 2 * (num_stages - 1) + s)) for s in range(num_stages)]
+          for t in range(num_ticks)]
+
+
+def mode_summary(num_stages: int, micro_batches: int | None = None, micro_batch_size: int = 1,
+                 activation_size: int = 256, dtype_bytes: int = 4) -> dict[str, Any]:
+  """What each stage of the engine holds in a mode: its delay line, and what the mode keeps in it.
+
+  PB (``micro_batches`` None) keeps D_s + 1 inputs in flight and applies gradients D_s updates
+  late. The synchronous mode allocates the same delay lines but holds at most min(M, D_s + 1)
+  inputs at once, and its gradients are never stale (one update after the M micro-batches have
+  all gone back). Bytes are for inputs of ``activation_size`` numbers of ``dtype_bytes`` each per
+  sample.
+  """
+  slots = stash_slots(num_stages)
+  if micro_batches is None:
+    delays, in_flight = stage_delays(num_stages), slots
+  else:
+    delays, in_flight = [0] * num_stages, [min(micro_batches, n) for n in slots]
+  per_stage_bytes = [n * micro_batch_size * activation_size * dtype_bytes for n in in_flight]
+  return {
+      "num_stages": num_stages,
+      "mode": "pb" if micro_batches is None else f"sync(M={micro_batches})",
+      "delays": delays,
+      "stash_slots": in_flight,
+      "buffer_slots": slots,
+      "stash_bytes_per_stage": per_stage_bytes,
+      "stash_bytes": sum(per_stage_bytes),
+      "fill_ticks": fill_ticks(num_stages),
+      "bubble_ticks_per_step": bubble_ticks(num_stages, micro_batches),
+      "utilization": utilization(num_stages, micro_batches),
+  }
+

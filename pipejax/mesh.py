@@ -67,12 +67,12 @@ def normalized_mesh(mesh: Mesh) -> Mesh:
   """The mesh as ``('data', 'stage')`` with Auto axes (a missing ``data`` axis has size 1)."""
   if not isinstance(mesh, Mesh):
     raise MeshError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}. Build one with "
-                    "pipejax.sharding.make_mesh(stage, data).")
+                    "pipejax.mesh.make_mesh(stage, data).")
   names = tuple(mesh.axis_names)
   extra = [n for n in names if n not in (STAGE, DATA)]
   if STAGE not in names or extra:
     raise MeshError(f"The mesh must have a '{STAGE}' axis and optionally a '{DATA}' axis; it has "
-                    f"axes {names}. Build one with pipejax.sharding.make_mesh(stage, data).")
+                    f"axes {names}. Build one with pipejax.mesh.make_mesh(stage, data).")
   devices = np.asarray(mesh.devices)
   if DATA not in names:
     devices = devices[None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Iterable, Sequence
 
@@ -132,27 +133,96 @@ def _plain(value):
     return str(value)
 
 
+def samples_per_epoch(workdir: str) -> int | None:
+  """The training-set size of the run in ``workdir``, or None when the workdir does not say.
+
+  A run limited to ``max_train_examples`` trains on that many; otherwise the summary's planned
+  sample count over the configured epochs (exact up to one chunk of ticks over the whole run).
+  """
+  config = _read_json(os.path.join(workdir, "config.json")) or {}
+  if config.get("max_train_examples"):
+    return int(config["max_train_examples"])
+  summary = _read_json(os.path.join(workdir, "summary.json")) or {}
+  if summary.get("total_samples") and config.get("epochs"):
+    return max(1, round(summary["total_samples"] / config["epochs"]))
+  return None
+
+
+def _read_json(path):
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def curve(records, key: str, split: str, scale: float = 1) -> tuple[list[float], list[float]]:
+  """(x, y) of one metric of one split, x in samples divided by ``scale``; no missing or
+  non-finite points."""
+  points = [(r["samples"] / scale, r[key]) for r in records
+            if r.get("split") == split and key in r and r[key] is not None
+            and math.isfinite(r[key])]
+  return tuple(map(list, zip(*points))) if points else ([], [])
+
+
+def zoomed_limits(series, zoom_from: float, log: bool) -> tuple[float, float] | None:
+  """y limits covering every series' points after ``zoom_from`` of its own x range, padded.
+
+  ``series`` is a list of (x, y) pairs; None when no point qualifies.
+  """
+  values = []
+  for xs, ys in series:
+    if xs:
+      start = xs[0] + zoom_from * (xs[-1] - xs[0])
+      values += [y for x, y in zip(xs, ys) if x >= start and (y > 0 or not log)]
+  if not values:
+    return None
+  lo, hi = min(values), max(values)
+  if log:
+    pad = max((math.log10(hi) - math.log10(lo)) * 0.1, 0.02)
+    return 10 ** (math.log10(lo) - pad), 10 ** (math.log10(hi) + pad)
+  pad = max((hi - lo) * 0.1, 0.005)
+  return lo - pad, hi + pad
+
+
 def plot_runs(runs: dict[str, Sequence[dict]], path: str, title: str | None = None,
-              keys: Iterable[str] = ("loss", "accuracy")) -> None:
-  """One PNG with a panel per metric: train (thin) and test (thick, dots) curves of every run."""
+              keys: Iterable[str] = ("loss", "accuracy"), scales: dict[str, float] | None = None,
+              x_label: str = "training samples", zoom_from: float | None = None) -> None:
+  """One PNG with a panel per metric: train (thin) and test (thick, dots) curves of every run.
+
+  Args:
+    runs: each run's metrics records, by label.
+    path: the PNG to write (atomically).
+    title: the figure's title.
+    keys: the metrics, one panel each; ``loss`` on a log axis.
+    scales: per label, what the x axis divides samples by (a training-set size: epochs);
+      default 1.
+    x_label: the x axis's label.
+    zoom_from: None shows every point; else the y limits cover only each run's points after
+      this fraction of its length (:func:`zoomed_limits`), where runs differ.
+  """
   plt = plotting.pyplot()
   keys = list(keys)
   fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  for (label, records), colour in zip(runs.items(), colours * 10):
-    for ax, key in zip(axes[0], keys):
-      for split, style in (("train", dict(lw=0.8, alpha=0.6)), ("test", dict(lw=2, marker="o",
-                                                                             ms=3))):
-        points = [(r["samples"], r[key]) for r in records if r.get("split") == split and key in r]
-        if points:
-          xs, ys = zip(*points)
-          ax.plot(xs, ys, color=colour, label=f"{label} ({split})", **style)
   for ax, key in zip(axes[0], keys):
-    ax.set_xlabel("training samples")
+    log = key == "loss"
+    drawn = []
+    for (label, records), colour in zip(runs.items(), colours * 10):
+      for split, style in (("train", dict(lw=0.8, alpha=0.6)),
+                           ("test", dict(lw=2, marker="o", ms=3))):
+        xs, ys = curve(records, key, split, (scales or {}).get(label, 1))
+        if xs:
+          ax.plot(xs, ys, color=colour, label=f"{label} ({split})", **style)
+          drawn.append((xs, ys))
+    ax.set_xlabel(x_label)
+    ax.set_xlim(left=0)
     ax.set_ylabel(key)
     ax.grid(alpha=0.3)
-    if key == "loss":
+    if log:
       ax.set_yscale("log")
+    limits = None if zoom_from is None else zoomed_limits(drawn, zoom_from, log)
+    if limits:
+      ax.set_ylim(*limits)
   axes[0][-1].legend(fontsize=8)
   if title:
     fig.suptitle(title)

@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], tuple[jax.Array, dict[str, jax.Array]]]
@@ -276,6 +277,22 @@ class Model:
       input_shapes.append(x)
       x = y
     return params_shapes, input_shapes
+
+
+def plain_step(model: Model, tx):
+  """One optax step of the whole network, unpipelined (:meth:`Model.apply`), for ``lax.scan``:
+  ``(params, opt_state), (x, y) -> ((params, opt_state), loss)``, ``tx`` an optax
+  transformation. The baseline the pipeline is measured against."""
+  def loss_fn(params, x, y):
+    return model.loss(model.apply(params, x), y)[0]
+
+  def step(carry, batch):
+    params, opt_state = carry
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return step
 
 
 def _fmt(tree: PyTree) -> str:

@@ -31,7 +31,7 @@ import math
 from absl import app, flags
 
 from pipejax import accounting, cli, schedules
-from pipejax.schedules import drawing
+from pipejax.schedules import compare, drawing
 
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 4, "Number of pipeline stages (devices).")
 _TICKS = flags.DEFINE_integer("ticks", None, "Tick grid: ticks to show (default 3 S, or two "
@@ -86,53 +86,11 @@ _TRAIN_MICRO_BATCH = flags.DEFINE_integer("train_micro_batch", 4,
 # --------------------------------------------------------------------------- the engine's grid
 
 
-def sync_grid(num_stages, micro_batches, num_ticks):
-  """Like accounting.schedule_grid, with the bubbles of the synchronous mode left empty."""
-  cycle = micro_batches + accounting.bubble_ticks(num_stages, micro_batches)
-  grid = accounting.schedule_grid(num_stages, num_ticks)
-
-  def sample(entered_at):
-    if entered_at is None or entered_at % cycle >= micro_batches:
-      return None
-    return (entered_at // cycle) * micro_batches + entered_at % cycle
-
-  return [[(sample(f), sample(b)) for f, b in row] for row in grid]
-
-
-def summary(num_stages, micro_batches, micro_batch_size, activation_size, dtype_bytes):
-  """What each stage of the engine holds: its delay line, and what the mode keeps in it.
-
-  PB keeps D_s + 1 inputs in flight and applies gradients D_s updates late. The synchronous mode
-  allocates the same delay lines but holds at most min(M, D_s + 1) inputs at once, and its
-  gradients are never stale (one update after the M micro-batches have all gone back).
-  """
-  slots = accounting.stash_slots(num_stages)
-  if micro_batches is None:
-    delays, in_flight = accounting.stage_delays(num_stages), slots
-  else:
-    delays, in_flight = [0] * num_stages, [min(micro_batches, n) for n in slots]
-  per_stage_bytes = [n * micro_batch_size * activation_size * dtype_bytes for n in in_flight]
-  return {
-      "num_stages": num_stages,
-      "mode": "pb" if micro_batches is None else f"sync(M={micro_batches})",
-      "delays": delays,
-      "stash_slots": in_flight,
-      "buffer_slots": slots,
-      "stash_bytes_per_stage": per_stage_bytes,
-      "stash_bytes": sum(per_stage_bytes),
-      "fill_ticks": accounting.fill_ticks(num_stages),
-      "bubble_ticks_per_step": accounting.bubble_ticks(num_stages, micro_batches),
-      "utilization": accounting.utilization(num_stages, micro_batches),
-  }
-
-
 def tick_grid_main(num_stages, m):
   default_ticks = 3 * num_stages if m is None else 2 * (m + 2 * (num_stages - 1))
-  num_ticks = _TICKS.value or default_ticks
-  grid = (accounting.schedule_grid(num_stages, num_ticks) if m is None
-          else sync_grid(num_stages, m, num_ticks))
-  info = summary(num_stages, m, _MICRO_BATCH_SIZE.value, _ACTIVATION_SIZE.value,
-                 _DTYPE_BYTES.value)
+  grid = accounting.schedule_grid(num_stages, _TICKS.value or default_ticks, m)
+  info = accounting.mode_summary(num_stages, m, _MICRO_BATCH_SIZE.value, _ACTIVATION_SIZE.value,
+                                 _DTYPE_BYTES.value)
   if _OUTPUT.value:
     drawing.draw_grid(grid, _OUTPUT.value, f"S = {num_stages}, {info['mode']}, "
                       f"utilization {info['utilization']:.2f}")
@@ -142,13 +100,7 @@ def tick_grid_main(num_stages, m):
     return
   print(drawing.format_grid(grid))
   print()
-  print("stage | delay D_s | inputs in flight | buffer slots | stashed bytes")
-  for s in range(num_stages):
-    print(f"{s:5d} | {info['delays'][s]:9d} | {info['stash_slots'][s]:16d} | "
-          f"{info['buffer_slots'][s]:12d} | {info['stash_bytes_per_stage'][s]:13d}")
-  print(f"total stashed activations: {info['stash_bytes']} bytes; mode {info['mode']}: "
-        f"fill {info['fill_ticks']} ticks, {info['bubble_ticks_per_step']} bubble ticks per step, "
-        f"utilization {info['utilization']:.3f}")
+  print(drawing.format_mode_summary(info))
   if _OUTPUT.value:
     print(f"grid drawn to {_OUTPUT.value}")
 
@@ -193,24 +145,11 @@ def _finite(x):
   return None if isinstance(x, float) and math.isinf(x) else x
 
 
-def print_report(report, unit):
-  print(f"{report.title}: {report.num_devices} devices, m = {report.micro_batches}")
-  print(f"throughput {report.throughput:.6g} samples per {unit}; bubble rate "
-        f"{report.bubble_rate:.4f} (idle / busy), bubble fraction {report.bubble_fraction:.4f}, "
-        f"utilization {report.utilization:.4f}")
-  print("device | layers | F | B | W | bubble rate | peak activations | weight versions | delay")
-  for d in range(report.num_devices):
-    c, layers = report.device_costs[d], report.device_layers[d]
-    span = f"{layers[0]}-{layers[-1]}" if layers else "-"
-    print(f"{d:6d} | {span:>6} | {c['forward']:.4g} | {c['input_grad']:.4g} | "
-          f"{c['weight_grad']:.4g} | {report.bubble_rate_per_device[d]:11.4f} | "
-          f"{report.peak_activations[d]:16d} | {report.weight_versions[d]:15d} | "
-          f"{report.delays[d]:5d}")
-
-
 def schedule_main():
   layers, unit = layer_costs()
-  report = _simulate(_SCHEDULE.value, layers, _NUM_STAGES.value)
+  report = _usage_errors(schedules.simulate, _SCHEDULE.value, layers, _NUM_STAGES.value,
+                         _MICRO_BATCHES.value or 8, layers_per_stage=_LAYERS_PER_STAGE.value
+                         if _SCHEDULE.value == "pb" else None)
   if _OUTPUT.value:
     drawing.draw_gantt(report, _OUTPUT.value)
   if _FORMAT.value == "json":
@@ -219,15 +158,15 @@ def schedule_main():
     info["unit"] = unit
     print(json.dumps(info))
     return
-  print_report(report, unit)
+  print(drawing.format_report(report, unit))
   if _OUTPUT.value:
     print(f"Gantt chart drawn to {_OUTPUT.value}")
 
 
-def _simulate(name, layers, num_devices):
+def _usage_errors(fn, *args, **kwargs):
+  """``fn(*args, **kwargs)``, a schedule that cannot run on these layers a usage error."""
   try:
-    return schedules.simulate(name, layers, num_devices, _MICRO_BATCHES.value or 8,
-                              layers_per_stage=_LAYERS_PER_STAGE.value if name == "pb" else None)
+    return fn(*args, **kwargs)
   except schedules.ScheduleError as e:
     raise app.UsageError(str(e)) from None
 
@@ -245,13 +184,8 @@ def print_table(rows, header, cells):
 
 def schedules_table():
   layers, unit = layer_costs()
-  ideal = _NUM_STAGES.value / sum(layer.total for layer in layers)
-  rows = []
-  for name in [*schedules.NAMES, "layerpipe_inter"]:
-    r = _simulate(name, layers, _NUM_STAGES.value)
-    rows.append({"schedule": name, "throughput": r.throughput, "of_ideal": r.throughput / ideal,
-                 "bubble_rate": r.bubble_rate, "peak_activations": r.peak_activations,
-                 "weight_versions": r.weight_versions, "delays": r.delays})
+  rows = _usage_errors(compare.schedule_rows, layers, _NUM_STAGES.value,
+                       _MICRO_BATCHES.value or 8, _LAYERS_PER_STAGE.value)
   scale, per = (1e9, f"1e9 {unit}") if unit == "FLOP" else (1.0, unit)
   print_table(rows, ["schedule", f"samples per {per}", "of ideal", "bubble rate",
                      "peak activations per device", "weight versions", "delays"],
@@ -262,15 +196,8 @@ def schedules_table():
 
 def layerpipe_table():
   layers, _ = layer_costs()
-  rows = []
-  for p in (int(n) for n in _DEVICE_COUNTS.value):
-    base = _simulate("pipedream", layers, p).throughput
-    rows.append({
-        "devices": p,
-        "layerpipe_intra": _simulate("layerpipe", layers, p).throughput / base,
-        "layerpipe_intra_inter": _simulate("layerpipe_inter", layers, p).throughput / base,
-        "perfect_balance": p / sum(layer.total for layer in layers) / base,
-    })
+  rows = _usage_errors(compare.layerpipe_rows, layers, [int(n) for n in _DEVICE_COUNTS.value],
+                       _MICRO_BATCHES.value or 8)
   print_table(rows, ["devices", "LayerPipe intra-layer", "LayerPipe intra + inter-layer",
                      "perfect balance"],
               lambda row: [row["devices"], f"{row['layerpipe_intra']:.2f}",
@@ -281,32 +208,12 @@ def layerpipe_table():
 
 
 def staleness_table():
-  import numpy as np
-  from pipejax import models
-  from pipejax.data import fashion_mnist
-  from pipejax.analysis import staleness
-
-  train, test = fashion_mnist.load_fashion_mnist_idx()
-  mean, std = fashion_mnist.NORMALIZATION.mean[0], fashion_mnist.NORMALIZATION.std[0]
-
-  def prepare(source, n):
-    images, labels = source.take(np.arange(min(n, len(source))))
-    return (images.astype(np.float32) - mean) / std, labels
-
-  train_data, test_data = prepare(train, _TRAIN_SAMPLES.value), prepare(test, len(test))
-  num_stages = _NUM_STAGES.value
-  rows = []
-  for name in _SCHEDULES.value:
-    delays = schedules.delay_profile(name, num_stages, _MICRO_BATCHES.value or 8)
-    accuracies = []
-    for seed in (int(s) for s in _SEEDS.value):
-      # One dense layer (+ LayerNorm, ReLU) per stage.
-      model = models.build("mlp", hidden=(128,) * (num_stages - 1), normalization="layer")
-      accuracies.append(staleness.train(
-          model, delays, train_data, test_data, learning_rate=_LEARNING_RATE.value,
-          momentum=_MOMENTUM.value, micro_batch=_TRAIN_MICRO_BATCH.value,
-          epochs=_EPOCHS.value, seed=seed))
-    rows.append({"schedule": name, "delays": delays, "test_accuracy": accuracies})
+  from pipejax.analysis import staleness  # pylint: disable=import-outside-toplevel
+  rows = staleness.schedule_accuracies(
+      _SCHEDULES.value, _NUM_STAGES.value, _MICRO_BATCHES.value or 8,
+      train_samples=_TRAIN_SAMPLES.value, seeds=[int(s) for s in _SEEDS.value],
+      learning_rate=_LEARNING_RATE.value, momentum=_MOMENTUM.value,
+      micro_batch=_TRAIN_MICRO_BATCH.value, epochs=_EPOCHS.value)
   print_table(rows, ["schedule", "delays D_s", "test accuracy per seed", "mean"],
               lambda row: [row["schedule"], row["delays"],
                            ", ".join(f"{a:.3f}" for a in row["test_accuracy"]),

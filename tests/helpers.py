@@ -1,17 +1,27 @@
-"""What several test files share: the repository root and the small dense test model.
+"""What several test files share: the repository root, the small dense test model and its stream,
+tree comparisons, configs, and the trainer binary stopped by SIGTERM and resumed.
 
 A plain module rather than ``conftest.py``: pytest loads conftest files itself and advises against
 importing from them, and these are functions and constants, not fixtures.
 """
 
+import importlib.util
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 
 import flax.linen as nn
+import jax
+import numpy as np
 
 import pipejax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_DIM, NUM_CLASSES = 6, 4  # inputs of IN_DIM features, NUM_CLASSES logits
+WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
 
 
 def dense_model(widths) -> pipejax.Model:
@@ -20,3 +30,109 @@ def dense_model(widths) -> pipejax.Model:
   stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
             for w in widths]
   return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
+
+
+def make_model(widths=WIDTHS) -> pipejax.Model:
+  return dense_model(widths)
+
+
+def make_stream(num_ticks, b, seed=0):
+  """``num_ticks`` micro-batches of ``b`` random inputs and labels for :func:`dense_model`."""
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (num_ticks, b, IN_DIM))
+  y = jax.random.randint(ky, (num_ticks, b), 0, NUM_CLASSES)
+  return np.asarray(x), np.asarray(y)
+
+
+def stage_params(state):
+  """A host copy of every stage's weights (run() donates the state it is given)."""
+  return jax.tree.map(np.array, [st.params for st in state.stages])
+
+
+def assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def leaves_equal(a, b):
+  """Every leaf of ``a`` bit for bit that of ``b``."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def config_module(name):
+  """The module of ``configs/<name>.py``."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(name, arg=None):
+  """``configs/<name>.py``'s ``get_config(arg)``."""
+  return config_module(name).get_config(arg)
+
+
+def digits_config(**overrides):
+  """A seconds-long run on scikit-learn's digits: 2 chunks of 40 ticks, checkpoint per chunk."""
+  config = load_config("default", "smoke")
+  config.dataset = "digits"
+  config.max_train_examples = 0
+  config.max_test_examples = 0
+  config.model_kwargs = {"hidden": (16, 12), "layers_per_stage": 1}
+  config.epochs = 240 / 1437
+  config.warmup_epochs = 40 / 1437  # within the run (a longer warm-up is refused)
+  config.ticks_per_chunk = 40
+  config.eval_every_samples = 80
+  config.checkpoint_every_samples = 40
+  config.eval_batch_size = 128
+  for key, value in overrides.items():  # dotted keys reach nested fields: "micro_batch.lr"
+    parent, _, leaf = key.rpartition(".")
+    (config[parent] if parent else config)[leaf] = value
+  return config
+
+
+def sigterm_midway_and_resume(tmp_path, overrides):
+  """Runs the binary straight through in tmp_path/straight, and in tmp_path/killed with a SIGTERM
+  once it trains, then again to resume; checks the stop and the resume happened."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+  def command(workdir):
+    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+            "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+            f"--workdir={workdir}", *overrides]
+
+  straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True,
+                            env=env, timeout=300)
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  # The log starts with the run's own line, without the libraries' INFO chatter.
+  assert "] pipejax training: --config=" in straight.stderr.splitlines()[0]
+  assert "Unable to initialize backend" not in straight.stderr and "/orbax/" not in straight.stderr
+
+  victim = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+  lines = []
+  for line in victim.stdout:  # wait until it is training (a progress line), then kill it
+    lines.append(line)
+    if "samples/s" in line:
+      victim.send_signal(signal.SIGTERM)
+      break
+  rest, _ = victim.communicate(timeout=300)
+  output = "".join(lines) + rest
+  assert victim.returncode == 75, output[-2000:]  # stopped, not finished: see scripts/train.py
+  assert "STOPPED by SIGTERM" in output
+  stopped_at = json.load(open(tmp_path / "killed" / "summary.json"))["samples"]
+  assert 0 < stopped_at < json.load(open(tmp_path / "straight" / "summary.json"))["samples"]
+
+  resumed = subprocess.run(command(tmp_path / "killed"), capture_output=True, text=True, env=env,
+                           timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Resumed from" in resumed.stderr

@@ -21,6 +21,7 @@ import sys
 from absl import flags
 
 from pipejax import config as configlib
+from pipejax import metrics
 import pytest
 
 from tests.helpers import ROOT
@@ -213,23 +214,6 @@ def parse_flags(script, args):
       flags.FLAGS.unparse_flags()
 
 
-def load_script(script):
-  """``script`` as a module, for its functions; the absl flags it defines are removed again."""
-  name = os.path.splitext(os.path.basename(script))[0] + "_script"
-  before = set(flags.FLAGS)
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    # Other scripts define flags of the same names. absl records a flag defined while
-    # exec_module runs the script as defined by the import machinery, not by the script.
-    for flag in set(flags.FLAGS) - before:
-      if flags.FLAGS.find_module_defining_flag(flag) in (name, "importlib._bootstrap"):
-        delattr(flags.FLAGS, flag)
-  return module
-
-
 def test_commands_are_found_everywhere_they_are_documented():
   where = {w for w, _ in documented_commands()}
   assert {"README.md", "CONTRIBUTING.md", "docs/distributed.md", "docs/quadratic.md",
@@ -360,25 +344,24 @@ def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
 
 
 def test_plot_defaults_to_epochs_and_to_axes_that_show_the_end_of_training(tmp_path):
-  plot = load_script("scripts/plot.py")
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "config.json").write_text(json.dumps({"max_train_examples": 0, "epochs": 10.0}))
-  assert plot.samples_per_epoch(str(workdir)) is None  # running: no summary yet
+  assert metrics.samples_per_epoch(str(workdir)) is None  # running: no summary yet
   (workdir / "summary.json").write_text(json.dumps({"total_samples": 600000}))
-  assert plot.samples_per_epoch(str(workdir)) == 60000
+  assert metrics.samples_per_epoch(str(workdir)) == 60000
   (workdir / "config.json").write_text(json.dumps({"max_train_examples": 2000, "epochs": 1.0}))
-  assert plot.samples_per_epoch(str(workdir)) == 2000
+  assert metrics.samples_per_epoch(str(workdir)) == 2000
   # Accuracy climbs from 0.1 to about 0.88: the axis shows the last 70% of each run, where two
   # runs 0.01 apart differ, not the climb.
   epochs = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
   first = (epochs, [0.1, 0.7, 0.8, 0.84, 0.86, 0.87, 0.875, 0.878, 0.88, 0.881, 0.882])
   second = (epochs, [0.1, 0.6, 0.75, 0.82, 0.85, 0.86, 0.865, 0.868, 0.87, 0.871, 0.872])
-  low, high = plot.zoomed_limits([first, second], 0.3, log=False)
+  low, high = metrics.zoomed_limits([first, second], 0.3, log=False)
   assert 0.8 < low < 0.82 and 0.882 < high < 0.89
-  low, high = plot.zoomed_limits([first], 0.0, log=False)
+  low, high = metrics.zoomed_limits([first], 0.0, log=False)
   assert low < 0.1 and high > 0.882
-  assert plot.zoomed_limits([([], [])], 0.3, log=True) is None
+  assert metrics.zoomed_limits([([], [])], 0.3, log=True) is None
 
 
 # ----------------------------------------------------------------------------- examples

@@ -16,33 +16,12 @@ from pipejax.engine import Pipeline
 from pipejax.models import online_norm
 from pipejax.stacking import StackedPipeline
 from tests import oracle
-from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
+from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
+                           stage_params)
 
-WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical: the stacked layout runs them as one group
 LAYOUTS = ("per_stage", "stacked")
 LR, MOMENTUM = 0.05, 0.9
-
-
-def make_model(widths=WIDTHS):
-  return dense_model(widths)
-
-
-def make_stream(num_ticks, b, seed=0):
-  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  x = jax.random.normal(kx, (num_ticks, b, IN_DIM))
-  y = jax.random.randint(ky, (num_ticks, b), 0, NUM_CLASSES)
-  return np.asarray(x), np.asarray(y)
-
-
-def stage_params(state):
-  """A host copy of every stage's weights (run() donates the state it is given)."""
-  return jax.tree.map(np.array, [st.params for st in state.stages])
-
-
-def assert_trees_close(actual, expected, rtol=2e-6, atol=1e-6):
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
 CASES = {

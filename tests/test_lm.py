@@ -16,8 +16,7 @@ from pipejax.data import text
 from pipejax.engine import Pipeline
 from pipejax.optim import adam_family
 from tests import oracle
-from tests.test_docs import load_script
-from tests.test_engine import assert_trees_close, stage_params
+from tests.helpers import assert_trees_close, load_config, stage_params
 
 CORPUS = os.path.isdir(text.DEFAULT_DIR)
 needs_corpus = pytest.mark.skipif(not CORPUS, reason="the fortunes corpus is not installed "
@@ -168,7 +167,7 @@ def test_study_and_config_files_load():
     study = study_lib.load_study(spec)
     assert study.baseline == {"method": "sgd"}
     assert all(run.get("optimizer", "adam") == "adam" for run in study.runs())
-  config = load_script("configs/char_lm.py").get_config("smoke")
+  config = load_config("char_lm", "smoke")
   config_checks.validate(config)
   assert config.dataset == "fortunes" and config.optimizer == "adam"
 
@@ -183,7 +182,7 @@ def test_real_corpus_is_over_a_megabyte_and_splits_one_in_ten():
 @pytest.mark.slow
 @needs_corpus
 def test_char_lm_smoke_trains_and_reports_validation_loss(tmp_path):
-  config = load_script("configs/char_lm.py").get_config("smoke")
+  config = load_config("char_lm", "smoke")
   summary = training.train_and_evaluate(config, str(tmp_path / "lm"))
   assert summary["stopped_by"] is None and summary["num_stages"] == 4
   assert summary["test_loss"] < math.log(256) - 1.0  # well below uniform over bytes

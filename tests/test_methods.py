@@ -8,7 +8,7 @@ import pytest
 from pipejax import methods
 from pipejax.engine import Pipeline
 from tests import oracle
-from tests.test_engine import assert_trees_close, make_model, make_stream, stage_params
+from tests.helpers import assert_trees_close, make_model, make_stream, stage_params
 
 LR, M = 0.05, 0.9
 ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K

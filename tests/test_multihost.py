@@ -30,8 +30,9 @@ import pytest
 
 from pipejax import data
 from pipejax.data import augment as augment_lib
+from tests import helpers
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(helpers.ROOT)
 TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
 # A smoke run made smaller: 400 samples in 8 chunks of 25 ticks of b = 2, a 32-16 MLP.
 CONFIG = ["--config=configs/default.py:smoke", "--config.mesh.stage=2", "--config.mesh.data=2",
@@ -41,12 +42,6 @@ CONFIG = ["--config=configs/default.py:smoke", "--config.mesh.stage=2", "--confi
           "--config.checkpoint_every_samples=200"]
 TOTAL = 400
 FIRST_PROGRESS = re.compile(r"\[\d+/400 samples")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def _env(devices: int, cache: pathlib.Path) -> dict:
@@ -66,7 +61,7 @@ def _start(workdir, processes: int, cache, extra=()) -> list[tuple[subprocess.Po
   if processes == 1:
     commands, devices = [TRAIN + CONFIG + [f"--workdir={workdir}", *extra]], 4
   else:
-    address = f"localhost:{_free_port()}"
+    address = f"localhost:{helpers.free_port()}"
     commands = [TRAIN + CONFIG + [f"--workdir={workdir}", f"--coordinator_address={address}",
                                   f"--num_processes={processes}", f"--process_id={i}", *extra]
                 for i in range(processes)]
@@ -235,6 +230,7 @@ def test_sigterm_to_one_process_stops_both_with_a_checkpoint(runs):
       "ocdbt.process_0", "ocdbt.process_1"}
 
 
+@pytest.mark.slow
 def test_two_processes_resume_to_the_one_process_result(runs):
   reference_code, reference_log = runs["reference"][0]
   assert reference_code == 0, reference_log[-3000:]
@@ -253,6 +249,7 @@ def test_two_processes_resume_to_the_one_process_result(runs):
   assert summary["processes"] == 2 and summary["mesh"] == {"data": 2, "stage": 2}
 
 
+@pytest.mark.slow
 def test_one_process_resumes_a_two_process_checkpoint(runs):
   (code, log), = runs["resumed_on_one"]
   assert code == 0, log[-3000:]
@@ -264,6 +261,7 @@ def test_one_process_resumes_a_two_process_checkpoint(runs):
   assert resumed["state_digest"] == reference["state_digest"]
 
 
+@pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_another_mesh_shape(runs):
   (code, log), = runs["resumed_without_mesh"]
   assert code == 0, log[-3000:]
@@ -276,6 +274,7 @@ def test_a_two_process_checkpoint_resumes_on_another_mesh_shape(runs):
                                                  rel=1e-3)
 
 
+@pytest.mark.slow
 def test_only_process_0_logs_progress_at_info(runs):
   (_, log0), (_, log1) = runs["resumed_on_two"]
   # make_mesh keeps a stage's data replicas on one process: process 0 holds the first stage.
@@ -313,7 +312,7 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
 def _start_two(tmp_path, cache, extras=((), ()), cwds=(ROOT, ROOT), address=None,
                startup_timeout=60) -> list[tuple[subprocess.Popen, pathlib.Path]]:
   """Two trainer processes with their own extra flags and working directories."""
-  address = address or f"localhost:{_free_port()}"
+  address = address or f"localhost:{helpers.free_port()}"
   config = [f"--config={ROOT / 'configs' / 'default.py'}:smoke", *CONFIG[1:]]
   started = []
   for i in range(2):
@@ -407,8 +406,7 @@ def test_a_sigterm_during_set_up_stops_both_processes_with_75(tmp_path, cache):
 def test_a_chaos_round_of_two_processes_has_no_failure(tmp_path):
   """scripts/chaos.py's two-process trials, one of each: a mismatched process, a killed one."""
   import random  # pylint: disable=import-outside-toplevel
-  from tests.test_docs import load_script  # pylint: disable=import-outside-toplevel
-  chaos = load_script("scripts/chaos.py")
-  outcomes = chaos.two_process_round(str(tmp_path), random.Random(0), trials=1)
+  from pipejax.chaos import two_process  # pylint: disable=import-outside-toplevel
+  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), trials=1)
   assert outcomes == {"two processes, mismatch: refused": 1,
                       "two processes, kill one: exact": 1}, outcomes

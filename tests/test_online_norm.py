@@ -161,7 +161,7 @@ def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   """normalization='online' through the binary: SIGTERM mid-run, rerun, and compare the whole
   final state (the Online Norm variables, live and stashed, included) with a run never stopped."""
   from pipejax import checkpoint, experiment  # pylint: disable=g-import-not-at-top
-  from tests.test_training import (  # pylint: disable=g-import-not-at-top
+  from tests.helpers import (  # pylint: disable=g-import-not-at-top
       digits_config, leaves_equal, sigterm_midway_and_resume)
   sigterm_midway_and_resume(tmp_path, [
       "--config.dataset=digits", "--config.max_train_examples=0", "--config.max_test_examples=0",

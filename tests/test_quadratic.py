@@ -11,8 +11,7 @@ import pytest
 
 from pipejax import optim
 from pipejax import plotting
-from pipejax.analysis import quadratic, quadratic_figures
-from tests.test_docs import load_script
+from pipejax.analysis import quadratic, quadratic_docs, quadratic_figures
 
 from tests.helpers import ROOT as REPO_ROOT
 
@@ -237,17 +236,17 @@ def test_docs_page_numbers_are_current_and_its_figures_exist():
 
 
 def test_stale_docs_page_is_detected(tmp_path):
-  module = load_script(os.path.join("scripts", "quadratic.py"))
   rows = quadratic.stability_table(["pb"], momenta=(0.9,), delays=(0, 1))
   page = ("x <!-- lr pb m=0.9 D=1 -->9.99<!-- /lr --> y\n"
           "<!-- begin loss-settings -->\nold\n<!-- end loss-settings -->\n")
-  rendered = module.render_docs(page, rows, ["pb"], [0.9], [0, 1])
+  rendered = quadratic_docs.render_docs(page, rows, ["pb"], [0.9], [0, 1])
   # D = 1: the limit is exactly 1 - m.
   assert "<!-- lr pb m=0.9 D=1 -->0.1<!-- /lr -->" in rendered
   assert "old" not in rendered and "Settings of the loss panels" in rendered
-  assert module.render_docs(rendered, rows, ["pb"], [0.9], [0, 1]) == rendered
+  assert quadratic_docs.render_docs(rendered, rows, ["pb"], [0.9], [0, 1]) == rendered
   with pytest.raises(ValueError, match="unknown: \\['nope'\\]"):
-    module.render_docs("<!-- begin nope -->\nx\n<!-- end nope -->", rows, ["pb"], [0.9], [0, 1])
+    quadratic_docs.render_docs("<!-- begin nope -->\nx\n<!-- end nope -->", rows, ["pb"], [0.9],
+                               [0, 1])
 
 
 def test_spectral_radii_are_spectral_radius_at_each_point():

@@ -11,8 +11,6 @@ import functools
 import itertools
 import os
 import pathlib
-import re
-import socket
 import subprocess
 import sys
 import time
@@ -29,11 +27,12 @@ from pipejax.models import online_norm
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
 from pipejax.mesh import MeshError, make_mesh
+from pipejax.profiling import hlo
 from pipejax.sharding import ShardedPipeline
 from pipejax.stacking import StackedPipeline
 from tests import _two_process_worker as worker
 from tests import helpers
-from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
+from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
 
 ROOT = pathlib.Path(helpers.ROOT)
 DEVICES = 8
@@ -41,13 +40,10 @@ MICRO_BATCH = 4
 WIDTHS = (5, 7, 3, 9, 4, 6, 8, 5)  # 9 stages with the head: more than 8 devices, all shapes uneven
 NUM_STAGES = len(WIDTHS) + 1
 NUM_TICKS = 3 * NUM_STAGES + 2  # from a fresh state: the fill, then every stage in steady state
+STREAM = (NUM_TICKS, MICRO_BATCH)  # make_stream's arguments for the runs compared
 # One explicit partition per stage-only mesh size, with single-stage groups at the ends and in the
 # middle; None takes the default (balanced by parameter count).
 PARTITIONS = {2: None, 4: [(0, 1), (1, 5), (5, 6), (6, 9)], 8: None}
-
-
-def make_model(widths=WIDTHS):
-  return dense_model(widths)
 
 
 def make_stateful_model(widths=WIDTHS):
@@ -59,18 +55,11 @@ def make_stateful_model(widths=WIDTHS):
   return pipejax.Model(stages + [pipejax.from_flax(head, name="head")])
 
 
-def make_stream(num_ticks=NUM_TICKS, b=MICRO_BATCH, seed=0):
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((num_ticks, b, IN_DIM)).astype(np.float32)
-  y = rng.integers(0, NUM_CLASSES, (num_ticks, b)).astype(np.int32)
-  return x, y
-
-
 @functools.cache
 def make_pipeline(method_name, b=MICRO_BATCH, widths=WIDTHS, stateful=False):
   x, y = make_stream(1, b)
   method = methods.make_method(method_name, learning_rate=0.05, momentum=0.9)
-  model = make_stateful_model(widths) if stateful else make_model(widths)
+  model = make_stateful_model(widths) if stateful else dense_model(widths)
   return Pipeline(model, method, x[0], y[0])
 
 
@@ -89,7 +78,8 @@ def initial_state(method_name):
 def single_device_run(method_name):
   """(final logical state, metrics) of the single-device engine: the reference."""
   pipe = make_pipeline(method_name)
-  state, metrics = pipe.run(jax.tree.map(np.copy, initial_state(method_name)), *make_stream())
+  state, metrics = pipe.run(jax.tree.map(np.copy, initial_state(method_name)),
+                            *make_stream(*STREAM))
   return host(state), host(metrics)
 
 
@@ -174,7 +164,8 @@ def test_one_device_mesh_is_the_single_device_engine():
   pipe = make_pipeline("pb")
   sharded = ShardedPipeline(pipe, make_mesh(1, 1, jax.devices()[:1]))
   # init is from_logical(pipeline.init): the same initial state as one device, NaN fill included.
-  packed, metrics = sharded.run(sharded.init(jax.random.PRNGKey(42), np.nan), *make_stream())
+  packed, metrics = sharded.run(sharded.init(jax.random.PRNGKey(42), np.nan),
+                                *make_stream(*STREAM))
   expected_state, expected_metrics = single_device_run("pb")
   assert_states_equal(sharded.to_logical(packed), expected_state)
   assert_states_equal(metrics, expected_metrics)
@@ -206,7 +197,8 @@ def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, l
   sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage], layout=layout)
   assert sharded.num_groups == stage < pipe.num_stages
   assert sharded.layout == ("flat" if layout == "flat" else "slots")
-  packed, metrics = sharded.run(sharded.from_logical(initial_state(method_name)), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(initial_state(method_name)),
+                                *make_stream(*STREAM))
   expected_state, expected_metrics = single_device_run(method_name)
   assert_states_equal(sharded.to_logical(packed), expected_state)
   assert set(metrics) == set(expected_metrics)
@@ -220,8 +212,8 @@ def test_mesh_with_stateful_stages_matches_one_device(eight_devices):
   pipe = make_pipeline("pb_sc_lwp", stateful=True)
   sharded = ShardedPipeline(pipe, make_mesh(8, 1, eight_devices))
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
-  packed, metrics = sharded.run(sharded.from_logical(state), *make_stream())
-  expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(state), *make_stream(*STREAM))
+  expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream(*STREAM))
   actual = sharded.to_logical(packed)
   assert_states_equal(actual, host(expected_state))
   assert_states_equal(metrics, host(expected_metrics))
@@ -239,7 +231,7 @@ def test_mesh_tick_and_drain_match_one_device(eight_devices):
   pipe = make_pipeline("pb", widths=(5, 7, 3))
   sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]), costs=[1, 1, 1, 1])
   assert sharded.partition == [(0, 2), (2, 4)]
-  x, y = make_stream(3)
+  x, y = make_stream(3, MICRO_BATCH)
   state = host(pipe.init(jax.random.PRNGKey(0)))
   packed, tick_metrics = sharded.tick(sharded.from_logical(state), x[0], y[0])
   packed, drain_metrics = sharded.drain(packed)
@@ -255,7 +247,8 @@ def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(ei
   pipe = make_pipeline("pb_sc_lwp")
   sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices))
   assert (sharded.num_replicas, sharded.num_groups) == (2, 4)
-  packed, metrics = sharded.run(sharded.from_logical(initial_state("pb_sc_lwp")), *make_stream())
+  packed, metrics = sharded.run(sharded.from_logical(initial_state("pb_sc_lwp")),
+                                *make_stream(*STREAM))
   # Each replica saw half of every micro-batch; the averaged gradients are the whole batch's.
   expected_state, expected_metrics = single_device_run("pb_sc_lwp")
   assert_states_equal(sharded.to_logical(packed), expected_state)
@@ -270,7 +263,7 @@ def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
   filled, _ = single_device_run("pb_sc_lwp")  # after the fill: every slot holds a sample
   packed = sharded.from_logical(filled)
   assert sharded.every_slot_full(packed) and pipe.every_slot_full(filled)
-  stream = make_stream(NUM_STAGES, seed=1)
+  stream = make_stream(NUM_STAGES, MICRO_BATCH, seed=1)
   packed, metrics = sharded.run(packed, *stream)
   expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, filled), *stream)
   assert_states_equal(sharded.to_logical(packed), host(expected_state))
@@ -278,20 +271,6 @@ def test_mesh_full_pipeline_program_matches_one_device(eight_devices):
   assert np.asarray(metrics["valid"]).all()
   # Both runners compiled their full-pipeline program for this call (and only for it).
   assert sharded.programs[1]._cache_size() == 1 and pipe.programs[1]._cache_size() >= 1
-
-
-def unfused_copy_sizes(hlo_text: str) -> list[int]:
-  """Elements of each ``copy`` instruction outside fused computations in an optimized HLO module:
-  the buffers XLA copies whole (a copy inside a fusion is part of a pass it makes anyway)."""
-  sizes, fused = [], False
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace():  # a computation's header, or its closing brace
-      fused = line.lstrip("%").startswith("fused_")
-      continue
-    match = re.search(r"= \w+\[([\d,]*)\](?:\{[^}]*\})? copy\(", line)
-    if match and not fused:
-      sizes.append(int(np.prod([int(d) for d in match.group(1).split(",") if d])))
-  return sizes
 
 
 @pytest.mark.parametrize("method_name", ["pb", "pipedream"])
@@ -312,7 +291,7 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
   x, y = make_stream(4, b=1)
   program = sharded.programs[1].lower(sharded.init(jax.random.PRNGKey(0)),
                                         sharded.placed_batch(x, y))
-  sizes = unfused_copy_sizes(program.compile().as_text())
+  sizes = [copy.elements for copy in hlo.unfused_copies(program.compile().as_text())]
   assert max(sizes, default=0) < width * width, sorted(sizes)[-8:]
 
 
@@ -388,7 +367,7 @@ def test_mesh_run_refuses_a_state_it_cannot_run(eight_devices):
   pipe = make_pipeline("pb")
   sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]))
   other = ShardedPipeline(pipe, make_mesh(4, 1, eight_devices[:4]))
-  x, y = make_stream(4)
+  x, y = make_stream(4, MICRO_BATCH)
   key = jax.random.PRNGKey(0)
   with pytest.raises(PipelineError, match=r"logical PipelineState.*sharded.from_logical\(state\)"):
     sharded.run(pipe.init(key), x, y)
@@ -442,7 +421,7 @@ def grouped_pipeline(method_name, stateful=False):
   norm = lambda: online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
   stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), norm(), nn.tanh])) for w in GROUPED]
   model = pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES))])
-  x, y = make_stream(1)
+  x, y = make_stream(1, MICRO_BATCH)
   return Pipeline(model, methods.make_method(method_name, learning_rate=0.05, momentum=0.9),
                   x[0], y[0])
 
@@ -455,7 +434,7 @@ def stacked_and_mesh(method_name, stage, data=1, stateful=False):
   mesh = make_mesh(stage, data, jax.devices()[:stage * data])
   sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
   assert sharded.pipeline is pipe and sharded.runs == stacked.runs
-  x, y = make_stream(2 * pipe.num_stages + 3)
+  x, y = make_stream(2 * pipe.num_stages + 3, MICRO_BATCH)
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
   packed, metrics = sharded.run(sharded.from_logical(state), x, y)
@@ -500,7 +479,7 @@ def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devi
   pipe = grouped_pipeline("pb")
   sharded = ShardedPipeline(StackedPipeline(pipe), make_mesh(4, 1, eight_devices[:4]),
                             partition=GROUPED_PARTITIONS[4])
-  x, y = make_stream(24)
+  x, y = make_stream(24, MICRO_BATCH)
   state = host(jax.jit(pipe.init)(jax.random.PRNGKey(7)))
   whole, _ = pipe.run(jax.tree.map(np.copy, state), x, y)
   half, _ = sharded.run(sharded.from_logical(state), x[:12], y[:12])
@@ -548,16 +527,10 @@ def test_mesh_checks_in_a_subprocess_with_eight_cpu_devices():
   assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_through_jax_distributed_match_one_process(tmp_path):
   env = _subprocess_env()
   env.pop("XLA_FLAGS", None)  # each worker sets its own device count
-  address = f"localhost:{_free_port()}"
+  address = f"localhost:{helpers.free_port()}"
   outputs = [tmp_path / f"process{i}.npz" for i in range(2)]
   workers = [subprocess.Popen(
       [sys.executable, "-m", "tests._two_process_worker", f"--coordinator_address={address}",

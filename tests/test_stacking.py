@@ -12,15 +12,9 @@ from pipejax import accounting, methods, models, stacking
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
 from pipejax.stacking import StackedPipeline, find_groups
-from tests.helpers import IN_DIM, NUM_CLASSES, dense_model
+from tests.helpers import NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never group)
-
-
-def make_stream(num_ticks, b, seed=0):
-  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  return (np.asarray(jax.random.normal(kx, (num_ticks, b, IN_DIM))),
-          np.asarray(jax.random.randint(ky, (num_ticks, b), 0, NUM_CLASSES)))
 
 
 def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):

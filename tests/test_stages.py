@@ -76,3 +76,22 @@ def test_apply_names_what_does_not_fit():
     model.apply(params, x, variables=variables + [None])
   with pytest.raises(pipejax.ModelError, match="pass rng=None with variables"):
     model.apply(params, x, jax.random.key(0), [None, variables[1] or object()])
+
+
+def test_plain_step_is_one_optax_step_on_the_whole_network():
+  import optax  # pylint: disable=import-outside-toplevel
+  model = helpers.dense_model([5, 3])
+  x, y = helpers.make_stream(1, 4)
+  params, _ = _init(model, x[0])
+
+  def loss(ps):  # written out: logits of the chained stages, mean cross-entropy
+    logits = model.apply(ps, x[0])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y[0]))
+
+  tx = optax.sgd(0.1, momentum=0.9)
+  (stepped, opt_state), step_loss = pipejax.stages.plain_step(model, tx)(
+      (params, tx.init(params)), (x[0], y[0]))
+  np.testing.assert_allclose(step_loss, loss(params), rtol=1e-6)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+  helpers.assert_trees_close(stepped, expected)
+  assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))

@@ -223,6 +223,7 @@ def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
   assert deaf_process.returncode == -9  # killed once the timeout passed
 
 
+@pytest.mark.slow
 def test_cli_adds_model_keywords_and_names_misspelt_keys(tmp_path):
   train = os.path.join(ROOT, "scripts", "train.py")
   typo = subprocess.run([sys.executable, train, "--config=configs/default.py:smoke",

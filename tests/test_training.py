@@ -1,6 +1,5 @@
 """The training binary's library: exact resume (in process and after SIGTERM), failure paths, configs."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -18,42 +17,8 @@ from pipejax import checkpoint, config_checks, experiment, methods, training
 from pipejax.data import DataError
 from pipejax.engine import Pipeline
 from pipejax.stages import ModelError
-from tests.test_engine import make_model, make_stream
-
-from tests.helpers import ROOT
-
-
-def load_config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
-
-
-def digits_config(**overrides):
-  """A seconds-long run on scikit-learn's digits: 2 chunks of 40 ticks, checkpoint per chunk."""
-  config = load_config("default", "smoke")
-  config.dataset = "digits"
-  config.max_train_examples = 0
-  config.max_test_examples = 0
-  config.model_kwargs = {"hidden": (16, 12), "layers_per_stage": 1}
-  config.epochs = 240 / 1437
-  config.warmup_epochs = 40 / 1437  # within the run (a longer warm-up is refused)
-  config.ticks_per_chunk = 40
-  config.eval_every_samples = 80
-  config.checkpoint_every_samples = 40
-  config.eval_batch_size = 128
-  for key, value in overrides.items():  # dotted keys reach nested fields: "micro_batch.lr"
-    parent, _, leaf = key.rpartition(".")
-    (config[parent] if parent else config)[leaf] = value
-  return config
-
-
-def leaves_equal(a, b):
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+from tests.helpers import (ROOT, config_module, digits_config, leaves_equal, load_config,
+                           make_model, make_stream, sigterm_midway_and_resume)
 
 
 def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
@@ -82,44 +47,7 @@ def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
                              one_call_metrics["loss"], rtol=1e-5)
 
 
-def sigterm_midway_and_resume(tmp_path, overrides):
-  """Runs the binary straight through in tmp_path/straight, and in tmp_path/killed with a SIGTERM
-  once it trains, then again to resume; checks the stop and the resume happened."""
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-
-  def command(workdir):
-    return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-            "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
-            f"--workdir={workdir}", *overrides]
-
-  straight = subprocess.run(command(tmp_path / "straight"), capture_output=True, text=True,
-                            env=env, timeout=300)
-  assert straight.returncode == 0, straight.stderr[-2000:]
-  # The log starts with the run's own line, without the libraries' INFO chatter.
-  assert "] pipejax training: --config=" in straight.stderr.splitlines()[0]
-  assert "Unable to initialize backend" not in straight.stderr and "/orbax/" not in straight.stderr
-
-  victim = subprocess.Popen(command(tmp_path / "killed"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-  lines = []
-  for line in victim.stdout:  # wait until it is training (a progress line), then kill it
-    lines.append(line)
-    if "samples/s" in line:
-      victim.send_signal(signal.SIGTERM)
-      break
-  rest, _ = victim.communicate(timeout=300)
-  output = "".join(lines) + rest
-  assert victim.returncode == 75, output[-2000:]  # stopped, not finished: see scripts/train.py
-  assert "STOPPED by SIGTERM" in output
-  stopped_at = json.load(open(tmp_path / "killed" / "summary.json"))["samples"]
-  assert 0 < stopped_at < json.load(open(tmp_path / "straight" / "summary.json"))["samples"]
-
-  resumed = subprocess.run(command(tmp_path / "killed"), capture_output=True, text=True, env=env,
-                           timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert "Resumed from" in resumed.stderr
-
-
+@pytest.mark.slow
 def test_training_resumes_exactly_after_sigterm(tmp_path):
   """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped."""
   sigterm_midway_and_resume(tmp_path, [
@@ -266,12 +194,12 @@ def test_every_config_has_a_smoke_variant_and_a_command(config_name):
   config = load_config(config_name, "smoke")
   config_checks.validate(config)
   assert config.max_train_examples and config.epochs <= 1
-  docstring = open(os.path.join(ROOT, "configs", f"{config_name}.py")).read()
-  assert f"--config=configs/{config_name}.py" in docstring
+  assert f"--config=configs/{config_name}.py" in config_module(config_name).__doc__
   with pytest.raises(ValueError, match="Unknown config argument"):
     load_config(config_name, "warp")
 
 
+@pytest.mark.slow
 def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
   """--config.mesh.stage=2 on two (forced CPU) devices trains to the same numbers as one device."""
   config = digits_config()

@@ -1,7 +1,8 @@
 """Analysis tools beside the engine.
 
 * :mod:`pipejax.analysis.quadratic`: the convex-quadratic stability analysis (docs/design.md §5);
-  :mod:`pipejax.analysis.quadratic_figures` draws its figures.
+  :mod:`pipejax.analysis.quadratic_figures` draws its figures and
+  :mod:`pipejax.analysis.quadratic_docs` writes its tables and docs/quadratic.md's numbers.
 * :mod:`pipejax.analysis.staleness`: training under a schedule's gradient delays alone, in a
   plain optax loop (docs/schedules.md).
 """

@@ -8,6 +8,7 @@ computes all of its curves before it opens a figure, so a bad argument raises th
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +25,12 @@ _LABELS = {
     "pb_sc_lwp": "PB + SC + LWP", "spectrain": "SpecTrain", "pipemare": "PipeMare (lr/τ)",
 }
 _LINESTYLES = {"spectrain": (0, (4, 3)), "pipemare": "-"}
+
+# The multi-dimensional runs: (lr, momentum, delay) per panel, on 32 curvatures log-spaced over
+# [1e-3, 1]. The first is stable for every method; at the second, plain PB is past its limit
+# (6.4e-4 at m = 0.99, D = 16) while SC and LWP are still inside theirs.
+LOSS_SETTINGS = ((5e-4, 0.99, 16), (2e-3, 0.99, 16))
+LOSS_STEPS = 4000
 
 
 def _with_sgd_first(methods: Sequence[str]) -> list[str]:
@@ -162,3 +169,20 @@ def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE
   fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
   plotting.save(fig, path, dpi=110)
   return path
+
+
+def write_figures(output_dir: str, methods: Sequence[str]) -> dict[str, str]:
+  """Draws every figure into ``output_dir``; returns {name: path}."""
+  os.makedirs(output_dir, exist_ok=True)
+  paths = {}
+  for momentum in (0.9, 0.99):
+    name = f"rho_vs_lr_m{momentum}"
+    paths[name] = plot_rho_vs_lr(
+        os.path.join(output_dir, f"quadratic_{name}.png"), methods, momentum)
+  name = "rho_by_delay_m0.99"
+  paths[name] = plot_rho_by_delay(
+      os.path.join(output_dir, f"quadratic_{name}.png"), methods, 0.99)
+  paths["losses"] = plot_multi_dim_losses(
+      os.path.join(output_dir, "quadratic_losses.png"), methods, settings=LOSS_SETTINGS,
+      steps=LOSS_STEPS)
+  return paths

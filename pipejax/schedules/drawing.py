@@ -1,4 +1,5 @@
-"""Pictures of schedules: the engine's tick x stage grid (text or PNG), a simulated Gantt chart.
+"""Pictures of schedules: the engine's tick x stage grid (text or PNG), a simulated Gantt chart,
+and the figures of each as text tables.
 
 A *grid* is one row per tick, one ``(forward sample, backward sample)`` pair per stage, None where
 the stage idles (``pipejax.accounting.schedule_grid``). A Gantt chart draws the timeline of a
@@ -27,6 +28,35 @@ def format_grid(grid: Grid) -> str:
   num_stages = len(grid[0])
   lines = ["tick | " + " | ".join(f"stage {s:<4}" for s in range(num_stages))]
   lines += [f"{t:4d} | " + " | ".join(cell(c) for c in row) for t, row in enumerate(grid)]
+  return "\n".join(lines)
+
+
+def format_mode_summary(info: dict) -> str:
+  """:func:`pipejax.accounting.mode_summary` as a table, one line per stage, and its totals."""
+  lines = ["stage | delay D_s | inputs in flight | buffer slots | stashed bytes"]
+  lines += [f"{s:5d} | {info['delays'][s]:9d} | {info['stash_slots'][s]:16d} | "
+            f"{info['buffer_slots'][s]:12d} | {info['stash_bytes_per_stage'][s]:13d}"
+            for s in range(info["num_stages"])]
+  lines.append(f"total stashed activations: {info['stash_bytes']} bytes; mode {info['mode']}: "
+               f"fill {info['fill_ticks']} ticks, {info['bubble_ticks_per_step']} bubble ticks "
+               f"per step, utilization {info['utilization']:.3f}")
+  return "\n".join(lines)
+
+
+def format_report(report: Report, unit: str) -> str:
+  """A simulated schedule's figures as text: its totals, then one line per device."""
+  lines = [f"{report.title}: {report.num_devices} devices, m = {report.micro_batches}",
+           f"throughput {report.throughput:.6g} samples per {unit}; bubble rate "
+           f"{report.bubble_rate:.4f} (idle / busy), bubble fraction {report.bubble_fraction:.4f}, "
+           f"utilization {report.utilization:.4f}",
+           "device | layers | F | B | W | bubble rate | peak activations | weight versions | delay"]
+  for d in range(report.num_devices):
+    c, layers = report.device_costs[d], report.device_layers[d]
+    span = f"{layers[0]}-{layers[-1]}" if layers else "-"
+    lines.append(f"{d:6d} | {span:>6} | {c['forward']:.4g} | {c['input_grad']:.4g} | "
+                 f"{c['weight_grad']:.4g} | {report.bubble_rate_per_device[d]:11.4f} | "
+                 f"{report.peak_activations[d]:16d} | {report.weight_versions[d]:15d} | "
+                 f"{report.delays[d]:5d}")
   return "\n".join(lines)
 
 

@@ -1,0 +1,212 @@
+"""One trainer process: kill trials and checkpoint corruption trials against a reference run."""
+
+import collections
+import functools
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+from pipejax.chaos import ROOT, ReferenceFailed, child_env, python
+
+OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
+             "--config.ticks_per_chunk=100", "--config.checkpoint_every_samples=200",
+             "--config.eval_every_samples=500")
+
+
+# Measured, not computed: they differ between any two runs, interrupted or not.
+TIMING_FIELDS = frozenset({"samples_per_second"})
+
+
+def command(workdir):
+  """The trainer's command line: the smoke config on a few samples, in ``workdir``."""
+  return [*python("train.py"), f"--config={os.path.join(ROOT, 'configs', 'default.py')}:smoke",
+          f"--workdir={workdir}", *OVERRIDES]
+
+
+def run(workdir, timeout=600):
+  done = subprocess.run(command(workdir), capture_output=True, text=True, timeout=timeout,
+                        env=child_env())
+  return done.returncode, done.stdout + done.stderr
+
+
+def checkpoints(workdir):
+  return os.path.join(workdir, "checkpoints")
+
+
+def comparable_records(workdir):
+  """The run's metrics records without the fields that measure time."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
+
+
+def result(workdir):
+  """What a finished run produced: final state digest (verified), summary numbers, metrics."""
+  from pipejax import checkpoint  # pylint: disable=g-import-not-at-top
+  saver = checkpoint.Checkpointer(checkpoints(workdir))
+  step = saver.latest_step()
+  state, meta = saver.restore(step, _like_state())  # raises if the digest does not match
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  records = comparable_records(workdir)
+  saver.close()
+  return {"step": step, "digest": checkpoint.state_digest(state, meta["data_position"]),
+          "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
+          "records": records}
+
+
+@functools.cache
+def _like_state():
+  """A state of the trainer's pipeline, the structure its checkpoints restore into."""
+  # JAX only here: a process that only starts trainers never loads it.
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from pipejax import experiment  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("default", os.path.join(ROOT, "configs",
+                                                                       "default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("smoke")
+  for override in OVERRIDES:
+    key, value = override[len("--config."):].split("=")
+    config[key] = type(config[key])(value)
+  return experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
+
+
+def kill_at_random(workdir, rng, reference_seconds):
+  """Starts a run and kills it; returns a description and the killed run's exit code."""
+  sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
+  during_write = rng.random() < 0.5
+  process = subprocess.Popen(command(workdir), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=child_env())
+  if during_write:
+    # The n-th checkpoint write (n random), caught while its temporary directory exists.
+    wanted, seen, writing = rng.randint(1, 4), 0, False
+    while process.poll() is None:
+      now_writing = bool(glob.glob(os.path.join(checkpoints(workdir), "*.orbax-checkpoint-tmp*")))
+      if now_writing and not writing:
+        seen += 1
+        if seen == wanted:
+          process.send_signal(sig)
+          break
+      writing = now_writing
+      time.sleep(0.002)
+    where = f"during checkpoint write #{wanted}"
+  else:
+    delay = rng.uniform(0.2, 1.0) * reference_seconds
+    try:
+      process.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+      process.send_signal(sig)
+    where = f"at {delay:.1f} s"
+  code = process.wait(timeout=600)
+  return f"{signal.Signals(sig).name} {where}", code
+
+
+def corrupt_newest(workdir, rng):
+  """Damages one file of the newest checkpoint; returns (step, description)."""
+  steps = sorted(int(d) for d in os.listdir(checkpoints(workdir)) if d.isdigit())
+  step = steps[-1]
+  files = sorted(p for p in glob.glob(os.path.join(checkpoints(workdir), str(step), "**"),
+                                      recursive=True) if os.path.isfile(p))
+  data = [p for p in files if f"{os.sep}d{os.sep}" in p]
+  kind = rng.choice(["flip a bit", "garble 4096 bytes", "truncate", "delete"])
+  path = rng.choice(data if kind in ("flip a bit", "garble 4096 bytes") and data else files)
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    if kind == "flip a bit" and size:
+      offset = rng.randrange(size)
+      f.seek(offset)
+      byte = f.read(1)[0]
+      f.seek(offset)
+      f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+    elif kind == "garble 4096 bytes" and size:
+      offset = rng.randrange(size)
+      f.seek(offset)
+      f.write(bytes(rng.randrange(256) for _ in range(min(4096, size - offset))))
+    elif kind == "truncate":
+      f.truncate(rng.randrange(size) if size else 0)
+  if kind == "delete":
+    os.remove(path)
+  return step, f"{kind} in {os.path.relpath(path, checkpoints(workdir))}"
+
+
+def judge(workdir, code, output, reference, damaged_step=None):
+  """'exact', 'refused (names step N)' or a failure starting with 'FAIL'."""
+  if code == 0:
+    try:
+      got = result(workdir)
+    except Exception as e:  # pylint: disable=broad-except
+      return f"FAIL: exit 0 but the result cannot be read ({str(e)[:200]})"
+    differing = [k for k in reference if got[k] != reference[k]]
+    if differing:
+      return f"FAIL: exit 0 with a different {', '.join(differing)}"
+    aside = checkpoints(workdir) + ".damaged"
+    if damaged_step is not None and os.path.isdir(aside):
+      return f"exact (damage caught, step {damaged_step} set aside, resumed from an older one)"
+    return "exact" if damaged_step is None else "exact (the damaged bytes were never read)"
+  if damaged_step is not None and re.search(rf"\bstep {damaged_step}\b", output):
+    return f"refused (exit {code}, names step {damaged_step})"
+  return f"FAIL: exit {code}: {output.strip().splitlines()[-1][:300] if output.strip() else ''}"
+
+
+def _category(verdict: str) -> str:
+  if verdict.startswith("FAIL"):
+    return "FAIL"
+  if verdict.startswith("refused"):
+    return "refused naming the damaged step"
+  if "damage caught" in verdict:
+    return "exact after falling back from the damaged step"
+  return "exact (bytes never read)" if "never read" in verdict else "exact"
+
+
+def trainer_trials(workdir, trials, rng) -> collections.Counter:
+  """A reference run, then ``trials`` kill and ``trials`` corruption trials (scripts/chaos.py);
+  prints a line each and returns their outcome counts.
+
+  Raises:
+    ReferenceFailed: the uninterrupted reference run failed.
+  """
+  reference_dir = os.path.join(workdir, "reference")
+  start = time.perf_counter()
+  code, output = run(reference_dir)
+  reference_seconds = time.perf_counter() - start
+  if code != 0:
+    raise ReferenceFailed(f"The reference run failed (exit {code}):\n{output[-3000:]}")
+  reference = result(reference_dir)
+  print(f"reference: {reference['step']} samples, test accuracy {reference['test_accuracy']}, "
+        f"{reference_seconds:.0f} s", flush=True)
+
+  # A run stopped half-way by SIGTERM, for the corruption trials (beside the finished one).
+  stopped_dir = os.path.join(workdir, "stopped")
+  process = subprocess.Popen(command(stopped_dir), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=child_env())
+  for line in process.stdout:
+    if "[500/1000 samples" in line:
+      process.send_signal(signal.SIGTERM)
+      break
+  process.communicate(timeout=600)
+
+  outcomes = collections.Counter()
+  # Kill and corruption trials alternate, so a run cut short still has counts of both.
+  for trial in range(trials):
+    run_dir = os.path.join(workdir, f"kill{trial}")
+    what, killed_code = kill_at_random(run_dir, rng, reference_seconds)
+    code, output = run(run_dir)  # a kill damages no complete checkpoint: one rerun must finish
+    verdict = judge(run_dir, code, output, reference)
+    outcomes["kill: " + _category(verdict)] += 1
+    print(f"kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}", flush=True)
+
+    source = rng.choice([stopped_dir, reference_dir])
+    run_dir = os.path.join(workdir, f"corrupt{trial}")
+    shutil.copytree(source, run_dir)
+    step, what = corrupt_newest(run_dir, rng)
+    code, output = run(run_dir)
+    verdict = judge(run_dir, code, output, reference, damaged_step=step)
+    outcomes["corruption: " + _category(verdict)] += 1
+    print(f"corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
+          flush=True)
+  return outcomes

@@ -1,0 +1,266 @@
+"""One device: samples per second of ``Pipeline.run`` against the plain loop, side by side.
+
+Every comparison warms up each candidate first and then interleaves the timed calls
+(:func:`~pipejax.profiling.timing.best_times`), so a machine whose load drifts slows every
+candidate alike. Speeds are after the fill, when ``run`` runs the full pipeline's program.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipejax import engine, methods, models, stages
+from pipejax.engine import Pipeline
+from pipejax.profiling import hlo, workloads
+from pipejax.profiling.timing import TimedRunner, best_times
+from pipejax.profiling.workloads import RESNET_INPUT, stream
+
+
+def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False):
+  """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream.
+
+  Returns the row, the pipeline, and its initial weights.
+  """
+  ticks, b = x.shape[:2]
+  pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+  run_pipeline = TimedRunner(pipe, x, y)
+  params = [st.params for st in run_pipeline.state.stages]
+  plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
+
+  def run_scan(scan=workloads.plain_scan(model, tx)):
+    plain["carry"], losses = scan(plain["carry"], (x, y))
+    return losses
+
+  jitted_step = jax.jit(stages.plain_step(model, tx), donate_argnums=0)
+
+  def run_steps():
+    for t in range(ticks):
+      plain["carry"], loss = jitted_step(plain["carry"], (x[t], y[t]))
+    return loss
+
+  run_pipeline.warm_up()
+  timed = {"pipeline": run_pipeline, "plain_scan": run_scan}
+  if with_in_place_scan:  # the same loop compiled with the pipeline's options (weights in place)
+    timed["plain_scan_compiled_as_the_pipeline"] = functools.partial(
+        run_scan, workloads.plain_scan(model, tx, jit=engine.jit))
+  if with_jit_step:
+    timed["plain_jit_step"] = run_steps
+  for fn in timed.values():
+    fn()  # compile and warm up (the pipeline: once more)
+  row = {"micro_batch_size": b, "ticks": ticks}
+  for name, (wall, cpu) in best_times(timed, repeats).items():
+    row[f"{name}_samples_per_s"] = ticks * b / wall
+    row[f"{name}_samples_per_cpu_s"] = ticks * b / cpu
+  for name in timed:
+    if name != "pipeline":
+      row[f"ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_s"]
+                                            / row[f"{name}_samples_per_s"])
+      row[f"cpu_ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_cpu_s"]
+                                                / row[f"{name}_samples_per_cpu_s"])
+  return row, pipe, params
+
+
+def throughput(b: int, samples: int, repeats: int) -> dict:
+  """The MLP of ``workloads.mlp_model``, PB + momentum SGD, against the plain loop at ``b``.
+
+  At b = 1 (where weight passes, not products, set the pace) also both programs' passes.
+  """
+  tx = optax.sgd(0.01, momentum=0.9)
+  x, y = stream(max(samples // b, 1), b)
+  row, pipe, params = versus_plain(workloads.mlp_model(), tx, x, y, repeats,
+                                   with_in_place_scan=True)
+  row["ratio_pipeline_over_plain"] = row.pop("ratio_pipeline_over_plain_scan")
+  row["cpu_ratio_pipeline_over_plain"] = row.pop("cpu_ratio_pipeline_over_plain_scan")
+  if b == 1:
+    plain = lambda jit: hlo.plain_passes(workloads.plain_scan(pipe.model, tx, jit=jit), params,
+                                         tx.init(params), x, y)
+    row["passes_per_tick"] = {"pipeline": hlo.pipeline_passes(pipe, x, y)["full"],
+                              "plain_scan": plain(jax.jit),
+                              "plain_scan_compiled_as_the_pipeline": plain(engine.jit)}
+  return row
+
+
+def conv_speeds(b: int, conv_impl: str, samples: int, repeats: int) -> dict:
+  """ResNet-20 (GroupNorm, 28x28x1, one conv per stage): Pipeline.run against plain optax,
+  called from Python (``plain_jit_step``) and inside ``lax.scan`` (``plain_scan``)."""
+  logging.info("conv: %s convolutions at micro-batch %d", conv_impl, b)
+  x, y = stream(max(samples // b, 1), b, RESNET_INPUT, classes=10)
+  row, _, _ = versus_plain(workloads.resnet20(conv_impl), optax.sgd(0.01, momentum=0.9), x, y,
+                           repeats, with_jit_step=True)
+  return {"conv_impl": conv_impl, "resolved_conv_impl": models.resolve_conv_impl(conv_impl),
+          **row}
+
+
+def relative_to(rows: list[dict], is_base, prefix: str) -> None:
+  """Adds ``relative_to_{prefix}`` and ``cpu_relative_to_{prefix}`` to each row: its speed over
+  that of the row ``is_base`` picks among those of its model (None where there is none)."""
+  for row in rows:
+    base = next((r for r in rows if r.get("model") == row.get("model") and is_base(r)), None)
+    for key, speed in ((f"relative_to_{prefix}", "samples_per_s"),
+                       (f"cpu_relative_to_{prefix}", "samples_per_cpu_s")):
+      row[key] = row[speed] / base[speed] if base else None
+
+
+def method_speeds(names, samples: int, repeats: int) -> list[dict]:
+  """Samples/s and weight passes of Pipeline.run for each method preset at b = 1, after the fill,
+  on the default config's model; each relative to ``pb``."""
+  model = workloads.default_model()
+  x, y = stream(samples, 1, (28, 28, 1), classes=10)
+  runners, rows = {}, []
+  for name in names:
+    pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0], y[0])
+    runners[name] = TimedRunner(pipe, x, y)
+    runners[name].warm_up()
+    rows.append({"method": name, "passes_per_tick": hlo.pipeline_passes(pipe, x, y)})
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    wall, cpu = seconds[row["method"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = samples / wall, samples / cpu
+  relative_to(rows, lambda r: r["method"] == "pb", "pb")
+  return rows
+
+
+def lm_speeds(sequences: int, repeats: int) -> dict:
+  """Tokens/s of Pipeline.run (PB + Adam) on the transformer LM against the plain Adam loop."""
+  context = workloads.LM_CONTEXT
+  model = models.build("transformer_lm", **workloads.LM_MODEL)
+  tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
+  x = jax.device_put(tokens[..., :-1].astype(np.float32))
+  y = jax.device_put(tokens[..., 1:].astype(np.int32))
+  row, pipe, _ = versus_plain(model, optax.adam(3e-4), x, y, repeats)
+  result = {"model": f"transformer_lm {workloads.LM_MODEL}, {pipe.num_stages} stages",
+            "context": context, "micro_batch_size": 1, "sequences": sequences}
+  for name in ("pipeline", "plain_scan"):
+    result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * context
+    result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
+  result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
+  result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
+  return result
+
+
+def tick_time_fit(rows: list[dict], target: float = 0.85) -> dict:
+  """A line through the methods' tick times (b = 1) against their compiled passes per tick.
+
+  ``fixed_us`` is what a tick costs whatever its weight traffic, ``us_per_pass`` what one more
+  pass over the weights costs; ``extra_passes_at_target`` is how many passes more than ``pb``
+  a method may make and still run at ``target`` of its speed (docs/performance.md §3).
+  """
+  passes = np.array([r["passes_per_tick"]["full"]["bytes_accessed"] for r in rows])
+  micros = np.array([1e6 / r["samples_per_s"] for r in rows])  # one sample a tick at b = 1
+  us_per_pass, fixed_us = np.polyfit(passes, micros, 1)
+  fit = {"fixed_us": float(fixed_us), "us_per_pass": float(us_per_pass),
+         "largest_residual_us": float(np.abs(micros - (fixed_us + us_per_pass * passes)).max())}
+  pb = next((p for r, p in zip(rows, passes) if r["method"] == "pb"), None)
+  if pb is not None:
+    allowed = (fixed_us + us_per_pass * pb) / target
+    fit["extra_passes_at_target"] = float((allowed - fixed_us) / us_per_pass - pb)
+    fit["target"] = target
+  return fit
+
+
+NORMALIZED_MODELS = {  # name -> (builder, its kwargs, input shape, normalizations)
+    "default MLP 784-256-128-10": ("mlp", {"hidden": (256, 128)}, (28, 28, 1),
+                                   (None, "layer", "online")),
+    "deep MLP, 7 x 128": ("mlp", {"hidden": (128,) * 7}, (28, 28, 1), (None, "layer", "online")),
+    "ResNet-20, width 8": ("cifar_resnet20", {"width": 8}, RESNET_INPUT,
+                           (None, "group", "layer", "online")),
+}
+
+
+def normalization_speeds(samples: int, conv_samples: int, repeats: int,
+                         cases=NORMALIZED_MODELS) -> list[dict]:
+  """Samples/s of Pipeline.run (PB + SC + LWP, b = 1) per model and normalizer, after the fill,
+  each relative to the same model without normalization."""
+  rows, runners = [], {}
+  for label, (builder, kwargs, shape, normalizations) in cases.items():
+    ticks = conv_samples if builder == "cifar_resnet20" else samples
+    x, y = stream(ticks, 1, shape, classes=10)
+    for normalization in normalizations:
+      model = models.build(builder, layers_per_stage=1, normalization=normalization,
+                           num_classes=10, **kwargs)
+      pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=1e-3, momentum=0.9),
+                      x[0], y[0])
+      runners[label, normalization] = TimedRunner(pipe, x, y)
+      runners[label, normalization].warm_up()
+      rows.append({"model": label, "normalization": normalization, "samples": ticks})
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    wall, cpu = seconds[row["model"], row["normalization"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = row["samples"] / wall, row["samples"] / cpu
+  relative_to(rows, lambda r: r["normalization"] is None, "none")
+  return rows
+
+
+def compile_time(num_stages: int) -> dict:
+  """Seconds to build and init an S-stage MLP pipeline, and to trace and compile its ``run``."""
+  model = workloads.mlp_model(num_layers=num_stages)
+  x, y = stream(4, 1)
+  start = time.perf_counter()
+  pipe = Pipeline(model, methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(0))
+  build_s = time.perf_counter() - start
+  start = time.perf_counter()
+  pipe.lower(state, x, y, every_slot_full=False).compile()
+  return {"num_stages": num_stages, "build_and_init_s": build_s,
+          "trace_and_compile_s": time.perf_counter() - start}
+
+
+def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int) -> list[dict]:
+  """configs/deep_mlp.py's residual MLP at one depth: stacked, per stage (up to
+  ``unstacked_max`` stages) and the plain loop, timed side by side.
+
+  Per record: build and init seconds, trace and compile seconds of the full pipeline's ``run``,
+  its operations per tick, samples/s after the fill, and the delay lines' bytes held against
+  the formula sum_s (D_s + 1)|x_s|.
+  """
+  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  model = workloads.depth_model(num_stages)
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  tx = optax.sgd(0.01, momentum=0.9)
+  records, timed = {}, {}
+  for stacked in (True, False):
+    if not stacked and num_stages > unstacked_max:
+      continue
+    start = time.perf_counter()
+    pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+    runner = stacking.StackedPipeline(pipe) if stacked else pipe
+    run = TimedRunner(runner, x, y)
+    jax.block_until_ready(run.state)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = runner.lower(run.state, x, y).compile()
+    records[stacked] = {
+        "num_stages": num_stages, "stacked": stacked, "build_and_init_s": build_s,
+        "trace_and_compile_s": time.perf_counter() - start,
+        "operations_per_tick": hlo.operations_per_tick(compiled.as_text()),
+        "delay_line_bytes": runner.held_stash_bytes(run.state) if stacked
+                            else pipe.held_stash_bytes(run.state),
+        "delay_line_formula_bytes": pipe.stash_bytes()}
+    run.warm_up()
+    timed[stacked] = run
+  params = [st.params for st in pipe.init(jax.random.PRNGKey(0)).stages]
+  plain = {"carry": (params, tx.init(params))}
+  start = time.perf_counter()
+  compiled = workloads.plain_scan(model, tx).lower(plain["carry"], (x, y)).compile()
+  records[None] = {"num_stages": num_stages, "stacked": None, "build_and_init_s": None,
+                   "trace_and_compile_s": time.perf_counter() - start,
+                   "operations_per_tick": hlo.operations_per_tick(compiled.as_text()),
+                   "delay_line_bytes": 0, "delay_line_formula_bytes": 0}
+
+  def run_scan():
+    plain["carry"], losses = compiled(plain["carry"], (x, y))
+    return losses
+
+  run_scan()
+  timed[None] = run_scan
+  for stacked, (wall, cpu) in best_times(timed, repeats).items():
+    records[stacked].update(samples_per_s=ticks / wall, samples_per_cpu_s=ticks / cpu)
+    logging.info("depth: %s", records[stacked])
+  return list(records.values())
