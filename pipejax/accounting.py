@@ -40,6 +40,12 @@ def stash_bytes(stage_input_shapes: Sequence[PyTree]) -> int:
   return sum(n * tree_bytes(x) for n, x in zip(slots, stage_input_shapes))
 
 
+def held_stash_bytes(stage_states) -> int:
+  """Bytes of stashed activations the delay lines of ``stage_states`` (one stage's or a stacked
+  group's each) hold: what :func:`stash_bytes` predicts, read off a state."""
+  return sum(tree_bytes(st.delay_line.x) for st in stage_states)
+
+
 def fill_ticks(num_stages: int) -> int:
   """Ticks until every stage has seen its first backward (stage 0's comes at 2(S-1))."""
   _check_num_stages(num_stages)

@@ -29,7 +29,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax.engine import PipelineState
+from pipejax.state import PipelineState
 from pipejax.mesh import DATA, STAGE, MeshError
 
 __all__ = ["HostFeed", "StartupError", "agree", "agree_on_shared_workdir", "any_process",

@@ -32,149 +32,28 @@ empty slot updates no variable, like no weight. Stateless stages carry ``None``.
 A stage's tick is three steps: :meth:`Pipeline.forward_step` (forward and the delay-line entry),
 the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, VJP, update).
 The stage's index and delay enter both as values, so ``pipejax.stacking`` runs the same two steps
-under ``vmap`` for a run of identical stages. The boundary checks live in ``pipejax.checks``.
+under ``vmap`` for a run of identical stages. The state the tick advances is ``pipejax.state``'s;
+the scan over ticks is ``pipejax.runner.ScanRunner``'s; the boundary checks are ``pipejax.checks``'.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from pipejax import accounting, checks
 from pipejax.methods import Method
-from pipejax.runner import Runner
+from pipejax.runner import ScanRunner
 from pipejax.stages import Model, Variables, softmax_cross_entropy
+from pipejax.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState, raw_key,
+                           slots_full)
 
 PyTree = Any
-
-
-class Packet(NamedTuple):
-  """A micro-batch in flight between stages: activations and what travels with them."""
-
-  x: PyTree
-  labels: PyTree
-  valid: jax.Array  # bool[]: False for the empty slots of fill, drain and synchronous bubbles.
-  index: jax.Array  # int32[]: tick at which the sample entered; seeds its per-stage randomness.
-
-
-class DelayLine(NamedTuple):
-  """A ring buffer of the D_s + 1 inputs (and, for PipeDream, weights) a stage holds in flight.
-
-  Slot ``t mod (D_s + 1)`` is written at tick t and read back D_s ticks later, as slot
-  ``(t + 1) mod (D_s + 1)`` of tick t + D_s (the same slot when D_s = 0).
-  """
-
-  x: PyTree  # leaves of shape (D_s + 1, b, ...)
-  valid: jax.Array  # (D_s + 1,) bool
-  index: jax.Array  # (D_s + 1,) int32
-  weights: PyTree  # (D_s + 1, ...) weight copies for weight stashing, else None
-  variables: PyTree = None  # (D_s + 1, ...) the forward variables each forward saw; None: stateless
-
-  @property
-  def slots(self) -> int:
-    return self.valid.shape[0]
-
-  def entry(self, packet: Packet, weights: PyTree = None, variables: PyTree = None) -> DelayLine:
-    """What one tick stores: the packet's input, flag and index, and the weights and variables
-    its forward used where this line keeps them, as single leaves (no slot axis)."""
-    as_stored = lambda line, value: None if line is None else jax.tree.map(
-        lambda b, a: jnp.asarray(a, b.dtype), line, value)
-    return DelayLine(as_stored(self.x, packet.x), as_stored(self.valid, packet.valid),
-                     as_stored(self.index, packet.index), as_stored(self.weights, weights),
-                     as_stored(self.variables, variables))
-
-  def write(self, tick, entry: DelayLine) -> DelayLine:
-    """Stores ``entry`` in slot ``tick mod (D_s + 1)``.
-
-    ``dynamic_update_index_in_dim`` writes the slot in place; ``.at[slot].set`` would compile to a
-    scatter that also reads the old slot (to guard against an out-of-range index).
-    """
-    slot = tick % self.slots
-    return jax.tree.map(lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, slot, 0),
-                        self, entry)
-
-  def read(self, tick, entry: DelayLine) -> DelayLine:
-    """The entry written D_s ticks before ``tick``, when this tick writes ``entry``.
-
-    It is read from the line as it is before this tick's write (slot ``(t + 1) mod (D_s + 1)`` is
-    not the slot written; with D_s = 0 the entry read is ``entry`` itself), so no read depends on
-    the write. On a mesh, a stage's code runs inside a ``lax.switch`` whose results XLA cannot
-    write into its operands; there the switch returns only the entry and the line is written
-    after it (``pipejax.sharding``).
-    """
-    if self.slots == 1:
-      return entry
-    slot = (tick + 1) % self.slots
-    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False), self)
-
-
-class StageState(NamedTuple):
-  params: PyTree
-  opt_state: PyTree
-  delay_line: DelayLine
-  forward_out: Packet | None  # what this stage forwarded last tick (None for the last stage)
-  backward_out: PyTree | None  # d loss / d input from last tick (None for stage 0)
-  variables: Variables | None = None  # the stage's non-trainable state (None: stateless)
-
-
-class PipelineState(NamedTuple):
-  stages: tuple[StageState, ...]
-  tick: jax.Array  # int32: ticks done so far; the next micro-batch is sample number `tick`.
-  rng: jax.Array  # uint32 key; per-sample, per-stage keys are folded from it.
-
-
-class Batch(NamedTuple):
-  """One tick's micro-batch (or, with a leading time axis, many ticks' worth)."""
-
-  inputs: PyTree  # (b, ...) per tick
-  labels: PyTree  # (b, ...) per tick
-  valid: jax.Array  # bool per tick: False feeds an empty slot (drain, bubbles)
-
-
-class Forward(NamedTuple):
-  """What a stage's forward step gives the rest of its tick."""
-
-  params: PyTree  # the weights the forward used
-  out: Packet | None  # the packet for the next stage (None for the last stage)
-  ok: jax.Array  # bool[]: the output is finite, or the slot is empty
-  variables: PyTree  # the forward variables after this input (None: stateless or last stage)
-  entry: DelayLine  # what the stage's delay line stores this tick (single leaves, no slot axis)
-
-
-def jit(fn, **kwargs):
-  """``jax.jit`` with the compiler options every pipeline program is built with.
-
-  On a CPU and a GPU, XLA's default copy insertion copies every loop-carried weight whose old
-  value is read by work the update does not depend on (the forward, the input gradient, a weight
-  stash). Region-based copy insertion sees that those reads end before the in-place update and
-  keeps no copy. It changes which buffers are copied, never a value.
-  """
-  option = _REGION_ANALYSIS_OPTION.get(jax.default_backend())
-  if option:
-    kwargs.setdefault("compiler_options", {option: True})
-  return jax.jit(fn, **kwargs)
-
-
-_REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
-                           "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
-
-
-def raw_key(rng) -> jax.Array:
-  """The uint32 key a state keeps, from a raw key (``jax.random.PRNGKey``), a typed one
-  (``jax.random.key``) or an int seed: the state's layout must not depend on which one a user
-  has."""
-  if isinstance(rng, (int, np.integer)):
-    return jax.random.PRNGKey(rng)
-  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    return jax.random.key_data(rng)
-  return rng
 
 
 def _all_finite(tree) -> jax.Array:
@@ -201,73 +80,6 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
     forward = optax.tree_utils.tree_where(forward_valid, forward, variables.forward)
     backward = optax.tree_utils.tree_where(backward_valid, backward, variables.backward)
   return Variables(forward, backward)
-
-
-class ScanRunner(Runner):
-  """What a runner whose tick is one traced function shares (:class:`Pipeline`,
-  :class:`pipejax.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
-  checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
-  ``check_state(state)``, and builds the programs with :meth:`_compile`.
-  """
-
-  @abc.abstractmethod
-  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
-    """One tick of a checked :class:`Batch`: ``(state, metrics)``, traceable."""
-
-  @abc.abstractmethod
-  def check_state(self, state) -> None:
-    """Refuses a state of another runner, or one whose buffers an earlier run() consumed."""
-
-  def tick(self, state, inputs, labels, valid=True):
-    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
-
-    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
-    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
-    ``finite`` (one flag per stage).
-    """
-    self.check_state(state)
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
-    return self._jit_tick(state, batch)
-
-  def run(self, state, inputs, labels, valid=None):
-    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
-
-    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
-    stacked along T.
-
-    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
-    real: PB after its fill), a second compiled version runs without the per-stage guard against
-    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
-    same numbers up to float rounding (the two programs fuse differently); which one runs depends
-    only on the state and the stream, so a resumed run still repeats the original bit for bit.
-    """
-    self.check_state(state)
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
-    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
-      return self._jit_run_full(state, batch)
-    return self._jit_run(state, batch)
-
-  @property
-  def programs(self) -> tuple:
-    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
-    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
-    return self._jit_run, self._jit_run_full
-
-  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
-    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
-    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
-    program = self._jit_run_full if every_slot_full else self._jit_run
-    return program.lower(state, batch)
-
-  def _run(self, state, batches: Batch, every_slot_full: bool = False):
-    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
-                        batches)
-
-  def _compile(self):
-    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
-    return (jit(self._tick), jit(self._run, donate_argnums=0),
-            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -347,7 +159,7 @@ class Pipeline(ScanRunner):
 
   def held_stash_bytes(self, state: PipelineState) -> int:
     """Bytes of stashed activations actually held in ``state``'s delay lines."""
-    return held_stash_bytes(state.stages)
+    return accounting.held_stash_bytes(state.stages)
 
   def _last_stage_output(self):
     """The last stage's output shape (abstractly, with its variables if it has any)."""
@@ -633,16 +445,3 @@ def tick_metrics(stage_metrics: list[dict]) -> dict:
     if per_stage in stage_metrics[0]:
       metrics[per_stage] = jnp.concatenate([jnp.atleast_1d(m[per_stage]) for m in stage_metrics])
   return metrics
-
-
-def slots_full(stage_states) -> bool:
-  """Whether the delay lines and forward registers of ``stage_states`` (one stage's or a stacked
-  group's each) hold only real micro-batches."""
-  flags = [(st.delay_line.valid, st.forward_out.valid if st.forward_out is not None else True)
-           for st in stage_states]
-  return all(bool(np.all(v)) for v in jax.tree.leaves(jax.device_get(flags)))
-
-
-def held_stash_bytes(stage_states) -> int:
-  """Bytes of stashed activations the delay lines of ``stage_states`` hold."""
-  return sum(accounting.tree_bytes(st.delay_line.x) for st in stage_states)

@@ -9,9 +9,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pipejax.engine import Pipeline, PipelineState
+from pipejax.engine import Pipeline
 from pipejax.mesh import MeshError
 from pipejax.schedules.costs import contiguous_split
+from pipejax.state import PipelineState
 
 
 def partition_stages(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:

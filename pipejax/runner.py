@@ -4,21 +4,26 @@ Three runners implement it: :class:`pipejax.engine.Pipeline` (one device, stage 
 :class:`pipejax.stacking.StackedPipeline` (runs of identical stages as stacked groups) and
 :class:`pipejax.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a layout
 of its own; :meth:`Runner.to_logical` gives the device-independent
-:class:`~pipejax.engine.PipelineState` that checkpoints hold, so any runner resumes any other's.
+:class:`~pipejax.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
+
+:class:`ScanRunner` is what the two whose tick is one traced function share (``Pipeline`` and
+``StackedPipeline``); :func:`jit` is how every pipeline program is compiled.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
 
 from pipejax import accounting, checks
+from pipejax.state import Batch, PipelineState
 
 if TYPE_CHECKING:
-  from pipejax.engine import Pipeline, PipelineState
+  from pipejax.engine import Pipeline
 
 PyTree = Any
 State = Any  # a runner's state in its own layout
@@ -53,7 +58,7 @@ class Runner(Protocol):
 
   @abc.abstractmethod
   def to_logical(self, state: State) -> PipelineState:
-    """The device-independent :class:`~pipejax.engine.PipelineState` (what checkpoints hold)."""
+    """The device-independent :class:`~pipejax.state.PipelineState` (what checkpoints hold)."""
 
   @abc.abstractmethod
   def from_logical(self, logical_state: PipelineState) -> State:
@@ -98,3 +103,88 @@ class Runner(Protocol):
 
     valid = spread(np.ones((count,), bool))
     return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
+
+
+def jit(fn, **kwargs):
+  """``jax.jit`` with the compiler options every pipeline program is built with.
+
+  On a CPU and a GPU, XLA's default copy insertion copies every loop-carried weight whose old
+  value is read by work the update does not depend on (the forward, the input gradient, a weight
+  stash). Region-based copy insertion sees that those reads end before the in-place update and
+  keeps no copy. It changes which buffers are copied, never a value.
+  """
+  option = _REGION_ANALYSIS_OPTION.get(jax.default_backend())
+  if option:
+    kwargs.setdefault("compiler_options", {option: True})
+  return jax.jit(fn, **kwargs)
+
+
+_REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
+                           "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
+
+
+class ScanRunner(Runner):
+  """What a runner whose tick is one traced function shares (:class:`pipejax.engine.Pipeline`,
+  :class:`pipejax.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
+  checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
+  ``check_state(state)``, and builds the programs with :meth:`_compile`.
+  """
+
+  @abc.abstractmethod
+  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
+    """One tick of a checked :class:`Batch`: ``(state, metrics)``, traceable."""
+
+  @abc.abstractmethod
+  def check_state(self, state) -> None:
+    """Refuses a state of another runner, or one whose buffers an earlier run() consumed."""
+
+  def tick(self, state, inputs, labels, valid=True):
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
+
+    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
+    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
+    ``finite`` (one flag per stage).
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    return self._jit_tick(state, batch)
+
+  def run(self, state, inputs, labels, valid=None):
+    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
+
+    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
+    stacked along T.
+
+    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
+    real: PB after its fill), a second compiled version runs without the per-stage guard against
+    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
+    same numbers up to float rounding (the two programs fuse differently); which one runs depends
+    only on the state and the stream, so a resumed run still repeats the original bit for bit.
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
+      return self._jit_run_full(state, batch)
+    return self._jit_run(state, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
+    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
+
+  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
+    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
+    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    program = self._jit_run_full if every_slot_full else self._jit_run
+    return program.lower(state, batch)
+
+  def _run(self, state, batches: Batch, every_slot_full: bool = False):
+    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
+                        batches)
+
+  def _compile(self):
+    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
+    return (jit(self._tick), jit(self._run, donate_argnums=0),
+            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))

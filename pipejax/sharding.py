@@ -8,7 +8,7 @@ weight gradient (``lax.pmean``) before the stage's update, so all replicas keep 
 
 **Packing** (``pipejax.packing``). Groups differ in shapes (uneven stages, uneven group sizes),
 while ``shard_map`` wants one array shape on every device. So each group's slice of the
-:class:`~pipejax.engine.PipelineState` is flattened into 1-D buffers padded to the largest
+:class:`~pipejax.state.PipelineState` is flattened into 1-D buffers padded to the largest
 group's and stacked along a leading ``stage`` dimension sharded over the mesh, in two families:
 
 * ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
@@ -61,13 +61,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import checks, engine, packing, stacking
+from pipejax import checks, packing, stacking
 from pipejax.checks import PipelineError
-from pipejax.engine import Batch, Packet, Pipeline, PipelineState
+from pipejax.engine import Pipeline
 from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh
 from pipejax.packing import LOCAL, SHARED, PackedState
 from pipejax.partition import check_partition, param_counts, partition_stages
-from pipejax.runner import Runner
+from pipejax.runner import Runner, jit
+from pipejax.state import Batch, Packet, PipelineState
 
 PyTree = Any
 
@@ -131,8 +132,8 @@ class ShardedPipeline(Runner):
     self.layout = layout  # "auto" resolves to "slots" or "flat" in _build_layouts
     self._build_layouts()
     out_shardings = (self._state_shardings(), self._replicated)
-    self._jit_run = engine.jit(self._run, donate_argnums=0, out_shardings=out_shardings)
-    self._jit_run_full = engine.jit(functools.partial(self._run, every_slot_full=True),
+    self._jit_run = jit(self._run, donate_argnums=0, out_shardings=out_shardings)
+    self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
                                     donate_argnums=0, out_shardings=out_shardings)
 
   # ------------------------------------------------------------------ static layout

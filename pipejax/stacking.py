@@ -43,17 +43,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax import checks, engine
-from pipejax.engine import Batch, Packet, Pipeline, PipelineState, ScanRunner, StageState
+from pipejax import accounting, checks, engine
+from pipejax.engine import Pipeline
 from pipejax.mesh import MeshError
+from pipejax.runner import ScanRunner
+from pipejax.state import Batch, Packet, PipelineState, StageState, slots_full
 
 PyTree = Any
 
 
 class StackedState(NamedTuple):
-  """A :class:`~pipejax.engine.PipelineState` with each group's stages stacked into one.
+  """A :class:`~pipejax.state.PipelineState` with each group's stages stacked into one.
 
-  ``parts[k]`` is the :class:`~pipejax.engine.StageState` of a single stage, or of a group with
+  ``parts[k]`` is the :class:`~pipejax.state.StageState` of a single stage, or of a group with
   a leading stage axis on every leaf but the delay line's, whose rings lie end to end.
   """
 
@@ -310,11 +312,11 @@ class StackedPipeline(ScanRunner):
     checks.check_state(state, self._state_spec, self.num_stages)
 
   def every_slot_full(self, state: StackedState) -> bool:
-    return engine.slots_full(state.parts)
+    return slots_full(state.parts)
 
   def held_stash_bytes(self, state: StackedState) -> int:
     """Bytes of stashed activations the state's delay lines hold."""
-    return engine.held_stash_bytes(state.parts)
+    return accounting.held_stash_bytes(state.parts)
 
   # ------------------------------------------------------------------ one tick
 

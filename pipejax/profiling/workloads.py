@@ -57,6 +57,6 @@ def stream(num_ticks: int, b: int, shape=(WIDTH,), classes: int = WIDTH):
 
 def plain_scan(model: pipejax.Model, tx: optax.GradientTransformation, jit=jax.jit):
   """The plain loop over a stream, ``(carry, (x, y)) -> (carry, losses)``, jitted by ``jit``
-  (``engine.jit``: compiled as the pipeline is) with the carry donated."""
+  (``pipejax.runner.jit``: compiled as the pipeline is) with the carry donated."""
   step = stages.plain_step(model, tx)
   return jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)
