@@ -102,8 +102,15 @@ def test_nothing_cites_the_developers_brief():
   offenders = [path for path in project_text_files()
                if os.path.basename(path) != BRIEF and BRIEF in read(path)]
   assert not offenders, f"{offenders} mention {BRIEF}; cite docs/design.md's sections instead"
-  outside = [page for page in DOC_PAGES if "../shared" in read(page)]
-  assert not outside, f"{outside} cite ../shared, which a clone does not hold"
+  root = os.path.realpath(ROOT)
+  leaves = lambda base, ref: not os.path.realpath(os.path.join(base, ref)).startswith(root + os.sep)
+  # A path is read from the page's folder, or from the repository's root when it names nothing there.
+  outside = [(page, ref) for page in DOC_PAGES
+             for ref in re.findall(r"(?:\.\./)+[\w./-]+", read(page))
+             if leaves(os.path.join(root, os.path.dirname(page)), ref) or (
+                 not os.path.exists(os.path.join(root, os.path.dirname(page), ref))
+                 and leaves(root, ref))]
+  assert not outside, f"{outside}: paths outside the repository, which a clone does not hold"
 
 
 def test_the_module_map_names_every_module_of_the_package():
