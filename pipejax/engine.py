@@ -82,6 +82,14 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
+
+def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
+  """Arrays shaped ``leading + leaf.shape`` for each leaf of ``spec``: ``fill_value`` in floating
+  leaves, 0 in integer ones (an empty slot is flagged invalid, never read as a number)."""
+  return jax.tree.map(
+      lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
+                         else 0, a.dtype), spec)
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pipeline(ScanRunner):
   """A model, a method and the shape of one micro-batch: everything static about a pipeline.
@@ -181,36 +189,44 @@ class Pipeline(ScanRunner):
     return self._jit_init(raw_key(rng), jnp.float32(fill_value))
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
-    param_key, run_key = jax.random.split(rng)
-    keys = jax.random.split(param_key, self.num_stages)
-
-    def filled(spec, leading=()):
-      return jax.tree.map(
-          lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
-                             else 0, a.dtype), spec)
-
-    def empty_packet(x_spec):
-      return Packet(filled(x_spec), filled(self.example_labels), jnp.array(False),
-                    jnp.array(-1, jnp.int32))
-
+    stage_keys, run_key = self.init_keys(rng)
     stages = []
-    for s, stage in enumerate(self.model.stages):
-      x_spec = self._stage_inputs[s]
-      x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
-      params = stage.init(keys[s], x_zeros)
-      variables = stage.variables(keys[s], x_zeros)
-      tx = self.method.optimizer(self.delays[s])
-      slots = self.delays[s] + 1
-      weights = filled(params, (slots,)) if self.stashes_weights else None
-      delay_line = DelayLine(filled(x_spec, (slots,)), jnp.zeros((slots,), bool),
-                             jnp.full((slots,), -1, jnp.int32), weights,
-                             None if variables is None else filled(variables.forward, (slots,)))
-      is_last = s == self.num_stages - 1
-      forward_out = None if is_last else empty_packet(self._stage_inputs[s + 1])
-      backward_out = None if s == 0 else filled(x_spec)
-      stages.append(StageState(params, tx.init(params), delay_line, forward_out, backward_out,
-                               variables))
+    for s, delay in enumerate(self.delays):
+      st = self.init_stage(s, stage_keys[s], fill_value, delay)
+      stages.append(st._replace(delay_line=self.empty_delay_line(s, st, delay + 1, fill_value)))
     return PipelineState(tuple(stages), jnp.array(0, jnp.int32), run_key)
+
+  def init_keys(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The key of each stage's initial weights, and the key of the run's own stream."""
+    param_key, run_key = jax.random.split(rng)
+    return jax.random.split(param_key, self.num_stages), run_key
+
+  def init_stage(self, s: int, key: jax.Array, fill_value: jax.Array, delay) -> StageState:
+    """Stage ``s``'s initial weights, optimizer state and empty registers, without its delay line
+    (:meth:`empty_delay_line`). ``delay`` may be traced, so that identical stages initialize
+    together under ``vmap``."""
+    x_spec = self._stage_inputs[s]
+    x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
+    params = self.model.stages[s].init(key, x_zeros)
+    variables = self.model.stages[s].variables(key, x_zeros)
+    forward_out = None
+    if s < self.num_stages - 1:
+      forward_out = Packet(_filled(self._stage_inputs[s + 1], fill_value),
+                           _filled(self.example_labels, fill_value), jnp.array(False),
+                           jnp.array(-1, jnp.int32))
+    backward_out = None if s == 0 else _filled(x_spec, fill_value)
+    return StageState(params, self.method.optimizer(delay).init(params), None, forward_out,
+                      backward_out, variables)
+
+  def empty_delay_line(self, s: int, st: StageState, slots: int, fill_value) -> DelayLine:
+    """``slots`` empty entries of stage ``s``'s delay line, shaped after one stage's state
+    ``st``."""
+    weights = _filled(st.params, fill_value, (slots,)) if self.stashes_weights else None
+    variables = None if st.variables is None else _filled(st.variables.forward, fill_value,
+                                                           (slots,))
+    return DelayLine(_filled(self._stage_inputs[s], fill_value, (slots,)),
+                     jnp.zeros((slots,), bool), jnp.full((slots,), -1, jnp.int32), weights,
+                     variables)
 
   # ------------------------------------------------------------------ one tick
 

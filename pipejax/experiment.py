@@ -96,16 +96,17 @@ class Setup:
 
   def init(self, rng):
     """The runner's initial state: the pipeline's, with the weights of ``initial_weights_from``
-    where that is set. Every layout starts from the pipeline's own init, so from the same bits."""
+    where that is set. Every runner's init makes the pipeline's own init's bits."""
+    if self.initial_weights_from is None:
+      return self.runner.init(rng)
+    source = self.initial_weights_from.init(rng)
+    weights = sequential.split_layer_params(
+        self.model, sequential.merge_stage_params([st.params for st in source.stages]),
+        self.pipeline.example_inputs)
     logical = self.pipeline.init(rng)
-    if self.initial_weights_from is not None:
-      source = self.initial_weights_from.init(rng)
-      weights = sequential.split_layer_params(
-          self.model, sequential.merge_stage_params([st.params for st in source.stages]),
-          self.pipeline.example_inputs)
-      logical = logical._replace(stages=tuple(
-          st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
-          for st, w, delay in zip(logical.stages, weights, self.pipeline.delays)))
+    logical = logical._replace(stages=tuple(
+        st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
+        for st, w, delay in zip(logical.stages, weights, self.pipeline.delays)))
     return self.runner.from_logical(logical)
 
 

@@ -47,7 +47,7 @@ from pipejax import accounting, checks, engine
 from pipejax.engine import Pipeline
 from pipejax.mesh import MeshError
 from pipejax.runner import ScanRunner
-from pipejax.state import Batch, Packet, PipelineState, StageState, slots_full
+from pipejax.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
 
@@ -90,15 +90,35 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
 
   try:
     traced = (jax.make_jaxpr(forward)(leaves, spec.stages[s - 1].forward_out.x, spec.rng),
-              jax.make_jaxpr(update)(leaves, jax.ShapeDtypeStruct((), jnp.int32)))
+              jax.make_jaxpr(update)(leaves, _TRACED_DELAY))
   except (TypeError, ValueError):  # a traced delay the method cannot take, among them
     return None
   if opt_structure[0] != jax.tree.structure(st.opt_state):
     return None  # the update's state is not the state the stage's init makes
+  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(st.delay_line)]
+  return _as_text(traced), str(line)
+
+
+def _init_signature(pipeline: Pipeline, s: int, spec: PipelineState):
+  """What stage ``s``'s initialization computes from its key and a traced delay, as text and
+  constants: equal for stages whose initial states one ``vmap`` over their keys makes. None
+  when the method's optimizer state cannot start from a traced delay."""
+  try:
+    traced = jax.make_jaxpr(lambda key, delay: pipeline.init_stage(s, key, jnp.float32(0), delay))(
+        spec.rng, _TRACED_DELAY)
+  except (TypeError, ValueError):
+    return None
+  return _as_text((traced,))
+
+
+_TRACED_DELAY = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def _as_text(traced) -> tuple:
+  """Closed jaxprs as comparable text: the programs, and their constants' shapes and bytes."""
   consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes())
                  for closed in traced for c in closed.consts)
-  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(st.delay_line)]
-  return tuple(str(closed.jaxpr) for closed in traced), consts, str(line)
+  return tuple(str(closed.jaxpr) for closed in traced), consts
 
 
 def find_groups(pipeline: Pipeline) -> list[tuple[int, int]]:
@@ -124,6 +144,7 @@ class _Group(NamedTuple):
   line_treedefs: tuple  # each stage's DelayLine structure
   offsets: np.ndarray  # where each stage's ring starts in the group's buffers
   lengths: np.ndarray  # each stage's ring length D_s + 1
+  init_together: bool  # one vmap over the stages' keys makes their initial states
 
 
 def _stack(trees, treedef):
@@ -241,14 +262,17 @@ class StackedPipeline(ScanRunner):
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
+      inits = {_init_signature(pipeline, s, spec) for s in range(start, stop)}
       self._groups[start] = _Group(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
           tuple(jax.tree.structure(st.delay_line) for st in spec.stages[start:stop]),
-          np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+          np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths,
+          len(inits) == 1 and None not in inits)
     self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = jax.jit(self._unstack)
     self._jit_from_logical = jax.jit(self._stack)
+    self._jit_init = jax.jit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
 
   @property
@@ -263,8 +287,36 @@ class StackedPipeline(ScanRunner):
   # ------------------------------------------------------------------ layout
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> StackedState:
-    """The pipeline's initial state (the same numbers), in the stacked layout."""
-    return self._jit_from_logical(self.pipeline.init(rng, fill_value))
+    """The pipeline's initial state (the same numbers), in the stacked layout.
+
+    A group whose stages initialize alike initializes under one ``vmap`` over its stages' keys,
+    so this program, like the tick, does not grow with the length of a group.
+    """
+    return self._jit_init(raw_key(rng), jnp.float32(fill_value))
+
+  def _init(self, rng: jax.Array, fill_value: jax.Array) -> StackedState:
+    pipe = self.pipeline
+    keys, run_key = pipe.init_keys(rng)
+
+    def one_stage(s, delay):
+      st = pipe.init_stage(s, keys[s], fill_value, delay)
+      return st._replace(delay_line=pipe.empty_delay_line(s, st, delay + 1, fill_value))
+
+    parts = []
+    for start, stop in self.runs:
+      group = self._groups.get(start)
+      if group is None:
+        parts.append(one_stage(start, pipe.delays[start]))
+      elif group.init_together:
+        body = jax.vmap(lambda key, delay: pipe.init_stage(start, key, fill_value, delay))(
+            keys[start:stop], jnp.asarray(pipe.delays[start:stop], jnp.int32))
+        one = jax.tree.map(lambda a: a[0], body)
+        parts.append(body._replace(delay_line=pipe.empty_delay_line(
+            start, one, int(group.lengths.sum()), fill_value)))
+      else:
+        parts.append(self._stack_group(group, [one_stage(s, pipe.delays[s])
+                                               for s in range(start, stop)]))
+    return StackedState(tuple(parts), jnp.array(0, jnp.int32), run_key)
 
   def from_logical(self, logical_state: PipelineState) -> StackedState:
     self.pipeline.check_state(logical_state)
@@ -282,12 +334,17 @@ class StackedPipeline(ScanRunner):
       if group is None:
         parts.append(stages[0])
         continue
-      body = _stack([_body(st) for st in stages], group.treedefs[0])
-      line_leaves = [jax.tree.leaves(st.delay_line) for st in stages]
-      line = jax.tree.unflatten(group.line_treedefs[0],
-                                [jnp.concatenate(column) for column in zip(*line_leaves)])
-      parts.append(body._replace(delay_line=line))
+      parts.append(self._stack_group(group, stages))
     return StackedState(tuple(parts), logical.tick, logical.rng)
+
+  @staticmethod
+  def _stack_group(group: _Group, stages) -> StageState:
+    """A group's stages as one stacked state, their rings laid end to end."""
+    body = _stack([_body(st) for st in stages], group.treedefs[0])
+    line_leaves = [jax.tree.leaves(st.delay_line) for st in stages]
+    line = jax.tree.unflatten(group.line_treedefs[0],
+                              [jnp.concatenate(column) for column in zip(*line_leaves)])
+    return body._replace(delay_line=line)
 
   def _unstack(self, state: StackedState) -> PipelineState:
     stages = []

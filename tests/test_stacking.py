@@ -27,6 +27,9 @@ def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):
   x, y, valid = pipe.schedule(x, y)
   logical = pipe.init(jax.random.PRNGKey(5), fill_value=fill_value)
   start = stacked.from_logical(logical)
+  # The stacked init (one vmap over a group's keys) makes the per-stage init's bits.
+  assert_same(jax.tree.map(np.asarray, stacked.init(jax.random.PRNGKey(5), fill_value)),
+              jax.tree.map(np.asarray, start), exact=True)
   per_stage, per_stage_metrics = pipe.run(logical, x, y, valid)
   grouped, grouped_metrics = stacked.run(start, x, y, valid)
   host = lambda tree: jax.tree.map(np.asarray, tree)
@@ -53,6 +56,19 @@ def test_identical_runs_are_found_and_the_rest_left_alone():
   blocks = models.build("residual_mlp", num_classes=NUM_CLASSES, depth=7, width=8)
   x = np.zeros((1, 3, 3), np.float32)  # the stem flattens it
   assert find_groups(Pipeline(blocks, pb, x, y[0])) == [(0, 1), (1, 6), (6, 7)]
+
+
+def test_the_stacked_init_does_not_grow_with_a_groups_length():
+  """A group initializes under one vmap over its keys: 3 or 9 identical stages, one program."""
+  x, y = make_stream(1, 1)
+  method = methods.make_method("pb_sc_lwp", learning_rate=0.1)
+  programs = [str(jax.make_jaxpr(StackedPipeline(Pipeline(dense_model((5,) * n), method, x[0],
+                                                         y[0])).init)(jax.random.PRNGKey(0)))
+              for n in (4, 10)]
+  assert programs[0].count(" = ") == programs[1].count(" = ")  # equations, not lines
+  per_stage = [str(jax.make_jaxpr(Pipeline(dense_model((5,) * n), method, x[0], y[0]).init)(
+      jax.random.PRNGKey(0))) for n in (4, 10)]
+  assert per_stage[1].count(" = ") > per_stage[0].count(" = ") + 50  # the reference grows
 
 
 def test_a_method_that_needs_a_python_delay_runs_stage_by_stage():
