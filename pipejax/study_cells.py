@@ -125,7 +125,10 @@ def axis_values(records: Sequence[dict], key: str) -> list:
 
 
 def ordered(study: Study, key: str, present: list) -> list:
-  """Grid order for a key (the study file's order), keeping only values that have records."""
+  """The values of a key that have records: ascending where they are numbers (several grids may
+  each give a range), else in the study file's order."""
+  if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+    return sorted(present)
   order = [v for grid in study.grids for v in grid.get(key, ())]
   known = list(dict.fromkeys(v for v in order if v in present))
   return known + [v for v in present if v not in known]

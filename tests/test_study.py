@@ -614,3 +614,14 @@ def test_reports_leave_out_runs_made_before_starting_weights_were_matched():
   kept, left_out = study_report.paired_records([old, new])
   assert kept == [new] and left_out == 1
   assert study_report.paired_records([old]) == ([old], 0)  # nothing matched yet: shown, flagged
+
+
+def test_numeric_rows_ascend_across_grids_and_names_keep_the_files_order():
+  """A stability study refines each method's range in a grid of its own: its table's rows must
+  still read as one ascending ladder, while methods keep the order the study file gives them."""
+  study = Study(name="ladder", config="configs/default.py:smoke",
+                grids=[{"method": ("sgd", "pb"), "lr": (1.6, 3.2)},
+                       {"method": ("pipedream",), "lr": (0.4, 0.8)}])
+  assert study_cells.ordered(study, "lr", [1.6, 3.2, 0.4, 0.8]) == [0.4, 0.8, 1.6, 3.2]
+  assert study_cells.ordered(study, "method", ["pipedream", "pb", "sgd"]) == [
+      "sgd", "pb", "pipedream"]
