@@ -6,25 +6,11 @@ delays, delay lines and optimizer states stay per logical stage. Devices on the 
 axis run replicas of the pipeline on different parts of every micro-batch and average each stage's
 weight gradient (``lax.pmean``) before the stage's update, so all replicas keep the same weights.
 
-**Packing** (``pipejax.packing``). Groups differ in shapes (uneven stages, uneven group sizes),
-while ``shard_map`` wants one array shape on every device. So each group's slice of the
-:class:`~pipejax.state.PipelineState` is flattened into 1-D buffers padded to the largest
-group's and stacked along a leading ``stage`` dimension sharded over the mesh, in two families:
-
-* ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
-  states, PipeDream's stashed weights, stateful stages' variables (live and stashed), and the valid
-  flags and sample indices of delay lines and packets (the same on every replica);
-* ``local`` buffers, global shape ``(data, stage, n)``: everything that carries the micro-batch
-  axis (stashed inputs, forward packets' activations and labels, backward cotangents); replica r
-  holds samples ``r*b/data .. (r+1)*b/data - 1`` of every micro-batch.
-
-Within a family, the ``'slots'`` layout (default) gives every state leaf a buffer of its own: the
-i-th largest leaf of each group shares buffer i, so padding stays small and XLA can update each
-leaf in place as it does on one device. The ``'flat'`` layout puts all leaves of one dtype in one
-buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
-registers that leave a group (its last stage's ``forward_out`` packet and its first stage's
-``backward_out`` cotangent) sit at the same place on every device, so every device cuts its
-outgoing message the same way.
+The state is packed into per-device buffers of one shape on every device, ``shared`` ones
+replicated over ``data`` and ``local`` ones split along the micro-batch
+(:class:`~pipejax.sharded_layout.ShardedLayout`, which also moves states between the host, the mesh
+and the logical layout). The two registers that leave a group, its last stage's forward packet and
+its first stage's cotangent, sit at the same place in every device's buffers.
 
 **A tick** (inside ``lax.scan`` inside ``shard_map``): (1) each device cuts its outgoing registers
 from the carry, i.e. what its group wrote last tick, and ``lax.ppermute`` moves them one device on
@@ -43,34 +29,26 @@ writing the second set and the second the first (:func:`_ping_pong`): nothing is
 Delay lines (PipeDream's weight stashes among them) are not in the two sets: a tick changes one
 slot of each, so the switch returns that slot alone and the loop writes it in place after the
 switch (``packing.ring_windows``), instead of rewriting the whole line into the other set.
-
-A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
-gradient of the whole micro-batch's mean loss that the single-device state holds;
-:meth:`~ShardedPipeline.from_logical` and :meth:`~ShardedPipeline.to_logical` convert, so
-``to_logical(run(from_logical(s)))`` compares directly with ``Pipeline.run(s)``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
-from pipejax import checks, packing, stacking
+from pipejax import packing, stacking
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
 from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh
-from pipejax.packing import LOCAL, SHARED, PackedState
+from pipejax.packing import SHARED, PackedState
 from pipejax.partition import check_partition, param_counts, partition_stages
 from pipejax.runner import Runner, jit
+from pipejax.sharded_layout import ShardedLayout, to_host
 from pipejax.state import Batch, Packet, PipelineState
-
-PyTree = Any
 
 
 class ShardedPipeline(Runner):
@@ -129,79 +107,16 @@ class ShardedPipeline(Runner):
       if len(costs) != num_stages:
         raise MeshError(f"Got {len(costs)} stage costs for a pipeline of {num_stages} stages.")
       self.partition = partition_stages(costs, self.num_groups)
-    self.layout = layout  # "auto" resolves to "slots" or "flat" in _build_layouts
-    self._build_layouts()
-    out_shardings = (self._state_shardings(), self._replicated)
+    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, layout)
+    self.packing = self._mesh_layout.packing
+    self.layout = self.packing.policy  # "auto" resolved
+    self._max_group = max(z - a for a, z in self.partition)
+    metrics = pipeline.metric_shapes()
+    self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
+    out_shardings = (self._mesh_layout.state_shardings(), self._mesh_layout.replicated)
     self._jit_run = jit(self._run, donate_argnums=0, out_shardings=out_shardings)
     self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
-                                    donate_argnums=0, out_shardings=out_shardings)
-
-  # ------------------------------------------------------------------ static layout
-
-  def _build_layouts(self):
-    abstract = jax.eval_shape(self.pipeline.init, jax.random.PRNGKey(0))
-    self._abstract_state = abstract
-    b = self.pipeline.micro_batch_size
-    if self.num_replicas > 1:
-      stateful = [s for s, st in enumerate(abstract.stages) if st.variables is not None]
-      if stateful:
-        raise MeshError(
-            f"{self.pipeline.model.stage_label(stateful[0])} keeps state (running statistics such "
-            "as Online Normalization's) that depends on every sample it sees, in order. Data "
-            f"replicas (data = {self.num_replicas}) each see only their part of every micro-batch, "
-            "so their statistics would differ from each other and from one device's. Put every "
-            "device on the stage axis (data = 1) for a stateful model, or use a stateless "
-            "normalization ('layer' or 'group').")
-      for s, st in enumerate(abstract.stages):
-        for leaf, role in zip(jax.tree.leaves(st), jax.tree.leaves(packing.Packing.roles(st))):
-          if role.batch_axis is not None and leaf.shape[role.batch_axis] != b:
-            raise MeshError(
-                f"Stage {s} keeps an activation of shape {leaf.shape} whose axis "
-                f"{role.batch_axis} is not the micro-batch (b = {b}); data-parallel replicas "
-                "split every activation along its leading micro-batch axis. Keep the micro-batch "
-                "axis first in every stage's output, or use a mesh with data = 1.")
-
-    self.packing = packing.Packing.plan(abstract, self.partition, self.num_replicas, self.layout)
-    self.layout = self.packing.policy  # "auto" resolved
-    self._packet_region = self.packing.packet_region
-    self._cotangent_region = self.packing.cotangent_region
-    self._buffer_sizes = self.packing.buffer_sizes
-    self._body_layouts = self.packing.body_layouts
-    self._packet_layouts = self.packing.packet_layouts
-    self._cotangent_layouts = self.packing.cotangent_layouts
-    self._max_group = max(z - a for a, z in self.partition)
-    metrics = self.pipeline.metric_shapes()
-    self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
-
-  def _partition_spec(self, key) -> P:
-    return P(STAGE) if key[0] == SHARED else P(DATA, STAGE)
-
-  def _global_shape(self, key) -> tuple[int, ...]:
-    n = self._buffer_sizes[key]
-    return (self.num_groups, n) if key[0] == SHARED else (self.num_replicas, self.num_groups, n)
-
-  @property
-  def _replicated(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P())
-
-  def _state_shardings(self) -> PackedState:
-    families = {SHARED: {}, LOCAL: {}}
-    for key in self._buffer_sizes:
-      families[key[0]][packing.buffer_name(key)] = NamedSharding(self.mesh,
-                                                                 self._partition_spec(key))
-    return PackedState(families[SHARED], families[LOCAL], self._replicated, self._replicated)
-
-  def _by_key(self, packed: PackedState) -> dict[tuple[str, str, str], Any]:
-    """Buffers by internal key (family, dtype, name)."""
-    by_name = {(k[0], packing.buffer_name(k)): k for k in self._buffer_sizes}
-    out = {by_name[SHARED, name]: v for name, v in packed.shared.items()}
-    out.update({by_name[LOCAL, name]: v for name, v in packed.local.items()})
-    return out
-
-  @staticmethod
-  def _families(buffers) -> tuple[dict, dict]:
-    return ({packing.buffer_name(k): v for k, v in buffers.items() if k[0] == SHARED},
-            {packing.buffer_name(k): v for k, v in buffers.items() if k[0] == LOCAL})
+                             donate_argnums=0, out_shardings=out_shardings)
 
   # ------------------------------------------------------------------ facts
 
@@ -221,7 +136,8 @@ class ShardedPipeline(Runner):
 
   def buffer_sizes(self) -> dict[str, int]:
     """Elements per device of each packed buffer, keyed ``'shared/float32'`` etc."""
-    return {f"{k[0]}/{packing.buffer_name(k)}": v for k, v in sorted(self._buffer_sizes.items())}
+    return {f"{k[0]}/{packing.buffer_name(k)}": v
+            for k, v in sorted(self.packing.buffer_sizes.items())}
 
   # ------------------------------------------------------------------ state
 
@@ -238,81 +154,18 @@ class ShardedPipeline(Runner):
       raise PipelineError(f"The state has {len(state.stages)} stages; this pipeline has "
                           f"{self.num_stages}.")
     self.pipeline.check_state(state)
-    host = {k: np.zeros(self._global_shape(k), np.dtype(k[1])) for k in self._buffer_sizes}
-    for d, (a, z) in enumerate(self.partition):
-      parts = packing.split_group(state.stages[a:z])
-      layouts = (self._body_layouts[d], self._packet_layouts[d], self._cotangent_layouts[d])
-      for part, layout in zip(parts, layouts):
-        for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(part)):
-          leaf = np.asarray(leaf)
-          if leaf.dtype.name != slot.key[1]:
-            raise PipelineError(f"State leaf of dtype {leaf.dtype.name} where the pipeline holds "
-                                f"{slot.key[1]}; lay out states made by this pipeline's init.")
-          span = slice(slot.offset, slot.offset + slot.size)
-          if slot.role.batch_axis is None:
-            host[slot.key][d, span] = leaf.reshape(-1)
-            continue
-          if slot.role.cotangent:
-            leaf = leaf * np.asarray(self.num_replicas, leaf.dtype)
-          parts = np.split(leaf, self.num_replicas, axis=slot.role.batch_axis)
-          for r, part_r in enumerate(parts):
-            host[slot.key][r, d, span] = part_r.reshape(-1)
-    buffers = {k: self._to_global(v, NamedSharding(self.mesh, self._partition_spec(k)))
-               for k, v in host.items()}
-    shared, local = self._families(buffers)
-    return PackedState(shared, local, self._to_global(np.asarray(state.tick), self._replicated),
-                       self._to_global(np.asarray(state.rng), self._replicated))
+    return self._mesh_layout.from_logical(state)
 
   def check_state(self, packed: PackedState) -> None:
     """Refuses a logical state, a state of another mesh or pipeline, or one a run consumed."""
-    if isinstance(packed, PipelineState):
-      raise PipelineError("This is a logical PipelineState; a ShardedPipeline runs the packed "
-                          "state of its init(), or sharded.from_logical(state) of a logical one.")
-    if not isinstance(packed, PackedState):
-      raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.from_logical(); "
-                          f"got {type(packed).__name__}.")
-    if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
-      raise PipelineError(checks.DONATED_STATE_MESSAGE)
-    names = {family: {packing.buffer_name(k) for k in self._buffer_sizes if k[0] == family}
-             for family in (SHARED, LOCAL)}
-    fits = set(packed.shared) == names[SHARED] and set(packed.local) == names[LOCAL] and all(
-        tuple(a.shape) == self._global_shape(k) for k, a in self._by_key(packed).items())
-    if not fits:
-      raise PipelineError(
-          "The state does not belong to this sharded pipeline: its buffers differ from this "
-          "mesh's and partition's (another pipeline, mesh or partition made it). Use this "
-          "pipeline's init(), or to_logical() the state with the pipeline that made it and "
-          "from_logical() it here.")
+    self._mesh_layout.check_state(packed)
 
   def to_logical(self, packed: PackedState) -> PipelineState:
     """The logical :class:`PipelineState` (for checkpoints and comparisons).
 
     In a multi-process run every process must call it (it gathers the other processes' parts).
     """
-    host = _tree_to_host(self._by_key(packed))
-    stages = []
-    for d, (a, z) in enumerate(self.partition):
-      layouts = (self._body_layouts[d], self._packet_layouts[d], self._cotangent_layouts[d])
-      parts = []
-      for layout in layouts:
-        leaves = []
-        for slot in layout.slots:
-          span = slice(slot.offset, slot.offset + slot.size)
-          if slot.role.batch_axis is None:
-            leaves.append(host[slot.key][d, span].reshape(slot.shape))
-            continue
-          leaf = np.concatenate([host[slot.key][r, d, span].reshape(slot.shape)
-                                 for r in range(self.num_replicas)], axis=slot.role.batch_axis)
-          if slot.role.cotangent:
-            leaf = leaf / np.asarray(self.num_replicas, leaf.dtype)
-          leaves.append(leaf)
-        parts.append(layout.treedef.unflatten(leaves))
-      stages.extend(packing.join_group(*parts))
-    state = PipelineState(tuple(stages), _to_host(packed.tick), _to_host(packed.rng))
-    return jax.tree.map(jnp.asarray, state)
-
-  def _to_global(self, host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
+    return self._mesh_layout.to_logical(packed)
 
   # ------------------------------------------------------------------ running
 
@@ -330,7 +183,7 @@ class ShardedPipeline(Runner):
       batch = Batch(inputs, labels, valid)
     else:
       batch = self.placed_batch(inputs, labels, valid)
-    if bool(np.all(_to_host(batch.valid))) and self.every_slot_full(packed):
+    if bool(np.all(to_host(batch.valid))) and self.every_slot_full(packed):
       return self._jit_run_full(packed, batch)
     return self._jit_run(packed, batch)
 
@@ -342,11 +195,8 @@ class ShardedPipeline(Runner):
 
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
     """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
-    by_replica = NamedSharding(self.mesh, P(None, DATA))
-    return Batch(jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.inputs),
-                 jax.tree.map(lambda a: self._to_global(np.asarray(a), by_replica), batch.labels),
-                 self._to_global(np.asarray(batch.valid), self._replicated))
+    return self._mesh_layout.place_batch(
+        self.pipeline.checked_batch(inputs, labels, valid, ticks=True))
 
   def tick(self, packed: PackedState, inputs, labels, valid=True):
     """One tick (``run`` with T = 1); metrics without the time axis."""
@@ -362,19 +212,13 @@ class ShardedPipeline(Runner):
     buffers come to the host. Any other boolean leaf that is False (none of the built-in
     optimizers keeps one) would only keep the guarded program running.
     """
-    flags = _tree_to_host({k: v for k, v in self._by_key(packed).items() if k[1] == "bool"})
-    for d in range(self.num_groups):
-      for layout in (self._body_layouts[d], self._packet_layouts[d], self._cotangent_layouts[d]):
-        for slot in layout.slots:
-          if slot.key in flags:
-            span = flags[slot.key][..., d, slot.offset:slot.offset + slot.size]
-            if not span.all():
-              return False
-    return True
+    return self._mesh_layout.flags_all_set(packed)
+
+  # ------------------------------------------------------------------ the tick on the mesh
 
   def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
-    buffers = self._by_key(packed)
-    buffer_specs = {k: self._partition_spec(k) for k in buffers}
+    buffers = self._mesh_layout.buffers(packed)
+    buffer_specs = {k: self._mesh_layout.partition_spec(k) for k in buffers}
     batch_specs = Batch(jax.tree.map(lambda _: P(None, DATA), batch.inputs),
                         jax.tree.map(lambda _: P(None, DATA), batch.labels), P())
     metric_specs = {k: P(None, STAGE) for k in self._metric_template}
@@ -391,8 +235,7 @@ class ShardedPipeline(Runner):
     position = np.array([s - self.partition[d][0] for s, d in enumerate(device)])
     metrics = {k: v[:, -1] for k, v in last.items()}  # the last stage lives on the last device
     metrics["finite"] = finite[:, device, position]
-    shared, local = self._families(buffers)
-    return PackedState(shared, local, tick, packed.rng), metrics
+    return self._mesh_layout.packed_state(buffers, tick, packed.rng), metrics
 
   def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
     """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
@@ -439,28 +282,29 @@ class ShardedPipeline(Runner):
                            for k, (a, z) in regions.items()}
     forward = [(d, d + 1) for d in range(self.num_groups - 1)]
     backward = [(d + 1, d) for d in range(self.num_groups - 1)]
-    return (jax.lax.ppermute(cut(self._packet_region), STAGE, forward),
-            jax.lax.ppermute(cut(self._cotangent_region), STAGE, backward))
+    return (jax.lax.ppermute(cut(self.packing.packet_region), STAGE, forward),
+            jax.lax.ppermute(cut(self.packing.cotangent_region), STAGE, backward))
 
   def _advance_group(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
                      rng, every_slot_full: bool = False):
     """lax.switch branch d: unpack group d at static offsets, advance it one tick, pack it back."""
-    body_layout = self._body_layouts[d]
-    packet_layout, cotangent_layout = self._packet_layouts[d], self._cotangent_layouts[d]
+    plan = self.packing
+    body_layout = plan.body_layouts[d]
+    packet_layout, cotangent_layout = plan.packet_layouts[d], plan.cotangent_layouts[d]
     group = packing.join_group(packing.read_tree(buffers, body_layout),
                                packing.read_tree(buffers, packet_layout),
                                packing.read_tree(buffers, cotangent_layout))
     if d == 0:
       inbound = Packet(tick_batch.inputs, tick_batch.labels, tick_batch.valid, tick)
     else:  # what group d-1's last stage forwarded last tick, cut from its packet region
-      inbound = packing.read_tree(packet_msg, self._packet_layouts[d - 1])
+      inbound = packing.read_tree(packet_msg, plan.packet_layouts[d - 1])
     cotangent = None
     if d < self.num_groups - 1:  # what group d+1's first stage sent back last tick
-      region_starts = {k: a for k, (a, _) in self._cotangent_region.items()}
-      cotangent = packing.read_tree(cotangent_msg, self._cotangent_layouts[d + 1], region_starts)
+      region_starts = {k: a for k, (a, _) in plan.cotangent_region.items()}
+      cotangent = packing.read_tree(cotangent_msg, plan.cotangent_layouts[d + 1], region_starts)
     reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
-    ring_widths = self.packing.ring_widths
+    ring_widths = plan.ring_widths
     advance = (self.pipeline.advance_stages if self.runs is None
                else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
     group, stage_metrics = advance(start, group, inbound, cotangent, tick, rng, reduce_grads,
@@ -526,27 +370,3 @@ def _ping_pong(one_tick, buffers, rings, tick, batch: Batch):
     tick = tick + 1
   return buffers, rings, tick, jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
 
-
-def _to_host(array) -> np.ndarray:
-  if isinstance(array, jax.Array) and not array.is_fully_addressable:
-    if array.is_fully_replicated:  # every process holds all of it
-      return np.asarray(array.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-  return np.asarray(array)
-
-
-def _tree_to_host(arrays: dict) -> dict:
-  """Host copies of the arrays, those spread over processes gathered in one collective.
-
-  (Gathering each array on its own would compile and run one small program per buffer.)
-  """
-  spread = {k: v for k, v in arrays.items()
-            if isinstance(v, jax.Array) and not v.is_fully_addressable}
-  if spread:
-    replicated = {k: v.sharding.update(spec=P()) for k, v in spread.items()}
-    spread = jax.jit(_identity, out_shardings=replicated)(spread)
-  return {k: _to_host(spread.get(k, v)) for k, v in arrays.items()}
-
-
-def _identity(tree):
-  return tree  # one function object, so that jit compiles each gather once

@@ -1,4 +1,5 @@
-"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic.py)."""
+"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic.py) and of its
+simulation (pipejax/analysis/quadratic_simulation.py)."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import pytest
 
 from pipejax import optim
 from pipejax import plotting
-from pipejax.analysis import quadratic, quadratic_docs, quadratic_figures
+from pipejax.analysis import quadratic, quadratic_docs, quadratic_figures, quadratic_simulation
 
 from tests.helpers import ROOT as REPO_ROOT
 
@@ -99,14 +100,14 @@ def test_simulated_rate_matches_spectral_radius(method, momentum, delay, fractio
   lr_lambda = fraction * quadratic.max_stable_lr(method, momentum, delay)
   rho = quadratic.spectral_radius(method, lr_lambda, momentum, delay)
   assert (rho < 1) == (fraction < 1)
-  simulated = quadratic.simulated_rate(method, lr_lambda, momentum, delay)
+  simulated = quadratic_simulation.simulated_rate(method, lr_lambda, momentum, delay)
   assert simulated == pytest.approx(rho, rel=1e-3)
 
 
 @pytest.mark.parametrize("method", ["pb", "pb_sc_lwp", "spectrain"])
 def test_simulated_rate_matches_spectral_radius_at_long_delay(method):
   rho = quadratic.spectral_radius(method, 1e-4, 0.99, 64)
-  assert quadratic.simulated_rate(method, 1e-4, 0.99, 64) == pytest.approx(rho, rel=1e-3)
+  assert quadratic_simulation.simulated_rate(method, 1e-4, 0.99, 64) == pytest.approx(rho, rel=1e-3)
 
 
 def test_spectral_radius_is_that_of_companion_matrix():
@@ -169,20 +170,20 @@ def test_spike_compensation_uses_the_library_coefficients_exact_at_the_edges():
 def test_multi_dim_losses():
   lam = np.logspace(-3, 0, 16)
   steps = 600
-  losses = quadratic.multi_dim_losses("pb_sc", lam, 2e-3, 0.99, 16, steps)
+  losses = quadratic_simulation.multi_dim_losses("pb_sc", lam, 2e-3, 0.99, 16, steps)
   assert losses.shape == (steps + 1,)
   assert losses[0] == pytest.approx(0.5 * lam.sum())
   # Fill: no gradient has come back during the first D steps, so nothing moves.
   np.testing.assert_array_equal(losses[:17], losses[0])
   assert losses[-1] < 0.1 * losses[0]
   # Plain PB at the same step is past its limit (6.4e-4) and blows up.
-  pb = quadratic.multi_dim_losses("pb", lam, 2e-3, 0.99, 16, steps)
+  pb = quadratic_simulation.multi_dim_losses("pb", lam, 2e-3, 0.99, 16, steps)
   assert np.isinf(pb[-1]) or pb[-1] > 10 * pb[0]
 
 
 def test_multi_dim_losses_sgd_matches_closed_form():
   # Undelayed GD on one coordinate: w_t = (1 − ηλ)^t.
-  losses = quadratic.multi_dim_losses("sgd", [0.5], 0.4, 0.0, 0, 10)
+  losses = quadratic_simulation.multi_dim_losses("sgd", [0.5], 0.4, 0.0, 0, 10)
   np.testing.assert_allclose(losses, 0.25 * (1 - 0.2) ** (2 * np.arange(11)), rtol=1e-12)
 
 
@@ -310,6 +311,6 @@ def test_bad_momentum(momentum):
 @pytest.mark.parametrize("lr_lambda", [0.0, -0.1, float("inf")])
 def test_bad_lr(lr_lambda):
   with pytest.raises(ValueError, match="lr_lambda"):
-    quadratic.simulated_rate("pb", lr_lambda, 0.9, 4)
+    quadratic_simulation.simulated_rate("pb", lr_lambda, 0.9, 4)
   with pytest.raises(ValueError, match="lr"):
-    quadratic.multi_dim_losses("pb", [1.0], lr_lambda, 0.9, 4, 10)
+    quadratic_simulation.multi_dim_losses("pb", [1.0], lr_lambda, 0.9, 4, 10)

@@ -4,6 +4,8 @@ On a one-dimensional quadratic every method of docs/design.md §3 is a *linear* 
 current weight, the momentum buffer and the few past weights (or velocities) a gradient delay
 needs. Its companion matrix ``A`` maps the state of step ``t`` to the state of step ``t + 1``; the
 spectral radius ``ρ(A)`` is the asymptotic convergence rate per step and ``ρ < 1`` is stability.
+This module builds the matrices and reads the stability limits and best rates off them;
+:mod:`pipejax.analysis.quadratic_simulation` steps each update rule itself, the independent check.
 
 Conventions (heavy-ball momentum, ``η`` the learning rate, ``x = ηλ``):
 
@@ -41,9 +43,8 @@ Example:
   >>> from pipejax.analysis import quadratic
   >>> round(quadratic.max_stable_lr("pb", 0.0, 0), 6)  # heavy ball: 2(1 + m)
   2.0
-  >>> rho = quadratic.spectral_radius("pb_sc", 0.05, 0.9, 4)
-  >>> abs(quadratic.simulated_rate("pb_sc", 0.05, 0.9, 4) - rho) < 1e-3
-  True
+  >>> round(quadratic.spectral_radius("pb", 0.1, 0.0, 0), 6)  # plain gradient descent: 1 - ηλ
+  0.9
 
 Reference: Kosson et al., "Pipelined Backpropagation at Scale: Training Large Models without
 Batches", MLSys 2021 (arXiv 2003.11666), whose convex-quadratic analysis this reproduces.
@@ -51,7 +52,6 @@ Batches", MLSys 2021 (arXiv 2003.11666), whose convex-quadratic analysis this re
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from typing import Iterable, Sequence
@@ -63,8 +63,8 @@ from pipejax import optim
 METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
 PIPELINE_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
 
-_SPIKE_COMPENSATED = ("pb_sc", "pb_sc_lwp")
-_UPDATE_FORM_PREDICTION = ("pb_lwp", "pb_sc_lwp")
+SPIKE_COMPENSATED = ("pb_sc", "pb_sc_lwp")
+UPDATE_FORM_PREDICTION = ("pb_lwp", "pb_sc_lwp")
 
 # The stability scan covers ηλ from _SCAN_MIN up; the smallest stable limit in the default table
 # (pb at m = 0.999, D = 64) is ~1.6e-5, so 1e-8 leaves three decades of margin.
@@ -75,7 +75,7 @@ _POINTS_PER_DECADE = 24
 
 
 # ----------------------------------------------------------------------------------------------
-# Argument checks.
+# Argument checks (the simulation's too).
 
 
 def _check_method(method: str) -> None:
@@ -94,13 +94,15 @@ def _check_delay(delay: int) -> None:
     raise ValueError(f"delay must be a non-negative integer, got {delay!r}.")
 
 
-def _check_lr(lr_lambda: float, name: str = "lr_lambda") -> None:
+def check_lr(lr_lambda: float, name: str = "lr_lambda") -> None:
+  """Refuses an ``ηλ`` (or an ``η``, named ``name``) that is not a finite number > 0."""
   if not (isinstance(lr_lambda, (int, float, np.floating, np.integer))
           and math.isfinite(float(lr_lambda)) and float(lr_lambda) > 0.0):
     raise ValueError(f"{name} must be a finite number > 0, got {lr_lambda!r}.")
 
 
-def _check(method: str, momentum: float, delay: int) -> None:
+def check_arguments(method: str, momentum: float, delay: int) -> None:
+  """Refuses an unknown method, a momentum outside ``[0, 1)`` or a delay that is not an int ≥ 0."""
   _check_method(method)
   _check_momentum(momentum)
   _check_delay(delay)
@@ -110,19 +112,19 @@ def _check(method: str, momentum: float, delay: int) -> None:
 # Per-method coefficients shared by the matrix and the simulation.
 
 
-def _effective_delay(method: str, delay: int) -> int:
-  # sgd is the unpipelined reference whatever delay the table row is for.
+def effective_delay(method: str, delay: int) -> int:
+  """The delay the method runs with: ``sgd`` is the unpipelined reference at every ``delay``."""
   return 0 if method == "sgd" else int(delay)
 
 
-def _lr_scale(method: str, delay: int) -> float:
+def lr_scale(method: str, delay: int) -> float:
   """Factor on the base ``ηλ``: PipeMare's ``τ^{-1}`` with ``τ = max(D, 1)``, else 1."""
   return 1.0 / max(delay, 1) if method == "pipemare" else 1.0
 
 
 def _update_coefficients(method: str, momentum: float, delay: int) -> tuple[float, float]:
   """Returns ``(c_v, c_g)`` with ``u_t = c_v m v_t + c_g g_t`` (``u = a v_{t+1} + b g``)."""
-  if method in _SPIKE_COMPENSATED:
+  if method in SPIKE_COMPENSATED:
     a, b = optim.spike_coefficients(delay, float(momentum))
     return a, a + b
   return 1.0, 1.0
@@ -167,7 +169,7 @@ def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray,
       a0[v0 + k, v0 + k - 1] = 1.0
     return _frozen(a0), _frozen(a1)
 
-  predicts = method in _UPDATE_FORM_PREDICTION
+  predicts = method in UPDATE_FORM_PREDICTION
   # State: w_t … w_{t−D} (plus w_{t−D−1} when predicting from the last update), then V_t.
   n_w = d + 2 if predicts else d + 1
   n = n_w + 1
@@ -210,26 +212,26 @@ def companion_matrix(method: str, lr_lambda: float, momentum: float, delay: int)
   Raises:
     ValueError: on an unknown method or an argument out of range.
   """
-  _check(method, momentum, delay)
-  _check_lr(lr_lambda)
-  d = _effective_delay(method, delay)
+  check_arguments(method, momentum, delay)
+  check_lr(lr_lambda)
+  d = effective_delay(method, delay)
   a0, a1 = _affine_parts(method, float(momentum), d)
-  return a0 + float(lr_lambda) * _lr_scale(method, d) * a1
+  return a0 + float(lr_lambda) * lr_scale(method, d) * a1
 
 
 def _spectral_radii(method: str, lr_lambdas: np.ndarray, momentum: float,
                     delay: int) -> np.ndarray:
   """Spectral radii over an array of ``ηλ`` (no argument checks; ``delay`` already effective)."""
   a0, a1 = _affine_parts(method, float(momentum), delay)
-  x = np.asarray(lr_lambdas, dtype=np.float64) * _lr_scale(method, delay)
+  x = np.asarray(lr_lambdas, dtype=np.float64) * lr_scale(method, delay)
   mats = a0[None] + x[:, None, None] * a1[None]
   return np.abs(np.linalg.eigvals(mats)).max(axis=-1)
 
 
 def spectral_radius(method: str, lr_lambda: float, momentum: float, delay: int) -> float:
   """Returns ``ρ`` of :func:`companion_matrix`: the asymptotic per-step convergence factor."""
-  _check(method, momentum, delay)
-  _check_lr(lr_lambda)
+  check_arguments(method, momentum, delay)
+  check_lr(lr_lambda)
   return float(spectral_radii(method, np.array([float(lr_lambda)]), momentum, delay)[0])
 
 
@@ -241,172 +243,12 @@ def spectral_radii(method: str, lr_lambdas: Sequence[float] | np.ndarray, moment
     ValueError: on an unknown method, an argument out of range, or an ``ηλ`` that is not a
       finite number > 0.
   """
-  _check(method, momentum, delay)
+  check_arguments(method, momentum, delay)
   xs = np.asarray(lr_lambdas, dtype=np.float64)
   if xs.ndim != 1 or not np.all(np.isfinite(xs)) or np.any(xs <= 0):
     raise ValueError("lr_lambdas must be a one-dimensional sequence of finite numbers > 0, got "
                      f"shape {xs.shape}.")
-  return _spectral_radii(method, xs, momentum, _effective_delay(method, delay))
-
-
-# ----------------------------------------------------------------------------------------------
-# Direct simulation of the update rules (independent of the matrices above).
-
-
-class _Recurrence:
-  """The method's update rule, stepped directly with explicit histories.
-
-  Works on scalars or on numpy arrays of independent coordinates (one per curvature). Nothing here
-  uses the companion matrix: it is the second, independent route to the same rate.
-  """
-
-  def __init__(self, method, curvature, lr, momentum, delay, weight_history, velocity_history):
-    self.method = method
-    self.delay = _effective_delay(method, delay)
-    self.horizon = self.delay
-    self.curvature = curvature
-    self.lr = lr * _lr_scale(method, self.delay)
-    self.momentum = float(momentum)
-    self.sc_a, self.sc_b = (optim.spike_coefficients(self.delay, float(momentum))
-                            if method in _SPIKE_COMPENSATED else (1.0, 0.0))
-    # weights[-1] is w_t, weights[-1 - k] is w_{t−k}; D + 2 entries cover w_{t−D−1}.
-    self.weights = collections.deque(weight_history, maxlen=self.delay + 2)
-    # velocities[-1] is v_t (the velocity that produced w_t); spectrain needs v_{t−D}.
-    self.velocities = collections.deque(velocity_history, maxlen=self.delay + 1)
-
-  def forward_view(self):
-    """The weights the forward pass of step ``t − D`` saw (its gradient arrives now)."""
-    d = self.delay
-    w_old = self.weights[-1 - d]
-    if self.method in _UPDATE_FORM_PREDICTION:
-      # T times the last applied update (spike included under SC).
-      return w_old + self.horizon * (w_old - self.weights[-2 - d])
-    if self.method == "spectrain":
-      return w_old - self.lr * self.horizon * self.velocities[-1 - d]
-    return w_old
-
-  def step(self, gradient_available=True):
-    gradient = self.curvature * self.forward_view()
-    if not gradient_available:
-      gradient = 0.0 * gradient
-    velocity = self.momentum * self.velocities[-1] + gradient
-    if self.method in _SPIKE_COMPENSATED:
-      update = self.sc_a * velocity + self.sc_b * gradient
-    else:
-      update = velocity
-    self.weights.append(self.weights[-1] - self.lr * update)
-    self.velocities.append(velocity)
-
-  def state_sq_norm(self):
-    if np.ndim(self.curvature) == 0:  # Plain floats: ~20x faster than numpy on scalars.
-      return (sum(w * w for w in self.weights)
-              + self.lr * self.lr * sum(v * v for v in self.velocities))
-    total = 0.0
-    for w in self.weights:
-      total += float(np.sum(np.square(w)))
-    for v in self.velocities:
-      total += float(np.sum(np.square(self.lr * v)))
-    return total
-
-  def rescale(self, factor):
-    # The recurrence is linear, so scaling every stored value keeps the trajectory's shape.
-    self.weights = collections.deque((w * factor for w in self.weights), maxlen=self.weights.maxlen)
-    self.velocities = collections.deque((v * factor for v in self.velocities),
-                                        maxlen=self.velocities.maxlen)
-
-
-def simulated_rate(method: str, lr_lambda: float, momentum: float, delay: int,
-                   steps: int | None = None, seed: int = 0) -> float:
-  """Estimates the asymptotic decay rate by running the update rule itself.
-
-  Starts from a random (generic) history of weights and velocities, steps the recurrence with
-  ``λ = 1``, ``η = lr_lambda``, and fits the slope of ``log ‖state‖`` over the second half of the
-  run (a geometric mean of the per-step factors, which averages out the oscillation of complex
-  eigenvalue pairs). The state is rescaled whenever it grows or shrinks by 1e100, so unstable and
-  fast-converging cases stay finite.
-
-  Args:
-    method: one of :data:`METHODS`.
-    lr_lambda: ``ηλ`` (> 0).
-    momentum: ``m`` in ``[0, 1)``.
-    delay: ``D`` (≥ 0).
-    steps: number of steps; by default ``max(4000, 100 (D + 2))``. Near-degenerate cases (two
-      eigenvalues of almost equal modulus, or a double root) converge slowly and need more.
-    seed: seed of the random start.
-
-  Returns:
-    The estimated ``ρ``; it agrees with :func:`spectral_radius`.
-  """
-  _check(method, momentum, delay)
-  _check_lr(lr_lambda)
-  d = _effective_delay(method, delay)
-  if steps is None:
-    steps = max(4000, 100 * (d + 2))
-  if steps < 10:
-    raise ValueError(f"steps must be at least 10, got {steps}.")
-  rng = np.random.default_rng(seed)
-  lr = float(lr_lambda)
-  rec = _Recurrence(method, 1.0, lr, momentum, d,
-                    weight_history=rng.standard_normal(d + 2).tolist(),
-                    velocity_history=(rng.standard_normal(d + 1) / lr).tolist())
-  log_norms = np.empty(steps)
-  log_scale = 0.0
-  for t in range(steps):
-    rec.step()
-    sq = rec.state_sq_norm()
-    if sq == 0.0:
-      return 0.0  # Nilpotent case (finite-time convergence): ρ = 0.
-    log_norms[t] = 0.5 * math.log(sq) + log_scale
-    if not 1e-100 < sq < 1e100:
-      factor = 1.0 / math.sqrt(sq)
-      rec.rescale(factor)
-      log_scale -= math.log(factor)
-  tail = np.arange(steps // 2, steps)
-  slope = np.polyfit(tail, log_norms[tail], 1)[0]
-  return float(math.exp(slope))
-
-
-def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: float,
-                     momentum: float, delay: int, steps: int) -> np.ndarray:
-  """Loss against step on ``L(w) = ½ Σ_i λ_i w_i²`` (a spectrum of curvatures).
-
-  Coordinates decouple, so this steps the same update rule as :func:`simulated_rate` on a vector.
-  The run starts as a pipeline does: all weights 1, zero momentum, and during the fill (steps
-  ``t < D``) no gradient has come back yet, so the update is zero (docs/design.md §2.5).
-
-  Args:
-    method: one of :data:`METHODS`.
-    curvatures: the ``λ_i`` (> 0), e.g. ``np.logspace(-3, 0, 32)``.
-    lr: ``η`` (> 0); ``ηλ_i`` is each coordinate's ``lr_lambda``.
-    momentum: ``m`` in ``[0, 1)``.
-    delay: ``D`` (≥ 0).
-    steps: number of steps.
-
-  Returns:
-    Array of ``steps + 1`` losses (index 0 is the start); ``inf`` from the first overflow on.
-  """
-  _check(method, momentum, delay)
-  _check_lr(lr, "lr")
-  lam = np.asarray(curvatures, dtype=np.float64).reshape(-1)
-  if lam.size == 0 or not np.all(np.isfinite(lam)) or np.any(lam <= 0):
-    raise ValueError("curvatures must be a non-empty sequence of finite numbers > 0.")
-  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-    raise ValueError(f"steps must be a non-negative integer, got {steps!r}.")
-  d = _effective_delay(method, delay)
-  ones = np.ones_like(lam)
-  rec = _Recurrence(method, lam, float(lr), momentum, d,
-                    weight_history=[ones] * (d + 2),
-                    velocity_history=[np.zeros_like(lam)] * (d + 1))
-  losses = np.full(steps + 1, np.inf)
-  losses[0] = 0.5 * float(np.sum(lam))
-  with np.errstate(over="ignore", invalid="ignore"):
-    for t in range(steps):
-      rec.step(gradient_available=t >= d)
-      loss = 0.5 * float(np.sum(lam * np.square(rec.weights[-1])))
-      if not math.isfinite(loss) or loss > 1e150:
-        break
-      losses[t + 1] = loss
-  return losses
+  return _spectral_radii(method, xs, momentum, effective_delay(method, delay))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,8 +304,8 @@ def max_stable_lr(method: str, momentum: float, delay: int) -> float:
   ``pipemare`` the value is the *base* ``ηλ``. Cost grows as ``D³`` per grid point: about 0.3 s
   at ``D = 64``, 25 s at ``D = 200``.
   """
-  _check(method, momentum, delay)
-  return _stability_edge(method, float(momentum), _effective_delay(method, delay))[0]
+  check_arguments(method, momentum, delay)
+  return _stability_edge(method, float(momentum), effective_delay(method, delay))[0]
 
 
 def _golden_min(f, lo: float, hi: float, tol: float = 1e-9) -> tuple[float, float]:
@@ -508,8 +350,8 @@ def best_rate(method: str, momentum: float, delay: int) -> tuple[float, float]:
   its grid neighbours. ``ρ`` can be flat at its minimum (heavy ball: ``ρ = √m`` for every
   ``ηλ ∈ [(1−√m)², (1+√m)²]``), so ``argmin`` is then one point of a set.
   """
-  _check(method, momentum, delay)
-  return _best_rate(method, float(momentum), _effective_delay(method, delay))
+  check_arguments(method, momentum, delay)
+  return _best_rate(method, float(momentum), effective_delay(method, delay))
 
 
 def stability_table(methods: Iterable[str] = PIPELINE_METHODS,
@@ -532,7 +374,7 @@ def stability_table(methods: Iterable[str] = PIPELINE_METHODS,
   for method in methods:
     for momentum in momenta:
       for delay in delays:
-        d = _effective_delay(method, delay)
+        d = effective_delay(method, delay)
         edge, again = _stability_edge(method, float(momentum), d)
         rho, x_best = _best_rate(method, float(momentum), d)
         rows.append({

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from pipejax import plotting
-from pipejax.analysis import quadratic
+from pipejax.analysis import quadratic, quadratic_simulation
 
 _COLORS = {
     "sgd": "black", "pb": "tab:red", "pb_sc": "tab:blue", "pb_lwp": "tab:green",
@@ -146,7 +146,7 @@ def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE
   """
   lam = np.logspace(-3, 0, 32) if curvatures is None else np.asarray(curvatures, np.float64)
   drawn = _with_sgd_first(methods)
-  losses = {(setting, method): quadratic.multi_dim_losses(method, lam, *setting, steps)
+  losses = {(setting, method): quadratic_simulation.multi_dim_losses(method, lam, *setting, steps)
             for setting in settings for method in drawn}
   plt = plotting.pyplot()
   fig, axes = plt.subplots(1, len(settings), figsize=(6.0 * len(settings), 4.2), squeeze=False)
