@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pipejax.mesh import to_global, to_host
 from pipejax.workdir import StorageError, first_line, storage_error
 
 PyTree = Any
@@ -53,34 +54,11 @@ def _plain_json(value) -> Any:
   return json.loads(json.dumps(value, default=str))
 
 
-def _whole_array(leaf) -> np.ndarray:
-  """The full value of a leaf on this host, gathered from the others when it spans processes.
-
-  The digest is of whole arrays, not of each process's shards, so a checkpoint written by N
-  processes verifies when read by M. Every process must call this (it is a collective then).
-  """
-  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-    if leaf.is_fully_replicated:  # every process holds all of it: nothing to gather
-      return np.asarray(leaf.addressable_data(0))
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-  return np.asarray(jax.device_get(leaf))
-
-
-def _to_global(state: PyTree, shardings: PyTree) -> PyTree:
-  """Each process's full copy of ``state`` as global arrays placed by ``shardings``."""
-  def place(leaf, where):
-    host = np.asarray(leaf)
-    return jax.make_array_from_callback(host.shape, where, lambda index: host[index],
-                                        dtype=host.dtype)
-  return jax.tree.map(place, state, shardings)
-
-
 def state_digest(state: PyTree, data_position: Any) -> str:
   """SHA-256 of every leaf's dtype, shape and bytes (in tree order) and of the data position."""
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(state):
-    a = np.ascontiguousarray(_whole_array(leaf))
+    a = np.ascontiguousarray(to_host(leaf))
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())
   h.update(json.dumps(_plain_json(data_position), sort_keys=True).encode())
@@ -102,7 +80,7 @@ def weights_digest(stage_params: Sequence[PyTree]) -> str:
       tuple(stage_params)
   h = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    a = np.ascontiguousarray(_whole_array(leaf))
+    a = np.ascontiguousarray(to_host(leaf))
     h.update(f"{jax.tree_util.keystr(path)}{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())
   return h.hexdigest()
@@ -168,7 +146,7 @@ class Checkpointer:
     meta["state_digest"] = state_digest(state, meta.get("data_position"))
     meta["meta_digest"] = _meta_digest(meta)
     if self._placement is not None:
-      state = _to_global(state, self._placement(state))
+      state = jax.tree.map(to_global, state, self._placement(state))
     try:
       self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        meta=ocp.args.JsonSave(meta)))
@@ -213,7 +191,7 @@ class Checkpointer:
       raise self._damaged(step, first_line(e)) from None
     state = restored["state"]
     if self._placement is not None:  # every process gets the whole logical state, as on one
-      state = jax.tree.map(lambda a: jax.numpy.asarray(_whole_array(a)), state)
+      state = jax.tree.map(lambda a: jax.numpy.asarray(to_host(a)), state)
     digests = meta.pop("digests", {})
     if "state_digest" in digests and \
         digests["state_digest"] != state_digest(state, meta.get("data_position")):

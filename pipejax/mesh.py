@@ -1,7 +1,8 @@
 """The device mesh of a sharded pipeline: a ``('data', 'stage')`` grid of devices.
 
 ``stage`` devices each own a contiguous group of logical stages; ``data`` devices run replicas of
-the pipeline on parts of every micro-batch (``pipejax.sharding``).
+the pipeline on parts of every micro-batch (``pipejax.sharding``). Arrays move between a host's
+full copy and the mesh with :func:`to_global` and :func:`to_host`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import numpy as np
 
 from pipejax.checks import PipelineError
@@ -79,3 +81,39 @@ def normalized_mesh(mesh: Mesh) -> Mesh:
   elif names.index(DATA) != 0:
     devices = devices.T
   return Mesh(devices, (DATA, STAGE), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def to_global(host_array, sharding) -> jax.Array:
+  """A global array placed by ``sharding``, each process filling its own devices' parts from its
+  full host copy."""
+  host_array = np.asarray(host_array)
+  return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index],
+                                      dtype=host_array.dtype)
+
+
+def to_host(array) -> np.ndarray:
+  """A host copy of ``array``, gathered from the other processes when it spans them (then a
+  collective: every process calls it, and each gets the whole array, so that a digest of it is
+  the same whichever number of processes wrote or reads it)."""
+  if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    if array.is_fully_replicated:  # every process holds all of it
+      return np.asarray(array.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+  return np.asarray(array)
+
+
+def tree_to_host(arrays: dict) -> dict:
+  """Host copies of the arrays, those spread over processes gathered in one collective.
+
+  (Gathering each array on its own would compile and run one small program per buffer.)
+  """
+  spread = {k: v for k, v in arrays.items()
+            if isinstance(v, jax.Array) and not v.is_fully_addressable}
+  if spread:
+    replicated = {k: v.sharding.update(spec=P()) for k, v in spread.items()}
+    spread = jax.jit(_identity, out_shardings=replicated)(spread)
+  return {k: to_host(spread.get(k, v)) for k, v in arrays.items()}
+
+
+def _identity(tree):
+  return tree  # one function object, so that jit compiles each gather once

@@ -31,14 +31,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax import checks, packing
 from pipejax.checks import PipelineError
-from pipejax.mesh import DATA, STAGE, MeshError
+from pipejax.mesh import DATA, STAGE, MeshError, to_global, to_host, tree_to_host
 from pipejax.packing import LOCAL, SHARED, BufferKey, PackedState
 from pipejax.state import Batch, PipelineState
 
@@ -105,16 +104,12 @@ class ShardedLayout:
 
   # ------------------------------------------------------------------ transfers
 
-  def to_global(self, host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array placed by ``sharding``, each process filling its own devices' parts."""
-    return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
-
   def place_batch(self, batch: Batch) -> Batch:
     """A checked stream of ticks laid out over the mesh: each data replica gets its part."""
     by_replica = NamedSharding(self.mesh, P(None, DATA))
-    return Batch(jax.tree.map(lambda a: self.to_global(np.asarray(a), by_replica), batch.inputs),
-                 jax.tree.map(lambda a: self.to_global(np.asarray(a), by_replica), batch.labels),
-                 self.to_global(np.asarray(batch.valid), self.replicated))
+    return Batch(jax.tree.map(lambda a: to_global(np.asarray(a), by_replica), batch.inputs),
+                 jax.tree.map(lambda a: to_global(np.asarray(a), by_replica), batch.labels),
+                 to_global(np.asarray(batch.valid), self.replicated))
 
   def from_logical(self, state: PipelineState) -> PackedState:
     """Lays a logical state of the pipeline out over the mesh (every process passes the same)."""
@@ -136,10 +131,10 @@ class ShardedLayout:
           pieces = np.split(leaf, self.num_replicas, axis=slot.role.batch_axis)
           for r, piece in enumerate(pieces):
             host[slot.key][r, d, span] = piece.reshape(-1)
-    buffers = {k: self.to_global(v, NamedSharding(self.mesh, self.partition_spec(k)))
+    buffers = {k: to_global(v, NamedSharding(self.mesh, self.partition_spec(k)))
                for k, v in host.items()}
-    return self.packed_state(buffers, self.to_global(np.asarray(state.tick), self.replicated),
-                             self.to_global(np.asarray(state.rng), self.replicated))
+    return self.packed_state(buffers, to_global(np.asarray(state.tick), self.replicated),
+                             to_global(np.asarray(state.rng), self.replicated))
 
   def to_logical(self, packed: PackedState) -> PipelineState:
     """The logical state; in a multi-process run every process must call it (it gathers)."""
@@ -225,29 +220,3 @@ def _check_replicable(pipeline: Pipeline, abstract: PipelineState, num_replicas:
             f"{role.batch_axis} is not the micro-batch (b = {b}); data-parallel replicas "
             "split every activation along its leading micro-batch axis. Keep the micro-batch "
             "axis first in every stage's output, or use a mesh with data = 1.")
-
-
-def to_host(array) -> np.ndarray:
-  """A host copy of ``array``, gathered from the other processes when it spans them."""
-  if isinstance(array, jax.Array) and not array.is_fully_addressable:
-    if array.is_fully_replicated:  # every process holds all of it
-      return np.asarray(array.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-  return np.asarray(array)
-
-
-def tree_to_host(arrays: dict) -> dict:
-  """Host copies of the arrays, those spread over processes gathered in one collective.
-
-  (Gathering each array on its own would compile and run one small program per buffer.)
-  """
-  spread = {k: v for k, v in arrays.items()
-            if isinstance(v, jax.Array) and not v.is_fully_addressable}
-  if spread:
-    replicated = {k: v.sharding.update(spec=P()) for k, v in spread.items()}
-    spread = jax.jit(_identity, out_shardings=replicated)(spread)
-  return {k: to_host(spread.get(k, v)) for k, v in arrays.items()}
-
-
-def _identity(tree):
-  return tree  # one function object, so that jit compiles each gather once

@@ -43,11 +43,11 @@ import numpy as np
 from pipejax import packing, stacking
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
-from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh
+from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
 from pipejax.packing import SHARED, PackedState
 from pipejax.partition import check_partition, param_counts, partition_stages
 from pipejax.runner import Runner, jit
-from pipejax.sharded_layout import ShardedLayout, to_host
+from pipejax.sharded_layout import ShardedLayout
 from pipejax.state import Batch, Packet, PipelineState
 
 
