@@ -61,9 +61,11 @@ def _draw_cells(study: Study, figure: Figure, series, ax, band) -> None:
     band.set_title("diverged runs (of the cell's runs)", fontsize=8, loc="left")
 
 
-def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
-  """Mean test accuracy over training samples per series, with its 95% CI as a band."""
-  drawn = False
+def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoom) -> bool:
+  """Mean test accuracy over training samples per series, with its 95% CI as a band: the whole
+  run on ``ax``, and on ``zoom`` the last three quarters of it on an axis fitted to them, where
+  the methods' final differences (tenths of a point) are visible."""
+  drawn, tail = False, []
   for i, s in enumerate(ordered(study, figure.series, axis_values(selected, figure.series))):
     runs = [r for r in selected if r["overrides"].get(figure.series) == s
             and r.get("test_curve") and not is_diverged(r)]
@@ -76,12 +78,25 @@ def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax) -> 
       continue
     xs = sorted(by_samples)
     st = [statistics.interval(by_samples[x]) for x in xs]
-    ax.plot(xs, [v.mean * 100 for v in st], color=f"C{i % 10}",
-            label=f"{study.label(s)} (n={len(runs)})")
-    if all(v.n > 1 for v in st):
-      ax.fill_between(xs, [v.low * 100 for v in st], [v.high * 100 for v in st],
-                      color=f"C{i % 10}", alpha=0.2)
+    means = [v.mean * 100 for v in st]
+    bands = ([v.low * 100 for v in st], [v.high * 100 for v in st]) if all(
+        v.n > 1 for v in st) else (means, means)
+    for axis in (ax, zoom):
+      axis.plot(xs, means, color=f"C{i % 10}", label=f"{study.label(s)} (n={len(runs)})")
+      if bands[0] is not means:
+        axis.fill_between(xs, *bands, color=f"C{i % 10}", alpha=0.2)
+    tail += [(x, low, high) for x, low, high in zip(xs, *bands)]
     drawn = True
+  if drawn:
+    start = max(x for x, _, _ in tail) / 4
+    low = min(lo for x, lo, _ in tail if x >= start)
+    high = max(hi for x, _, hi in tail if x >= start)
+    pad = max(0.1, (high - low) * 0.05)
+    zoom.set_xlim(start, max(x for x, _, _ in tail) * 1.01)
+    zoom.set_ylim(low - pad, high + pad)
+    zoom.set_title("the last three quarters, zoomed", fontsize=9)
+    zoom.grid(alpha=0.3)
+    zoom.set_xlabel("training samples")
   ax.set_xlabel("training samples")
   return drawn
 
@@ -109,11 +124,12 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
     if figure.log_x:
       ax.set_xscale("log", base=2)
   else:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
     if figure.kind == "curves":
-      drawn = _draw_curves(study, selected, figure, ax)
+      fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.2))
+      drawn = _draw_curves(study, selected, figure, ax, zoom)
       ax.set_ylabel("test accuracy (%)")
     else:
+      fig, ax = plt.subplots(figsize=(7, 4.2))
       drawn = _draw_staleness(study, selected, figure, ax)
   if figure.threshold is not None:
     ax.axhline(figure.threshold * 100, color="tab:red", ls="--", lw=1,
