@@ -160,24 +160,20 @@ def parse_flags(argv: list[str]) -> list[str]:
   # config_flags finds its override flags by scanning sys.argv itself: hide the added keywords.
   sys.argv[:] = [a for a in sys.argv if not _MODEL_KWARG.match(a)]
   config_arg = next((a.split("=", 1)[1] for a in kept if a.startswith("--config=")), None)
-  if config_arg and not os.path.isfile(config_arg.partition(":")[0]):
-    _exit(_describe_config_error(FileNotFoundError(config_arg), kept))
   if config_arg:
     # Loaded here first: config_flags would wrap the file's own error (an unknown variant, a
     # syntax error) in a traceback of its parser.
     try:
-      _load_config_file(config_arg)
-    except Exception as e:  # noqa: BLE001 - whatever the file raises, say it in one line
-      detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
-      kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
-      _exit(f"The config {config_arg!r} could not be loaded: {kind}{detail}")
+      load_config(config_arg)
+    except ConfigFileError as e:
+      _exit(str(e))
   try:
     rest = flags.FLAGS(kept)
     config = flags.FLAGS.config
   except flags.Error as e:
     _exit(f"{str(e).rstrip('.')}. Run with --helpfull for the flags.")
   except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    _exit(_describe_config_error(e, kept))
+    _exit(describe_config_error(e, kept))
   if model_kwargs:
     with config.unlocked():
       merged = dict(config.model_kwargs) if "model_kwargs" in config else {}
@@ -200,18 +196,27 @@ def command_line() -> str:
   return shlex.join(_COMMAND_LINE)
 
 
-def _describe_config_error(error: Exception, argv: list[str]) -> str:
+def describe_config_error(error: Exception, argv: list[str]) -> str:
+  """The one-paragraph message for a command line whose config could not be built.
+
+  Args:
+    error: what applying ``--config`` and its ``--config.*`` overrides raised.
+    argv: the command line's arguments.
+
+  Returns:
+    For a config file that does not exist, how to name one; for an override of a field the config
+    does not have, the field's closest names (``--config.lr``: ``--config.reference.lr`` or
+    ``--config.micro_batch.lr``); otherwise the error's first line.
+  """
   config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
   path = config_arg.partition(":")[0] if config_arg else None
   if path and not os.path.isfile(path):
-    return (f"The config file {path!r} does not exist. Give a path such as "
-            "--config=configs/default.py (relative to the directory you run from); append :smoke "
-            "for the quick variant.")
+    return _missing_file_message(path)
   overrides = [m.group(1) for a in argv if (m := _CONFIG_KEY.match(a))]
   if path:
     try:
-      known = _flatten(_load_config_file(config_arg))
-    except Exception:  # noqa: BLE001 - the file itself is broken; say so below
+      known = _flatten(load_config(config_arg))
+    except ConfigFileError:  # the file itself is broken; say so below
       known = None
     if known is not None:
       for key in overrides:
@@ -227,12 +232,42 @@ def _describe_config_error(error: Exception, argv: list[str]) -> str:
           f"{first_line}")
 
 
-def _load_config_file(config_arg: str):
+class ConfigFileError(ValueError):
+  """A config file that does not exist or cannot be loaded; the message says which and why."""
+
+
+def load_config(config_arg: str) -> ml_collections.ConfigDict:
+  """The config a ``--config=PATH[:ARG]`` flag gives: ``PATH``'s ``get_config(ARG)``.
+
+  Args:
+    config_arg: a config file's path, optionally followed by ``:`` and its argument
+      (``configs/default.py:smoke``).
+
+  Returns:
+    The config file's config, before any ``--config.*`` override.
+
+  Raises:
+    ConfigFileError: the file does not exist, or loading it raised (an unknown argument, a syntax
+      error); one paragraph, the trainer's own message.
+  """
   path, _, arg = config_arg.partition(":")
-  spec = importlib.util.spec_from_file_location("pipejax_config_file", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+  if not os.path.isfile(path):
+    raise ConfigFileError(_missing_file_message(path))
+  try:
+    spec = importlib.util.spec_from_file_location("pipejax_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+  except Exception as e:  # noqa: BLE001 - whatever the file raises, say it in one line
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+    raise ConfigFileError(f"The config {config_arg!r} could not be loaded: {kind}{detail}") from e
+
+
+def _missing_file_message(path: str) -> str:
+  return (f"The config file {path!r} does not exist. Give a path such as "
+          "--config=configs/default.py (relative to the directory you run from); append :smoke "
+          "for the quick variant.")
 
 
 def _exit(message: str) -> NoReturn:

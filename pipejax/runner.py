@@ -113,13 +113,14 @@ def jit(fn, **kwargs):
   stash). Region-based copy insertion sees that those reads end before the in-place update and
   keeps no copy. It changes which buffers are copied, never a value.
   """
-  option = _REGION_ANALYSIS_OPTION.get(jax.default_backend())
+  option = REGION_ANALYSIS_OPTION.get(jax.default_backend())
   if option:
     kwargs.setdefault("compiler_options", {option: True})
   return jax.jit(fn, **kwargs)
 
 
-_REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
+# Per backend, the XLA option that :func:`jit` turns on: region-based copy insertion.
+REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
                            "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
 
 

@@ -16,8 +16,14 @@ from pipejax.study_cells import axis_values, group, is_diverged, lookup, ordered
 from pipejax.study_records import is_number
 
 
-def _cell_points(study: Study, selected: Sequence[dict], figure: Figure):
-  """Per series: its (x, mean, CI half-width) points and its (x, 'k/n') diverged marks."""
+def cell_points(study: Study, selected: Sequence[dict], figure: Figure
+                ) -> list[tuple[object, list[tuple], list[tuple]]]:
+  """What a 'mean' or 'gap' figure draws, per series: ``(series value, points, diverged)``.
+
+  ``points`` holds ``(x, mean, CI half-width)`` per cell with a finished run, in percent (for a
+  gap, to the study's baseline); ``diverged`` holds ``(x, 'k/n')`` per cell where k of its n runs
+  diverged. The baseline series of a gap figure is left out: its gap to itself is zero.
+  """
   grouped = group(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
   xs = ordered(study, figure.x, axis_values(selected, figure.x))
   result = []
@@ -107,7 +113,7 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   selected = select(records, figure.where)
   band = None
   if figure.kind in ("mean", "gap"):
-    series = _cell_points(study, selected, figure)
+    series = cell_points(study, selected, figure)
     drawn = any(points or failed for _, points, failed in series)
     if any(failed for _, _, failed in series):
       fig, (ax, band) = plt.subplots(2, 1, figsize=(7, 5.2), sharex=True,

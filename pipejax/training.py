@@ -13,20 +13,19 @@ import importlib.metadata
 import json
 import math
 import os
-import signal
-import threading
 import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pipejax import cli
 from pipejax import config_checks
 from pipejax import data as data_lib
+from pipejax import divergence
+from pipejax import evaluation
 from pipejax import experiment
+from pipejax import interruption
 from pipejax import metrics as metrics_lib
 from pipejax import workdir as workdir_lib
 from pipejax.checkpoint import Checkpointer, CheckpointError, StorageError, storage_error
@@ -34,156 +33,9 @@ from pipejax.checkpoint import weights_digest
 from pipejax.checks import PipelineError
 from pipejax.config_checks import ConfigError
 from pipejax.data import DataError
+from pipejax.divergence import TrainingDiverged
 from pipejax.methods import MethodError
 from pipejax.stages import ModelError
-
-
-class TrainingDiverged(RuntimeError):
-  """A stage produced a non-finite value; the message names the stage and the tick."""
-
-
-class StoppedDuringSetup(Exception):
-  """A signal asked a run of several processes to stop before its first chunk; all of them stop."""
-
-  def __init__(self, signal_name: str, phase: str):
-    super().__init__(f"STOPPED by {signal_name} during set-up ({phase}), before this session "
-                     "trained or saved anything; rerun the same commands to continue.")
-
-
-class _StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop checks between chunks (then saves and exits).
-
-  In a binary that started a :class:`pipejax.cli.SignalWatch`, the watch takes the signals: it
-  ends the process at once until the first chunk has trained (there is nothing to save), and
-  from then on only raises the flag. Without one (library use), signal handlers raise it.
-  """
-
-  def __init__(self):
-    self._watch = cli.signal_watch()
-    self._signal_name = None
-    self._previous = {}
-
-  @property
-  def signal_name(self) -> str | None:
-    return self._watch.signal_name if self._watch else self._signal_name
-
-  def training_started(self) -> None:
-    if self._watch:
-      self._watch.hold()
-
-  def __enter__(self):
-    if self._watch:
-      return self
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._previous[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread (e.g. inside some test runners): no handler.
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self._signal_name = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-
-# Seconds between the set-up's "still ..." lines: a deep model builds and compiles for minutes.
-SETUP_REPORT_EVERY = 30.0
-
-
-class _SetupPhases:
-  """Says in the log what the set-up is doing (again every :data:`SETUP_REPORT_EVERY` seconds
-  while a phase lasts), and tells the signal watch.
-
-  With several processes, an immediate exit of one would leave the others to fail in their next
-  collective, so the watch holds signals from the start and the processes agree at every phase
-  whether one of them was asked to stop (:class:`StoppedDuringSetup` on all of them).
-  """
-
-  def __init__(self):
-    self._watch = cli.signal_watch()
-    self._start = time.perf_counter()
-    self._several = jax.process_count() > 1
-    self._phase = None
-    self._done = threading.Event()
-    if self._watch and self._several:
-      self._watch.hold()
-
-  def __enter__(self):
-    threading.Thread(target=self._report, name="pipejax-setup-progress", daemon=True).start()
-    return self
-
-  def __exit__(self, *exc):
-    self.done()
-
-  def _report(self):
-    while not self._done.wait(SETUP_REPORT_EVERY):
-      if self._phase:
-        logging.info("Set-up (%.0f s): still %s.", time.perf_counter() - self._start, self._phase)
-
-  def enter(self, phase: str) -> None:
-    self._phase = phase
-    logging.info("Set-up (%.0f s): %s.", time.perf_counter() - self._start, phase)
-    if self._watch is None:
-      return
-    self._watch.set_phase(phase)
-    if self._several and _agree_to_stop(self._watch.signal_name is not None):
-      raise StoppedDuringSetup(self._watch.signal_name or "a signal to another process", phase)
-
-  def done(self) -> None:
-    """The first chunk has trained: the set-up is over."""
-    self._done.set()
-
-
-def make_evaluator(model, batch_size: int):
-  """A function (stage params, test source, stage variables) -> {loss, accuracy} over the split."""
-  @jax.jit
-  def batch_sums(params, variables, x, y, mask):
-    h = x
-    for stage, p, v in zip(model.stages, params, variables):
-      h = stage.infer(p, h, v)
-    loss, _ = jax.vmap(lambda logits, label: model.loss(logits[None], label[None]))(h, y)
-    # One accuracy per example: the fraction of its labels hit (per-token labels of an LM too).
-    correct = jnp.mean((jnp.argmax(h, -1) == y).reshape(y.shape[0], -1), axis=1)
-    return jnp.sum(loss * mask), jnp.sum(correct * mask)
-
-  def evaluate(stage_params, test_source, stage_variables=None) -> dict:
-    loss_sum, correct_sum, count = 0.0, 0.0, 0
-    stage_variables = stage_variables or [None] * len(stage_params)
-    for x, y, mask in data_lib.eval_batches(test_source, batch_size):
-      loss, correct = batch_sums(stage_params, stage_variables, x, y, mask.astype(np.float32))
-      loss_sum += float(loss)
-      correct_sum += float(correct)
-      count += int(mask.sum())
-    return {"loss": loss_sum / count, "accuracy": correct_sum / count}
-
-  return evaluate
-
-
-def _mean_over_backwards(per_tick: np.ndarray, delays: list[int], first_tick: int) -> list[float]:
-  """Per stage, the mean of a (ticks, stages) metric over the ticks where the stage backwarded.
-
-  Stage s backwards its first sample at tick D_s; before that its metric is a placeholder 0.
-  """
-  ticks = first_tick + np.arange(per_tick.shape[0])
-  means = []
-  for s, delay in enumerate(delays):
-    active = ticks >= delay
-    means.append(float(per_tick[active, s].mean()) if active.any() else 0.0)
-  return means
-
-
-def _first_non_finite(finite: np.ndarray, first_tick: int, model) -> str | None:
-  bad = np.argwhere(~finite)
-  if not len(bad):
-    return None
-  tick_offset = bad[:, 0].min()
-  stages = sorted(int(s) for t, s in bad if t == tick_offset)
-  names = ", ".join(f"stage {s} ('{model.stages[s].name}')" for s in stages)
-  return f"{names} at tick {first_tick + int(tick_offset)}"
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -199,7 +51,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
     try:
-      with _SetupPhases() as phases:
+      with interruption.SetupPhases() as phases:
         return _train(config, workdir, primary, phases)
     except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
       problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
@@ -209,7 +61,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
-           phases: _SetupPhases) -> dict:
+           phases: interruption.SetupPhases) -> dict:
   phases.enter("loading the data and building the model")
   setup = experiment.build(config)
 
@@ -276,7 +128,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
         "train_seconds": seconds_before + time.perf_counter() - start_time})
     writer.flush()
 
-  evaluate = make_evaluator(model, config.eval_batch_size)
+  evaluate = evaluation.make_evaluator(model, config.eval_batch_size)
   # The base rate, logged beside the loss.
   schedule = experiment.learning_rate_schedule(config, recipe, len(train_source))
   group_size = recipe.batch_size  # samples per optimizer step
@@ -301,7 +153,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   test_result = None
   phases.enter(f"compiling the chunk (a scan over ticks of {pipe.num_stages} stages) and "
                "running the first one")
-  with _StopRequest() as stop:
+  with interruption.StopRequest() as stop:
     while samples < total_samples:
       # The last chunk is shorter when the run is not a whole number of chunks: the run's length
       # and its schedule follow from the config alone.
@@ -316,8 +168,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       chunk_metrics = jax.device_get(chunk_metrics)
       stop.training_started()
       phases.done()
-      _raise_if_diverged(config, setup, state, chunk_metrics, first_tick, samples, valid,
-                         checkpointer)
+      divergence.raise_if_diverged(config, model, runner.to_logical(state).stages,
+                                   chunk_metrics["finite"], valid, first_tick, samples,
+                                   checkpointer)
       previous, samples = samples, samples + ticks * b
       # The rate of this interval alone: a running average would count compile time forever.
       now = time.perf_counter()
@@ -342,7 +195,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       crossed = lambda every: samples // every != previous // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
-      if _agree_to_stop(stop.signal_name is not None):
+      if interruption.agree_to_stop(stop.signal_name is not None):
         stopped_by = stop.signal_name or "a signal to another process"
         logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
                         samples)
@@ -422,59 +275,17 @@ def _run_facts(workdir: str) -> dict:
           "processes": jax.process_count()}
 
 
-def _agree_to_stop(requested: bool) -> bool:
-  """Whether any process was asked to stop; all processes then stop at the same chunk."""
-  if jax.process_count() == 1:
-    return requested
-  from pipejax import distributed  # pylint: disable=g-import-not-at-top
-  return distributed.any_process(requested)
+def _mean_over_backwards(per_tick: np.ndarray, delays: list[int], first_tick: int) -> list[float]:
+  """Per stage, the mean of a (ticks, stages) metric over the ticks where the stage backwarded.
 
-
-@jax.jit
-def _finite_weights(stages) -> jax.Array:
-  """One flag per stage: are its weights and optimizer state finite (one reduction per chunk)."""
-  def finite(tree):
-    flags = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
-             if jnp.issubdtype(a.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-  return jnp.stack([finite((st.params, st.opt_state)) for st in stages])
-
-
-def _raise_if_diverged(config, setup, state, chunk_metrics, first_tick: int, samples: int,
-                       valid, checkpointer) -> None:
-  """A :class:`TrainingDiverged` if the chunk saw a non-finite activation or left bad weights.
-
-  Activations flag a NaN within a tick of its birth; the weights are checked too, once per chunk,
-  because an inf weight can be written in the chunk's last tick and must never be checkpointed.
+  Stage s backwards its first sample at tick D_s; before that its metric is a placeholder 0.
   """
-  model = setup.model
-  finite = np.asarray(chunk_metrics["finite"])
-  logical = setup.runner.to_logical(state)
-  bad_weights = [s for s, ok in enumerate(np.asarray(_finite_weights(logical.stages))) if not ok]
-  if finite.all() and not bad_weights:
-    return
-  if not finite.all():
-    where = _first_non_finite(finite, first_tick, model)
-    offset = int(np.argwhere(~finite)[:, 0].min())
-  else:
-    where = (", ".join(model.stage_label(s) for s in bad_weights)
-             + f" (its weights) in ticks {first_tick}..{first_tick + len(finite) - 1}")
-    offset = len(finite)
-  seen = samples + config.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
-  steps = checkpointer.all_steps()
-  advice = "Lower the learning rate (--config.reference.lr or --config.micro_batch.lr) or add warm-up " \
-           "(--config.warmup_epochs)"
-  if config.method not in ("pb_sc_lwp", "sgd", "sync"):
-    advice += ", or try a method with delay compensation (--config.method=pb_sc_lwp)"
-  raise TrainingDiverged(
-      f"Training diverged: {where} produced a non-finite value (NaN or inf), after {seen} "
-      "training samples. "
-      + (f"The last good checkpoint (step {max(steps)}, with finite weights) is kept in "
-         f"{checkpointer.directory}; a rerun resumes from it (to resume with other settings, add "
-         "--config.allow_changes_on_resume=True). "
-         if steps else "No checkpoint had been written yet, so a rerun starts from the "
-         "beginning. ")
-      + advice + ".")
+  ticks = first_tick + np.arange(per_tick.shape[0])
+  means = []
+  for s, delay in enumerate(delays):
+    active = ticks >= delay
+    means.append(float(per_tick[active, s].mean()) if active.any() else 0.0)
+  return means
 
 
 def _duration(seconds: float) -> str:
@@ -483,7 +294,6 @@ def _duration(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600 \
       else f"{seconds // 60}m{seconds % 60:02d}s"
-
 
 
 # Every error a user can cause; the binary prints these as one paragraph, without a traceback.

@@ -42,6 +42,7 @@ from ml_collections import config_flags
 
 from pipejax import config as configlib
 from pipejax import config_checks
+from pipejax import interruption
 from pipejax import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -94,7 +95,7 @@ def main(argv):
     if several:
       _start_processes(config, workdir)
     summary = training.train_and_evaluate(config, workdir)
-  except training.StoppedDuringSetup as e:
+  except interruption.StoppedDuringSetup as e:
     print(e)
     _exit(EXIT_STOPPED)
   except training.USER_ERRORS as e:

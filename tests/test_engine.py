@@ -320,11 +320,11 @@ def test_batchnorm_stage_is_refused_at_micro_batch_one_only():
   assert set(state.stages[0].variables.forward) == {"batch_stats"}
 
 
-@pytest.mark.parametrize("backend", sorted(runnerlib._REGION_ANALYSIS_OPTION))
+@pytest.mark.parametrize("backend", sorted(runnerlib.REGION_ANALYSIS_OPTION))
 def test_every_backends_compiler_option_is_one_xla_knows(backend):
   # XLA's debug options are shared by its backends, so a CPU compile refuses a misspelled GPU
   # option as it would on a GPU, where CI never runs.
-  option = runnerlib._REGION_ANALYSIS_OPTION[backend]
+  option = runnerlib.REGION_ANALYSIS_OPTION[backend]
   jax.jit(lambda x: x + 1, compiler_options={option: True}).lower(jnp.ones(3)).compile()
   with pytest.raises(Exception, match="No such compile option"):
     jax.jit(lambda x: x + 1, compiler_options={option + "_typo": True}).lower(

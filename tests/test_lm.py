@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import config_checks, data, methods, models, training
+from pipejax import config_checks, data, evaluation, methods, models, training
 from pipejax import study as study_lib
 from pipejax.data import text
 from pipejax.engine import Pipeline
@@ -153,7 +153,7 @@ def test_evaluator_averages_per_token_loss_and_accuracy(tmp_path):
   validation = data.Subset(validation, 5)
   model = tiny_lm(blocks=1)
   params = init_params(model, np.zeros((1, 8)))
-  result = training.make_evaluator(model, 3)(params, validation)
+  result = evaluation.make_evaluator(model, 3)(params, validation)
   x, y = validation.take(np.arange(5))
   logits = forward(model, params, x)
   expected = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()

@@ -18,13 +18,15 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, config_checks, distributed, experiment, methods, training
+from pipejax import checkpoint, config_checks, distributed, divergence, experiment, methods
+from pipejax import training
+from pipejax import config as config_lib
 from pipejax import metrics as metrics_lib
 from pipejax import workdir as workdir_lib
 from pipejax.chaos import trainer as chaos_trainer
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
-from tests.helpers import ROOT, digits_config, make_model, make_stream
+from tests.helpers import ROOT, digits_config, load_config, make_model, make_stream
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
   # The largest finite rate: the first update makes weights inf before any activation shows it.
   config = digits_config(**{"micro_batch.lr": 3e38}, ticks_per_chunk=1, checkpoint_every_samples=1,
                          eval_every_samples=10**6)
-  with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) \(its weights\).*after "
+  with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) \(its weights\).*after "
                      r"\d+ training samples.*last good checkpoint"):
     training.train_and_evaluate(config, workdir)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
@@ -131,7 +133,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
 
 def test_divergence_message_fits_the_run(tmp_path):
   config = digits_config(**{"micro_batch.lr": 1e30}, method="pb_sc_lwp", checkpoint_every_samples=10**6)
-  with pytest.raises(training.TrainingDiverged) as raised:
+  with pytest.raises(divergence.TrainingDiverged) as raised:
     training.train_and_evaluate(config, str(tmp_path / "run"))
   message = str(raised.value)
   assert "No checkpoint had been written yet, so a rerun starts from the beginning" in message
@@ -457,13 +459,27 @@ def test_unknown_config_variant_is_one_line_naming_the_known_ones(tmp_path):
 
 def test_a_bare_optimizer_key_names_both_the_recipe_and_the_micro_batch_field():
   # `--config.lr` was the per-micro-batch rate once; a user typing it means one of the two.
-  from pipejax import config as config_lib
-  message = config_lib._describe_config_error(
+  message = config_lib.describe_config_error(
       AttributeError("lr"), [f"--config={os.path.join(ROOT, 'configs', 'default.py')}",
                              "--config.lr=0.1"])
   assert "--config.lr is not a field" in message
   assert "Did you mean" in message
   assert "--config.reference.lr" in message and "--config.micro_batch.lr" in message
+
+
+def test_a_config_loads_by_path_as_the_trainer_loads_it_with_its_messages():
+  default = os.path.join(ROOT, "configs", "default.py")
+  assert config_lib.load_config(f"{default}:smoke").to_dict() == \
+      load_config("default", "smoke").to_dict()
+  with pytest.raises(config_lib.ConfigFileError,
+                     match=r"^The config '.*default\.py:smok' could not be loaded: Unknown config "
+                     r"argument 'smok'; known: smoke\.$"):
+    config_lib.load_config(f"{default}:smok")
+  missing = os.path.join(ROOT, "configs", "nope.py")
+  with pytest.raises(config_lib.ConfigFileError,
+                     match=rf"^The config file '{re.escape(missing)}' does not exist\. Give a path "
+                     r"such as --config=configs/default\.py"):
+    config_lib.load_config(missing)
 
 
 # ------------------------------------------------------------------ 10. the stop across processes

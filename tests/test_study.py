@@ -367,7 +367,7 @@ def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
              record("pb", 8, 0, None, study_records.DIVERGED), record("pb", 8, 1, 0.7)]
   figure = Figure("f.png", x="model_kwargs.depth", series="method", title="Accuracy by depth")
   series = dict((s, (points, failed)) for s, points, failed in
-                study_figures._cell_points(STUDY, records, figure))  # pylint: disable=W0212
+                study_figures.cell_points(STUDY, records, figure))
   assert series["pb"] == ([(4, 80.0, 0.0), (8, 70.0, 0.0)], [(8, "1/2")])
   assert study_figures.draw_figure(STUDY, records, figure, str(tmp_path / "f.png"))
   assert (tmp_path / "f.png").stat().st_size > 1000

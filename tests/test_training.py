@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, config_checks, experiment, methods, training
+from pipejax import checkpoint, config_checks, divergence, experiment, interruption, methods
+from pipejax import training
 from pipejax.data import DataError
 from pipejax.engine import Pipeline
 from pipejax.stages import ModelError
@@ -89,7 +90,7 @@ def test_nan_at_one_stage_is_reported_with_stage_and_tick():
   state = state._replace(stages=state.stages[:2] + (state.stages[2]._replace(params=poisoned),)
                          + state.stages[3:])
   _, metrics = pipe.run(state, x, y)
-  message = training._first_non_finite(np.asarray(metrics["finite"]), 100, model)
+  message = divergence.first_non_finite(np.asarray(metrics["finite"]), 100, model)
   # Stage 2 forwards its first real sample at tick 2: that is where the NaN first shows.
   assert message == "stage 2 ('dense3') at tick 102"
 
@@ -101,7 +102,7 @@ def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_pat
   good_step = saver.latest_step()
   config = digits_config(epochs=480 / 1437, **{"micro_batch.lr": 1e30},  # resumes, then blows up
                          allow_changes_on_resume=True)
-  with pytest.raises(training.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
+  with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
                      rf"last good checkpoint \(step {good_step},"):
     training.train_and_evaluate(config, workdir)
   assert saver.all_steps()[-1] == good_step
@@ -372,7 +373,7 @@ def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line,
 
 def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog):
   caplog.set_level(logging.INFO)
-  monkeypatch.setattr(training, "SETUP_REPORT_EVERY", 0.2)
+  monkeypatch.setattr(interruption, "SETUP_REPORT_EVERY", 0.2)
   build = experiment.build
 
   def slow_build(config):  # a deep model builds for minutes

@@ -11,8 +11,11 @@ import signal
 import subprocess
 import time
 
+from pipejax import config as config_lib
 from pipejax.chaos import ROOT, ReferenceFailed, child_env, python
 
+# The trainer's config: the smoke variant, made smaller still by the overrides.
+CONFIG = f"{os.path.join(ROOT, 'configs', 'default.py')}:smoke"
 OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200",
              "--config.ticks_per_chunk=100", "--config.checkpoint_every_samples=200",
              "--config.eval_every_samples=500")
@@ -24,8 +27,7 @@ TIMING_FIELDS = frozenset({"samples_per_second"})
 
 def command(workdir):
   """The trainer's command line: the smoke config on a few samples, in ``workdir``."""
-  return [*python("train.py"), f"--config={os.path.join(ROOT, 'configs', 'default.py')}:smoke",
-          f"--workdir={workdir}", *OVERRIDES]
+  return [*python("train.py"), f"--config={CONFIG}", f"--workdir={workdir}", *OVERRIDES]
 
 
 def run(workdir, timeout=600):
@@ -62,14 +64,9 @@ def result(workdir):
 def _like_state():
   """A state of the trainer's pipeline, the structure its checkpoints restore into."""
   # JAX only here: a process that only starts trainers never loads it.
-  import importlib.util  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from pipejax import experiment  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("default", os.path.join(ROOT, "configs",
-                                                                       "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("smoke")
+  config = config_lib.load_config(CONFIG)
   for override in OVERRIDES:
     key, value = override[len("--config."):].split("=")
     config[key] = type(config[key])(value)
