@@ -12,6 +12,15 @@ from pipejax import plotting
 METRICS_FILE = "metrics.jsonl"
 
 
+def format_duration(seconds: float) -> str:
+  """``1h02m03s`` or ``2m03s`` for a progress line; ``?`` when no rate is known yet."""
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = max(0, int(seconds))
+  return (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600
+          else f"{seconds // 60}m{seconds % 60:02d}s")
+
+
 def read_records(workdir: str) -> list[dict]:
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.exists(path):

@@ -38,6 +38,7 @@ from pipejax import study as study_lib
 from pipejax import study_records
 from pipejax import study_report
 from pipejax import workdir as workdir_lib
+from pipejax.metrics import format_duration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = (sys.executable, os.path.join(ROOT, "scripts", "train.py"))
@@ -200,12 +201,6 @@ def stop_trainers(processes, timeout: float = 120.0) -> None:
       process.wait()
 
 
-def _duration(seconds: float) -> str:
-  seconds = max(0, int(seconds))
-  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
-      f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 # ----------------------------------------------------------------------------- the grid
 
 
@@ -294,7 +289,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
     finished = sum(study_records.is_done(done.get(study_lib.run_id(o)), study, o) for o in planned)
     eta = "?"
     if durations:
-      eta = _duration(sum(durations) / len(durations) * (len(planned) - finished) / parallel)
+      eta = format_duration(sum(durations) / len(durations) * (len(planned) - finished) / parallel)
     return (f"[{finished}/{len(planned)} done, {len(running)} running, {failed} failed, "
             f"ETA {eta}]")
 
@@ -365,12 +360,12 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
           else:
             accuracy = result.get("test_accuracy")
             text = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
-            print(f"{status_line()} {result['status']} {rid}: {text} ({_duration(wall)})",
+            print(f"{status_line()} {result['status']} {rid}: {text} ({format_duration(wall)})",
                   flush=True)
           study_report.write_report(study, workdir, command)
         if running and time.time() - last_status > 120:
           last_status = time.time()
-          print(f"{status_line()} running for {_duration(time.time() - started_at)}",
+          print(f"{status_line()} running for {format_duration(time.time() - started_at)}",
                 flush=True)
     finally:
       # Normally none is left. After an error in the study (a bug, a full disk) the trainers,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import os
 import time
 
@@ -191,7 +190,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
                   samples, total_samples, samples / len(train_source),
                   float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
                   float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
-                  rate, _duration((total_samples - samples) / max(rate, 1e-9)))
+                  rate, metrics_lib.format_duration((total_samples - samples) / max(rate, 1e-9)))
       crossed = lambda every: samples // every != previous // every
       if crossed(config.eval_every_samples) and samples < total_samples:
         test_result = evaluate_now()
@@ -286,14 +285,6 @@ def _mean_over_backwards(per_tick: np.ndarray, delays: list[int], first_tick: in
     active = ticks >= delay
     means.append(float(per_tick[active, s].mean()) if active.any() else 0.0)
   return means
-
-
-def _duration(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  seconds = int(seconds)
-  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600 \
-      else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 # Every error a user can cause; the binary prints these as one paragraph, without a traceback.
