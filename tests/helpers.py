@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 import pipejax
+from pipejax import config as configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_DIM, NUM_CLASSES = 6, 4  # inputs of IN_DIM features, NUM_CLASSES logits
@@ -77,8 +78,9 @@ def config_module(name):
 
 
 def load_config(name, arg=None):
-  """``configs/<name>.py``'s ``get_config(arg)``."""
-  return config_module(name).get_config(arg)
+  """``configs/<name>.py``'s ``get_config(arg)``, loaded as the trainer loads it."""
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  return configlib.load_config(path if arg is None else f"{path}:{arg}")
 
 
 def digits_config(**overrides):

@@ -26,7 +26,7 @@ from pipejax import workdir as workdir_lib
 from pipejax.chaos import trainer as chaos_trainer
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
-from tests.helpers import ROOT, digits_config, load_config, make_model, make_stream
+from tests.helpers import ROOT, config_module, digits_config, make_model, make_stream
 
 
 @pytest.fixture(scope="module")
@@ -470,7 +470,7 @@ def test_a_bare_optimizer_key_names_both_the_recipe_and_the_micro_batch_field():
 def test_a_config_loads_by_path_as_the_trainer_loads_it_with_its_messages():
   default = os.path.join(ROOT, "configs", "default.py")
   assert config_lib.load_config(f"{default}:smoke").to_dict() == \
-      load_config("default", "smoke").to_dict()
+      config_module("default").get_config("smoke").to_dict()
   with pytest.raises(config_lib.ConfigFileError,
                      match=r"^The config '.*default\.py:smok' could not be loaded: Unknown config "
                      r"argument 'smok'; known: smoke\.$"):
