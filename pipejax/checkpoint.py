@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pipejax.mesh import to_global, to_host
-from pipejax.workdir import StorageError, first_line, storage_error
+from pipejax.workdir import first_line, storage_error
 
 PyTree = Any
 

@@ -27,7 +27,7 @@ from pipejax import experiment
 from pipejax import interruption
 from pipejax import metrics as metrics_lib
 from pipejax import workdir as workdir_lib
-from pipejax.checkpoint import Checkpointer, CheckpointError, StorageError, storage_error
+from pipejax.checkpoint import Checkpointer, CheckpointError
 from pipejax.checkpoint import weights_digest
 from pipejax.checks import PipelineError
 from pipejax.config_checks import ConfigError
@@ -35,6 +35,7 @@ from pipejax.data import DataError
 from pipejax.divergence import TrainingDiverged
 from pipejax.methods import MethodError
 from pipejax.stages import ModelError
+from pipejax.workdir import StorageError, storage_error
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:

@@ -232,7 +232,7 @@ def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
     raise ValueError('RESOURCE_EXHAUSTED: Error writing "stages.0.params" in OCDBT database: '
                      "No space left on device [os_error_code='28']")
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
-  with pytest.raises(checkpoint.StorageError, match="checkpoint step 40 failed: the disk .* is "
+  with pytest.raises(workdir_lib.StorageError, match="checkpoint step 40 failed: the disk .* is "
                      "full.*rerun the same command"):
     training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
 
@@ -241,20 +241,20 @@ def test_workdir_that_cannot_be_written_is_refused_before_training(tmp_path, mon
   blocker = tmp_path / "a-file"
   blocker.write_text("")
   monkeypatch.setattr(experiment, "build", lambda config: pytest.fail("built before the check"))
-  with pytest.raises(checkpoint.StorageError, match="cannot be used"):
+  with pytest.raises(workdir_lib.StorageError, match="cannot be used"):
     training.train_and_evaluate(digits_config(), str(blocker / "run"))
   if os.geteuid() != 0:  # root writes anywhere
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o500)
-    with pytest.raises(checkpoint.StorageError, match="cannot be written"):
+    with pytest.raises(workdir_lib.StorageError, match="cannot be written"):
       training.train_and_evaluate(digits_config(), str(read_only))
 
 
 def test_storage_error_recognises_permissions_and_full_disks():
-  assert "full" in str(checkpoint.storage_error("Saving", "/x", OSError(28, "No space left")))
-  assert "cannot be written" in str(checkpoint.storage_error("Saving", "/x", PermissionError(13,
+  assert "full" in str(workdir_lib.storage_error("Saving", "/x", OSError(28, "No space left")))
+  assert "cannot be written" in str(workdir_lib.storage_error("Saving", "/x", PermissionError(13,
                                                                                              "no")))
-  assert checkpoint.storage_error("Saving", "/x", ValueError("shape mismatch")) is None
+  assert workdir_lib.storage_error("Saving", "/x", ValueError("shape mismatch")) is None
 
 
 # ------------------------------------------------------------------ 6. config validation
