@@ -80,6 +80,9 @@ class ShardedPipeline(Runner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
+    # The initial state is made stacked where the stages are: that program does not grow with
+    # depth, and it makes the per-stage init's bits.
+    self._initializer = pipeline if getattr(pipeline, "stacked", False) else None
     # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
     pipeline, self.runs = stacking.pipeline_and_runs(pipeline)
     self.pipeline = pipeline
@@ -143,6 +146,9 @@ class ShardedPipeline(Runner):
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
     """``from_logical(pipeline.init(rng, fill_value))``: the same initial state as one device."""
+    if self._initializer is not None:
+      stacked = self._initializer
+      return self.from_logical(stacked.to_logical(stacked.init(rng, fill_value)))
     return self.from_logical(self.pipeline.init(rng, fill_value))
 
   def from_logical(self, state: PipelineState) -> PackedState:

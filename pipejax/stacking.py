@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,16 +100,51 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
   return _as_text(traced), str(line)
 
 
-def _init_signature(pipeline: Pipeline, s: int, spec: PipelineState):
-  """What stage ``s``'s initialization computes from its key and a traced delay, as text and
-  constants: equal for stages whose initial states one ``vmap`` over their keys makes. None
-  when the method's optimizer state cannot start from a traced delay."""
+class _InitProgram(NamedTuple):
+  """One stage's initialization as a program of its key, delay, fill value and salts."""
+
+  closed: jax_core.ClosedJaxpr  # the salts lifted out of it into inputs
+  salts: np.ndarray  # (k,) uint32: the constants this stage folds into its key
+  out_tree: Any  # the StageState structure it returns
+  text: tuple  # equal for stages that run one program (names of weights may differ)
+
+  def run(self, keys: jax.Array, delays, fill_value: jax.Array, salts: np.ndarray) -> StageState:
+    """The stacked initial states of the stages whose keys, delays and salts are given."""
+    program = jax_core.jaxpr_as_fun(self.closed)
+    leaves = jax.vmap(lambda key, delay, salts: program(key, delay, fill_value, *salts))(
+        keys, jnp.asarray(delays, jnp.int32), jnp.asarray(salts))
+    return jax.tree.unflatten(self.out_tree, leaves)
+
+
+def _init_program(pipeline: Pipeline, s: int, spec: PipelineState) -> _InitProgram | None:
+  """Stage ``s``'s ``init_stage`` traced with its key, delay and fill value as inputs, and the
+  constants it folds into its key (flax derives each weight's key from its module's name, so
+  ``block3`` and ``block4`` fold in different ones) lifted out as a further input.
+
+  Stages whose programs are then equal initialize under one ``vmap`` over their keys, delays and
+  salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
+  from a traced delay.
+  """
   try:
-    traced = jax.make_jaxpr(lambda key, delay: pipeline.init_stage(s, key, jnp.float32(0), delay))(
-        spec.rng, _TRACED_DELAY)
+    closed, out_shape = jax.make_jaxpr(
+        lambda key, delay, fill: pipeline.init_stage(s, key, fill, delay), return_shape=True)(
+            spec.rng, _TRACED_DELAY, jax.ShapeDtypeStruct((), jnp.float32))
   except (TypeError, ValueError):
     return None
-  return _as_text((traced,))
+  eqns, salt_vars, salts = [], [], []
+  for eqn in closed.jaxpr.eqns:
+    if eqn.primitive.name == "random_fold_in" and isinstance(eqn.invars[1], jax_core.Literal):
+      salt_vars.append(jax_core.Var(eqn.invars[1].aval))
+      salts.append(eqn.invars[1].val)
+      eqn = eqn.replace(invars=[eqn.invars[0], salt_vars[-1]])
+    eqns.append(eqn)
+  debug, names = closed.jaxpr.debug_info, tuple(f"salt{i}" for i in range(len(salts)))
+  lifted = jax_core.ClosedJaxpr(
+      closed.jaxpr.replace(invars=closed.jaxpr.invars + salt_vars, eqns=eqns,
+                           debug_info=debug._replace(arg_names=debug.arg_names + names)),
+      closed.consts)
+  return _InitProgram(lifted, np.asarray(salts, np.uint32), jax.tree.structure(out_shape),
+                      _as_text((lifted,)))
 
 
 _TRACED_DELAY = jax.ShapeDtypeStruct((), jnp.int32)
@@ -144,7 +180,8 @@ class _Group(NamedTuple):
   line_treedefs: tuple  # each stage's DelayLine structure
   offsets: np.ndarray  # where each stage's ring starts in the group's buffers
   lengths: np.ndarray  # each stage's ring length D_s + 1
-  init_together: bool  # one vmap over the stages' keys makes their initial states
+  init: _InitProgram | None  # the stages' one initialization program, if they have one
+  salts: np.ndarray | None  # (n, k): each stage's salts for it
 
 
 def _stack(trees, treedef):
@@ -262,12 +299,14 @@ class StackedPipeline(ScanRunner):
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
-      inits = {_init_signature(pipeline, s, spec) for s in range(start, stop)}
+      inits = [_init_program(pipeline, s, spec) for s in range(start, stop)]
+      together = None not in inits and len({p.text for p in inits}) == 1
       self._groups[start] = _Group(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
           tuple(jax.tree.structure(st.delay_line) for st in spec.stages[start:stop]),
           np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths,
-          len(inits) == 1 and None not in inits)
+          inits[0] if together else None,
+          np.stack([p.salts for p in inits]) if together else None)
     self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = jax.jit(self._unstack)
@@ -307,9 +346,9 @@ class StackedPipeline(ScanRunner):
       group = self._groups.get(start)
       if group is None:
         parts.append(one_stage(start, pipe.delays[start]))
-      elif group.init_together:
-        body = jax.vmap(lambda key, delay: pipe.init_stage(start, key, fill_value, delay))(
-            keys[start:stop], jnp.asarray(pipe.delays[start:stop], jnp.int32))
+      elif group.init is not None:
+        body = group.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
+                              group.salts)
         one = jax.tree.map(lambda a: a[0], body)
         parts.append(body._replace(delay_line=pipe.empty_delay_line(
             start, one, int(group.lengths.sum()), fill_value)))
