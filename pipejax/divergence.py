@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 
 from pipejax.checkpoint import Checkpointer
+from pipejax.engine import all_finite
 from pipejax.stages import Model
 
 
@@ -45,11 +46,7 @@ def first_non_finite(finite: np.ndarray, first_tick: int, model: Model) -> str |
 @jax.jit
 def _finite_weights(stages) -> jax.Array:
   """One flag per stage: are its weights and optimizer state finite (one reduction per chunk)."""
-  def finite(tree):
-    flags = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
-             if jnp.issubdtype(a.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-  return jnp.stack([finite((st.params, st.opt_state)) for st in stages])
+  return jnp.stack([all_finite((st.params, st.opt_state)) for st in stages])
 
 
 def raise_if_diverged(config: ml_collections.ConfigDict, model: Model, stages: Sequence,

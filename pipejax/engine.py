@@ -56,7 +56,8 @@ from pipejax.state import (Batch, DelayLine, Forward, Packet, PipelineState, Sta
 PyTree = Any
 
 
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
+  """Whether every floating leaf of ``tree`` is finite (True for a tree with none)."""
   leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)
             if jnp.issubdtype(a.dtype, jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
@@ -251,7 +252,7 @@ class Pipeline(ScanRunner):
       y, forwarded = self.model.stages[s].forward(
           forward_params, inbound.x, self.stage_key(rng, inbound.index, number), variables)
       out = Packet(y, inbound.labels, inbound.valid, inbound.index)
-      ok = jnp.logical_or(~inbound.valid, _all_finite(y))
+      ok = jnp.logical_or(~inbound.valid, all_finite(y))
     entry = st.delay_line.entry(inbound, forward_params,
                                 None if variables is None else variables.forward)
     return Forward(forward_params, out, ok, forwarded, entry)
@@ -296,7 +297,7 @@ class Pipeline(ScanRunner):
     else:
       _, vjp, _ = jax.vjp(recompute, trainable, oldest.x, has_aux=True)
       grads, backward_out = vjp(cotangent)
-      ok = jnp.logical_or(~valid, _all_finite(backward_out))
+      ok = jnp.logical_or(~valid, all_finite(backward_out))
     if is_first:
       backward_out = None
     increment = None
