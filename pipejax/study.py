@@ -56,6 +56,9 @@ class Table:
   where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
   scale: float = 100.0  # cells show metric * scale (accuracy in percent)
   decimals: int = 2
+  # How the gap sentences name the baseline, where the study's own name for it would mislead
+  # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
+  baseline_label: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

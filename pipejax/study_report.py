@@ -206,7 +206,8 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
   records = select(records, table.where)
   grouped = group(records, table.metric, study.baseline)
-  baseline, unit = study.baseline_label(), "points" if table.scale == 100 else "units"
+  baseline = table.baseline_label or study.baseline_label()
+  unit = "points" if table.scale == 100 else "units"
   sentences = []
   for r in ordered(study, table.rows, axis_values(records, table.rows)):
     for c in ordered(study, table.columns, axis_values(records, table.columns)):

@@ -293,6 +293,10 @@ def test_conclusions_follow_the_numbers_with_margin_verdicts():
   records[3:] = [record("pb", 8, s, a) for s, a in enumerate((0.851, 0.80, 0.829))]
   (sentence,) = study_report.conclusions(study, records, study.tables[0])
   assert "no difference from SGD shown" in sentence and "equivalent within ±0.50: yes" in sentence
+  # A table whose baseline the study's own name would mislead about names it itself.
+  adam = dataclasses.replace(study.tables[0], baseline_label="Adam without a pipeline")
+  (sentence,) = study_report.conclusions(study, records, adam)
+  assert "no difference from Adam without a pipeline shown" in sentence
 
 
 def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
