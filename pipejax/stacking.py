@@ -11,15 +11,8 @@ views and update rules take the delay as a value (``pipejax.optim`` accepts trac
 hyperparameters), so Spike Compensation's coefficients, the prediction horizons and PipeMare's
 rates become per-stage arrays without any change to the methods.
 
-**Which stages group** (:func:`find_groups`). Two stages are identical when their forward, and
-the method's weight views and update with the delay as an input, written over the flattened
-leaves of the stage's state, trace to the same jaxprs (operations, shapes, dtypes, constants);
-the backward is the forward's VJP. Their
-parameter trees may differ in names only (``block3`` against ``block4``): the group keeps its
-first stage's tree structure, and the logical state keeps every stage's own. The first and the
-last stage never group (they skip the input gradient, and meet the loss). A method whose
-update cannot take a traced delay (an optimizer factory that branches on it in Python) makes no
-group: the pipeline then runs stage by stage.
+**Which stages group**: :func:`pipejax.stage_groups.find_groups`; a group initializes under
+one ``vmap`` too (:func:`pipejax.stage_groups.init_program`).
 
 **Delay lines** (docs/design.md §6.1). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
 ``L_s`` differs from stage to stage. The group keeps one buffer per leaf with all its stages'
@@ -40,7 +33,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,6 +40,7 @@ from pipejax import accounting, checks, engine
 from pipejax.engine import Pipeline
 from pipejax.mesh import MeshError
 from pipejax.runner import ScanRunner
+from pipejax.stage_groups import InitProgram, find_groups, init_program
 from pipejax.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
@@ -65,112 +58,6 @@ class StackedState(NamedTuple):
   rng: jax.Array
 
 
-def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
-  """What stage ``s`` computes, as text and constants: equal for identical stages.
-
-  The stage's forward, and the method's weight views and update with the delay as a traced
-  value, each traced over the flattened leaves of the stage's state; the backward is the
-  forward's VJP. None when the method cannot take a traced delay.
-  """
-  stage, method, st = pipeline.model.stages[s], pipeline.method, spec.stages[s]
-  leaves, treedef = jax.tree.flatten(st._replace(delay_line=None))
-  opt_structure = []
-
-  def forward(leaves, x, key):
-    st = jax.tree.unflatten(treedef, leaves)
-    return stage.forward(st.params, x, key, st.variables)
-
-  def update(leaves, delay):
-    st = jax.tree.unflatten(treedef, leaves)
-    extra = {"gradient_params": st.params} if method.pass_gradient_weights else {}
-    updates, opt_state = method.optimizer(delay).update(st.params, st.opt_state, st.params,
-                                                        **extra)
-    opt_structure.append(jax.tree.structure(opt_state))
-    return (method.forward_weights(st.params, st.opt_state, delay),
-            method.backward_weights(st.params, st.opt_state, delay), updates, opt_state)
-
-  try:
-    traced = (jax.make_jaxpr(forward)(leaves, spec.stages[s - 1].forward_out.x, spec.rng),
-              jax.make_jaxpr(update)(leaves, _TRACED_DELAY))
-  except (TypeError, ValueError):  # a traced delay the method cannot take, among them
-    return None
-  if opt_structure[0] != jax.tree.structure(st.opt_state):
-    return None  # the update's state is not the state the stage's init makes
-  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(st.delay_line)]
-  return _as_text(traced), str(line)
-
-
-class _InitProgram(NamedTuple):
-  """One stage's initialization as a program of its key, delay, fill value and salts."""
-
-  closed: jax_core.ClosedJaxpr  # the salts lifted out of it into inputs
-  salts: np.ndarray  # (k,) uint32: the constants this stage folds into its key
-  out_tree: Any  # the StageState structure it returns
-  text: tuple  # equal for stages that run one program (names of weights may differ)
-
-  def run(self, keys: jax.Array, delays, fill_value: jax.Array, salts: np.ndarray) -> StageState:
-    """The stacked initial states of the stages whose keys, delays and salts are given."""
-    program = jax_core.jaxpr_as_fun(self.closed)
-    leaves = jax.vmap(lambda key, delay, salts: program(key, delay, fill_value, *salts))(
-        keys, jnp.asarray(delays, jnp.int32), jnp.asarray(salts))
-    return jax.tree.unflatten(self.out_tree, leaves)
-
-
-def _init_program(pipeline: Pipeline, s: int, spec: PipelineState) -> _InitProgram | None:
-  """Stage ``s``'s ``init_stage`` traced with its key, delay and fill value as inputs, and the
-  constants it folds into its key (flax derives each weight's key from its module's name, so
-  ``block3`` and ``block4`` fold in different ones) lifted out as a further input.
-
-  Stages whose programs are then equal initialize under one ``vmap`` over their keys, delays and
-  salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
-  from a traced delay.
-  """
-  try:
-    closed, out_shape = jax.make_jaxpr(
-        lambda key, delay, fill: pipeline.init_stage(s, key, fill, delay), return_shape=True)(
-            spec.rng, _TRACED_DELAY, jax.ShapeDtypeStruct((), jnp.float32))
-  except (TypeError, ValueError):
-    return None
-  eqns, salt_vars, salts = [], [], []
-  for eqn in closed.jaxpr.eqns:
-    if eqn.primitive.name == "random_fold_in" and isinstance(eqn.invars[1], jax_core.Literal):
-      salt_vars.append(jax_core.Var(eqn.invars[1].aval))
-      salts.append(eqn.invars[1].val)
-      eqn = eqn.replace(invars=[eqn.invars[0], salt_vars[-1]])
-    eqns.append(eqn)
-  debug, names = closed.jaxpr.debug_info, tuple(f"salt{i}" for i in range(len(salts)))
-  lifted = jax_core.ClosedJaxpr(
-      closed.jaxpr.replace(invars=closed.jaxpr.invars + salt_vars, eqns=eqns,
-                           debug_info=debug._replace(arg_names=debug.arg_names + names)),
-      closed.consts)
-  return _InitProgram(lifted, np.asarray(salts, np.uint32), jax.tree.structure(out_shape),
-                      _as_text((lifted,)))
-
-
-_TRACED_DELAY = jax.ShapeDtypeStruct((), jnp.int32)
-
-
-def _as_text(traced) -> tuple:
-  """Closed jaxprs as comparable text: the programs, and their constants' shapes and bytes."""
-  consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes())
-                 for closed in traced for c in closed.consts)
-  return tuple(str(closed.jaxpr) for closed in traced), consts
-
-
-def find_groups(pipeline: Pipeline) -> list[tuple[int, int]]:
-  """The pipeline's stages as contiguous ``(start, stop)`` runs; a run of two or more stages is
-  a group of identical stages (module docstring), every other run a single stage."""
-  num, spec = pipeline.num_stages, pipeline.state_spec
-  signatures = [None] + [_signature(pipeline, s, spec) for s in range(1, num - 1)] + [None]
-  runs, start = [], 0
-  for s in range(1, num + 1):
-    same = (s < num and signatures[s] is not None and signatures[s] == signatures[start])
-    if not same:
-      runs.append((start, s))
-      start = s
-  return runs
-
-
 class _Group(NamedTuple):
   """Static facts of one stacked group."""
 
@@ -180,7 +67,7 @@ class _Group(NamedTuple):
   line_treedefs: tuple  # each stage's DelayLine structure
   offsets: np.ndarray  # where each stage's ring starts in the group's buffers
   lengths: np.ndarray  # each stage's ring length D_s + 1
-  init: _InitProgram | None  # the stages' one initialization program, if they have one
+  init: InitProgram | None  # the stages' one initialization program, if they have one
   salts: np.ndarray | None  # (n, k): each stage's salts for it
 
 
@@ -299,7 +186,7 @@ class StackedPipeline(ScanRunner):
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
-      inits = [_init_program(pipeline, s, spec) for s in range(start, stop)]
+      inits = [init_program(pipeline, s, spec) for s in range(start, stop)]
       together = None not in inits and len({p.text for p in inits}) == 1
       self._groups[start] = _Group(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),

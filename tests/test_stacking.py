@@ -11,7 +11,8 @@ import pipejax
 from pipejax import accounting, methods, models, stacking
 from pipejax.checks import PipelineError
 from pipejax.engine import Pipeline
-from pipejax.stacking import StackedPipeline, find_groups
+from pipejax.stacking import StackedPipeline
+from pipejax.stage_groups import find_groups
 from tests.helpers import NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never group)
