@@ -78,7 +78,7 @@ def check_partition(partition, num_stages: int, num_groups: int) -> list[tuple[i
 
 def param_counts(pipeline: Pipeline) -> list[int]:
   """Number of weights of each logical stage (a proxy for its compute at fixed micro-batch)."""
-  state = jax.eval_shape(pipeline.init, jax.random.PRNGKey(0))
+  state = pipeline.state_spec
   return [sum(math.prod(a.shape) for a in jax.tree.leaves(st.params)) for st in state.stages]
 
 

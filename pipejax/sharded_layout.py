@@ -65,7 +65,7 @@ class ShardedLayout:
     self.partition = partition
     self.num_groups = mesh.shape[STAGE]
     self.num_replicas = mesh.shape[DATA]
-    abstract = jax.eval_shape(pipeline.init, jax.random.PRNGKey(0))
+    abstract = pipeline.state_spec
     if self.num_replicas > 1:
       _check_replicable(pipeline, abstract, self.num_replicas)
     self.packing = packing.Packing.plan(abstract, partition, self.num_replicas, policy)

@@ -140,7 +140,7 @@ def weight_bytes(pipe) -> int:
 
 def pipeline_passes(pipe, x, y) -> dict:
   """Passes per tick of both programs of ``Pipeline.run``: after the fill, and while filling."""
-  state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
+  state = pipe.state_spec
   per_pass = weight_bytes(pipe)
   full, filling = (passes(pipe.lower(state, x[:4], y[:4], every_slot_full=full).compile(),
                           per_pass) for full in (True, False))

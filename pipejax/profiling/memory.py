@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from pipejax import accounting, methods
 from pipejax.engine import Pipeline
 from pipejax.profiling.workloads import stream
@@ -22,7 +20,7 @@ def memory(name: str, model, example_input, num_classes: int, ticks: int = 64) -
   x, y = stream(ticks, example_input.shape[0], example_input.shape[1:], classes=num_classes)
   pipe = Pipeline(model, methods.make_method(METHOD, learning_rate=1e-3, momentum=0.9),
                   x[0], y[0])
-  state = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
+  state = pipe.state_spec
   stats = pipe.lower(state, x, y).compile().memory_analysis()
   parts = {
       "weights": sum(accounting.tree_bytes(st.params) for st in state.stages),
