@@ -83,13 +83,13 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
-
 def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
   """Arrays shaped ``leading + leaf.shape`` for each leaf of ``spec``: ``fill_value`` in floating
   leaves, 0 in integer ones (an empty slot is flagged invalid, never read as a number)."""
   return jax.tree.map(
       lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
                          else 0, a.dtype), spec)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Pipeline(ScanRunner):
