@@ -23,7 +23,6 @@ class MeshError(PipelineError):
   """A mesh, partition or micro-batch that does not fit the pipeline; says how to fix it."""
 
 
-
 def make_mesh(stage: int, data: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ``('data', 'stage')`` mesh over ``devices`` (default: all global devices).
 

@@ -156,8 +156,6 @@ def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
   return "\n".join(lines)
 
 
-
-
 def best_value(study: Study, records: Sequence[dict], table: Table, column_value):
   """The ``rows`` value at which ``column_value``'s cell has the best mean (no diverged seed)."""
   grouped = group(records, table.metric)
