@@ -191,11 +191,14 @@ class Pipeline(ScanRunner):
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
     stage_keys, run_key = self.init_keys(rng)
-    stages = []
-    for s, delay in enumerate(self.delays):
-      st = self.init_stage(s, stage_keys[s], fill_value, delay)
-      stages.append(st._replace(delay_line=self.empty_delay_line(s, st, delay + 1, fill_value)))
-    return PipelineState(tuple(stages), jnp.array(0, jnp.int32), run_key)
+    stages = tuple(self.initial_stage(s, stage_keys[s], fill_value)
+                   for s in range(self.num_stages))
+    return PipelineState(stages, jnp.array(0, jnp.int32), run_key)
+
+  def initial_stage(self, s: int, key: jax.Array, fill_value: jax.Array) -> StageState:
+    """Stage ``s``'s whole initial state: :meth:`init_stage` with its empty delay line."""
+    st = self.init_stage(s, key, fill_value, self.delays[s])
+    return st._replace(delay_line=self.empty_delay_line(s, st, self.delays[s] + 1, fill_value))
 
   def init_keys(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The key of each stage's initial weights, and the key of the run's own stream."""

@@ -80,11 +80,12 @@ class ShardedPipeline(Runner):
                layout: str = "auto"):
     if layout not in ("auto", "flat", "slots"):
       raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
-    # The initial state is made stacked where the stages are: that program does not grow with
-    # depth, and it makes the per-stage init's bits.
-    self._initializer = pipeline if getattr(pipeline, "stacked", False) else None
+    runner = pipeline
     # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
-    pipeline, self.runs = stacking.pipeline_and_runs(pipeline)
+    pipeline, self.runs = stacking.pipeline_and_runs(runner)
+    # Where stages are stacked, the initial state is made stacked: that program does not grow
+    # with depth, and it makes the per-stage init's bits.
+    self._stacked = runner if self.runs is not None else None
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_groups = self.mesh.shape[STAGE]
@@ -146,9 +147,8 @@ class ShardedPipeline(Runner):
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
     """``from_logical(pipeline.init(rng, fill_value))``: the same initial state as one device."""
-    if self._initializer is not None:
-      stacked = self._initializer
-      return self.from_logical(stacked.to_logical(stacked.init(rng, fill_value)))
+    if self._stacked is not None:
+      return self.from_logical(self._stacked.to_logical(self._stacked.init(rng, fill_value)))
     return self.from_logical(self.pipeline.init(rng, fill_value))
 
   def from_logical(self, state: PipelineState) -> PackedState:

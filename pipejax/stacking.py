@@ -223,16 +223,11 @@ class StackedPipeline(ScanRunner):
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> StackedState:
     pipe = self.pipeline
     keys, run_key = pipe.init_keys(rng)
-
-    def one_stage(s, delay):
-      st = pipe.init_stage(s, keys[s], fill_value, delay)
-      return st._replace(delay_line=pipe.empty_delay_line(s, st, delay + 1, fill_value))
-
     parts = []
     for start, stop in self.runs:
       group = self._groups.get(start)
       if group is None:
-        parts.append(one_stage(start, pipe.delays[start]))
+        parts.append(pipe.initial_stage(start, keys[start], fill_value))
       elif group.init is not None:
         body = group.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
                               group.salts)
@@ -240,7 +235,7 @@ class StackedPipeline(ScanRunner):
         parts.append(body._replace(delay_line=pipe.empty_delay_line(
             start, one, int(group.lengths.sum()), fill_value)))
       else:
-        parts.append(self._stack_group(group, [one_stage(s, pipe.delays[s])
+        parts.append(self._stack_group(group, [pipe.initial_stage(s, keys[s], fill_value)
                                                for s in range(start, stop)]))
     return StackedState(tuple(parts), jnp.array(0, jnp.int32), run_key)
 

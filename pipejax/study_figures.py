@@ -85,20 +85,21 @@ def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoo
     xs = sorted(by_samples)
     st = [statistics.interval(by_samples[x]) for x in xs]
     means = [v.mean * 100 for v in st]
-    bands = ([v.low * 100 for v in st], [v.high * 100 for v in st]) if all(
-        v.n > 1 for v in st) else (means, means)
+    has_band = all(v.n > 1 for v in st)
+    lows = [v.low * 100 for v in st] if has_band else means
+    highs = [v.high * 100 for v in st] if has_band else means
     for axis in (ax, zoom):
       axis.plot(xs, means, color=f"C{i % 10}", label=f"{study.label(s)} (n={len(runs)})")
-      if bands[0] is not means:
-        axis.fill_between(xs, *bands, color=f"C{i % 10}", alpha=0.2)
-    tail += [(x, low, high) for x, low, high in zip(xs, *bands)]
+      if has_band:
+        axis.fill_between(xs, lows, highs, color=f"C{i % 10}", alpha=0.2)
+    tail += zip(xs, lows, highs)
     drawn = True
   if drawn:
-    start = max(x for x, _, _ in tail) / 4
-    low = min(lo for x, lo, _ in tail if x >= start)
-    high = max(hi for x, _, hi in tail if x >= start)
+    end = max(x for x, _, _ in tail)
+    low = min(lo for x, lo, _ in tail if x >= end / 4)
+    high = max(hi for x, _, hi in tail if x >= end / 4)
     pad = max(0.1, (high - low) * 0.05)
-    zoom.set_xlim(start, max(x for x, _, _ in tail) * 1.01)
+    zoom.set_xlim(end / 4, end * 1.01)
     zoom.set_ylim(low - pad, high + pad)
     zoom.set_title("the last three quarters, zoomed", fontsize=9)
     zoom.grid(alpha=0.3)
