@@ -7,12 +7,13 @@ r"""A byte-level transformer language model on the fortunes corpus, one block pe
 
 Data: the Debian package ``fortunes`` (``apt-get install fortunes``; docs/lm.md), bytes as tokens,
 one fortune in ten held out for validation; one micro-batch is one sequence of
-``data_kwargs.context`` bytes (b = 1).
-Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` blocks: blocks + 2
-stages (embedding, one block each, final norm + output projection).
-Recipe: AdamW (b1 0.9, b2 0.99, lr 3e-4, decoupled decay 0.01 on matrices and embeddings only),
+``data_kwargs.context`` = 64 bytes (b = 1).
+Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` = 6 blocks: blocks + 2
+stages (embedding, one block each, final norm + output projection), 8 stages in all.
+Recipe: AdamW (b1 0.9, b2 0.99, lr 1e-3, decoupled decay 0.01 on matrices and embeddings only),
 stated directly at one sequence per step (reference.batch_size = 1, so no scaling rule applies),
-cosine schedule with 5% warm-up over one epoch of the training split (18078 sequences).
+cosine schedule with 5% warm-up over two thirds of an epoch of the training split (24,104 of its
+36,156 sequences). This is the 8-stage recipe of configs/studies/lm_depth.py.
 The test loss is the validation split's mean next-byte cross-entropy in nats; bits per byte are
 test_loss / ln 2 (docs/lm.md).
 """
@@ -23,7 +24,7 @@ from pipejax import config as configlib
 def get_config(arg: str | None = None):
   config = configlib.base_config()
   config.dataset = "fortunes"
-  config.data_kwargs = {"context": 128}
+  config.data_kwargs = {"context": 64}
   config.model = "transformer_lm"
   config.model_kwargs = {"width": 128, "blocks": 6, "heads": 4, "layers_per_stage": 1}
   config.method = "pb_sc"
@@ -31,16 +32,16 @@ def get_config(arg: str | None = None):
   config.decay_mask = True
   config.micro_batch_size = 1
   config.reference.batch_size = 1
-  config.reference.lr = 3e-4
+  config.reference.lr = 1e-3
   config.reference.momentum = 0.9
   config.reference.b2 = 0.99
   config.reference.weight_decay = 0.01
-  config.epochs = 1.0
+  config.epochs = 2 / 3  # 24,104 sequences of 64 bytes
   config.warmup_epochs = 0.05
   config.pipemare_anneal_epochs = 0.25  # K of Nesterov AsyncPP's learning-rate correction
   config.ticks_per_chunk = 500
-  config.eval_every_samples = 5000
-  config.checkpoint_every_samples = 5000
+  config.eval_every_samples = 4000
+  config.checkpoint_every_samples = 4000
   config.eval_batch_size = 64
   if arg == "smoke":
     config.data_kwargs = {"context": 32}
