@@ -13,6 +13,11 @@ restrict a session to cheap depths with ``--where=model_kwargs.depth=8``.
 * Every depth: SGD, plain PB and PB + SC + LWP (the paper's claim), then the rivals.
 * 64 stages: SGD, PB, PB + SC + LWP, SpecTrain and PipeMare (a 64-stage run costs about twice a
   32-stage one, so not every rival).
+* 128 and 256 stages (delays up to 254, the paper's one layer per stage at ResNet depths): SGD,
+  PB, PB + SC + LWP, PB + SC, SpecTrain and PipeMare, three seeds, and five seeds of SGD, PB and
+  PB + SC + LWP at 128 stages (42 runs). Restrict a session to them with
+  ``--where=model_kwargs.depth=128|256``. Cost: see docs/study.md "Not yet run" for the measured
+  per-run times and the total.
 * One seed of every method at 8 stages also logs the per-stage weight discrepancy between forward
   and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
   repeat the comparison at 8 stages.
@@ -25,6 +30,7 @@ from pipejax.study import Figure, Study, Table
 
 PAPER = ("sgd", "pb", "pb_sc_lwp")
 RIVALS = ("pb_sc", "pb_lwp", "pipedream", "spectrain", "pipemare", "dcasgd")
+DEEP_RIVALS = ("pb_sc", "spectrain", "pipemare")
 ADAM_METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipedream")
 SGD = (("optimizer", None), ("diagnostics", None))
 ADAM = (("optimizer", "adam"),)
@@ -55,6 +61,10 @@ def get_study(arg: str | None = None) -> Study:
              {"model_kwargs.depth": (4, 8, 16, 32), "method": RIVALS, "seed": seeds},
              {"model_kwargs.depth": (64,), "method": PAPER + ("spectrain", "pipemare"),
               "seed": seeds},
+             # One weight layer per stage at the paper's depths: delays up to 254.
+             {"model_kwargs.depth": (128,), "method": PAPER, "seed": (0, 1, 2, 3, 4)},
+             {"model_kwargs.depth": (128, 256), "method": DEEP_RIVALS, "seed": seeds},
+             {"model_kwargs.depth": (256,), "method": PAPER, "seed": seeds},
              # The staleness figure: the weight stash that measures it costs O(S^2) weight
              # copies per tick, so it is drawn at 8 stages, one seed.
              {"model_kwargs.depth": (8,), "method": PAPER + RIVALS, "seed": (0,),
