@@ -128,7 +128,7 @@ _POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learni
 _NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay", "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
 _MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
-            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", "pipemare")}
+            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", *methods_lib.STAGE_RATES)}
 
 
 def _field(config, key: str):
