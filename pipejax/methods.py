@@ -15,7 +15,9 @@ stage's delay ``D_s``. The engine never branches on a method's name; it asks the
   gradients before one step.
 
 Adding a method is a few lines: a new :class:`Method` built from optax transformations and, where
-needed, a weight view.
+needed, a weight view. What the trainer must know of a preset before building it (its batch per
+step, whether it trains unpipelined) is its :class:`Traits` (:func:`traits_of`): no caller
+compares a method's name.
 """
 
 from __future__ import annotations
