@@ -39,7 +39,8 @@ def validate(config) -> None:
     raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
                       f"{', '.join(models_lib.names())}.")
   _validate_values(config)
-  if config.sgd_stage_rates and (config.method != "sgd" or config.optimizer != "sgd"):
+  traits = methods_lib.traits_of(config.method)
+  if config.sgd_stage_rates and (not traits.one_stage or config.optimizer != "sgd"):
     raise ConfigError(f"config.sgd_stage_rates={config.sgd_stage_rates!r} gives the layers of "
                       "the one-stage momentum-SGD baseline per-stage rates; it needs "
                       f"--config.method=sgd and --config.optimizer=sgd (got method "
@@ -47,7 +48,7 @@ def validate(config) -> None:
   if not 0 <= config.pipemare_anneal_fraction <= 1:
     raise ConfigError(f"config.pipemare_anneal_fraction must be in [0, 1] (a fraction of the "
                       f"run's steps); got {config.pipemare_anneal_fraction!r}.")
-  if config.method == "sync" and config.ticks_per_chunk % config.micro_batches:
+  if traits.accumulates_micro_batches and config.ticks_per_chunk % config.micro_batches:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
                       f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
   if config.schedule == "cosine" and config.warmup_epochs > config.epochs:
@@ -64,7 +65,7 @@ def validate(config) -> None:
 def model_kwargs(config) -> dict:
   """The model builder's keywords: ``config.model_kwargs``, one stage for method 'sgd'."""
   kwargs = dict(config.model_kwargs)
-  if config.method == "sgd":
+  if methods_lib.traits_of(config.method).one_stage:
     # The reference without a pipeline: the whole network as one stage, where the engine is
     # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
     # weights of the split the config names (pipejax.experiment.Setup.initial_weights_from).
@@ -127,7 +128,7 @@ _POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learni
 _NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay", "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
 _MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
-            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", "pipemare")}
+            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", *methods_lib.STAGE_RATES)}
 
 
 def _field(config, key: str):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from pipejax import methods
 from pipejax.checkpoint import Checkpointer
 from pipejax.engine import all_finite
 from pipejax.stages import Model
@@ -86,8 +87,10 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model, stages: S
   steps = checkpointer.all_steps()
   advice = ("Lower the learning rate (--config.reference.lr or --config.micro_batch.lr) or add "
             "warm-up (--config.warmup_epochs)")
-  if config.method not in ("pb_sc_lwp", "sgd", "sync"):
-    advice += ", or try a method with delay compensation (--config.method=pb_sc_lwp)"
+  traits = methods.traits_of(config.method)
+  if not (traits.delay_free or traits.recommended):
+    advice += (", or try a method with delay compensation "
+               f"(--config.method={methods.RECOMMENDED})")
   raise TrainingDiverged(
       f"Training diverged: {where} produced a non-finite value (NaN or inf), after {seen} "
       "training samples. "

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,24 @@ def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
   return jax.tree.map(
       lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
                          else 0, a.dtype), spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class TickOptions:
+  """How a tick advances its stages: fixed when the tick is traced, the same for every stage.
+
+  Attributes:
+    reduce_grads: combines the weight gradient across pipeline replicas (``lax.pmean`` over a
+      ``data`` mesh axis); None on one replica.
+    every_slot_full: promises that the micro-batch backwarded is a real one (see
+      :meth:`Pipeline.run`), which drops the guard that keeps empty slots from updating weights.
+    delay_line_entries: return, in place of each stage's new delay line, the entry this tick
+      writes into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).
+  """
+
+  reduce_grads: Callable[[PyTree], PyTree] | None = None
+  every_slot_full: bool = False
+  delay_line_entries: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -308,27 +326,26 @@ class Pipeline(ScanRunner):
       grads, increment = grads
     return grads, backward_out, increment, forwarded, metrics, ok
 
-  def _update(self, st: StageState, grads, backward_params, valid, delay, reduce_grads,
-              every_slot_full: bool):
+  def _update(self, st: StageState, grads, backward_params, valid, delay, options: TickOptions):
     """The stage's own optax step; an empty slot changes nothing.
 
     The guard is a select: a ``lax.cond`` copies every weight and optimizer slot through its
     branches. NaN gradients from empty slots are never selected, so they need no scrubbing.
     """
-    if reduce_grads is not None:
-      grads = reduce_grads(grads)
+    if options.reduce_grads is not None:
+      grads = options.reduce_grads(grads)
     extra = {"gradient_params": backward_params} if self.method.pass_gradient_weights else {}
     updates, opt_state = self.method.optimizer(delay).update(grads, st.opt_state, st.params,
                                                              **extra)
     params = optax.apply_updates(st.params, updates)
-    if not every_slot_full:
+    if not options.every_slot_full:
       params, opt_state = optax.tree_utils.tree_where(valid, (params, opt_state),
                                                       (st.params, st.opt_state))
     return params, opt_state
 
   def backward_step(self, s: int, st: StageState, forward: Forward, oldest: DelayLine,
                     inbound: Packet, cotangent: PyTree, rng: jax.Array, number=None, delay=None,
-                    reduce_grads=None, every_slot_full: bool = False):
+                    options: TickOptions = TickOptions()):
     """Stage s backwards the ``oldest`` entry of its delay line and updates.
 
     Returns the stage state without its delay line (``delay_line=None``: the caller writes its
@@ -349,39 +366,32 @@ class Pipeline(ScanRunner):
       is_last = s == self.num_stages - 1
       variables = _advance_variables(
           variables, forwarded if is_last else forward.variables,
-          valid if is_last else inbound.valid, increment, valid, every_slot_full)
-    params, opt_state = self._update(st, grads, backward_params, valid, delay, reduce_grads,
-                                     every_slot_full)
+          valid if is_last else inbound.valid, increment, valid, options.every_slot_full)
+    params, opt_state = self._update(st, grads, backward_params, valid, delay, options)
     # A NaN weight shows in the stage's own output within a tick; checking activations instead of
     # every weight keeps the tick's cost independent of the parameter count.
     metrics["finite"] = jnp.logical_and(forward.ok, backward_ok)
     return StageState(params, opt_state, None, forward.out, backward_out, variables), metrics
 
   def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
-                    tick: jax.Array, rng: jax.Array, reduce_grads=None,
-                    every_slot_full: bool = False, delay_line_entries: bool = False):
+                    tick: jax.Array, rng: jax.Array, options: TickOptions = TickOptions()):
     """Stage s's work in one tick: forward, stash, backward, update.
 
     Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
     forwarded last tick; ``cotangent`` what stage s+1 sent back last tick (ignored for the last
     stage, which meets the loss). Single- and multi-device ticks only route registers between
-    calls of it. ``reduce_grads``, when given, combines the weight gradient across pipeline
-    replicas (``lax.pmean`` over a ``data`` mesh axis). ``every_slot_full`` promises that the
-    micro-batch backwarded is a real one (see :meth:`Pipeline.run`), which drops the guard that
-    keeps empty slots from updating weights. ``delay_line_entries`` returns, in place of the new
-    delay line, the entry this tick writes into it (:meth:`DelayLine.write` of it at ``tick``
-    gives the line).
+    calls of it, each with its :class:`TickOptions`.
     """
     forward = self.forward_step(s, st, inbound, rng)
     oldest = st.delay_line.read(tick, forward.entry)
-    line = forward.entry if delay_line_entries else st.delay_line.write(tick, forward.entry)
+    line = (forward.entry if options.delay_line_entries
+            else st.delay_line.write(tick, forward.entry))
     new, metrics = self.backward_step(s, st, forward, oldest, inbound, cotangent, rng,
-                                      reduce_grads=reduce_grads, every_slot_full=every_slot_full)
+                                      options=options)
     return new._replace(delay_line=line), metrics
 
   def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
-                     cotangent: PyTree, tick, rng, reduce_grads=None,
-                     every_slot_full: bool = False, delay_line_entries: bool = False):
+                     cotangent: PyTree, tick, rng, options: TickOptions = TickOptions()):
     """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
 
     ``inbound`` is the packet entering the group's first stage, ``cotangent`` the gradient entering
@@ -392,16 +402,16 @@ class Pipeline(ScanRunner):
       s = first + i
       stage_in = inbound if i == 0 else stages[i - 1].forward_out
       stage_cot = cotangent if i == len(stages) - 1 else stages[i + 1].backward_out
-      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng, reduce_grads,
-                                     every_slot_full, delay_line_entries)
+      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng, options)
       new_stages.append(new_st)
       stage_metrics.append(m)
     return tuple(new_stages), stage_metrics
 
   def _tick(self, state: PipelineState, batch: Batch, every_slot_full: bool = False):
     inbound = Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
-    stages, stage_metrics = self.advance_stages(0, state.stages, inbound, None, state.tick,
-                                                state.rng, every_slot_full=every_slot_full)
+    stages, stage_metrics = self.advance_stages(
+        0, state.stages, inbound, None, state.tick, state.rng,
+        TickOptions(every_slot_full=every_slot_full))
     return PipelineState(stages, state.tick + 1, state.rng), tick_metrics(stage_metrics)
 
   def metric_shapes(self) -> dict:

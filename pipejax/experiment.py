@@ -36,7 +36,8 @@ def resolve_recipe(config) -> optim.Recipe:
   ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
   values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
   """
-  group = config.micro_batch_size * (config.micro_batches if config.method == "sync" else 1)
+  group = config.micro_batch_size * methods_lib.traits_of(config.method).micro_batches_per_step(
+      config.micro_batches)
   ref = config.reference
   recipe = optim.scale_recipe(
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
@@ -133,7 +134,8 @@ def build(config: ml_collections.ConfigDict) -> Setup:
 
   b = config.micro_batch_size
   split_model = None
-  if config.method == "sgd" and config.model_kwargs.get("layers_per_stage", 1) is not None:
+  if methods_lib.traits_of(config.method).one_stage and \
+      config.model_kwargs.get("layers_per_stage", 1) is not None:
     # The one-stage baseline starts from the weights of the split the config names.
     split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
                                    **dict(config.model_kwargs))
@@ -154,13 +156,13 @@ def build(config: ml_collections.ConfigDict) -> Setup:
       weight_decay=recipe.weight_decay, micro_batches=config.micro_batches,
       anneal_steps=anneal_steps, optimizer=config.optimizer, b2=recipe.b2,
       num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
-  if config.sgd_stage_rates == "pipemare" and split_model is not None:
+  if config.sgd_stage_rates and split_model is not None:
     layer_delays = {}
     shapes, _ = split_model.trace_shapes(
         jax.random.PRNGKey(0), np.zeros((b,) + tuple(train_source.example_shape), np.float32))
     for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
       layer_delays.update({name: delay for name in stage_params})
-    method = methods_lib.sgd_with_pipemare_rates(
+    method = methods_lib.STAGE_RATES[config.sgd_stage_rates](
         layer_delays, learning_rate=schedule, momentum=recipe.momentum,
         weight_decay=recipe.weight_decay, anneal_steps=anneal_steps)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
@@ -208,6 +210,6 @@ def run_ticks(config, train_size: int) -> int:
   Whole micro-batches (whole groups of ``config.micro_batches`` in the synchronous mode), at
   least one.
   """
-  group = config.micro_batches if config.method == "sync" else 1
+  group = methods_lib.traits_of(config.method).micro_batches_per_step(config.micro_batches)
   ticks = int(config.epochs * train_size) // config.micro_batch_size
   return max(group, ticks - ticks % group)

@@ -15,7 +15,9 @@ stage's delay ``D_s``. The engine never branches on a method's name; it asks the
   gradients before one step.
 
 Adding a method is a few lines: a new :class:`Method` built from optax transformations and, where
-needed, a weight view.
+needed, a weight view. What the trainer must know of a preset before building it (its batch per
+step, whether it trains unpipelined) is its :class:`Traits` (:func:`traits_of`): no caller
+compares a method's name.
 """
 
 from __future__ import annotations
@@ -176,12 +178,38 @@ class Hyperparameters:
     return factory
 
 
+@dataclasses.dataclass(frozen=True)
+class Traits:
+  """What a caller may ask of a preset from its name alone, before its transformations exist.
+
+  A trainer needs some answers (the batch of one step, the model's split) before it has the
+  learning-rate schedule that :func:`make_method` builds the optax transformations from.
+  """
+
+  # One step per ``micro_batches`` micro-batches (make_method's M): the synchronous pipeline.
+  accumulates_micro_batches: bool = False
+  # The reference without a pipeline: the whole network trains as one stage.
+  one_stage: bool = False
+  # No stage ever computes on stale weights, so there is no delay to compensate.
+  delay_free: bool = False
+  # Plain Pipelined Backpropagation, no mitigation of the delay: the other methods' yardstick.
+  plain_pipeline: bool = False
+  # The method to suggest when a delayed method diverges (spike compensation + prediction).
+  recommended: bool = False
+
+  def micro_batches_per_step(self, micro_batches: int) -> int:
+    """The micro-batches one optimizer step sees, given the config's ``micro_batches``."""
+    return micro_batches if self.accumulates_micro_batches else 1
+
+
 _PRESETS: dict[str, Callable[[Hyperparameters], Method]] = {}
 _OPTIMIZERS: dict[str, tuple[str, ...]] = {}
+_TRAITS: dict[str, Traits] = {}
 
 
-def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS):
-  """Registers a preset; ``optimizers`` are the base optimizers it is defined for."""
+def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS, **traits):
+  """Registers a preset; ``optimizers`` are the base optimizers it is defined for, ``traits``
+  the :class:`Traits` fields that hold for it."""
   def register(build: Callable[[Hyperparameters], Method]):
     def checked(h: Hyperparameters) -> Method:
       if h.optimizer not in optimizers:
@@ -191,21 +219,22 @@ def _preset(name: str, optimizers: tuple[str, ...] = BASE_OPTIMIZERS):
       return build(h)
     _PRESETS[name] = checked
     _OPTIMIZERS[name] = optimizers
+    _TRAITS[name] = Traits(**traits)
     return build
   return register
 
 
-@_preset("sgd")
+@_preset("sgd", one_stage=True, delay_free=True)
 def _sgd(h):
   return dataclasses.replace(sync(h.base, micro_batches=1), name="sgd")
 
 
-@_preset("sync")
+@_preset("sync", accumulates_micro_batches=True, delay_free=True)
 def _sync(h):
   return sync(h.base, micro_batches=h.micro_batches)
 
 
-@_preset("pb")
+@_preset("pb", plain_pipeline=True)
 def _pb(h):
   return Method("pb", h.base)
 
@@ -220,7 +249,7 @@ def _pb_lwp(h):
   return Method("pb_lwp", h.predicting(Hyperparameters.base), forward_weights=_predicted)
 
 
-@_preset("pb_sc_lwp")
+@_preset("pb_sc_lwp", recommended=True)
 def _pb_sc_lwp(h):
   return Method("pb_sc_lwp", h.predicting(Hyperparameters.spike_compensated),
                 forward_weights=_predicted)
@@ -292,6 +321,7 @@ def _pb_muon(h):
 
 
 METHODS = tuple(_PRESETS)
+RECOMMENDED = next(name for name, traits in _TRAITS.items() if traits.recommended)
 
 # How reports and figures name the presets.
 DISPLAY_NAMES = {"sgd": "SGD", "sync": "GPipe (sync)", "pb": "PB", "pb_sc": "PB + SC",
@@ -331,6 +361,18 @@ def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, mome
 
   tx = optax.multi_transform({str(d): rate_for(d) for d in set(layer_delays.values())}, label)
   return dataclasses.replace(sync(lambda delay: tx, micro_batches=1), name="sgd")
+
+
+# The per-layer rate rules the one-stage baseline can take (config.sgd_stage_rates), by the
+# method whose rates they copy.
+STAGE_RATES = {"pipemare": sgd_with_pipemare_rates}
+
+
+def traits_of(name: str) -> Traits:
+  """What preset ``name`` is, from its name alone (see :class:`Traits`)."""
+  if name not in _TRAITS:
+    raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
+  return _TRAITS[name]
 
 
 def optimizers_of(name: str) -> tuple[str, ...]:

@@ -172,11 +172,12 @@ def ring_windows(buffers, layout: _Layout, tree, tick, widths: dict[BufferKey, i
   """What one tick writes into each delay-line buffer: ``{key: (window, start)}``.
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
-  (``Pipeline.advance_stages(..., delay_line_entries=True)``), which goes to slot ``tick mod
-  slots`` (:meth:`pipejax.state.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
-  elements: the entry, then the buffer's own elements up to the window's width (a group whose
-  slots are narrower than another's keeps its next slot as it was). A buffer carried in its leaf's
-  own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's index.
+  (``Pipeline.advance_stages`` with ``TickOptions(delay_line_entries=True)``), which goes to slot
+  ``tick mod slots`` (:meth:`pipejax.state.DelayLine.write`). A 1-D buffer gets a window of
+  ``widths[key]`` elements: the entry, then the buffer's own elements up to the window's width (a
+  group whose slots are narrower than another's keeps its next slot as it was). A buffer carried in
+  its leaf's own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's
+  index.
   A buffer that holds none of this group's delay lines gets its first window back unchanged.
   """
   windows = {}

@@ -42,7 +42,7 @@ import numpy as np
 
 from pipejax import packing, stacking
 from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
+from pipejax.engine import Pipeline, TickOptions
 from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
 from pipejax.packing import SHARED, PackedState
 from pipejax.partition import check_partition, param_counts, partition_stages
@@ -308,13 +308,14 @@ class ShardedPipeline(Runner):
     if d < self.num_groups - 1:  # what group d+1's first stage sent back last tick
       region_starts = {k: a for k, (a, _) in plan.cotangent_region.items()}
       cotangent = packing.read_tree(cotangent_msg, plan.cotangent_layouts[d + 1], region_starts)
-    reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
     ring_widths = plan.ring_widths
+    options = TickOptions(
+        reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
+        every_slot_full=every_slot_full, delay_line_entries=bool(ring_widths))
     advance = (self.pipeline.advance_stages if self.runs is None
                else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
-    group, stage_metrics = advance(start, group, inbound, cotangent, tick, rng, reduce_grads,
-                                   every_slot_full, delay_line_entries=bool(ring_widths))
+    group, stage_metrics = advance(start, group, inbound, cotangent, tick, rng, options)
     body, packet, cotangent_out = packing.split_group(group)
     windows = packing.ring_windows(buffers, body_layout, body, tick, ring_widths)
     buffers = packing.write_tree(buffers, body_layout, body, skip=ring_widths)

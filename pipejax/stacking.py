@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax import accounting, checks, engine
-from pipejax.engine import Pipeline
+from pipejax.engine import Pipeline, TickOptions
 from pipejax.mesh import MeshError
 from pipejax.runner import ScanRunner
 from pipejax.stage_groups import InitProgram, find_groups, init_program
@@ -82,7 +82,7 @@ def _body(st: StageState) -> StageState:
 
 
 def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inbound: Packet,
-                   cotangent: PyTree, rng, read_oldest, reduce_grads, every_slot_full: bool):
+                   cotangent: PyTree, rng, read_oldest, options: TickOptions):
   """The engine's two steps for identical stages ``start .. stop-1`` under ``vmap``.
 
   ``st`` is their stacked state; its delay line, not mapped, only gives the entries' structure
@@ -104,8 +104,7 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
   oldest = read_oldest(forward.entry)
   new, metrics = jax.vmap(
       lambda st, forward, oldest, inbound, cotangent, number, delay: pipe.backward_step(
-          start, st, forward, oldest, inbound, cotangent, rng, number, delay,
-          reduce_grads=reduce_grads, every_slot_full=every_slot_full),
+          start, st, forward, oldest, inbound, cotangent, rng, number, delay, options),
       in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
                                               delays)
   return forward.entry, new, metrics
@@ -119,8 +118,8 @@ def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
 
 
 def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, ...],
-                   inbound: Packet, cotangent: PyTree, tick, rng, reduce_grads=None,
-                   every_slot_full: bool = False, delay_line_entries: bool = False):
+                   inbound: Packet, cotangent: PyTree, tick, rng,
+                   options: TickOptions = TickOptions()):
   """:meth:`Pipeline.advance_stages <pipejax.engine.Pipeline.advance_stages>` (the same
   arguments, state and results) with each piece of a run of identical stages advanced stacked.
 
@@ -137,8 +136,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
     piece_in = inbound if a == first else stages[a - first - 1].forward_out
     piece_cotangent = cotangent if z == first + len(stages) else stages[z - first].backward_out
     if not stacked:
-      new, metrics = pipe.advance_stage(a, own[0], piece_in, piece_cotangent, tick, rng,
-                                        reduce_grads, every_slot_full, delay_line_entries)
+      new, metrics = pipe.advance_stage(a, own[0], piece_in, piece_cotangent, tick, rng, options)
       new_stages.append(new)
       stage_metrics.append(metrics)
       continue
@@ -152,11 +150,11 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
     # The first stage's line stands for all: a step only takes its structure and dtypes.
     body = _stack([_body(st) for st in own], treedefs[0])._replace(delay_line=own[0].delay_line)
     entries, new, metrics = _stacked_steps(pipe, a, z, body, piece_in, piece_cotangent, rng,
-                                           read_oldest, reduce_grads, every_slot_full)
+                                           read_oldest, options)
     leaves = jax.tree.leaves(new)
     for i, st in enumerate(own):
       entry = jax.tree.map(lambda a, i=i: a[i], entries)
-      line = entry if delay_line_entries else st.delay_line.write(tick, entry)
+      line = entry if options.delay_line_entries else st.delay_line.write(tick, entry)
       new_stages.append(jax.tree.unflatten(treedefs[i], [leaf[i] for leaf in leaves])
                         ._replace(delay_line=line))
       stage_metrics.append(jax.tree.map(lambda a, i=i: a[i], metrics))
@@ -299,14 +297,14 @@ class StackedPipeline(ScanRunner):
   # ------------------------------------------------------------------ one tick
 
   def _advance_group(self, group: _Group, st: StageState, inbound: Packet, cotangent: PyTree,
-                     tick, rng, every_slot_full: bool):
+                     tick, rng, options: TickOptions):
     """One tick of a stacked group: the engine's steps under vmap, the packed rings between."""
     read = jnp.asarray(group.offsets) + (tick + 1) % jnp.asarray(group.lengths)
     write = jnp.asarray(group.offsets) + tick % jnp.asarray(group.lengths)
     read_oldest = lambda entry: jax.tree.map(lambda ring: jnp.take(ring, read, axis=0),
                                              st.delay_line)
     entry, new, metrics = _stacked_steps(self.pipeline, group.start, group.stop, st, inbound,
-                                         cotangent, rng, read_oldest, None, every_slot_full)
+                                         cotangent, rng, read_oldest, options)
     line = jax.tree.map(
         lambda ring, new: ring.at[write].set(new, indices_are_sorted=True, unique_indices=True),
         st.delay_line, entry)
@@ -318,6 +316,7 @@ class StackedPipeline(ScanRunner):
                          else jax.tree.map(lambda a: a[-1], parts[k].forward_out))
     first_of = lambda k: (parts[k].backward_out if k not in self._group_index
                           else jax.tree.map(lambda a: a[0], parts[k].backward_out))
+    options = TickOptions(every_slot_full=every_slot_full)
     new_parts, stage_metrics = [], []
     for k, ((start, _), st) in enumerate(zip(self.runs, parts)):
       inbound = (Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
@@ -325,10 +324,10 @@ class StackedPipeline(ScanRunner):
       cotangent = first_of(k + 1) if k + 1 < len(parts) else None
       if k in self._group_index:
         new, metrics = self._advance_group(self._groups[start], st, inbound, cotangent,
-                                           state.tick, state.rng, every_slot_full)
+                                           state.tick, state.rng, options)
       else:
         new, metrics = self.pipeline.advance_stage(start, st, inbound, cotangent, state.tick,
-                                                   state.rng, every_slot_full=every_slot_full)
+                                                   state.rng, options)
       new_parts.append(new)
       stage_metrics.append(metrics)
     return (StackedState(tuple(new_parts), state.tick + 1, state.rng),

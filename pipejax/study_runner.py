@@ -314,28 +314,12 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
             record(rid, study_records.skipped_record(study, overrides, failed_at))
             print(f"{status_line()} skipped {rid}: {done[rid]['reason']}", flush=True)
             continue
-          run_dir = os.path.join(workdir, "runs", rid)
-          os.makedirs(run_dir, exist_ok=True)
-          argv = [*trainer, f"--config={os.path.join(ROOT, study.config)}",
-                  f"--workdir={run_dir}", *study_lib.trainer_flags(study, overrides)]
-          log_path = os.path.join(run_dir, "log.txt")
-          with open(log_path, "ab") as log:
-            log.write(f"$ {shlex.join(argv)}\n".encode())
-            # A session of its own: Ctrl-C reaches the study alone, which stops each trainer
-            # through its checkpoint.
-            process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                start_new_session=True, pass_fds=(lock.fd,) if lock is not None else (),
-                preexec_fn=_die_with(os.getpid()) if sys.platform == "linux" else None)
+          process, log_path = _start_trainer(study, overrides, os.path.join(workdir, "runs", rid),
+                                             trainer, env, lock)
           running[rid] = (process, overrides, time.time(), log_path)
           trainers_changed()
           print(f"{status_line()} started {rid}", flush=True)
-        for process, *_ in running.values():
-          # Once per trainer and signal: a trainer that is saving its checkpoint is left alone.
-          wanted = min(stop.count, 2)
-          if signalled.get(process.pid, 0) < wanted and process.poll() is None:
-            process.send_signal(signal.SIGTERM if wanted == 1 else signal.SIGKILL)
-            signalled[process.pid] = wanted
+        _pass_on_stop(stop.count, [process for process, *_ in running.values()], signalled)
         time.sleep(0.5)
         for rid, (process, overrides, start, log_path) in list(running.items()):
           if process.poll() is None:
@@ -352,16 +336,9 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
                                              process.returncode, wall, tail)
           record(rid, result)
           durations.append(wall)
-          if result["status"] == study_records.FAILED:
-            failed += 1
-            last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
-            print(f"{status_line()} FAILED {rid} (exit {process.returncode}, log {log_path}): "
-                  f"{last_line[0][:300]}", flush=True)
-          else:
-            accuracy = result.get("test_accuracy")
-            text = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
-            print(f"{status_line()} {result['status']} {rid}: {text} ({format_duration(wall)})",
-                  flush=True)
+          failed += result["status"] == study_records.FAILED
+          line = _finished_line(rid, result, process.returncode, wall, tail, log_path)
+          print(f"{status_line()} {line}", flush=True)
           study_report.write_report(study, workdir, command)
         if running and time.time() - last_status > 120:
           last_status = time.time()
@@ -373,6 +350,52 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
       stop_trainers([process for process, *_ in running.values()])
   study_report.write_report(study, workdir, command)
   result = outcome(study, workdir, where)
+  _print_outcome(result, workdir)
+  return result
+
+
+def _start_trainer(study: study_lib.Study, overrides: dict, run_dir: str,
+                   trainer: Sequence[str], env: dict, lock: workdir_lib.FileLock | None):
+  """Starts the trainer of one run in ``run_dir``, its output appended to its log; returns the
+  process and the log's path."""
+  os.makedirs(run_dir, exist_ok=True)
+  argv = [*trainer, f"--config={os.path.join(ROOT, study.config)}",
+          f"--workdir={run_dir}", *study_lib.trainer_flags(study, overrides)]
+  log_path = os.path.join(run_dir, "log.txt")
+  with open(log_path, "ab") as log:
+    log.write(f"$ {shlex.join(argv)}\n".encode())
+    # A session of its own: Ctrl-C reaches the study alone, which stops each trainer
+    # through its checkpoint.
+    process = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        start_new_session=True, pass_fds=(lock.fd,) if lock is not None else (),
+        preexec_fn=_die_with(os.getpid()) if sys.platform == "linux" else None)
+  return process, log_path
+
+
+def _pass_on_stop(stop_count: int, processes, signalled: dict[int, int]) -> None:
+  """SIGTERM to each running trainer at the first stop request, SIGKILL at the second."""
+  for process in processes:
+    # Once per trainer and signal: a trainer that is saving its checkpoint is left alone.
+    wanted = min(stop_count, 2)
+    if signalled.get(process.pid, 0) < wanted and process.poll() is None:
+      process.send_signal(signal.SIGTERM if wanted == 1 else signal.SIGKILL)
+      signalled[process.pid] = wanted
+
+
+def _finished_line(rid: str, result: dict, returncode: int, wall: float, tail: str,
+                   log_path: str) -> str:
+  """What the progress line says of a run whose trainer exited."""
+  if result["status"] == study_records.FAILED:
+    last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
+    return f"FAILED {rid} (exit {returncode}, log {log_path}): {last_line[0][:300]}"
+  accuracy = result.get("test_accuracy")
+  text = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
+  return f"{result['status']} {rid}: {text} ({format_duration(wall)})"
+
+
+def _print_outcome(result: Outcome, workdir: str) -> None:
+  """The study's last lines: how many runs are done, and which failed or were stopped."""
   print(f"[{len(result.done)}/{len(result.planned)} done, {len(result.failed)} failed] report: "
         f"{os.path.join(workdir, 'report.md')}", flush=True)
   if result.failed:
@@ -382,7 +405,6 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   if result.not_done:
     print(f"Not done ({len(result.not_done)}, stopped before the end): "
           f"{_names(result.not_done)}. Rerun the same command to continue.", flush=True)
-  return result
 
 
 def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,

@@ -64,14 +64,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
            phases: interruption.SetupPhases) -> dict:
   phases.enter("loading the data and building the model")
   setup = experiment.build(config)
-
-  train_source, test_source = setup.train_source, setup.test_source
-  model, recipe, pipe, runner = setup.model, setup.recipe, setup.pipeline, setup.runner
+  pipe, runner = setup.pipeline, setup.runner
   b = config.micro_batch_size
-  augment = train_source.default_augment if config.augment else None
-  stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
+  augment = setup.train_source.default_augment if config.augment else None
+  stream = data_lib.DataStream(setup.train_source, b, config.seed, augment=augment)
 
-  total_ticks = experiment.run_ticks(config, len(train_source))
+  total_ticks = experiment.run_ticks(config, len(setup.train_source))
   total_samples = total_ticks * b
   config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
 
@@ -84,19 +82,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   phases.enter(f"initialising the pipeline state ({pipe.num_stages} stages)")
   state = setup.init(jax.random.PRNGKey(config.seed))
   init_digest = weights_digest([st.params for st in runner.to_logical(state).stages])
-  samples, seconds_before = 0, 0.0
   phases.enter("looking for a checkpoint to resume")
-  restored = checkpointer.restore_newest(
-      runner.to_logical(state),
-      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta))
-  if restored is not None:
-    step, logical_state, meta = restored
-    state = runner.from_logical(logical_state)
-    stream.set_state(meta["data_position"])
-    samples = int(meta["samples"])
-    seconds_before = float(meta.get("train_seconds", 0.0))
-    logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
-                 samples)
+  state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state)
+  if meta is not None:
     finished = _finished_summary(workdir, samples, total_samples)
     if finished is not None:
       checkpointer.close()
@@ -104,112 +92,24 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
     if primary:
       config_checks.record_changes(config, workdir, meta, samples)
 
-  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if restored else None,
+  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if meta is not None else None,
                                      enabled=primary)
-  if primary:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config_checks.to_plain(config), f, indent=2, default=str)
-  logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
-               init_digest)
-  logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
-               "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
-               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method, b,
-               recipe.learning_rate, recipe.momentum, recipe.weight_decay,
-               *experiment.schedule_steps(config, recipe, len(train_source)),
-               pipe.delays, total_samples)
-
-  start_time = time.perf_counter()
-
-  def save(current_state):
-    checkpointer.save(samples, runner.to_logical(current_state), {
-        "samples": samples, "data_position": stream.get_state(),
-        "fingerprint": config_checks.fingerprint(config),
-        "config": config_checks.to_plain(config),
-        "train_seconds": seconds_before + time.perf_counter() - start_time})
-    writer.flush()
-
-  evaluate = evaluation.make_evaluator(model, config.eval_batch_size)
-  # The base rate, logged beside the loss.
-  schedule = experiment.learning_rate_schedule(config, recipe, len(train_source))
-  group_size = recipe.batch_size  # samples per optimizer step
-
-  def evaluate_now():
-    stages = runner.to_logical(state).stages
-    result = evaluate([st.params for st in stages], test_source, [st.variables for st in stages])
-    # A rerun of a run killed after its final evaluation (and before summary.json) evaluates the
-    # same state again: its record is already there, kept by the resume.
-    if not writer.has_record("test", samples):
-      writer.write("test", samples, **result)
-    logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
-                 result["accuracy"])
-    return result
-
+  _log_start(config, workdir, primary, setup, total_samples, init_digest)
+  run = _Run(config, setup, stream, checkpointer, writer, samples, seconds_before)
   # The test loss at the initial weights: a study counts a run whose final loss is above it as
   # diverged, however finite its numbers.
   if samples == 0 and not writer.has_record("test", 0):
-    evaluate_now()
-  interval_start = (time.perf_counter(), samples)
-  stopped_by = None
-  test_result = None
+    run.evaluate(state)
   phases.enter(f"compiling the chunk (a scan over ticks of {pipe.num_stages} stages) and "
                "running the first one")
   with interruption.StopRequest() as stop:
-    while samples < total_samples:
-      # The last chunk is shorter when the run is not a whole number of chunks: the run's length
-      # and its schedule follow from the config alone.
-      ticks = min(config.ticks_per_chunk, (total_samples - samples) // b)
-      if feed is None:
-        x, y = stream.next_chunk(ticks)
-        x, y, valid = runner.schedule(x, y)
-      else:
-        x, y, valid = feed.next_chunk(stream, ticks)
-      first_tick = int(state.tick)
-      state, chunk_metrics = runner.run(state, x, y, valid)
-      chunk_metrics = jax.device_get(chunk_metrics)
-      stop.training_started()
-      phases.done()
-      divergence.raise_if_diverged(config, model, runner.to_logical(state).stages,
-                                   chunk_metrics["finite"], valid, first_tick, samples,
-                                   checkpointer)
-      previous, samples = samples, samples + ticks * b
-      # The rate of this interval alone: a running average would count compile time forever.
-      now = time.perf_counter()
-      rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
-      interval_start = (now, samples)
-      seen = np.asarray(chunk_metrics["valid"])
-      if seen.any():
-        writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
-                     accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
-                     learning_rate=float(schedule(samples // group_size)),
-                     samples_per_second=rate)
-      if "weight_discrepancy" in chunk_metrics:
-        writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
-            np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
-      # Every process computes the same numbers; the others' lines are for --verbosity=1.
-      logging.log(logging.INFO if primary else logging.DEBUG,
-                  "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
-                  samples, total_samples, samples / len(train_source),
-                  float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
-                  float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
-                  rate, metrics_lib.format_duration((total_samples - samples) / max(rate, 1e-9)))
-      crossed = lambda every: samples // every != previous // every
-      if crossed(config.eval_every_samples) and samples < total_samples:
-        test_result = evaluate_now()
-      if interruption.agree_to_stop(stop.signal_name is not None):
-        stopped_by = stop.signal_name or "a signal to another process"
-        logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
-                        samples)
-      if crossed(config.checkpoint_every_samples) or stopped_by:
-        save(state)
-      if stopped_by:
-        logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
-                        "command to resume.", stopped_by, samples, checkpointer.directory)
-        break
-
+    state, stopped_by, test_result = _train_chunks(run, state, feed, total_samples, primary,
+                                                   phases, stop)
     if stopped_by is None:
-      if checkpointer.latest_step() != samples:
-        save(state)
-      test_result = evaluate_now()
+      if checkpointer.latest_step() != run.samples:
+        run.save(state)
+      test_result = run.evaluate(state)
+      recipe = setup.recipe
       writer.write_hparams(
           {**config_checks.flat_config(config), "num_stages": pipe.num_stages,
            "resolved.lr": recipe.learning_rate, "resolved.momentum": recipe.momentum,
@@ -224,22 +124,174 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
                             os.path.join(workdir, "curves.png"),
                             title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
     checkpointer.close()
-    summary = {
-        "samples": samples, "total_samples": total_samples, "stopped_by": stopped_by,
-        "method": config.method, "model": config.model, "dataset": config.dataset,
-        "micro_batch_size": b, "num_stages": pipe.num_stages,
-        "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
-        "learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
-        "train_seconds": seconds_before + time.perf_counter() - start_time,
-        "test_accuracy": None if test_result is None else test_result["accuracy"],
-        "test_loss": None if test_result is None else test_result["loss"],
-        "init_digest": init_digest,
-        **_run_facts(workdir),
-    }
+    summary = _summary(config, workdir, run, total_samples, stopped_by, test_result, init_digest)
     if primary:
       with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
   return summary
+
+
+def _resume(config, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state):
+  """The state, samples seen, training seconds and checkpoint metadata of the newest checkpoint
+  (``state``, 0, 0.0 and None when there is none)."""
+  restored = checkpointer.restore_newest(
+      runner.to_logical(state),
+      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta))
+  if restored is None:
+    return state, 0, 0.0, None
+  step, logical_state, meta = restored
+  state = runner.from_logical(logical_state)
+  stream.set_state(meta["data_position"])
+  samples = int(meta["samples"])
+  seconds_before = float(meta.get("train_seconds", 0.0))
+  logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
+               samples)
+  return state, samples, seconds_before, meta
+
+
+def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, total_samples: int,
+               init_digest: str) -> None:
+  """Writes the run's config.json and logs what it trains."""
+  pipe, recipe, train_source = setup.pipeline, setup.recipe, setup.train_source
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config_checks.to_plain(config), f, indent=2, default=str)
+  logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
+               init_digest)
+  logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
+               "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
+               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method,
+               config.micro_batch_size, recipe.learning_rate, recipe.momentum,
+               recipe.weight_decay, *experiment.schedule_steps(config, recipe, len(train_source)),
+               pipe.delays, total_samples)
+
+
+class _Run:
+  """What the chunks of one run share: where it stands, and how it saves and evaluates."""
+
+  def __init__(self, config, setup: experiment.Setup, stream: data_lib.DataStream,
+               checkpointer: Checkpointer, writer: metrics_lib.MetricsWriter, samples: int,
+               seconds_before: float):
+    self.config, self.setup, self.stream = config, setup, stream
+    self.checkpointer, self.writer = checkpointer, writer
+    self.samples, self.seconds_before = samples, seconds_before
+    self.start_time = time.perf_counter()
+    self.evaluator = evaluation.make_evaluator(setup.model, config.eval_batch_size)
+    # The base rate, logged beside the loss.
+    self.schedule = experiment.learning_rate_schedule(config, setup.recipe,
+                                                      len(setup.train_source))
+
+  def train_seconds(self) -> float:
+    return self.seconds_before + time.perf_counter() - self.start_time
+
+  def save(self, state) -> None:
+    config = self.config
+    self.checkpointer.save(self.samples, self.setup.runner.to_logical(state), {
+        "samples": self.samples, "data_position": self.stream.get_state(),
+        "fingerprint": config_checks.fingerprint(config),
+        "config": config_checks.to_plain(config),
+        "train_seconds": self.train_seconds()})
+    self.writer.flush()
+
+  def evaluate(self, state) -> dict:
+    samples, writer = self.samples, self.writer
+    stages = self.setup.runner.to_logical(state).stages
+    result = self.evaluator([st.params for st in stages], self.setup.test_source,
+                            [st.variables for st in stages])
+    # A rerun of a run killed after its final evaluation (and before summary.json) evaluates the
+    # same state again: its record is already there, kept by the resume.
+    if not writer.has_record("test", samples):
+      writer.write("test", samples, **result)
+    logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
+                 result["accuracy"])
+    return result
+
+  def record_chunk(self, chunk_metrics: dict, first_tick: int, rate: float, total_samples: int,
+                   primary: bool) -> None:
+    """Writes a chunk's training metrics and logs its progress line."""
+    samples, writer, pipe = self.samples, self.writer, self.setup.pipeline
+    seen = np.asarray(chunk_metrics["valid"])
+    if seen.any():
+      writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
+                   accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
+                   learning_rate=float(self.schedule(samples // self.setup.recipe.batch_size)),
+                   samples_per_second=rate)
+    if "weight_discrepancy" in chunk_metrics:
+      writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
+          np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
+    # Every process computes the same numbers; the others' lines are for --verbosity=1.
+    logging.log(logging.INFO if primary else logging.DEBUG,
+                "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
+                samples, total_samples, samples / len(self.setup.train_source),
+                float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
+                float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
+                rate, metrics_lib.format_duration((total_samples - samples) / max(rate, 1e-9)))
+
+
+def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
+                  phases: interruption.SetupPhases, stop: interruption.StopRequest):
+  """Trains chunk after chunk until the run's end or a stop request; returns the state, the
+  signal that stopped it (None at the end) and the last test result (None if none)."""
+  config, runner, b = run.config, run.setup.runner, run.config.micro_batch_size
+  interval_start = (time.perf_counter(), run.samples)
+  stopped_by = None
+  test_result = None
+  while run.samples < total_samples:
+    # The last chunk is shorter when the run is not a whole number of chunks: the run's length
+    # and its schedule follow from the config alone.
+    ticks = min(config.ticks_per_chunk, (total_samples - run.samples) // b)
+    if feed is None:
+      x, y = run.stream.next_chunk(ticks)
+      x, y, valid = runner.schedule(x, y)
+    else:
+      x, y, valid = feed.next_chunk(run.stream, ticks)
+    first_tick = int(state.tick)
+    state, chunk_metrics = runner.run(state, x, y, valid)
+    chunk_metrics = jax.device_get(chunk_metrics)
+    stop.training_started()
+    phases.done()
+    divergence.raise_if_diverged(config, run.setup.model, runner.to_logical(state).stages,
+                                 chunk_metrics["finite"], valid, first_tick, run.samples,
+                                 run.checkpointer)
+    previous, run.samples = run.samples, run.samples + ticks * b
+    samples = run.samples
+    # The rate of this interval alone: a running average would count compile time forever.
+    now = time.perf_counter()
+    rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
+    interval_start = (now, samples)
+    run.record_chunk(chunk_metrics, first_tick, rate, total_samples, primary)
+    crossed = lambda every: samples // every != previous // every
+    if crossed(config.eval_every_samples) and samples < total_samples:
+      test_result = run.evaluate(state)
+    if interruption.agree_to_stop(stop.signal_name is not None):
+      stopped_by = stop.signal_name or "a signal to another process"
+      logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
+                      samples)
+    if crossed(config.checkpoint_every_samples) or stopped_by:
+      run.save(state)
+    if stopped_by:
+      logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
+                      "command to resume.", stopped_by, samples, run.checkpointer.directory)
+      break
+  return state, stopped_by, test_result
+
+
+def _summary(config, workdir: str, run: _Run, total_samples: int, stopped_by: str | None,
+             test_result: dict | None, init_digest: str) -> dict:
+  """The run's summary.json."""
+  recipe = run.setup.recipe
+  return {
+      "samples": run.samples, "total_samples": total_samples, "stopped_by": stopped_by,
+      "method": config.method, "model": config.model, "dataset": config.dataset,
+      "micro_batch_size": config.micro_batch_size, "num_stages": run.setup.pipeline.num_stages,
+      "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+      "learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
+      "train_seconds": run.train_seconds(),
+      "test_accuracy": None if test_result is None else test_result["accuracy"],
+      "test_loss": None if test_result is None else test_result["loss"],
+      "init_digest": init_digest,
+      **_run_facts(workdir),
+  }
 
 
 def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | None:

@@ -1,11 +1,16 @@
 """Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pipejax
 from pipejax import methods
+from pipejax import schedules
 from pipejax.engine import Pipeline
 from tests import oracle
 from tests.helpers import assert_trees_close, make_model, make_stream, stage_params
@@ -267,3 +272,61 @@ def test_nesterov_asyncpp_needs_the_stage_count():
 def test_adam_family_refuses_momentum_sgd(name):
   with pytest.raises(methods.MethodError, match="defined for the base optimizer\\(s\\) adam"):
     methods.make_method(name, learning_rate=0.1, num_stages=4)
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_traits_agree_with_the_built_method(name):
+  traits = methods.traits_of(name)
+  kwargs = ({"learning_rate": LR, "micro_batches": 3} if "sgd" in methods.optimizers_of(name)
+            else dict(ADAM_KWARGS, num_stages=4, micro_batches=3))
+  method = methods.make_method(name, **kwargs)
+  assert traits.micro_batches_per_step(3) == (method.micro_batches_per_step or 1)
+  assert traits.accumulates_micro_batches == (method.micro_batches_per_step == 3)
+  # Only a method that drains between steps never computes on stale weights.
+  assert traits.delay_free == (method.micro_batches_per_step is not None)
+
+
+def test_traits_name_the_baselines_and_the_recommendation():
+  having = lambda field: [n for n in methods.METHODS if getattr(methods.traits_of(n), field)]
+  assert having("one_stage") == ["sgd"]
+  assert having("accumulates_micro_batches") == ["sync"]
+  assert having("plain_pipeline") == ["pb"]
+  assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
+  assert not methods.traits_of(methods.RECOMMENDED).delay_free
+  with pytest.raises(methods.MethodError, match="Unknown method 'gpipe'. Known methods: sgd"):
+    methods.traits_of("gpipe")
+
+
+def test_stage_rates_build_the_one_stage_baseline():
+  method = methods.STAGE_RATES["pipemare"]({"a": 2, "b": 0}, learning_rate=0.1)
+  assert methods.traits_of(method.name).one_stage and method.micro_batches_per_step == 1
+
+
+def _names_compared(tree: ast.AST):
+  """``(line, compared expression, method name)`` of each comparison with a method's name."""
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Compare):
+      continue
+    operands = [node.left, *node.comparators]
+    for operand in operands:
+      for const in ast.walk(operand):
+        if isinstance(const, ast.Constant) and const.value in methods.METHODS:
+          others = " ".join(ast.unparse(o) for o in operands if o is not operand)
+          yield node.lineno, others, const.value
+
+
+def test_no_module_compares_a_method_name():
+  # Callers ask methods.traits_of (or the Method) what a method is; only methods.py names them.
+  root = pathlib.Path(pipejax.__file__).parent
+  files = [f for f in [*root.rglob("*.py"), *(root.parent / "scripts").glob("*.py")]
+           if f != pathlib.Path(methods.__file__)]
+  assert len(files) > 30
+  found = []
+  for path in files:
+    for line, other, name in _names_compared(ast.parse(path.read_text())):
+      if name in methods.BASE_OPTIMIZERS and "optimizer" in other:
+        continue  # 'sgd' the base optimizer, not the method
+      if name in schedules.NAMES and "schedule" in str(path):
+        continue  # 'pb' the timetable of pipejax.schedules, not the method
+      found.append(f"{path.relative_to(root.parent)}:{line}: {other} vs {name!r}")
+  assert not found, "\n".join(found)

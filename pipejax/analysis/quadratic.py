@@ -62,9 +62,12 @@ from pipejax import optim
 
 METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
 PIPELINE_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
+REFERENCE = "sgd"  # the unpipelined reference, the one method outside PIPELINE_METHODS
 
 SPIKE_COMPENSATED = ("pb_sc", "pb_sc_lwp")
 UPDATE_FORM_PREDICTION = ("pb_lwp", "pb_sc_lwp")
+NEXT_VELOCITY_PREDICTION = ("spectrain",)  # predicts with the velocity of the step ahead
+RATE_OVER_DELAY = ("pipemare",)  # the rate divided by the delay
 
 # The stability scan covers ηλ from _SCAN_MIN up; the smallest stable limit in the default table
 # (pb at m = 0.999, D = 64) is ~1.6e-5, so 1e-8 leaves three decades of margin.
@@ -114,12 +117,12 @@ def check_arguments(method: str, momentum: float, delay: int) -> None:
 
 def effective_delay(method: str, delay: int) -> int:
   """The delay the method runs with: ``sgd`` is the unpipelined reference at every ``delay``."""
-  return 0 if method == "sgd" else int(delay)
+  return int(delay) if method in PIPELINE_METHODS else 0
 
 
 def lr_scale(method: str, delay: int) -> float:
   """Factor on the base ``ηλ``: PipeMare's ``τ^{-1}`` with ``τ = max(D, 1)``, else 1."""
-  return 1.0 / max(delay, 1) if method == "pipemare" else 1.0
+  return 1.0 / max(delay, 1) if method in RATE_OVER_DELAY else 1.0
 
 
 def _update_coefficients(method: str, momentum: float, delay: int) -> tuple[float, float]:
@@ -150,7 +153,7 @@ def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray,
   t_horizon = d
   m = float(momentum)
   c_v, c_g = _update_coefficients(method, m, d)
-  if method == "spectrain":
+  if method in NEXT_VELOCITY_PREDICTION:
     # State: w_t … w_{t−D} (indices 0 … D), V_t … V_{t−D} (indices D+1 … 2D+1), V = ηv.
     n = 2 * d + 2
     a0 = np.zeros((n, n))

@@ -35,7 +35,7 @@ LOSS_STEPS = 4000
 
 def _with_sgd_first(methods: Sequence[str]) -> list[str]:
   """The reference ``sgd`` first (drawn underneath), then the other methods in order."""
-  return ["sgd"] + [m for m in methods if m != "sgd"]
+  return [quadratic.REFERENCE] + [m for m in methods if m != quadratic.REFERENCE]
 
 
 def _lr_grid(num: int) -> np.ndarray:

@@ -55,7 +55,7 @@ class _Recurrence:
     if self.method in quadratic.UPDATE_FORM_PREDICTION:
       # T times the last applied update (spike included under SC).
       return w_old + self.horizon * (w_old - self.weights[-2 - d])
-    if self.method == "spectrain":
+    if self.method in quadratic.NEXT_VELOCITY_PREDICTION:
       return w_old - self.lr * self.horizon * self.velocities[-1 - d]
     return w_old
 

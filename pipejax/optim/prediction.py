@@ -148,7 +148,18 @@ def linear_weight_prediction(
     Chen et al., `Efficient and Robust Parallel DNN Training through Model Parallelism on
     Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_ (SpecTrain), 2018.
   """
-  owner = 'linear_weight_prediction'
+  inner = _checked_inner(inner, horizon, form, learning_rate, momentum, outermost)
+  prediction = _Prediction(inner, horizon, form, learning_rate, momentum, outermost)
+  return optax.GradientTransformationExtraArgs(prediction.init, prediction.update)
+
+
+_OWNER = 'linear_weight_prediction'
+
+
+def _checked_inner(inner, horizon, form, learning_rate, momentum,
+                   outermost) -> optax.GradientTransformationExtraArgs:
+  """:func:`linear_weight_prediction`'s arguments checked; returns the built ``inner``."""
+  owner = _OWNER
   if form not in _FORMS:
     raise ValueError(f'{owner}: form must be one of {_FORMS}, got {form!r}.')
   _checks.check_range(horizon, 'horizon', owner, low=0)
@@ -171,9 +182,22 @@ def linear_weight_prediction(
                        'does).')
   if not isinstance(outermost, bool):
     raise ValueError(f'{owner}: outermost must be a Python bool, got {outermost!r}.')
-  inner = optax.with_extra_args_support(inner)
+  return optax.with_extra_args_support(inner)
 
-  def check_learning_rate_source(inner_state):
+
+class _Prediction(NamedTuple):
+  """The ``init`` and ``update`` of :func:`linear_weight_prediction`, given its checked
+  arguments."""
+
+  inner: optax.GradientTransformationExtraArgs
+  horizon: Any
+  form: str
+  learning_rate: optax.ScalarOrSchedule | None
+  momentum: Any
+  outermost: bool
+
+  def check_learning_rate_source(self, inner_state):
+    owner, form, learning_rate = _OWNER, self.form, self.learning_rate
     injected = _injected_learning_rate(inner_state)
     if learning_rate is None and injected is None:
       raise ValueError(f"{owner}: form={form!r} needs the inner learning rate to turn the "
@@ -186,35 +210,57 @@ def linear_weight_prediction(
                        "the injected 'learning_rate' of inner; leave learning_rate out so that "
                        'the one inner applies is used.')
 
-  def stored_horizon():
+  def stored_horizon(self):
     # Only predicted_params's extrapolation needs it; elsewhere it is already in the prediction.
-    return jnp.asarray(horizon, jnp.float32) if form == 'update' and not outermost else None
+    return (jnp.asarray(self.horizon, jnp.float32) if self.form == 'update' and not self.outermost
+            else None)
 
-  def init_fn(params):
-    inner_state = inner.init(params)
+  def init(self, params):
+    form, outermost = self.form, self.outermost
+    inner_state = self.inner.init(params)
     previous, offset, forward = None, None, None
     if form != 'update':
       # Fails here rather than on the first update; the offset takes the trace's dtype.
       offset = optax.tree_utils.tree_zeros_like(_find_velocity(inner_state))
-      check_learning_rate_source(inner_state)
+      self.check_learning_rate_source(inner_state)
     if outermost:
       offset, forward = None, jax.tree.map(jnp.copy, params)
     elif form == 'update':
       previous = jax.tree.map(jnp.copy, params)
     return WeightPredictionState(
-        count=jnp.zeros([], jnp.int32), inner_state=inner_state, horizon=stored_horizon(),
+        count=jnp.zeros([], jnp.int32), inner_state=inner_state, horizon=self.stored_horizon(),
         previous_params=previous, offset=offset, forward_params=forward)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def velocity_offset(self, gradient, state, inner_state):
+    """The velocity forms' offset ``o_t = -eta_t T v`` (``v`` the next velocity, or the trace)."""
+    if self.learning_rate is None:
+      eta = _injected_learning_rate(inner_state)
+    else:
+      eta = (self.learning_rate(state.count) if callable(self.learning_rate)
+             else self.learning_rate)
+    step_scale = -_checks.at_least_float32(eta) * _checks.at_least_float32(self.horizon)
+    velocity = _find_velocity(inner_state)
+    if self.form == 'next_velocity':
+      velocity = _checks.map_gradients(
+          lambda g, v: jnp.asarray(self.momentum, v.dtype) * v + g.astype(v.dtype), gradient,
+          velocity)
+    offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v, velocity)
+    if not self.outermost:
+      offset = optax.tree_utils.tree_cast_like(
+          _checks.keep_where_no_gradient(gradient, offset, state.offset), state.offset)
+    return offset
+
+  def update(self, updates, state, params=None, **extra_args):
+    form, outermost, horizon = self.form, self.outermost, self.horizon
     if params is None:
-      raise ValueError(f'{owner}: update needs params (the weights before this update, from '
+      raise ValueError(f'{_OWNER}: update needs params (the weights before this update, from '
                        'which the prediction extrapolates).')
     _checks.check_same_structure(
         params, state.forward_params if outermost else
         state.previous_params if form == 'update' else state.offset, 'params',
-        'the params given to init', owner)
+        'the params given to init', _OWNER)
     gradient = updates
-    updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+    updates, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     previous, offset, forward = None, None, None
     if form == 'update':
       if outermost:
@@ -222,20 +268,7 @@ def linear_weight_prediction(
       else:
         previous = params
     else:
-      if learning_rate is None:
-        eta = _injected_learning_rate(inner_state)
-      else:
-        eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
-      step_scale = -_checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
-      velocity = _find_velocity(inner_state)
-      if form == 'next_velocity':
-        velocity = _checks.map_gradients(
-            lambda g, v: jnp.asarray(momentum, v.dtype) * v + g.astype(v.dtype), gradient,
-            velocity)
-      offset = jax.tree.map(lambda v: jnp.asarray(step_scale, v.dtype) * v, velocity)
-      if not outermost:
-        offset = optax.tree_utils.tree_cast_like(
-            _checks.keep_where_no_gradient(gradient, offset, state.offset), state.offset)
+      offset = self.velocity_offset(gradient, state, inner_state)
     if outermost:
       # The same rounding as the forward pass would see computing params_new + offset itself; a
       # frozen leaf (None update) stays where it is.
@@ -245,9 +278,8 @@ def linear_weight_prediction(
       offset = None
     return updates, WeightPredictionState(
         count=optax.safe_increment(state.count), inner_state=inner_state,
-        horizon=stored_horizon(), previous_params=previous, offset=offset, forward_params=forward)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        horizon=self.stored_horizon(), previous_params=previous, offset=offset,
+        forward_params=forward)
 
 
 def _built_from_learning_rate(make_inner: Any, learning_rate: Any, form: str,

@@ -124,7 +124,7 @@ def method_speeds(names, samples: int, repeats: int) -> list[dict]:
   for row in rows:
     wall, cpu = seconds[row["method"]]
     row["samples_per_s"], row["samples_per_cpu_s"] = samples / wall, samples / cpu
-  relative_to(rows, lambda r: r["method"] == "pb", "pb")
+  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline, "pb")
   return rows
 
 
@@ -158,7 +158,8 @@ def tick_time_fit(rows: list[dict], target: float = 0.85) -> dict:
   us_per_pass, fixed_us = np.polyfit(passes, micros, 1)
   fit = {"fixed_us": float(fixed_us), "us_per_pass": float(us_per_pass),
          "largest_residual_us": float(np.abs(micros - (fixed_us + us_per_pass * passes)).max())}
-  pb = next((p for r, p in zip(rows, passes) if r["method"] == "pb"), None)
+  pb = next((p for r, p in zip(rows, passes) if methods.traits_of(r["method"]).plain_pipeline),
+            None)
   if pb is not None:
     allowed = (fixed_us + us_per_pass * pb) / target
     fit["extra_passes_at_target"] = float((allowed - fixed_us) / us_per_pass - pb)
