@@ -6,7 +6,7 @@ config file imports) load without JAX.
 
 import importlib
 
-_LAZY = {name: "pipejax.stages" for name in
+_LAZY = {name: "pipejax.core.stages" for name in
          ("Model", "ModelError", "Stage", "from_flax", "softmax_cross_entropy")}
 __all__ = sorted(_LAZY)
 

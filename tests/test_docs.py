@@ -21,7 +21,7 @@ import sys
 from absl import flags
 
 from pipejax import config as configlib
-from pipejax import metrics
+from pipejax.train import metrics
 import pytest
 
 from tests.helpers import ROOT
@@ -246,7 +246,7 @@ def test_documented_commands_are_written_for_the_activated_virtualenv():
 
 
 def test_documented_commands_name_real_scripts_configs_and_flags():
-  from pipejax import config_checks  # pylint: disable=import-outside-toplevel
+  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
   checked = 0
   for where, tokens in documented_commands():
     if tokens[0] == "python" and tokens[1] == "-m":
@@ -314,7 +314,7 @@ def activated_env():
 
 @pytest.mark.slow
 def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
-  from pipejax import training  # pylint: disable=import-outside-toplevel
+  from pipejax.train import trainer as training  # pylint: disable=import-outside-toplevel
   commands = readme_training_commands()
   # One through a real shell as a user types it. The others in this process, through the binary's
   # own flag parsing and its train_and_evaluate, and shorter still than the smoke runs (one chunk):

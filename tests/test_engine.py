@@ -10,12 +10,13 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import accounting, methods
-from pipejax import runner as runnerlib
-from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
+from pipejax.core import accounting
+from pipejax import methods
+from pipejax.core import runner as runnerlib
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
 from pipejax.models import online_norm
-from pipejax.stacking import StackedPipeline
+from pipejax.parallel.stacking import StackedPipeline
 from tests import oracle
 from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
                            stage_params)
@@ -344,8 +345,8 @@ def test_synchronous_stream_without_its_bubbles_is_refused():
 
 @pytest.mark.parametrize("runner_class", ["Pipeline", "StackedPipeline", "ShardedPipeline"])
 def test_every_runner_has_the_protocols_members_as_instance_methods(runner_class):
-  from pipejax import sharding  # pylint: disable=import-outside-toplevel
-  from pipejax.runner import Runner  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.core.runner import Runner  # pylint: disable=import-outside-toplevel
   cls = {"Pipeline": Pipeline, "StackedPipeline": StackedPipeline,
          "ShardedPipeline": sharding.ShardedPipeline}[runner_class]
   assert Runner in cls.__mro__

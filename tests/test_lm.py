@@ -10,10 +10,11 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import config_checks, data, evaluation, methods, models, training
-from pipejax import study as study_lib
+from pipejax.train import config_checks, evaluation, trainer as training
+from pipejax import data, methods, models
+from pipejax.study import spec as study_lib
 from pipejax.data import text
-from pipejax.engine import Pipeline
+from pipejax.core.engine import Pipeline
 from pipejax.optim import adam_family
 from tests import oracle
 from tests.helpers import assert_trees_close, load_config, stage_params

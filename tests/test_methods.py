@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipejax import methods
-from pipejax.engine import Pipeline
+from pipejax.core.engine import Pipeline
 from tests import oracle
 from tests.helpers import assert_trees_close, make_model, make_stream, stage_params
 

@@ -157,7 +157,7 @@ def test_processes_reading_their_slots_see_the_one_process_stream(augment):
 def test_checkpoint_with_placement_saves_global_arrays_and_restores_host_copies(tmp_path):
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-  from pipejax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from pipejax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   placed = []
 
@@ -178,8 +178,8 @@ def test_checkpoint_with_placement_saves_global_arrays_and_restores_host_copies(
 
 
 def test_a_run_of_several_processes_without_a_mesh_is_refused():
-  from pipejax import distributed  # pylint: disable=import-outside-toplevel
-  from pipejax.mesh import MeshError  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import distributed  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel.mesh import MeshError  # pylint: disable=import-outside-toplevel
   with pytest.raises(MeshError, match="would train a copy of its own"):
     distributed.trainer_parts(None)
 

@@ -11,7 +11,7 @@ import pytest
 
 import pipejax
 from pipejax.models import online_norm
-from pipejax.stages import Variables
+from pipejax.core.stages import Variables
 
 # ----------------------------------------------------------------------------- numpy reference
 
@@ -160,7 +160,7 @@ def test_online_norm_statistics_over_a_stream():
 def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
   """normalization='online' through the binary: SIGTERM mid-run, rerun, and compare the whole
   final state (the Online Norm variables, live and stashed, included) with a run never stopped."""
-  from pipejax import checkpoint, experiment  # pylint: disable=g-import-not-at-top
+  from pipejax.train import checkpoint, experiment  # pylint: disable=g-import-not-at-top
   from tests.helpers import (  # pylint: disable=g-import-not-at-top
       digits_config, leaves_equal, sigterm_midway_and_resume)
   sigterm_midway_and_resume(tmp_path, [
@@ -192,7 +192,7 @@ def test_online_norm_in_the_conv_models():
   """'online' in a CNN (per channel) trains through the pipeline; a ResNet's norms (projection
   shortcuts included) all become stages with state."""
   from pipejax import methods, models  # pylint: disable=g-import-not-at-top
-  from pipejax.engine import Pipeline  # pylint: disable=g-import-not-at-top
+  from pipejax.core.engine import Pipeline  # pylint: disable=g-import-not-at-top
   model = models.build("small_cnn", widths=(4, 8), dense=(8,), normalization="online")
   x = np.random.default_rng(0).standard_normal((12, 1, 8, 8, 1)).astype(np.float32)
   y = np.arange(12, dtype=np.int32).reshape(12, 1) % 10

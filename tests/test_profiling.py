@@ -7,8 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from pipejax import accounting, methods
-from pipejax.engine import Pipeline
+from pipejax.core import accounting
+from pipejax import methods
+from pipejax.core.engine import Pipeline
 from pipejax.profiling import hlo, memory, speed, timing, workloads
 
 

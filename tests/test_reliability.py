@@ -18,14 +18,16 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, config_checks, distributed, divergence, experiment, methods
-from pipejax import training
+from pipejax.train import checkpoint, config_checks, divergence, experiment
+from pipejax.parallel import distributed
+from pipejax import methods
+from pipejax.train import trainer as training
 from pipejax import config as config_lib
-from pipejax import metrics as metrics_lib
-from pipejax import workdir as workdir_lib
+from pipejax.train import metrics as metrics_lib
+from pipejax.train import workdir as workdir_lib
 from pipejax.chaos import trainer as chaos_trainer
-from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
 from tests.helpers import ROOT, config_module, digits_config, make_model, make_stream
 
 
@@ -491,7 +493,7 @@ def test_stop_agreement_on_one_process_is_the_local_flag():
 
 _AGREE = """
 import sys, time
-from pipejax import distributed
+from pipejax.parallel import distributed
 distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]), num_cpu_devices=1)
 # Process 1 was "signalled" at its second chunk; process 0 never was.
 answers = [distributed.any_process(int(sys.argv[2]) == 1 and chunk == 1) for chunk in range(3)]

@@ -22,14 +22,14 @@ import pytest
 
 import pipejax
 from pipejax import methods
-from pipejax import partition as partition_lib
+from pipejax.parallel import partition as partition_lib
 from pipejax.models import online_norm
-from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
-from pipejax.mesh import MeshError, make_mesh
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.mesh import MeshError, make_mesh
 from pipejax.profiling import hlo
-from pipejax.sharding import ShardedPipeline
-from pipejax.stacking import StackedPipeline
+from pipejax.parallel.sharding import ShardedPipeline
+from pipejax.parallel.stacking import StackedPipeline
 from tests import _two_process_worker as worker
 from tests import helpers
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
@@ -491,7 +491,8 @@ def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devi
 
 
 def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices):
-  from pipejax import config as configlib, experiment  # pylint: disable=import-outside-toplevel
+  from pipejax import config as configlib  # pylint: disable=import-outside-toplevel
+  from pipejax.train import experiment
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}

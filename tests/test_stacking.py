@@ -8,11 +8,13 @@ import optax
 import pytest
 
 import pipejax
-from pipejax import accounting, methods, models, stacking
-from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
-from pipejax.stacking import StackedPipeline
-from pipejax.stage_groups import find_groups
+from pipejax.core import accounting
+from pipejax import methods, models
+from pipejax.parallel import stacking
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.stacking import StackedPipeline
+from pipejax.parallel.stacks import find_groups
 from tests.helpers import NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never group)
@@ -167,7 +169,8 @@ def test_a_logical_or_foreign_state_is_refused():
 
 def test_the_trainer_stacks_identical_runs_unless_told_not_to():
   # pylint: disable-next=import-outside-toplevel
-  from pipejax import config as configlib, config_checks, experiment
+  from pipejax import config as configlib
+  from pipejax.train import config_checks, experiment
   config = configlib.base_config()
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
@@ -187,8 +190,8 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
 def test_a_mesh_stacks_each_devices_piece_of_a_group():
   """On a one-device mesh the piece is the whole group: the stacked runner's numbers, bit for
   bit (tests/test_sharding.py splits groups over 2 and 4 devices)."""
-  from pipejax import sharding  # pylint: disable=import-outside-toplevel
-  from pipejax.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 7, 9) == [(7, 8, True), (8, 9, False)]
   x, y = make_stream(14, 2)

@@ -89,7 +89,7 @@ def test_plain_step_is_one_optax_step_on_the_whole_network():
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y[0]))
 
   tx = optax.sgd(0.1, momentum=0.9)
-  (stepped, opt_state), step_loss = pipejax.stages.plain_step(model, tx)(
+  (stepped, opt_state), step_loss = pipejax.core.stages.plain_step(model, tx)(
       (params, tx.init(params)), (x[0], y[0]))
   np.testing.assert_allclose(step_loss, loss(params), rtol=1e-6)
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))

@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from pipejax import statistics
-from pipejax import study as study_lib
-from pipejax import study_cells
-from pipejax import study_figures
-from pipejax import study_records
-from pipejax import study_report
-from pipejax import study_runner
-from pipejax.study import Study, Table
+from pipejax.study import statistics
+from pipejax.study import spec as study_lib
+from pipejax.study import cells as study_cells
+from pipejax.study import figures as study_figures
+from pipejax.study import records as study_records
+from pipejax.study import report as study_report
+from pipejax.study import launcher as study_runner
+from pipejax.study.spec import Study, Table
 
 from tests.helpers import ROOT
 
@@ -366,7 +366,7 @@ def test_tuned_tables_compare_each_method_at_its_best_value():
 
 
 def test_figures_put_diverged_runs_in_a_band_of_their_own(tmp_path):
-  from pipejax.study import Figure  # pylint: disable=import-outside-toplevel
+  from pipejax.study.spec import Figure  # pylint: disable=import-outside-toplevel
   records = [record("sgd", 4, 0, 0.9), record("sgd", 8, 0, 0.9), record("pb", 4, 0, 0.8),
              record("pb", 8, 0, None, study_records.DIVERGED), record("pb", 8, 1, 0.7)]
   figure = Figure("f.png", x="model_kwargs.depth", series="method", title="Accuracy by depth")
@@ -545,8 +545,8 @@ def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_
 
 STUDY_PROCESS = """
 import sys
-from pipejax import study_runner
-from pipejax.study import Study
+from pipejax.study import launcher as study_runner
+from pipejax.study.spec import Study
 study = Study(name="two", config="c.py", grids=[{"method": ("sgd",), "seed": (0, 1)}])
 sys.exit(study_runner.main(study, sys.argv[1], parallel=2, command="", trainer=sys.argv[2:]))
 """

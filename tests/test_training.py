@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax import checkpoint, config_checks, divergence, experiment, interruption, methods
-from pipejax import training
+from pipejax.train import checkpoint, config_checks, divergence, experiment, interruption
+from pipejax import methods
+from pipejax.train import trainer as training
 from pipejax.data import DataError
-from pipejax.engine import Pipeline
-from pipejax.stages import ModelError
+from pipejax.core.engine import Pipeline
+from pipejax.core.stages import ModelError
 from tests.helpers import (ROOT, config_module, digits_config, leaves_equal, load_config,
                            make_model, make_stream, sigterm_midway_and_resume)
 

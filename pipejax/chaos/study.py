@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import NamedTuple, Sequence
 
-from pipejax import study_records
+from pipejax.study import records as study_records
 from pipejax.chaos import ROOT, ReferenceFailed, child_env, python
 
 

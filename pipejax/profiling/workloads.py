@@ -1,7 +1,7 @@
 """What the benchmarks run: the networks, their input streams, and the plain optax loop.
 
 The plain loop is the baseline every pipeline is timed against: one optax step of the whole
-network (:func:`pipejax.stages.plain_step`), unpipelined, usually inside ``lax.scan``.
+network (:func:`pipejax.core.stages.plain_step`), unpipelined, usually inside ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import numpy as np
 import optax
 
 import pipejax
-from pipejax import models, stages
+from pipejax import models
+from pipejax.core import stages
 
 WIDTH, LAYERS = 256, 8  # the MLP of 'throughput' and the mesh benchmarks
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
@@ -57,6 +58,6 @@ def stream(num_ticks: int, b: int, shape=(WIDTH,), classes: int = WIDTH):
 
 def plain_scan(model: pipejax.Model, tx: optax.GradientTransformation, jit=jax.jit):
   """The plain loop over a stream, ``(carry, (x, y)) -> (carry, losses)``, jitted by ``jit``
-  (``pipejax.runner.jit``: compiled as the pipeline is) with the carry donated."""
+  (``pipejax.core.runner.jit``: compiled as the pipeline is) with the carry donated."""
   step = stages.plain_step(model, tx)
   return jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)

@@ -2,8 +2,8 @@
 
 Every process runs the same training program. :func:`initialize` connects the processes (it must
 come before any other JAX call); afterwards ``jax.devices()`` lists the devices of all processes,
-:func:`pipejax.mesh.make_mesh` lays them out as ``('data', 'stage')``, and
-:class:`pipejax.sharding.ShardedPipeline` runs one pipeline over them. For the trainer,
+:func:`pipejax.parallel.mesh.make_mesh` lays them out as ``('data', 'stage')``, and
+:class:`pipejax.parallel.sharding.ShardedPipeline` runs one pipeline over them. For the trainer,
 :class:`HostFeed` loads only the examples this process's devices consume, and
 :func:`checkpoint_shardings` places the state so that all processes save and restore it together;
 :func:`any_process` makes them stop together and :func:`lost_process_message` says what happened
@@ -29,8 +29,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax.state import PipelineState
-from pipejax.mesh import DATA, STAGE, MeshError
+from pipejax.core.state import PipelineState
+from pipejax.parallel.mesh import DATA, STAGE, MeshError
 
 __all__ = ["HostFeed", "StartupError", "agree", "agree_on_shared_workdir", "any_process",
            "checkpoint_shardings", "code_version", "exchange", "initialize",
@@ -120,7 +120,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   except RuntimeError as e:
     if "before" in str(e) or "already" in str(e):
       raise RuntimeError(
-          f"pipejax.distributed.initialize must run before any other JAX call in the process "
+          f"pipejax.parallel.distributed.initialize must run before any other JAX call in the process "
           f"(JAX said: {e}). Call it at the very start of main(), before building models or "
           "data.") from e
     if "Failed to start RPC server" in str(e):
@@ -182,7 +182,7 @@ class _Waiting:
 def code_version() -> str:
   """A digest of pipejax's source files and JAX's version: equal iff the same code runs."""
   digest = hashlib.sha256(jax.__version__.encode())
-  package = pathlib.Path(__file__).resolve().parent
+  package = pathlib.Path(__file__).resolve().parent.parent
   for path in sorted(package.rglob("*.py")):
     digest.update(str(path.relative_to(package)).encode())
     digest.update(path.read_bytes())
@@ -355,7 +355,7 @@ class HostFeed:
   process of stage 0 alone). The other devices receive zeros, which they never read.
 
   Args:
-    sharded: the :class:`~pipejax.sharding.ShardedPipeline` to feed.
+    sharded: the :class:`~pipejax.parallel.sharding.ShardedPipeline` to feed.
   """
 
   def __init__(self, sharded):

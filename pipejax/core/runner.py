@@ -1,10 +1,10 @@
 """The one interface of a pipeline runner: what training code calls, whatever the layout.
 
-Three runners implement it: :class:`pipejax.engine.Pipeline` (one device, stage by stage),
-:class:`pipejax.stacking.StackedPipeline` (runs of identical stages as stacked groups) and
-:class:`pipejax.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a layout
+Three runners implement it: :class:`pipejax.core.engine.Pipeline` (one device, stage by stage),
+:class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacked groups) and
+:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a layout
 of its own; :meth:`Runner.to_logical` gives the device-independent
-:class:`~pipejax.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
+:class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
 
 :class:`ScanRunner` is what the two whose tick is one traced function share (``Pipeline`` and
 ``StackedPipeline``); :func:`jit` is how every pipeline program is compiled.
@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
-from pipejax import accounting, checks
-from pipejax.state import Batch, PipelineState
+from pipejax.core import accounting, checks
+from pipejax.core.state import Batch, PipelineState
 
 if TYPE_CHECKING:
-  from pipejax.engine import Pipeline
+  from pipejax.core.engine import Pipeline
 
 PyTree = Any
 State = Any  # a runner's state in its own layout
 
 
 class Runner(Protocol):
-  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.engine.Pipeline` with
+  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline` with
   the model, the method and the micro-batch shape; the runner advances its state.
 
   Metrics (of :meth:`tick`, and of :meth:`run` stacked along the time axis): ``loss`` and the
@@ -58,7 +58,7 @@ class Runner(Protocol):
 
   @abc.abstractmethod
   def to_logical(self, state: State) -> PipelineState:
-    """The device-independent :class:`~pipejax.state.PipelineState` (what checkpoints hold)."""
+    """The device-independent :class:`~pipejax.core.state.PipelineState` (what checkpoints hold)."""
 
   @abc.abstractmethod
   def from_logical(self, logical_state: PipelineState) -> State:
@@ -125,8 +125,8 @@ REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
 
 
 class ScanRunner(Runner):
-  """What a runner whose tick is one traced function shares (:class:`pipejax.engine.Pipeline`,
-  :class:`pipejax.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
+  """What a runner whose tick is one traced function shares (:class:`pipejax.core.engine.Pipeline`,
+  :class:`pipejax.parallel.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
   checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
   ``check_state(state)``, and builds the programs with :meth:`_compile`.
   """

@@ -1,6 +1,6 @@
 """Evaluation: a model's mean loss and accuracy over a whole split, the network run as one function.
 
-The stages run unpipelined (:meth:`pipejax.stages.Model.apply`) with their variables read-only,
+The stages run unpipelined (:meth:`pipejax.core.stages.Model.apply`) with their variables read-only,
 in batches of a fixed size; the last, partial batch is padded and masked, so that every example
 counts once and nothing compiles twice.
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax import data as data_lib
-from pipejax.stages import Model
+from pipejax.core.stages import Model
 
 
 def make_evaluator(model: Model, batch_size: int) -> Callable[..., dict]:

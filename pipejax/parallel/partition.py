@@ -9,10 +9,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from pipejax.engine import Pipeline
-from pipejax.mesh import MeshError
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.mesh import MeshError
 from pipejax.schedules.costs import contiguous_split
-from pipejax.state import PipelineState
+from pipejax.core.state import PipelineState
 
 
 def partition_stages(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:

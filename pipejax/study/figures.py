@@ -10,10 +10,11 @@ import collections
 import math
 from typing import Sequence
 
-from pipejax import plotting, statistics
-from pipejax.study import Figure, Study
-from pipejax.study_cells import axis_values, group, is_diverged, lookup, ordered, select
-from pipejax.study_records import is_number
+from pipejax import plotting
+from pipejax.study import statistics
+from pipejax.study.spec import Figure, Study
+from pipejax.study.cells import axis_values, group, is_diverged, lookup, ordered, select
+from pipejax.study.records import is_number
 
 
 def cell_points(study: Study, selected: Sequence[dict], figure: Figure

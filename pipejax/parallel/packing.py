@@ -1,7 +1,7 @@
-"""How a sharded pipeline's state is packed into per-device buffers (``pipejax.sharding``).
+"""How a sharded pipeline's state is packed into per-device buffers (``pipejax.parallel.sharding``).
 
 Groups of stages differ in shapes, while ``shard_map`` wants one array shape on every device. So
-each group's slice of the :class:`~pipejax.state.PipelineState` is flattened into 1-D buffers
+each group's slice of the :class:`~pipejax.core.state.PipelineState` is flattened into 1-D buffers
 padded to the largest group's and stacked along a leading ``stage`` dimension, in two families:
 ``shared`` buffers (the same on every data replica: weights, optimizer states, flags) and ``local``
 ones (everything with a micro-batch axis, split over the replicas). :class:`Packing` is the plan:
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax import accounting
-from pipejax.checks import PipelineError
-from pipejax.state import DelayLine, Packet, PipelineState, StageState
+from pipejax.core import accounting
+from pipejax.core.checks import PipelineError
+from pipejax.core.state import DelayLine, Packet, PipelineState, StageState
 
 PyTree = Any
 SHARED, LOCAL = "shared", "local"
@@ -173,7 +173,7 @@ def ring_windows(buffers, layout: _Layout, tree, tick, widths: dict[BufferKey, i
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
   (``Pipeline.advance_stages(..., delay_line_entries=True)``), which goes to slot ``tick mod
-  slots`` (:meth:`pipejax.state.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
+  slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
   elements: the entry, then the buffer's own elements up to the window's width (a group whose
   slots are narrower than another's keeps its next slot as it was). A buffer carried in its leaf's
   own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's index.
@@ -218,7 +218,7 @@ def buffer_name(key) -> str:
 
 
 class PackedState(NamedTuple):
-  """A :class:`~pipejax.state.PipelineState` laid out over a ``('data', 'stage')`` mesh.
+  """A :class:`~pipejax.core.state.PipelineState` laid out over a ``('data', 'stage')`` mesh.
 
   ``shared[name]`` has global shape ``(stage, n)`` (sharded over ``stage``, replicated over
   ``data``); ``local[name]`` has global shape ``(data, stage, n)``. Names are the dtype

@@ -1,7 +1,7 @@
 """The device mesh of a sharded pipeline: a ``('data', 'stage')`` grid of devices.
 
 ``stage`` devices each own a contiguous group of logical stages; ``data`` devices run replicas of
-the pipeline on parts of every micro-batch (``pipejax.sharding``). Arrays move between a host's
+the pipeline on parts of every micro-batch (``pipejax.parallel.sharding``). Arrays move between a host's
 full copy and the mesh with :func:`to_global` and :func:`to_host`.
 """
 
@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import numpy as np
 
-from pipejax.checks import PipelineError
+from pipejax.core.checks import PipelineError
 
 STAGE, DATA = "stage", "data"
 
@@ -68,12 +68,12 @@ def normalized_mesh(mesh: Mesh) -> Mesh:
   """The mesh as ``('data', 'stage')`` with Auto axes (a missing ``data`` axis has size 1)."""
   if not isinstance(mesh, Mesh):
     raise MeshError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}. Build one with "
-                    "pipejax.mesh.make_mesh(stage, data).")
+                    "pipejax.parallel.mesh.make_mesh(stage, data).")
   names = tuple(mesh.axis_names)
   extra = [n for n in names if n not in (STAGE, DATA)]
   if STAGE not in names or extra:
     raise MeshError(f"The mesh must have a '{STAGE}' axis and optionally a '{DATA}' axis; it has "
-                    f"axes {names}. Build one with pipejax.mesh.make_mesh(stage, data).")
+                    f"axes {names}. Build one with pipejax.parallel.mesh.make_mesh(stage, data).")
   devices = np.asarray(mesh.devices)
   if DATA not in names:
     devices = devices[None]

@@ -23,12 +23,12 @@ import json
 import os
 from typing import Sequence
 
-from pipejax import statistics
-from pipejax.study import Overrides, Study, Table
-from pipejax.study_cells import (Cell, axis_values, group, is_diverged, lookup, ordered, select,
+from pipejax.study import statistics
+from pipejax.study.spec import Overrides, Study, Table
+from pipejax.study.cells import (Cell, axis_values, group, is_diverged, lookup, ordered, select,
                                  without_seed)
-from pipejax.study_figures import draw_figure
-from pipejax.study_records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
+from pipejax.study.figures import draw_figure
+from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
                                    metric_of, read_results)
 
 

@@ -3,9 +3,9 @@
 A study file (``configs/studies/*.py``) defines ``get_study(arg)`` returning a :class:`Study`: the
 training config every run starts from, the grid of overrides (method x depth x seed x ...), what
 the report shows. This module holds that declaration and each run's identity and trainer flags;
-``pipejax.study_runner`` runs the grid as trainer processes, ``pipejax.study_records`` keeps one
-record per run in ``results.jsonl``, ``pipejax.study_cells`` groups the records into cells, and
-``pipejax.study_report`` and ``pipejax.study_figures`` make the tables, statistics and figures
+``pipejax.study.launcher`` runs the grid as trainer processes, ``pipejax.study.records`` keeps one
+record per run in ``results.jsonl``, ``pipejax.study.cells`` groups the records into cells, and
+``pipejax.study.report`` and ``pipejax.study.figures`` make the tables, statistics and figures
 from the records alone, so a report can be regenerated, merged or published without the runs'
 workdirs.
 """

@@ -5,7 +5,7 @@ and takes an exclusive ``flock`` on ``workdir/.lock`` for as long as the run las
 started on the same workdir stops at once with a message instead of overwriting the first one's
 checkpoints. The lock is advisory and local to one machine (``flock`` over NFS depends on the
 server); a multi-host run takes it in process 0 only. A study holds its own workdir the same way
-(:class:`FileLock`, in ``pipejax.study_runner``).
+(:class:`FileLock`, in ``pipejax.study.launcher``).
 
 No JAX here: the study runner, which only starts trainer processes, uses it too.
 """

@@ -10,7 +10,7 @@ the inputs of D_s + 1 samples in its delay line. A tick reads only what the prev
 * the micro-batch to backward is the oldest entry of stage s's own delay line.
 
 So every stage of a tick is independent of the others: the loop over stages below could run them
-in any order or on different devices (``pipejax.sharding`` does exactly that).
+in any order or on different devices (``pipejax.parallel.sharding`` does exactly that).
 
 Each stage, each tick: forward the new input with ``method.forward_weights``; write the input
 into slot ``t mod (D+1)`` of the delay line; read slot ``(t+1) mod (D+1)`` (written D ticks ago);
@@ -20,7 +20,7 @@ marked invalid, and an invalid backward leaves weights and optimizer state untou
 s has seen its first backward its updates are exactly zero, and its optimizer step count is the
 number of samples it has learned from.
 
-Stages with state (``pipejax.stages.Variables``: running statistics). The forward variables a
+Stages with state (``pipejax.core.stages.Variables``: running statistics). The forward variables a
 stage's forward saw travel with the input in the delay line, so the backward's recompute sees
 exactly what the forward saw and computes the same function. The backward variables are read live
 (as the last backward left them) and advanced by the increment the VJP returns. Within a tick
@@ -31,9 +31,9 @@ empty slot updates no variable, like no weight. Stateless stages carry ``None``.
 
 A stage's tick is three steps: :meth:`Pipeline.forward_step` (forward and the delay-line entry),
 the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, VJP, update).
-The stage's index and delay enter both as values, so ``pipejax.stacking`` runs the same two steps
-under ``vmap`` for a run of identical stages. The state the tick advances is ``pipejax.state``'s;
-the scan over ticks is ``pipejax.runner.ScanRunner``'s; the boundary checks are ``pipejax.checks``'.
+The stage's index and delay enter both as values, so ``pipejax.parallel.stacking`` runs the same two steps
+under ``vmap`` for a run of identical stages. The state the tick advances is ``pipejax.core.state``'s;
+the scan over ticks is ``pipejax.core.runner.ScanRunner``'s; the boundary checks are ``pipejax.core.checks``'.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pipejax import accounting, checks
+from pipejax.core import accounting, checks
 from pipejax.methods import Method
-from pipejax.runner import ScanRunner
-from pipejax.stages import Model, Variables, softmax_cross_entropy
-from pipejax.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState, raw_key,
+from pipejax.core.runner import ScanRunner
+from pipejax.core.stages import Model, Variables, softmax_cross_entropy
+from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState, raw_key,
                            slots_full)
 
 PyTree = Any
@@ -410,7 +410,7 @@ class Pipeline(ScanRunner):
     return jax.eval_shape(self._tick, self.state_spec, batch)[1]
 
   def every_slot_full(self, state: PipelineState) -> bool:
-    """See :meth:`pipejax.runner.Runner.every_slot_full`."""
+    """See :meth:`pipejax.core.runner.Runner.every_slot_full`."""
     return slots_full(state.stages)
 
   # ------------------------------------------------------------------ layout
@@ -426,7 +426,7 @@ class Pipeline(ScanRunner):
   def from_logical(self, logical_state: PipelineState) -> PipelineState:
     return logical_state
 
-  # ------------------------------------------------------------------ boundary (pipejax.checks)
+  # ------------------------------------------------------------------ boundary (pipejax.core.checks)
 
   def checked_batch(self, inputs, labels, valid, ticks):
     """Validates a micro-batch (``ticks=None``) or a stream of them; returns a :class:`Batch`."""
@@ -454,7 +454,7 @@ class Pipeline(ScanRunner):
     return int(self._last_stage_output().shape[-1])
 
   def check_labels(self, labels, valid) -> None:
-    """Refuses class labels outside ``[0, classes)`` (:func:`pipejax.checks.check_class_labels`)."""
+    """Refuses class labels outside ``[0, classes)`` (:func:`pipejax.core.checks.check_class_labels`)."""
     checks.check_class_labels(labels, valid, self.num_classes)
 
 

@@ -4,15 +4,15 @@ A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, a
 blocks, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
 so its kernels and its compile time grow with depth. :class:`StackedPipeline` advances each such
 run as one group: the group's weights, optimizer states, registers and variables are stacked on
-a leading stage axis, and the engine's own :meth:`~pipejax.engine.Pipeline.forward_step` and
-:meth:`~pipejax.engine.Pipeline.backward_step` run under ``jax.vmap`` over it, with the stage
+a leading stage axis, and the engine's own :meth:`~pipejax.core.engine.Pipeline.forward_step` and
+:meth:`~pipejax.core.engine.Pipeline.backward_step` run under ``jax.vmap`` over it, with the stage
 number (the rng fold-in) and the delay ``D_s`` as arrays over the axis. Every method's weight
 views and update rules take the delay as a value (``pipejax.optim`` accepts traced
 hyperparameters), so Spike Compensation's coefficients, the prediction horizons and PipeMare's
 rates become per-stage arrays without any change to the methods.
 
-**Which stages group**: :func:`pipejax.stage_groups.find_groups`; a group initializes under
-one ``vmap`` too (:func:`pipejax.stage_groups.init_program`).
+**Which stages group**: :func:`pipejax.parallel.stacks.find_groups`; a group initializes under
+one ``vmap`` too (:func:`pipejax.parallel.stacks.init_program`).
 
 **Delay lines** (docs/design.md §6.1). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
 ``L_s`` differs from stage to stage. The group keeps one buffer per leaf with all its stages'
@@ -36,20 +36,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax import accounting, checks, engine
-from pipejax.engine import Pipeline
-from pipejax.mesh import MeshError
-from pipejax.runner import ScanRunner
-from pipejax.stage_groups import InitProgram, find_groups, init_program
-from pipejax.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
+from pipejax.core import accounting, checks, engine
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.mesh import MeshError
+from pipejax.core.runner import ScanRunner
+from pipejax.parallel.stacks import InitProgram, find_groups, init_program
+from pipejax.core.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
 
 
 class StackedState(NamedTuple):
-  """A :class:`~pipejax.state.PipelineState` with each group's stages stacked into one.
+  """A :class:`~pipejax.core.state.PipelineState` with each group's stages stacked into one.
 
-  ``parts[k]`` is the :class:`~pipejax.state.StageState` of a single stage, or of a group with
+  ``parts[k]`` is the :class:`~pipejax.core.state.StageState` of a single stage, or of a group with
   a leading stage axis on every leaf but the delay line's, whose rings lie end to end.
   """
 
@@ -121,10 +121,10 @@ def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
 def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, ...],
                    inbound: Packet, cotangent: PyTree, tick, rng, reduce_grads=None,
                    every_slot_full: bool = False, delay_line_entries: bool = False):
-  """:meth:`Pipeline.advance_stages <pipejax.engine.Pipeline.advance_stages>` (the same
+  """:meth:`Pipeline.advance_stages <pipejax.core.engine.Pipeline.advance_stages>` (the same
   arguments, state and results) with each piece of a run of identical stages advanced stacked.
 
-  This is a mesh device's tick (``pipejax.sharding``): its stages stay in their per-stage
+  This is a mesh device's tick (``pipejax.parallel.sharding``): its stages stay in their per-stage
   layout, and its piece of each group in ``runs`` (:func:`find_groups`) is stacked for the tick,
   run under ``vmap`` and cut back into stages. A piece of one stage runs stacked too, so that
   its delay is a traced value as in :class:`StackedPipeline`: the numbers are that runner's bit
@@ -164,7 +164,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
 
 
 class StackedPipeline(ScanRunner):
-  """A :class:`~pipejax.engine.Pipeline` whose runs of identical stages tick as stacked groups.
+  """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacked groups.
 
   The same numbers as ``pipeline`` (tests/test_stacking.py), in fewer operations per tick and a
   compile time that does not grow with the length of a run. The logical state

@@ -34,13 +34,13 @@ import sys
 import time
 from typing import Sequence
 
-from pipejax import study as study_lib
-from pipejax import study_records
-from pipejax import study_report
-from pipejax import workdir as workdir_lib
-from pipejax.metrics import format_duration
+from pipejax.study import spec as study_lib
+from pipejax.study import records as study_records
+from pipejax.study import report as study_report
+from pipejax.train import workdir as workdir_lib
+from pipejax.train.metrics import format_duration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = (sys.executable, os.path.join(ROOT, "scripts", "train.py"))
 LOCK_FILE = ".study.lock"
 EXIT_COMPLETE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -19,23 +19,23 @@ import jax
 import ml_collections
 import numpy as np
 
-from pipejax import config_checks
+from pipejax.train import config_checks
 from pipejax import data as data_lib
-from pipejax import divergence
-from pipejax import evaluation
-from pipejax import experiment
-from pipejax import interruption
-from pipejax import metrics as metrics_lib
-from pipejax import workdir as workdir_lib
-from pipejax.checkpoint import Checkpointer, CheckpointError
-from pipejax.checkpoint import weights_digest
-from pipejax.checks import PipelineError
-from pipejax.config_checks import ConfigError
+from pipejax.train import divergence
+from pipejax.train import evaluation
+from pipejax.train import experiment
+from pipejax.train import interruption
+from pipejax.train import metrics as metrics_lib
+from pipejax.train import workdir as workdir_lib
+from pipejax.train.checkpoint import Checkpointer, CheckpointError
+from pipejax.train.checkpoint import weights_digest
+from pipejax.core.checks import PipelineError
+from pipejax.train.config_checks import ConfigError
 from pipejax.data import DataError
-from pipejax.divergence import TrainingDiverged
+from pipejax.train.divergence import TrainingDiverged
 from pipejax.methods import MethodError
-from pipejax.stages import ModelError
-from pipejax.workdir import StorageError, storage_error
+from pipejax.core.stages import ModelError
+from pipejax.train.workdir import StorageError, storage_error
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -77,7 +77,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
 
   feed = placement = None
   if jax.process_count() > 1:  # each process feeds and saves its own devices' part
-    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
     feed, placement = distributed.trainer_parts(setup.sharded)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
                               primary=primary, placement=placement)

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any, Iterable
 
-from pipejax.study import Overrides, Study, run_id
+from pipejax.study.spec import Overrides, Study, run_id
 
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 SKIPPED = "skipped"  # not run: the same point failed at a smaller value of Study.skip_beyond_failure
@@ -293,7 +293,7 @@ def log_timing(path: str) -> dict | None:
 
 def test_curve(run_dir: str) -> list[list[float]]:
   """The run's test evaluations as ``[samples, accuracy, loss]`` rows, in order of samples."""
-  from pipejax import metrics as metrics_lib  # no JAX: plain JSONL reading
+  from pipejax.train import metrics as metrics_lib  # no JAX: plain JSONL reading
   rows = {r["samples"]: [r["samples"], r.get("accuracy"), r.get("loss")]
           for r in metrics_lib.read_records(run_dir) if r.get("split") == "test"}
   return [rows[k] for k in sorted(rows)]
@@ -316,7 +316,7 @@ def metric_of(record: dict, metric: str) -> Any:
 
 def _mean_staleness(run_dir: str) -> list[float] | None:
   """Per stage, the mean of the logged ``weight_discrepancy`` over the second half of training."""
-  from pipejax import metrics as metrics_lib  # no JAX: plain JSONL reading
+  from pipejax.train import metrics as metrics_lib  # no JAX: plain JSONL reading
   rows = [r for r in metrics_lib.read_records(run_dir)
           if r.get("split") == "diagnostics" and "weight_discrepancy" in r]
   if not rows:

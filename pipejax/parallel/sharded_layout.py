@@ -1,9 +1,9 @@
 """Where a sharded pipeline's state lives on a ``('data', 'stage')`` mesh, and how it gets there.
 
 Groups differ in shapes (uneven stages, uneven group sizes), while ``shard_map`` wants one array
-shape on every device. So each group's slice of the :class:`~pipejax.state.PipelineState` is
+shape on every device. So each group's slice of the :class:`~pipejax.core.state.PipelineState` is
 flattened into 1-D buffers padded to the largest group's and stacked along a leading ``stage``
-dimension sharded over the mesh (the plan is :class:`pipejax.packing.Packing`), in two families:
+dimension sharded over the mesh (the plan is :class:`pipejax.parallel.packing.Packing`), in two families:
 
 * ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
   states, PipeDream's stashed weights, stateful stages' variables (live and stashed), and the valid
@@ -35,25 +35,26 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from pipejax import checks, packing
-from pipejax.checks import PipelineError
-from pipejax.mesh import DATA, STAGE, MeshError, to_global, to_host, tree_to_host
-from pipejax.packing import LOCAL, SHARED, BufferKey, PackedState
-from pipejax.state import Batch, PipelineState
+from pipejax.core import checks
+from pipejax.parallel import packing
+from pipejax.core.checks import PipelineError
+from pipejax.parallel.mesh import DATA, STAGE, MeshError, to_global, to_host, tree_to_host
+from pipejax.parallel.packing import LOCAL, SHARED, BufferKey, PackedState
+from pipejax.core.state import Batch, PipelineState
 
 if TYPE_CHECKING:
-  from pipejax.engine import Pipeline
+  from pipejax.core.engine import Pipeline
 
 
 class ShardedLayout:
   """A pipeline's packed state over a mesh: its buffers' shardings and global shapes, and the
-  transfers between it, the host and the logical :class:`~pipejax.state.PipelineState`.
+  transfers between it, the host and the logical :class:`~pipejax.core.state.PipelineState`.
 
   Args:
     pipeline: the single-device pipeline whose state is laid out.
-    mesh: a mesh with ``stage`` and ``data`` axes (:func:`pipejax.mesh.normalized_mesh`).
+    mesh: a mesh with ``stage`` and ``data`` axes (:func:`pipejax.parallel.mesh.normalized_mesh`).
     partition: the ``(start, stop)`` group of logical stages of each stage-axis device.
-    policy: ``'slots'``, ``'flat'`` or ``'auto'`` (:meth:`pipejax.packing.Packing.plan`).
+    policy: ``'slots'``, ``'flat'`` or ``'auto'`` (:meth:`pipejax.parallel.packing.Packing.plan`).
 
   Raises:
     MeshError: data replicas of a stateful stage, or of an activation whose micro-batch axis is
@@ -81,7 +82,7 @@ class ShardedLayout:
     return (self.num_groups, n) if key[0] == SHARED else (self.num_replicas, self.num_groups, n)
 
   def state_shardings(self) -> PackedState:
-    """Where each part of a :class:`~pipejax.packing.PackedState` lives."""
+    """Where each part of a :class:`~pipejax.parallel.packing.PackedState` lives."""
     families = {SHARED: {}, LOCAL: {}}
     for key in self.packing.buffer_sizes:
       families[key[0]][packing.buffer_name(key)] = NamedSharding(self.mesh,
@@ -97,7 +98,7 @@ class ShardedLayout:
 
   @staticmethod
   def packed_state(buffers: dict[BufferKey, Any], tick, rng) -> PackedState:
-    """The :class:`~pipejax.packing.PackedState` of buffers by key: :meth:`buffers` undone."""
+    """The :class:`~pipejax.parallel.packing.PackedState` of buffers by key: :meth:`buffers` undone."""
     return PackedState({packing.buffer_name(k): v for k, v in buffers.items() if k[0] == SHARED},
                        {packing.buffer_name(k): v for k, v in buffers.items() if k[0] == LOCAL},
                        tick, rng)

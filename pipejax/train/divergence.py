@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pipejax.checkpoint import Checkpointer
-from pipejax.engine import all_finite
-from pipejax.stages import Model
+from pipejax.train.checkpoint import Checkpointer
+from pipejax.core.engine import all_finite
+from pipejax.core.stages import Model
 
 
 class TrainingDiverged(RuntimeError):

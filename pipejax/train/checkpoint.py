@@ -13,7 +13,7 @@ A temporary directory left by a write that never finished (a kill, a full disk) 
 checkpoint: it is removed, with a warning, when the directory is opened.
 
 In a run of several processes every process calls every method (they are collectives). Given
-``placement`` (:func:`pipejax.distributed.checkpoint_shardings`), each process writes the parts
+``placement`` (:func:`pipejax.parallel.distributed.checkpoint_shardings`), each process writes the parts
 of the state that live on its devices; the meta, with its digests, is written once, by process 0.
 The digests are of whole arrays, so a checkpoint written by N processes verifies and restores on M.
 """
@@ -31,8 +31,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pipejax.mesh import to_global, to_host
-from pipejax.workdir import first_line, storage_error
+from pipejax.parallel.mesh import to_global, to_host
+from pipejax.train.workdir import first_line, storage_error
 
 PyTree = Any
 

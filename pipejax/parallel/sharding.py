@@ -1,14 +1,14 @@
 """Pipelined Backpropagation over many devices: ``shard_map`` over a ``('data', 'stage')`` mesh.
 
 Each device on the ``stage`` axis owns a contiguous group of logical stages and advances it with
-the engine's own :meth:`pipejax.engine.Pipeline.advance_stages`: there is no second engine, and
+the engine's own :meth:`pipejax.core.engine.Pipeline.advance_stages`: there is no second engine, and
 delays, delay lines and optimizer states stay per logical stage. Devices on the optional ``data``
 axis run replicas of the pipeline on different parts of every micro-batch and average each stage's
 weight gradient (``lax.pmean``) before the stage's update, so all replicas keep the same weights.
 
 The state is packed into per-device buffers of one shape on every device, ``shared`` ones
 replicated over ``data`` and ``local`` ones split along the micro-batch
-(:class:`~pipejax.sharded_layout.ShardedLayout`, which also moves states between the host, the mesh
+(:class:`~pipejax.parallel.sharded_layout.ShardedLayout`, which also moves states between the host, the mesh
 and the logical layout). The two registers that leave a group, its last stage's forward packet and
 its first stage's cotangent, sit at the same place in every device's buffers.
 
@@ -20,7 +20,7 @@ inbound packet (the batch on device 0) and cotangent (None on the last device) f
 messages, calls ``advance_stages``, and writes the new group state back (a whole buffer by a
 reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
 exactly what the single-device tick reads (registers written by the previous tick), so the
-timing, and with it every number, is that of :meth:`~pipejax.engine.Pipeline.run`.
+timing, and with it every number, is that of :meth:`~pipejax.core.engine.Pipeline.run`.
 
 XLA writes a conditional's results into buffers of its own, never into its operands', so a loop
 that carried the state through the switch copied every weight and optimizer state back once per
@@ -40,32 +40,32 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
-from pipejax import packing, stacking
-from pipejax.checks import PipelineError
-from pipejax.engine import Pipeline
-from pipejax.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
-from pipejax.packing import SHARED, PackedState
-from pipejax.partition import check_partition, param_counts, partition_stages
-from pipejax.runner import Runner, jit
-from pipejax.sharded_layout import ShardedLayout
-from pipejax.state import Batch, Packet, PipelineState
+from pipejax.parallel import packing, stacking
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
+from pipejax.parallel.packing import SHARED, PackedState
+from pipejax.parallel.partition import check_partition, param_counts, partition_stages
+from pipejax.core.runner import Runner, jit
+from pipejax.parallel.sharded_layout import ShardedLayout
+from pipejax.core.state import Batch, Packet, PipelineState
 
 
 class ShardedPipeline(Runner):
-  """A :class:`~pipejax.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
+  """A :class:`~pipejax.core.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
 
   Args:
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
       is the global one; each data replica takes ``b / data`` samples of it. A
-      :class:`~pipejax.stacking.StackedPipeline` runs its pipeline with each device's piece of
-      every stacked group ticked under ``vmap`` (:func:`pipejax.stacking.advance_stages`); the
+      :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece of
+      every stacked group ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
       state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
-      :func:`pipejax.mesh.make_mesh`).
+      :func:`pipejax.parallel.mesh.make_mesh`).
     partition: explicit ``(start, stop)`` groups of logical stages, one per stage-axis device.
-      Default: :func:`pipejax.partition.partition_stages` on ``costs``.
-    costs: per-stage costs to balance (default :func:`pipejax.partition.param_counts`; or
-      :func:`pipejax.partition.measure_stage_costs`).
+      Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
+    costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
+      :func:`pipejax.parallel.partition.measure_stage_costs`).
     layout: how a group's state is packed: ``'slots'`` (each state leaf in a buffer of its own,
       padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
       buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).

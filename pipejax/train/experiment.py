@@ -1,10 +1,10 @@
 """What a config builds: the data, the model, the resolved recipe and the runner.
 
-:func:`build` is the step between a config and the training loop (``pipejax.training``): it loads
+:func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it loads
 the data splits, builds the model and the method at the micro-batch actually trained (the scaling
 rules of docs/design.md §4 turn the config's reference recipe into it), and picks the runner: the
-single-device :class:`~pipejax.engine.Pipeline`, its stacked groups
-(:class:`~pipejax.stacking.StackedPipeline`) or a mesh (:class:`~pipejax.sharding.ShardedPipeline`).
+single-device :class:`~pipejax.core.engine.Pipeline`, its stacked groups
+(:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh (:class:`~pipejax.parallel.sharding.ShardedPipeline`).
 Shapes stay abstract: nothing is initialised or compiled here.
 """
 
@@ -19,15 +19,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from pipejax import accounting
+from pipejax.core import accounting
 from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax import optim
-from pipejax.config_checks import ConfigError, model_kwargs, validate
-from pipejax.engine import Pipeline
+from pipejax.train.config_checks import ConfigError, model_kwargs, validate
+from pipejax.core.engine import Pipeline
 from pipejax.models import sequential
-from pipejax.runner import Runner
+from pipejax.core.runner import Runner
 
 
 def resolve_recipe(config) -> optim.Recipe:
@@ -82,8 +82,8 @@ class Setup:
   model: Any
   recipe: optim.Recipe  # the reference recipe at the batch each update sees
   pipeline: Pipeline
-  sharded: Any = None  # a pipejax.sharding.ShardedPipeline when config.mesh spans devices
-  stacked: Any = None  # a pipejax.stacking.StackedPipeline when the model has identical runs
+  sharded: Any = None  # a pipejax.parallel.sharding.ShardedPipeline when config.mesh spans devices
+  stacked: Any = None  # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
   # The pipeline whose initial weights this run starts from, merged into its own stages, when
   # the two split the network differently: the one-stage SGD baseline starts where the pipelined
   # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
@@ -172,7 +172,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                                     np.zeros((b,) + train_source.label_shape, np.int32))
   stacked = None
   if config.stack_stages:
-    from pipejax import stacking  # pylint: disable=import-outside-toplevel
+    from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
     stacked = stacking.StackedPipeline(pipe)
     logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
     stacked = stacked if stacked.stacked else None
@@ -182,14 +182,14 @@ def build(config: ml_collections.ConfigDict) -> Setup:
       raise ConfigError("config.diagnostics is measured on one device only; set "
                         "--config.diagnostics=False on a mesh, or train on one device.")
     # Single-device runs never touch meshes.
-    from pipejax import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    from pipejax import partition as partition_lib  # pylint: disable=g-import-not-at-top
-    from pipejax import sharding  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import sharding  # pylint: disable=g-import-not-at-top
     mesh = mesh_lib.make_mesh(config.mesh.stage, config.mesh.data)
     balance = config.mesh.get("balance", "params")
     costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
              else partition_lib.param_counts(pipe))
-    # With stacked groups each device stacks its piece of them (pipejax.stacking.advance_stages).
+    # With stacked groups each device stacks its piece of them (pipejax.parallel.stacking.advance_stages).
     sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
                                        partition=config.mesh.get("partition") or None, costs=costs)
     logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "

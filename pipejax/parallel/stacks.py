@@ -23,8 +23,8 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.engine import Pipeline
-from pipejax.state import PipelineState, StageState
+from pipejax.core.engine import Pipeline
+from pipejax.core.state import PipelineState, StageState
 
 
 def _signature(pipeline: Pipeline, s: int, spec: PipelineState):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
-from pipejax import statistics
-from pipejax.study import Overrides, Study
-from pipejax.study_records import DIVERGED, FINISHED, diverged, is_number, key_of, metric_of
+from pipejax.study import statistics
+from pipejax.study.spec import Overrides, Study
+from pipejax.study.records import DIVERGED, FINISHED, diverged, is_number, key_of, metric_of
 
 
 @dataclasses.dataclass

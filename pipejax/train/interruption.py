@@ -32,7 +32,7 @@ def agree_to_stop(requested: bool) -> bool:
   """Whether any process was asked to stop; all processes then stop at the same chunk."""
   if jax.process_count() == 1:
     return requested
-  from pipejax import distributed  # pylint: disable=g-import-not-at-top
+  from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
   return distributed.any_process(requested)
 
 

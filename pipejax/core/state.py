@@ -1,7 +1,7 @@
 """The pipeline's state: the registers between stages, and each stage's delay line.
 
 One pytree of named tuples (docs/design.md §6), so ``lax.scan`` carries it and a checkpoint
-saves it as it is. :mod:`pipejax.engine` advances it a tick at a time.
+saves it as it is. :mod:`pipejax.core.engine` advances it a tick at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.stages import Variables
+from pipejax.core.stages import Variables
 
 PyTree = Any
 
@@ -69,7 +69,7 @@ class DelayLine(NamedTuple):
     not the slot written; with D_s = 0 the entry read is ``entry`` itself), so no read depends on
     the write. On a mesh, a stage's code runs inside a ``lax.switch`` whose results XLA cannot
     write into its operands; there the switch returns only the entry and the line is written
-    after it (``pipejax.sharding``).
+    after it (``pipejax.parallel.sharding``).
     """
     if self.slots == 1:
       return entry

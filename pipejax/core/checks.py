@@ -1,6 +1,6 @@
 """The pipeline's boundary: every error a user can cause is refused here, before anything runs.
 
-:class:`pipejax.engine.Pipeline` calls these when it is built (model, method, micro-batch, loss)
+:class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch, loss)
 and on every call (state, stream, labels); the runners over a mesh or in stacked groups reuse
 them. Each check reads shapes and dtypes, or host arrays, never device results, so it costs
 nothing per tick.
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax.methods import Method
-from pipejax.stages import Model
+from pipejax.core.stages import Model
 
 PyTree = Any
 

@@ -18,12 +18,12 @@ from absl import logging
 import jax
 import numpy as np
 
-from pipejax import accounting
+from pipejax.core import accounting
 from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
-from pipejax.checkpoint import CheckpointError
-from pipejax.stages import ModelError
+from pipejax.train.checkpoint import CheckpointError
+from pipejax.core.stages import ModelError
 
 class ConfigError(ValueError):
   """The config is inconsistent; the message names the field and how to fix it."""
@@ -67,7 +67,7 @@ def model_kwargs(config) -> dict:
   if config.method == "sgd":
     # The reference without a pipeline: the whole network as one stage, where the engine is
     # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
-    # weights of the split the config names (pipejax.experiment.Setup.initial_weights_from).
+    # weights of the split the config names (pipejax.train.experiment.Setup.initial_weights_from).
     kwargs["layers_per_stage"] = None
   return kwargs
 
