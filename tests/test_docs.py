@@ -387,6 +387,22 @@ def test_readme_python_examples_run():
   assert "forward_params" in namespace
 
 
+def test_readme_python_examples_use_only_the_public_face():
+  # `import pipejax` is the user's whole surface: the examples name nothing behind it.
+  import pipejax  # pylint: disable=import-outside-toplevel
+  for block in python_blocks("README.md"):
+    for node in ast.walk(ast.parse(block)):
+      if isinstance(node, ast.Import):
+        assert all(a.name.split(".")[0] != "pipejax" or a.name == "pipejax" for a in node.names), \
+            ast.unparse(node)
+      elif isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "pipejax":
+        assert node.module == "pipejax", ast.unparse(node)
+        assert {a.name for a in node.names} <= set(pipejax.__all__), ast.unparse(node)
+      elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+          node.value.id == "pipejax":
+        assert node.attr in pipejax.__all__, ast.unparse(node)
+
+
 @pytest.mark.parametrize("index", range(5))
 def test_optax_guide_examples_run(index):
   # Each block of docs/optax.md is a complete program: a user copies one, not the page.

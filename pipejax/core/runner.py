@@ -14,19 +14,36 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from pipejax.core import accounting, checks
 from pipejax.core.state import Batch, PipelineState
-
-if TYPE_CHECKING:
-  from pipejax.core.engine import Pipeline
+from pipejax.methods import Method
 
 PyTree = Any
 State = Any  # a runner's state in its own layout
+
+
+class TickedPipeline(Protocol):
+  """What a runner reads from the single-device :class:`~pipejax.core.engine.Pipeline` it runs.
+
+  A protocol rather than the class itself, so that the engine imports this module and not the
+  other way round.
+  """
+
+  method: Method
+  example_inputs: PyTree
+  example_labels: PyTree
+
+  @property
+  def num_stages(self) -> int:
+    ...
+
+  def checked_batch(self, inputs, labels, valid, ticks) -> Batch:
+    ...
 
 
 class Runner(Protocol):
@@ -38,7 +55,7 @@ class Runner(Protocol):
   (False while the pipeline fills), ``sample`` (its index) and ``finite`` (one flag per stage).
   """
 
-  pipeline: Pipeline
+  pipeline: TickedPipeline
 
   @abc.abstractmethod
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> State:
