@@ -21,7 +21,7 @@ from tests import oracle
 from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
                            stage_params)
 
-EVEN = (5, 5, 5, 5)  # stages 1..3 identical: the stacked layout runs them as one group
+EVEN = (5, 5, 5, 5)  # stages 1..3 identical: the stacked layout runs them as one stack
 LAYOUTS = ("per_stage", "stacked")
 LR, MOMENTUM = 0.05, 0.9
 
@@ -38,7 +38,7 @@ CASES = {
 
 
 def runner_for(layout, pipe):
-  """The pipeline itself, or its stacked layout (which must then stack a group)."""
+  """The pipeline itself, or its stacked layout (which must then hold a stack)."""
   if layout == "per_stage":
     return pipe
   stacked = StackedPipeline(pipe)
@@ -53,10 +53,10 @@ def test_engine_matches_naive_oracle(name, b, layout):
   make_method, oracle_method = CASES[name]
   model = make_model(EVEN if layout == "stacked" else WIDTHS)
   num_stages = model.num_stages
-  x, y = make_stream(2 * ((3 * num_stages + 3) // 2), b)  # whole groups of M = 2
+  x, y = make_stream(2 * ((3 * num_stages + 3) // 2), b)  # whole steps of M = 2
   pipe = Pipeline(model, make_method(), x[0], y[0])
   runner = runner_for(layout, pipe)
-  x, y, valid = pipe.schedule(x, y)
+  x, y, valid = pipe.to_ticks(x, y)
   assert len(valid) >= 3 * num_stages
   logical = pipe.init(jax.random.PRNGKey(42))
   init_params = stage_params(logical)
@@ -200,7 +200,7 @@ def test_synchronous_mode_is_minibatch_sgd_at_batch_m_times_b():
   pipe = Pipeline(model, methods.sync(tx, micro_batches=m), x[0], y[0])
   state = pipe.init(jax.random.PRNGKey(0))
   params = stage_params(state)
-  state, _ = pipe.run(state, *pipe.schedule(x, y))
+  state, _ = pipe.run(state, *pipe.to_ticks(x, y))
 
   def loss_fn(ps, xb, yb):
     return model.loss(model.apply(ps, xb), yb)[0]
@@ -274,7 +274,7 @@ def test_wrong_batch_shape_or_dtype_is_a_clear_error():
   with pytest.raises(PipelineError, match=r"inputs have \[4\] ticks and the labels \[3\]"):
     pipe.run(state, x, y[:3])
   with pytest.raises(PipelineError, match=r"K micro-batches each; their leading axes are \[3, 4\]"):
-    pipe.schedule(x, y[:3])
+    pipe.to_ticks(x, y[:3])
 
 
 def test_a_model_or_method_of_the_wrong_kind_is_named():
@@ -337,10 +337,10 @@ def test_synchronous_stream_without_its_bubbles_is_refused():
   x, y = make_stream(8, 1)
   pipe = Pipeline(model, CASES["sync"][0](), x[0], y[0])
   with pytest.raises(PipelineError,
-                     match=r"inputs, labels, valid = pipe.schedule\(inputs, labels\)"):
+                     match=r"inputs, labels, valid = pipe.to_ticks\(inputs, labels\)"):
     pipe.run(pipe.init(jax.random.PRNGKey(0)), x, y)
-  scheduled = pipe.schedule(x, y)
-  pipe.run(pipe.init(jax.random.PRNGKey(0)), *scheduled)  # laid out, it runs
+  on_ticks = pipe.to_ticks(x, y)
+  pipe.run(pipe.init(jax.random.PRNGKey(0)), *on_ticks)  # laid out, it runs
 
 
 @pytest.mark.parametrize("runner_class", ["Pipeline", "StackedPipeline", "ShardedPipeline"])
@@ -359,11 +359,11 @@ def test_every_runner_schedules_a_synchronous_stream_alike():
   x, y = make_stream(8, 1)
   pipe = Pipeline(make_model(), CASES["sync"][0](), x[0], y[0])
   for runner in (pipe, StackedPipeline(pipe)):
-    scheduled = runner.schedule(x, y)
+    on_ticks = runner.to_ticks(x, y)
     m = pipe.method.micro_batches_per_step
-    assert scheduled[0].shape[0] == 8 // m * (m + 2 * (pipe.num_stages - 1))
-    jax.tree.map(np.testing.assert_array_equal, scheduled, pipe.schedule(x, y))
-    runner.run(runner.init(0), *scheduled)
+    assert on_ticks[0].shape[0] == 8 // m * (m + 2 * (pipe.num_stages - 1))
+    jax.tree.map(np.testing.assert_array_equal, on_ticks, pipe.to_ticks(x, y))
+    runner.run(runner.init(0), *on_ticks)
 
 
 def test_init_takes_typed_keys_raw_keys_and_seeds_alike():

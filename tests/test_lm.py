@@ -222,7 +222,7 @@ def test_nesterov_asyncpp_is_nadamw_without_delay_and_takes_array_delays():
   v, _ = nadamw.update(g, nadamw.init(params), params)
   np.testing.assert_allclose(u, v, rtol=1e-6)
   assert adam_family.asyncpp_momentum(0.9, 6, 6) == pytest.approx(0.9 + 6 * 0.09 / 7)
-  # A traced delay (a stacked group's per-stage array) gives the numbers a Python int gives.
+  # A traced delay (a stack's per-stage array) gives the numbers a Python int gives.
   def first_update(delay):
     tx = adam_family.nesterov_asyncpp(0.01, delay, 6, 10)
     return tx.update(g, tx.init(params), params)[0]

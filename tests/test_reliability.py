@@ -283,11 +283,12 @@ def test_sync_micro_batches_must_be_positive(micro_batches):
     config_checks.validate(digits_config(method="sync", micro_batches=micro_batches))
 
 
-def test_one_training_example_gives_a_valid_schedule():
+def test_one_training_example_gives_a_valid_learning_rate_schedule():
   config = digits_config(max_train_examples=1, epochs=1.0)
   recipe = experiment.resolve_recipe(config)
-  schedule = experiment.learning_rate_schedule(config, recipe, train_size=1)  # optax refused 0 steps
-  assert np.isfinite(float(schedule(0))) and np.isfinite(float(schedule(5)))
+  # optax refuses 0 steps
+  learning_rate = experiment.learning_rate_schedule(config, recipe, train_size=1)
+  assert np.isfinite(float(learning_rate(0))) and np.isfinite(float(learning_rate(5)))
 
 
 def test_the_resolved_recipe_keeps_every_decay_per_sample_and_takes_the_overrides():
@@ -519,6 +520,6 @@ def test_a_stop_requested_on_one_process_stops_both():
 def test_the_run_length_follows_from_the_config_alone(key, value):
   config = digits_config(**{key: value})
   assert experiment.run_ticks(config, 1437) * config.micro_batch_size == 240
-  # The synchronous mode trains whole groups of micro-batches.
+  # The synchronous mode trains whole steps of micro-batches.
   sync = digits_config(method="sync", micro_batches=7, ticks_per_chunk=14)
   assert experiment.run_ticks(sync, 1437) == 238

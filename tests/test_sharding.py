@@ -41,7 +41,7 @@ WIDTHS = (5, 7, 3, 9, 4, 6, 8, 5)  # 9 stages with the head: more than 8 devices
 NUM_STAGES = len(WIDTHS) + 1
 NUM_TICKS = 3 * NUM_STAGES + 2  # from a fresh state: the fill, then every stage in steady state
 STREAM = (NUM_TICKS, MICRO_BATCH)  # make_stream's arguments for the runs compared
-# One explicit partition per stage-only mesh size, with single-stage groups at the ends and in the
+# One explicit partition per stage-only mesh size, with single-stage shards at the ends and in the
 # middle; None takes the default (balanced by parameter count).
 PARTITIONS = {2: None, 4: [(0, 1), (1, 5), (5, 6), (6, 9)], 8: None}
 
@@ -102,9 +102,9 @@ def eight_devices():
 # ----------------------------------------------------------------------------- partitions
 
 
-def brute_force_best(costs, num_groups):
+def brute_force_best(costs, num_shards):
   best = float("inf")
-  for cuts in itertools.combinations(range(1, len(costs)), num_groups - 1):
+  for cuts in itertools.combinations(range(1, len(costs)), num_shards - 1):
     bounds = (0,) + cuts + (len(costs),)
     best = min(best, max(sum(costs[a:z]) for a, z in zip(bounds, bounds[1:])))
   return best
@@ -114,13 +114,13 @@ def brute_force_best(costs, num_groups):
 def test_partition_stages_is_optimal_against_brute_force(seed):
   rng = np.random.default_rng(seed)
   costs = [int(c) for c in rng.integers(0, 20, rng.integers(1, 10))]
-  for num_groups in range(1, len(costs) + 1):
-    partition = partition_lib.partition_stages(costs, num_groups)
-    assert len(partition) == num_groups
+  for num_shards in range(1, len(costs) + 1):
+    partition = partition_lib.partition_stages(costs, num_shards)
+    assert len(partition) == num_shards
     assert partition[0][0] == 0 and partition[-1][1] == len(costs)
     assert all(a < z for a, z in partition)
     assert all(z == a_next for (_, z), (a_next, _) in zip(partition, partition[1:]))
-    assert max(sum(costs[a:z]) for a, z in partition) == brute_force_best(costs, num_groups)
+    assert max(sum(costs[a:z]) for a, z in partition) == brute_force_best(costs, num_shards)
 
 
 def test_partition_stages_spreads_free_stages_and_reports_imbalance():
@@ -137,9 +137,9 @@ def test_partition_errors_say_what_is_wrong():
     partition_lib.partition_stages([1, 2, 3], 4)
   with pytest.raises(MeshError, match="finite and >= 0"):
     partition_lib.partition_stages([1, -2, 3], 2)
-  with pytest.raises(MeshError, match="has 1 groups but the mesh's stage axis has 2"):
+  with pytest.raises(MeshError, match="has 1 shards but the mesh's stage axis has 2"):
     partition_lib.check_partition([(0, 3)], 3, 2)
-  with pytest.raises(MeshError, match=r"not contiguous.*expected a group starting at 1"):
+  with pytest.raises(MeshError, match=r"not contiguous.*expected a shard starting at 1"):
     partition_lib.check_partition([(0, 1), (2, 3)], 3, 2)
   with pytest.raises(MeshError, match="not contiguous"):
     partition_lib.check_partition([(0, 2), (1, 3)], 3, 2)
@@ -187,16 +187,17 @@ def test_param_counts_and_measured_costs_drive_the_partition():
 
 # Every method on two mesh sizes and every mesh size with two methods (the full cross product adds
 # three more compilations and nothing the layout code does not already see here); one case packs
-# with the 'flat' layout instead of the default 'slots'.
-@pytest.mark.parametrize("method_name, stage, layout", [
+# with the 'flat' packing instead of the default 'slots'.
+@pytest.mark.parametrize("method_name, stage, packing_policy", [
     ("pb", 2, "auto"), ("pb", 4, "flat"), ("pb", 8, "auto"), ("pb_sc_lwp", 2, "auto"),
     ("pb_sc_lwp", 8, "auto"), ("pipedream", 4, "auto")])
-def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, layout):
+def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, packing_policy):
   pipe = make_pipeline(method_name)
   mesh = make_mesh(stage, 1, eight_devices[:stage])
-  sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage], layout=layout)
-  assert sharded.num_groups == stage < pipe.num_stages
-  assert sharded.layout == ("flat" if layout == "flat" else "slots")
+  sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage],
+                            packing_policy=packing_policy)
+  assert sharded.num_shards == stage < pipe.num_stages
+  assert sharded.packing_policy == ("flat" if packing_policy == "flat" else "slots")
   packed, metrics = sharded.run(sharded.from_logical(initial_state(method_name)),
                                 *make_stream(*STREAM))
   expected_state, expected_metrics = single_device_run(method_name)
@@ -246,7 +247,7 @@ def test_mesh_tick_and_drain_match_one_device(eight_devices):
 def test_mesh_data_and_stage_axes_match_one_device_with_the_whole_micro_batch(eight_devices):
   pipe = make_pipeline("pb_sc_lwp")
   sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices))
-  assert (sharded.num_replicas, sharded.num_groups) == (2, 4)
+  assert (sharded.num_replicas, sharded.num_shards) == (2, 4)
   packed, metrics = sharded.run(sharded.from_logical(initial_state("pb_sc_lwp")),
                                 *make_stream(*STREAM))
   # Each replica saw half of every micro-batch; the averaged gradients are the whole batch's.
@@ -295,10 +296,11 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
   assert max(sizes, default=0) < width * width, sorted(sizes)[-8:]
 
 
-@pytest.mark.parametrize("layout", ["flat", "slots"])
-def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
+@pytest.mark.parametrize("packing_policy", ["flat", "slots"])
+def test_mesh_pack_unpack_round_trip_and_buffer_placement(eight_devices, packing_policy):
   pipe = make_pipeline("pipedream")
-  sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices), layout=layout)
+  sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices),
+                            packing_policy=packing_policy)
   state = initial_state("pipedream")
   packed = sharded.from_logical(state)
   # Bit-exact, NaN fill and the per-replica cotangent scaling included.
@@ -312,15 +314,15 @@ def test_mesh_pack_unpack_round_trip_and_buffer_layout(eight_devices, layout):
     assert buffer.shape == (2, 4, sizes[f"local/{dtype}"])
     assert buffer.sharding.spec == jax.sharding.PartitionSpec("data", "stage")
   assert packed.tick.sharding.is_fully_replicated
-  if layout == "flat":  # one buffer per family and dtype
+  if packing_policy == "flat":  # one buffer per family and dtype
     assert set(packed.shared) == {"bool", "float32", "int32"}
     assert set(packed.local) == {"float32", "int32"}
-  else:  # one per state leaf of the largest group; delay lines in buffers of their own
+  else:  # one per state leaf of the largest shard; delay lines in buffers of their own
     assert len(packed.shared) + len(packed.local) > 5
     plan = sharded.packing
-    for layout, (a, z) in zip(plan.body_layouts, sharded.partition):
+    for placement, (a, z) in zip(plan.body_placements, sharded.partition):
       lines = jax.tree.leaves(tuple(st.delay_line for st in state.stages[a:z]))
-      ring_slots = [slot for slot in layout.slots if slot.key in plan.ring_widths]
+      ring_slots = [slot for slot in placement.slots if slot.key in plan.ring_widths]
       assert len(ring_slots) == len(lines)  # every delay-line leaf, and nothing else
       assert all(slot.role.ring for slot in ring_slots)
       for slot in ring_slots:  # the window a tick writes never runs past the buffer
@@ -394,23 +396,23 @@ def test_mesh_errors_say_how_to_fix_them(eight_devices):
   with pytest.raises(MeshError, match=r"not contiguous"):
     ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     partition=[(0, 4), (5, 9)])
-  with pytest.raises(MeshError, match=r"has 3 groups but the mesh's stage axis has 2"):
+  with pytest.raises(MeshError, match=r"has 3 shards but the mesh's stage axis has 2"):
     ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     partition=[(0, 3), (3, 6), (6, 9)])
   wrong_axes = jax.sharding.Mesh(np.array(eight_devices[:2]), ("pipe",))
   with pytest.raises(MeshError, match=r"must have a 'stage' axis.*\('pipe',\)"):
     ShardedPipeline(make_pipeline("pb"), wrong_axes)
-  with pytest.raises(MeshError, match="layout must be 'auto', 'flat' or 'slots'"):
+  with pytest.raises(MeshError, match="packing_policy must be 'auto', 'flat' or 'slots'"):
     ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
-                    layout="packed")
+                    packing_policy="packed")
   assert issubclass(MeshError, PipelineError) and issubclass(MeshError, ValueError)
 
 
-# ----------------------------------------------------------------------------- stacked groups
+# ----------------------------------------------------------------------------- stacks
 
-GROUPED = (5, 5, 5, 5, 5)  # stages 1..4 identical (a group); stage 0 and the head single
-# Each device's piece of the group: one stage (devices 0 and 1), two (device 2), then the head
-# alone; and on two devices, the group split 2 | 2, the head with the second piece.
+GROUPED = (5, 5, 5, 5, 5)  # stages 1..4 identical (a stack); stage 0 and the head single
+# Each device's piece of the stack: one stage (devices 0 and 1), two (device 2), then the head
+# alone; and on two devices, the stack split 2 | 2, the head with the second piece.
 GROUPED_PARTITIONS = {2: [(0, 3), (3, 6)], 4: [(0, 2), (2, 3), (3, 5), (5, 6)]}
 
 
@@ -463,7 +465,7 @@ def test_mesh_stacked_online_norm_matches_one_device(eight_devices):
   assert_bit_equal(actual, expected)
   assert_bit_equal(metrics, expected_metrics)
   initial = jax.jit(grouped_pipeline("pb", stateful=True).init)(jax.random.PRNGKey(42))
-  assert all(np.abs(a - e).max() > 1e-3 for a, e in zip(  # the group's statistics moved
+  assert all(np.abs(a - e).max() > 1e-3 for a, e in zip(  # the stack's statistics moved
       jax.tree.leaves(actual.stages[2].variables), jax.tree.leaves(initial.stages[2].variables)))
 
 

@@ -1,4 +1,4 @@
-"""Stacked groups of identical stages give the per-stage engine's numbers (docs/design.md §8)."""
+"""Stacks of identical stages give the per-stage engine's numbers (docs/design.md §8)."""
 
 import flax.linen as nn
 import jax
@@ -14,10 +14,10 @@ from pipejax.parallel import stacking
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
 from pipejax.parallel.stacking import StackedPipeline
-from pipejax.parallel.stacks import find_groups
+from pipejax.parallel.stacks import find_stacks
 from tests.helpers import NUM_CLASSES, dense_model, make_stream
 
-EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never group)
+EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never stack)
 
 
 def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):
@@ -27,17 +27,17 @@ def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):
   pipe = Pipeline(model, method, x[0], y[0], **kwargs)
   stacked = StackedPipeline(pipe)
   assert stacked.stacked
-  x, y, valid = pipe.schedule(x, y)
+  x, y, valid = pipe.to_ticks(x, y)
   logical = pipe.init(jax.random.PRNGKey(5), fill_value=fill_value)
   start = stacked.from_logical(logical)
-  # The stacked init (one vmap over a group's keys) makes the per-stage init's bits.
+  # The stacked init (one vmap over a stack's keys) makes the per-stage init's bits.
   assert_same(jax.tree.map(np.asarray, stacked.init(jax.random.PRNGKey(5), fill_value)),
               jax.tree.map(np.asarray, start), exact=True)
   per_stage, per_stage_metrics = pipe.run(logical, x, y, valid)
-  grouped, grouped_metrics = stacked.run(start, x, y, valid)
+  stacked_end, stacked_metrics = stacked.run(start, x, y, valid)
   host = lambda tree: jax.tree.map(np.asarray, tree)
-  return (host(per_stage), host(per_stage_metrics), host(stacked.to_logical(grouped)),
-          host(grouped_metrics))
+  return (host(per_stage), host(per_stage_metrics), host(stacked.to_logical(stacked_end)),
+          host(stacked_metrics))
 
 
 def assert_same(actual, expected, exact):
@@ -52,17 +52,17 @@ def assert_same(actual, expected, exact):
 def test_identical_runs_are_found_and_the_rest_left_alone():
   x, y = make_stream(1, 1)
   pb = methods.make_method("pb", learning_rate=0.1)
-  assert find_groups(Pipeline(dense_model(EVEN), pb, x[0], y[0])) == [(0, 1), (1, 4), (4, 5)]
+  assert find_stacks(Pipeline(dense_model(EVEN), pb, x[0], y[0])) == [(0, 1), (1, 4), (4, 5)]
   # Widths 5, 7, 7, 3: stages 2 and 3 take inputs of 7 and 7 but give 7 and 3: no two alike.
-  assert find_groups(Pipeline(dense_model((5, 7, 7, 3)), pb, x[0], y[0])) == [
+  assert find_stacks(Pipeline(dense_model((5, 7, 7, 3)), pb, x[0], y[0])) == [
       (s, s + 1) for s in range(5)]
   blocks = models.build("residual_mlp", num_classes=NUM_CLASSES, depth=7, width=8)
   x = np.zeros((1, 3, 3), np.float32)  # the stem flattens it
-  assert find_groups(Pipeline(blocks, pb, x, y[0])) == [(0, 1), (1, 6), (6, 7)]
+  assert find_stacks(Pipeline(blocks, pb, x, y[0])) == [(0, 1), (1, 6), (6, 7)]
 
 
 def test_the_stacked_init_does_not_grow_with_a_groups_length():
-  """A group initializes under one vmap, whose weights' names (and so the constants flax folds
+  """A stack initializes under one vmap, whose weights' names (and so the constants flax folds
   into their keys) differ from stage to stage: 3 or 9 blocks, one program, the per-stage bits."""
   _, y = make_stream(1, 1)
   x = np.zeros((1, 3, 3), np.float32)
@@ -96,19 +96,19 @@ def test_every_preset_gives_the_per_stage_numbers(name):
                                momentum=0.9, micro_batches=2, anneal_steps=6, gamma=0.7,
                                dc_strength=3.0, optimizer=optimizer,
                                num_stages=dense_model(EVEN).num_stages)
-  per_stage, per_stage_metrics, grouped, grouped_metrics = both_layouts(
+  per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
       dense_model(EVEN), method, 2, 3 * len(EVEN) + 6, fill_value=jnp.nan)
   # Coefficients computed from the traced delay: the same numbers to float32 rounding.
   exact = name not in ("pb_sc", "pb_sc_lwp", "pipeoptim", "nesterov_asyncpp")
-  assert_same(grouped, per_stage, exact)
-  assert_same(grouped_metrics, per_stage_metrics, exact)
+  assert_same(stacked_end, per_stage, exact)
+  assert_same(stacked_metrics, per_stage_metrics, exact)
   assert np.isfinite(per_stage_metrics["loss"]).all() and per_stage_metrics["valid"].sum() > 4
 
 
 def test_adam_with_spike_compensation_agrees_within_rounding():
   method = methods.make_method("pb_sc_lwp", learning_rate=0.01, optimizer="adam")
-  per_stage, _, grouped, _ = both_layouts(dense_model(EVEN), method, 1, 20)
-  assert_same(grouped, per_stage, exact=False)
+  per_stage, _, stacked_end, _ = both_layouts(dense_model(EVEN), method, 1, 20)
+  assert_same(stacked_end, per_stage, exact=False)
 
 
 def test_online_norm_and_weight_stashing_with_discrepancy_tracking():
@@ -116,14 +116,14 @@ def test_online_norm_and_weight_stashing_with_discrepancy_tracking():
   stage = lambda: pipejax.from_flax(nn.Sequential([nn.Dense(5), norm(), nn.tanh]))
   model = pipejax.Model([stage() for _ in range(4)] + [pipejax.from_flax(nn.Dense(NUM_CLASSES))])
   method = methods.make_method("pipedream", learning_rate=0.05)
-  per_stage, per_stage_metrics, grouped, grouped_metrics = both_layouts(
+  per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
       model, method, 1, 18, fill_value=jnp.nan, track_weight_discrepancy=True)
-  assert_same(grouped, per_stage, exact=True)
-  assert_same(grouped_metrics, per_stage_metrics, exact=True)
+  assert_same(stacked_end, per_stage, exact=True)
+  assert_same(stacked_metrics, per_stage_metrics, exact=True)
   assert per_stage_metrics["weight_discrepancy"].shape == (18, 5)
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(),
                                        per_stage.stages[2].variables.backward,
-                                       grouped.stages[2].variables.backward))
+                                       stacked_end.stages[2].variables.backward))
   assert max(moved) == 0
 
 
@@ -188,8 +188,8 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
 
 
 def test_a_mesh_stacks_each_devices_piece_of_a_group():
-  """On a one-device mesh the piece is the whole group: the stacked runner's numbers, bit for
-  bit (tests/test_sharding.py splits groups over 2 and 4 devices)."""
+  """On a one-device mesh the piece is the whole stack: the stacked runner's numbers, bit for
+  bit (tests/test_sharding.py splits stacks over 2 and 4 devices)."""
   from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
   from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]

@@ -50,7 +50,7 @@ def test_grids_are_the_union_of_products_without_duplicates():
 def test_cells_average_over_seeds_and_never_average_diverged_runs():
   records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
              record("pb", 8, 2, None, status=study_records.DIVERGED)]
-  (cell,) = study_cells.group(records).values()
+  (cell,) = study_cells.gather_cells(records).values()
   assert cell.values == [0.80, 0.84] and cell.diverged == 1
   assert cell.mean == pytest.approx(0.82)
   assert cell.std == pytest.approx(np.std([0.80, 0.84], ddof=1))
@@ -58,7 +58,7 @@ def test_cells_average_over_seeds_and_never_average_diverged_runs():
   half = 12.7062 * np.std([0.80, 0.84], ddof=1) / np.sqrt(2) * 100
   assert study_report.format_cell(cell) == \
       f"82.00 [{82 - half:.2f}, {82 + half:.2f}] n=2 (1/3 div.)"
-  all_diverged = study_cells.group([record("pb", 8, s, None, study_records.DIVERGED)
+  all_diverged = study_cells.gather_cells([record("pb", 8, s, None, study_records.DIVERGED)
                                    for s in range(3)])
   assert study_report.format_cell(next(iter(all_diverged.values()))) == "div. 3/3"
 
@@ -67,7 +67,7 @@ def test_gaps_are_paired_by_seed_with_the_baseline_at_the_same_depth():
   records = [record("sgd", 8, 0, 0.85), record("sgd", 8, 1, 0.80),
              record("pb", 8, 0, 0.84), record("pb", 8, 1, 0.78),
              record("sgd", 4, 0, 0.50), record("pb", 4, 0, 0.90)]
-  gaps = study_cells.group(records, "test_accuracy", {"method": "sgd"})
+  gaps = study_cells.gather_cells(records, "test_accuracy", {"method": "sgd"})
   cell = study_cells.lookup(gaps, {"model_kwargs.depth": 8, "method": "pb"})
   assert cell.values == pytest.approx([-0.01, -0.02])  # not 0.84 - mean(sgd) etc.
   assert study_cells.lookup(gaps, {"model_kwargs.depth": 4, "method": "pb"}).values == \
@@ -304,7 +304,7 @@ def test_a_run_that_ends_above_its_initial_loss_counts_as_diverged():
   assert study_records.diverged(finished)
   assert not study_records.diverged(dict(finished, test_loss=0.9))
   assert study_records.diverged(dict(finished, test_loss=float("nan"), test_accuracy=0.1))
-  (cell,) = study_cells.group([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
+  (cell,) = study_cells.gather_cells([finished, dict(record("pb", 8, 1, 0.8), test_loss=0.5,
                                               initial_test_loss=2.3)]).values()
   assert cell.values == [0.8] and cell.diverged == 1
 
@@ -337,7 +337,7 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   study = Study(name="c", config="c.py", grids=[{"method": ("sgd", "pipemare"), "seed": (0,)}],
                 baseline={"method": "sgd"}, labels={"sgd_stage_rates": "per-layer rates"},
                 tables=[Table("t", rows="", columns="", kind="cells")])
-  gaps = study_cells.group(records, "test_accuracy", study.baseline)
+  gaps = study_cells.gather_cells(records, "test_accuracy", study.baseline)
   rescheduled = study_cells.lookup(gaps, {"sgd_stage_rates": "pipemare"})
   assert rescheduled.values == pytest.approx([0.005] * 3)  # paired with plain SGD, seed by seed
   lines = study_report.markdown_table(study, records, study.tables[0]).splitlines()

@@ -41,8 +41,8 @@ def stash_bytes(stage_input_shapes: Sequence[PyTree]) -> int:
 
 
 def held_stash_bytes(stage_states) -> int:
-  """Bytes of stashed activations the delay lines of ``stage_states`` (one stage's or a stacked
-  group's each) hold: what :func:`stash_bytes` predicts, read off a state."""
+  """Bytes of stashed activations the delay lines of ``stage_states`` (one stage's or a
+  stack's each) hold: what :func:`stash_bytes` predicts, read off a state."""
   return sum(tree_bytes(st.delay_line.x) for st in stage_states)
 
 
@@ -56,7 +56,7 @@ def bubble_ticks(num_stages: int, micro_batches: int | None = None) -> int:
   """Idle ticks per optimizer step.
 
   Pipelined Backpropagation (``micro_batches=None``) never drains: zero after the one-off fill.
-  The synchronous mode fills and drains for every group of M micro-batches: 2(S-1) ticks.
+  The synchronous mode fills and drains for every step's M micro-batches: 2(S-1) ticks.
   """
   _check_num_stages(num_stages)
   return 0 if micro_batches is None else 2 * (num_stages - 1)
@@ -80,7 +80,7 @@ def schedule_grid(num_stages: int, num_ticks: int, micro_batches: int | None = N
                   ) -> list[list[tuple[int | None, int | None]]]:
   """grid[t][s] = (sample forwarded, sample backwarded) by stage s at tick t (None while filling).
 
-  With ``micro_batches`` M, the synchronous mode's grid: the bubbles of each group of M (the ticks
+  With ``micro_batches`` M, the synchronous mode's grid: the bubbles of each step's M (the ticks
   it feeds no real micro-batch) are left empty too.
   """
   _check_num_stages(num_stages)

@@ -1,7 +1,7 @@
 """The pipeline's boundary: every error a user can cause is refused here, before anything runs.
 
 :class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch, loss)
-and on every call (state, stream, labels); the runners over a mesh or in stacked groups reuse
+and on every call (state, stream, labels); the runners over a mesh or in stacks reuse
 them. Each check reads shapes and dtypes, or host arrays, never device results, so it costs
 nothing per tick.
 """
@@ -133,16 +133,16 @@ def stream_length(inputs, labels) -> int:
   """K, the leading axis that every leaf of a stream of micro-batches shares."""
   counts = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves((inputs, labels))}
   if len(counts) != 1 or None in counts:
-    raise PipelineError(f"schedule() takes inputs and labels with one leading axis of K "
+    raise PipelineError(f"to_ticks() takes inputs and labels with one leading axis of K "
                         f"micro-batches each; their leading axes are {sorted(counts, key=str)}.")
   (count,) = counts
   return count
 
 
-def check_whole_groups(count: int, micro_batches: int) -> None:
+def check_whole_steps(count: int, micro_batches: int) -> None:
   if count % micro_batches:
     raise PipelineError(f"The synchronous mode steps every M = {micro_batches} micro-batches; got "
-                        f"{count}, which is not a multiple of {micro_batches}. Feed whole groups.")
+                        f"{count}, which is not a multiple of {micro_batches}. Feed whole steps.")
 
 
 def _stream_ticks(inputs, labels, valid, micro_batches: int | None) -> tuple[int]:
@@ -164,7 +164,7 @@ def _stream_ticks(inputs, labels, valid, micro_batches: int | None) -> tuple[int
         f"The synchronous method steps every M = {micro_batches} "
         "micro-batches with the pipeline's fill and drain in between; a stream fed tick by "
         "tick without them trains asynchronously instead. Lay the stream out first: "
-        "inputs, labels, valid = pipe.schedule(inputs, labels); pipe.run(state, inputs, "
+        "inputs, labels, valid = pipe.to_ticks(inputs, labels); pipe.run(state, inputs, "
         "labels, valid).")
   return lead
 

@@ -384,8 +384,8 @@ class Pipeline(ScanRunner):
                      every_slot_full: bool = False, delay_line_entries: bool = False):
     """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
 
-    ``inbound`` is the packet entering the group's first stage, ``cotangent`` the gradient entering
-    its last (None when the group ends with the model's last stage).
+    ``inbound`` is the packet entering the first of them, ``cotangent`` the gradient entering
+    the last (None when they end with the model's last stage).
     """
     new_stages, stage_metrics = [], []
     for i, st in enumerate(stages):

@@ -1,7 +1,7 @@
 """The one interface of a pipeline runner: what training code calls, whatever the layout.
 
 Three runners implement it: :class:`pipejax.core.engine.Pipeline` (one device, stage by stage),
-:class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacked groups) and
+:class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacks) and
 :class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a layout
 of its own; :meth:`Runner.to_logical` gives the device-independent
 :class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
@@ -99,24 +99,24 @@ class Runner(Protocol):
     return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
                     jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
 
-  def schedule(self, inputs, labels) -> tuple[PyTree, PyTree, np.ndarray]:
+  def to_ticks(self, inputs, labels) -> tuple[PyTree, PyTree, np.ndarray]:
     """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
 
-    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds groups of M
+    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds each step's M micro-batches
     followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
     """
     count = checks.stream_length(inputs, labels)
     m = self.pipeline.method.micro_batches_per_step
     if m is None:
       return inputs, labels, np.ones((count,), bool)
-    checks.check_whole_groups(count, m)
+    checks.check_whole_steps(count, m)
     gap = accounting.bubble_ticks(self.pipeline.num_stages, m)
-    groups = count // m
+    steps = count // m
 
     def spread(a):
-      a = np.asarray(a).reshape((groups, m) + a.shape[1:])
-      pad = np.zeros((groups, gap) + a.shape[2:], a.dtype)
-      return np.concatenate([a, pad], axis=1).reshape((groups * (m + gap),) + a.shape[2:])
+      a = np.asarray(a).reshape((steps, m) + a.shape[1:])
+      pad = np.zeros((steps, gap) + a.shape[2:], a.dtype)
+      return np.concatenate([a, pad], axis=1).reshape((steps * (m + gap),) + a.shape[2:])
 
     valid = spread(np.ones((count,), bool))
     return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid

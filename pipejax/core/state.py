@@ -111,8 +111,8 @@ class Forward(NamedTuple):
 
 
 def slots_full(stage_states) -> bool:
-  """Whether the delay lines and forward registers of ``stage_states`` (one stage's or a stacked
-  group's each) hold only real micro-batches."""
+  """Whether the delay lines and forward registers of ``stage_states`` (one stage's or a
+  stack's each) hold only real micro-batches."""
   flags = [(st.delay_line.valid, st.forward_out.valid if st.forward_out is not None else True)
            for st in stage_states]
   return all(bool(np.all(v)) for v in jax.tree.leaves(jax.device_get(flags)))

@@ -376,7 +376,7 @@ class HostFeed:
 
     Every process must call it with its own copy of the same stream (same seed and position); each
     reads only :attr:`slots`, but all advance by whole micro-batches. The method's schedule
-    (``Runner.schedule``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
+    (``Runner.to_ticks``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
     """
     pipe = self.sharded.pipeline
     if self.slots:
@@ -385,7 +385,7 @@ class HostFeed:
       stream.skip(num_ticks)
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
       y = np.zeros((num_ticks, 0), np.int32)
-    x, y, valid = pipe.schedule(x, y)
+    x, y, valid = pipe.to_ticks(x, y)
     pipe.check_labels(y, valid)
     return (self._global(x), self._global(y),
             jax.make_array_from_callback(valid.shape, NamedSharding(self.mesh, P()),

@@ -1,11 +1,11 @@
 """How a sharded pipeline's state is packed into per-device buffers (``pipejax.parallel.sharding``).
 
-Groups of stages differ in shapes, while ``shard_map`` wants one array shape on every device. So
-each group's slice of the :class:`~pipejax.core.state.PipelineState` is flattened into 1-D buffers
-padded to the largest group's and stacked along a leading ``stage`` dimension, in two families:
+Shards of stages differ in shapes, while ``shard_map`` wants one array shape on every device. So
+each shard's slice of the :class:`~pipejax.core.state.PipelineState` is flattened into 1-D buffers
+padded to the largest shard's and stacked along a leading ``stage`` dimension, in two families:
 ``shared`` buffers (the same on every data replica: weights, optimizer states, flags) and ``local``
 ones (everything with a micro-batch axis, split over the replicas). :class:`Packing` is the plan:
-which buffer and offset every leaf of every group gets, and what the buffers cost.
+which buffer and offset every leaf of every shard gets, and what the buffers cost.
 """
 
 from __future__ import annotations
@@ -54,20 +54,20 @@ def _roles(st: StageState) -> StageState:
       variables=every(st.variables, shared))
 
 
-def split_group(group: Sequence[StageState]):
-  """(body, outgoing forward packet, outgoing cotangent) of a group of stage states."""
-  body = list(group)
+def split_shard(shard: Sequence[StageState]):
+  """(body, outgoing forward packet, outgoing cotangent) of a shard of stage states."""
+  body = list(shard)
   outgoing_packet, outgoing_cotangent = body[-1].forward_out, body[0].backward_out
   body[-1] = body[-1]._replace(forward_out=None)
   body[0] = body[0]._replace(backward_out=None)
   return tuple(body), outgoing_packet, outgoing_cotangent
 
 
-def join_group(body, outgoing_packet, outgoing_cotangent) -> tuple[StageState, ...]:
-  group = list(body)
-  group[-1] = group[-1]._replace(forward_out=outgoing_packet)
-  group[0] = group[0]._replace(backward_out=outgoing_cotangent)
-  return tuple(group)
+def join_shard(body, outgoing_packet, outgoing_cotangent) -> tuple[StageState, ...]:
+  shard = list(body)
+  shard[-1] = shard[-1]._replace(forward_out=outgoing_packet)
+  shard[0] = shard[0]._replace(backward_out=outgoing_cotangent)
+  return tuple(shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class _Slot:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _Placement:
   treedef: Any
   slots: tuple[_Slot, ...]
 
@@ -93,13 +93,13 @@ class _Layout:
     return out
 
 
-def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None = None) -> _Layout:
+def _placement(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None = None) -> _Placement:
   """Assigns each leaf of ``spec_tree`` a buffer and an offset in it.
 
   With ``slot_prefix`` None ("flat"), leaves follow one another in one buffer per (family, dtype),
   starting at ``base[key]``. Otherwise ("slots") each leaf gets a buffer of its own at offset 0:
   the i-th largest leaf of each (family, dtype) goes to buffer ``f"{slot_prefix}{i}"``, so across
-  groups large leaves share buffers with large ones and the padding stays small. Delay lines go to
+  puts large leaves in buffers with large ones and the padding stays small. Delay lines go to
   buffers of their own, ``f"ring{i}"``, so that a mesh tick can write the one slot it changes
   (see :attr:`Packing.ring_widths`).
   """
@@ -130,7 +130,7 @@ def _layout(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None
       prefix = "ring" if role.ring else slot_prefix
       key, offset = families[i] + (f"{prefix}{rank[i]}",), 0
     slots.append(_Slot(key, offset, size, shape, role))
-  return _Layout(treedef, tuple(slots))
+  return _Placement(treedef, tuple(slots))
 
 
 def _cut(buffer, start: int, size: int, shape):
@@ -139,21 +139,21 @@ def _cut(buffer, start: int, size: int, shape):
   return jax.lax.slice_in_dim(buffer.reshape(-1), start, start + size).reshape(shape)
 
 
-def read_tree(buffers, layout: _Layout, shift: dict | None = None):
-  """The tree ``layout`` describes, cut from ``buffers`` (whose offset 0 is ``shift[key]``)."""
+def read_tree(buffers, placement: _Placement, shift: dict | None = None):
+  """The tree ``placement`` describes, cut from ``buffers`` (whose offset 0 is ``shift[key]``)."""
   shift = shift or {}
   leaves = [_cut(buffers[s.key], s.offset - shift.get(s.key, 0), s.size, s.shape)
-            for s in layout.slots]
-  return layout.treedef.unflatten(leaves)
+            for s in placement.slots]
+  return placement.treedef.unflatten(leaves)
 
 
-def write_tree(buffers, layout: _Layout, tree, skip=()):
+def write_tree(buffers, placement: _Placement, tree, skip=()):
   """Writes ``tree``'s leaves in place (``dynamic_update_slice``, never a concatenation).
 
   Leaves in the buffers ``skip`` are left out (delay lines: see :func:`ring_windows`).
   """
   buffers = dict(buffers)
-  for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
+  for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(tree)):
     if slot.key in skip:
       continue
     if jnp.dtype(leaf.dtype).name != slot.key[1] or tuple(leaf.shape) != slot.shape:
@@ -168,19 +168,19 @@ def write_tree(buffers, layout: _Layout, tree, skip=()):
   return buffers
 
 
-def ring_windows(buffers, layout: _Layout, tree, tick, widths: dict[BufferKey, int]):
+def ring_windows(buffers, placement: _Placement, tree, tick, widths: dict[BufferKey, int]):
   """What one tick writes into each delay-line buffer: ``{key: (window, start)}``.
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
   (``Pipeline.advance_stages(..., delay_line_entries=True)``), which goes to slot ``tick mod
   slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
-  elements: the entry, then the buffer's own elements up to the window's width (a group whose
+  elements: the entry, then the buffer's own elements up to the window's width (a shard whose
   slots are narrower than another's keeps its next slot as it was). A buffer carried in its leaf's
   own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's index.
-  A buffer that holds none of this group's delay lines gets its first window back unchanged.
+  A buffer that holds none of this shard's delay lines gets its first window back unchanged.
   """
   windows = {}
-  for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(tree)):
+  for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(tree)):
     if slot.key not in widths:
       continue
     index, buffer = tick % slot.shape[0], buffers[slot.key]
@@ -222,7 +222,7 @@ class PackedState(NamedTuple):
 
   ``shared[name]`` has global shape ``(stage, n)`` (sharded over ``stage``, replicated over
   ``data``); ``local[name]`` has global shape ``(data, stage, n)``. Names are the dtype
-  (``'float32'``) in the flat layout, dtype and slot (``'float32/body3'``) in the slots layout.
+  (``'float32'``) in the flat packing, dtype and slot (``'float32/body3'``) in the slots packing.
   ``tick`` and ``rng`` are replicated. Use :meth:`ShardedPipeline.to_logical` for the logical state.
   """
 
@@ -234,10 +234,10 @@ class PackedState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-  """Where every state leaf of every group lives in the packed buffers, and what they cost.
+  """Where every state leaf of every shard lives in the packed buffers, and what they cost.
 
-  Built by :meth:`plan`. ``body_layouts[d]``, ``packet_layouts[d]`` and ``cotangent_layouts[d]``
-  place group d's stage states without the two registers that leave the group, its outgoing
+  Built by :meth:`plan`. ``body_placements[d]``, ``packet_placements[d]`` and ``cotangent_placements[d]``
+  place shard d's stage states without the two registers that leave the shard, its outgoing
   forward packet and its outgoing cotangent. Those sit in ``packet_region`` and
   ``cotangent_region`` (``{buffer: (start, stop)}``), at the same place on every device, so every
   device cuts its outgoing message the same way. ``buffer_sizes`` gives the elements of each
@@ -248,14 +248,14 @@ class Packing:
   partition: tuple[tuple[int, int], ...]
   num_replicas: int
   policy: str  # "slots" (a buffer per leaf) or "flat" (a buffer per dtype)
-  body_layouts: tuple[_Layout, ...]
-  packet_layouts: tuple[_Layout, ...]
-  cotangent_layouts: tuple[_Layout, ...]
+  body_placements: tuple[_Placement, ...]
+  packet_placements: tuple[_Placement, ...]
+  cotangent_placements: tuple[_Placement, ...]
   packet_region: dict[BufferKey, tuple[int, int]]
   cotangent_region: dict[BufferKey, tuple[int, int]]
   buffer_sizes: dict[BufferKey, int]
   # Delay-line buffers (slots policy) and the width of the window a tick writes into each: the
-  # largest slot any group keeps there. A group with smaller slots rewrites the elements after
+  # largest slot any shard keeps there. A shard with smaller slots rewrites the elements after
   # its slot as they were; the buffer is padded so that a window never runs past its end.
   ring_widths: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
 
@@ -264,36 +264,36 @@ class Packing:
            num_replicas: int, policy: str = "auto") -> Packing:
     """The packing of ``policy``: ``'slots'``, ``'flat'`` or ``'auto'`` (slots unless their
     padding costs over 25% more memory than flat's)."""
-    groups = [abstract_state.stages[a:z] for a, z in partition]
-    parts = [split_group(g) for g in groups]
-    role_parts = [split_group([_roles(st) for st in g]) for g in groups]
+    shards = [abstract_state.stages[a:z] for a, z in partition]
+    parts = [split_shard(g) for g in shards]
+    role_parts = [split_shard([_roles(st) for st in g]) for g in shards]
 
     def plan_of(policy):
       def region(index, base):
         prefix = None if policy == "flat" else ("body", "packet", "cotangent")[index]
-        layouts = [_layout(p[index], r[index], num_replicas, base, prefix)
+        placements = [_placement(p[index], r[index], num_replicas, base, prefix)
                    for p, r in zip(parts, role_parts)]
         end = dict(base)
-        for layout in layouts:
-          for key, size in layout.sizes().items():
+        for placement in placements:
+          for key, size in placement.sizes().items():
             end[key] = max(end.get(key, 0), base.get(key, 0) + size)
-        return tuple(layouts), end
+        return tuple(placements), end
 
       # Flat: the outgoing packet at [0, F) of each buffer, the outgoing cotangent at [F, F + C),
       # the rest after. Slots: buffers of their own. Either way, the same on every device.
-      packet_layouts, packet_end = region(1, {})
-      cotangent_layouts, cotangent_end = region(2, packet_end)
-      body_layouts, body_end = region(0, cotangent_end)
+      packet_placements, packet_end = region(1, {})
+      cotangent_placements, cotangent_end = region(2, packet_end)
+      body_placements, body_end = region(0, cotangent_end)
       windows, before_last_slot = {}, {}
-      for slot in (s for layout in body_layouts for s in layout.slots):
+      for slot in (s for placement in body_placements for s in placement.slots):
         if policy != "flat" and slot.role.ring:
           row = slot.size // slot.shape[0]
           windows[slot.key] = max(windows.get(slot.key, 0), row)
           before_last_slot[slot.key] = max(before_last_slot.get(slot.key, 0), slot.size - row)
       for key, width in windows.items():
         body_end[key] = max(body_end[key], before_last_slot[key] + width)
-      return cls(abstract_state, tuple(partition), num_replicas, policy, body_layouts,
-                 packet_layouts, cotangent_layouts,
+      return cls(abstract_state, tuple(partition), num_replicas, policy, body_placements,
+                 packet_placements, cotangent_placements,
                  {k: (0, v) for k, v in packet_end.items() if v > 0},
                  {k: (packet_end.get(k, 0), v) for k, v in cotangent_end.items()
                   if v > packet_end.get(k, 0)},
@@ -303,7 +303,7 @@ class Packing:
       return plan_of(policy)
     # Buffers of their own let XLA update weights and delay lines in place (one flat buffer per
     # dtype makes it copy the whole buffer every tick), but pair leaves of different sizes across
-    # groups; fall back to flat when that padding would cost over a quarter more memory.
+    # shards; fall back to flat when that padding would cost over a quarter more memory.
     slots, flat = plan_of("slots"), plan_of("flat")
     return flat if slots.allocated_bytes() > 1.25 * flat.allocated_bytes() else slots
 
@@ -332,9 +332,9 @@ class Packing:
     fusion, so that the old momentum and weights had to be copied every tick).
     """
     shapes: dict[BufferKey, set] = {}
-    for layouts in (self.body_layouts, self.packet_layouts, self.cotangent_layouts):
-      for layout in layouts:
-        for slot in layout.slots:
+    for placements in (self.body_placements, self.packet_placements, self.cotangent_placements):
+      for placement in placements:
+        for slot in placement.slots:
           whole = slot.offset == 0 and slot.size == self.buffer_sizes[slot.key]
           shapes.setdefault(slot.key, set()).add(slot.shape if whole else None)
     return {key: next(iter(found)) for key, found in shapes.items()
@@ -360,14 +360,14 @@ class Packing:
 
     Returns a dict:
 
-    * ``forward``: packets (activations, labels, valid flag, sample index) from each group's last
-      stage to the next group, summed over the boundaries and the data replicas;
-    * ``backward``: cotangents from each group's first stage to the previous group;
+    * ``forward``: packets (activations, labels, valid flag, sample index) from each shard's last
+      stage to the next shard, summed over the boundaries and the data replicas;
+    * ``backward``: cotangents from each shard's first stage to the previous shard;
     * ``gradient_all_reduce``: the data axis's gradient averaging, ``2 (data - 1) |g_s|`` summed
       over the stages (what a ring all-reduce sends in total; 0 without a data axis);
     * ``total``: the sum of the three;
     * ``forward_padded`` / ``backward_padded``: what ``ppermute`` actually sends, each message
-      padded to the largest group's register.
+      padded to the largest shard's register.
     """
     state, data = self.abstract_state, self.num_replicas
     forward = backward = 0

@@ -1,4 +1,4 @@
-"""How a sharded pipeline's logical stages are split into contiguous groups, one per device."""
+"""How a sharded pipeline's logical stages are split into contiguous shards, one per device."""
 
 from __future__ import annotations
 
@@ -15,59 +15,59 @@ from pipejax.schedules.costs import contiguous_split
 from pipejax.core.state import PipelineState
 
 
-def partition_stages(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:
-  """Contiguous groups ``(start, stop)`` of stages minimising the largest group's cost.
+def partition_stages(costs: Sequence[float], num_shards: int) -> list[tuple[int, int]]:
+  """Contiguous shards ``(start, stop)`` of stages minimising the largest shard's cost.
 
   Exact (:func:`pipejax.schedules.costs.contiguous_split`); among partitions with the same
-  largest cost it prefers the one whose costliest groups are shortest, so stages that cost nothing
+  largest cost it prefers the one whose costliest shards are shortest, so stages that cost nothing
   are spread rather than piled onto one device.
 
   Args:
     costs: non-negative cost per logical stage (parameter counts, measured seconds, ...).
-    num_groups: number of groups, 1 <= num_groups <= len(costs).
+    num_shards: number of shards, 1 <= num_shards <= len(costs).
 
   Returns:
-    ``num_groups`` pairs covering ``range(len(costs))`` in order, none empty.
+    ``num_shards`` pairs covering ``range(len(costs))`` in order, none empty.
   """
   costs = [float(c) for c in costs]
   num_stages = len(costs)
   if any(not math.isfinite(c) or c < 0 for c in costs):
     raise MeshError(f"Stage costs must be finite and >= 0; got {costs}.")
-  if not 1 <= num_groups <= num_stages:
-    raise MeshError(f"Cannot split {num_stages} stages into {num_groups} non-empty groups: the "
+  if not 1 <= num_shards <= num_stages:
+    raise MeshError(f"Cannot split {num_stages} stages into {num_shards} non-empty shards: the "
                     f"stage axis must have between 1 and {num_stages} devices.")
-  return contiguous_split(costs, num_groups)
+  return contiguous_split(costs, num_shards)
 
 
 def imbalance(costs: Sequence[float], partition: Sequence[tuple[int, int]]) -> float:
-  """Largest group cost over the mean group cost: 1.0 is perfect balance.
+  """Largest shard cost over the mean shard cost: 1.0 is perfect balance.
 
   A pipeline ticks at the pace of its slowest device, so this is the slowdown against an ideal
   split of the same total work.
   """
-  group_costs = [float(sum(costs[a:b])) for a, b in partition]
-  mean = sum(group_costs) / len(group_costs)
-  return max(group_costs) / mean if mean > 0 else 1.0
+  shard_costs = [float(sum(costs[a:b])) for a, b in partition]
+  mean = sum(shard_costs) / len(shard_costs)
+  return max(shard_costs) / mean if mean > 0 else 1.0
 
 
-def check_partition(partition, num_stages: int, num_groups: int) -> list[tuple[int, int]]:
-  """Validates an explicit partition: ``num_groups`` contiguous, non-empty, covering groups."""
+def check_partition(partition, num_stages: int, num_shards: int) -> list[tuple[int, int]]:
+  """Validates an explicit partition: ``num_shards`` contiguous, non-empty, covering shards."""
   try:
     bounds = [(int(a), int(b)) for a, b in partition]
   except (TypeError, ValueError):
     raise MeshError(f"A partition is a list of (start, stop) pairs, one per stage-axis device; got "
                     f"{partition!r}.") from None
-  example = partition_stages([1.0] * num_stages, num_groups) if num_groups <= num_stages else None
+  example = partition_stages([1.0] * num_stages, num_shards) if num_shards <= num_stages else None
   hint = f" For example {example} for an even split." if example else ""
-  if len(bounds) != num_groups:
-    raise MeshError(f"The partition {bounds} has {len(bounds)} groups but the mesh's stage axis "
-                    f"has {num_groups} devices; give exactly one (start, stop) per device.{hint}")
+  if len(bounds) != num_shards:
+    raise MeshError(f"The partition {bounds} has {len(bounds)} shards but the mesh's stage axis "
+                    f"has {num_shards} devices; give exactly one (start, stop) per device.{hint}")
   expected_start = 0
   for a, b in bounds:
     if a != expected_start or b <= a:
       raise MeshError(
-          f"The partition {bounds} is not contiguous: groups must be non-empty (start < stop), "
-          f"start at 0, and each must start where the previous one stopped (expected a group "
+          f"The partition {bounds} is not contiguous: shards must be non-empty (start < stop), "
+          f"start at 0, and each must start where the previous one stopped (expected a shard "
           f"starting at {expected_start}, got ({a}, {b})).{hint}")
     expected_start = b
   if expected_start != num_stages:

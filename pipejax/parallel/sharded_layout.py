@@ -1,8 +1,8 @@
 """Where a sharded pipeline's state lives on a ``('data', 'stage')`` mesh, and how it gets there.
 
-Groups differ in shapes (uneven stages, uneven group sizes), while ``shard_map`` wants one array
-shape on every device. So each group's slice of the :class:`~pipejax.core.state.PipelineState` is
-flattened into 1-D buffers padded to the largest group's and stacked along a leading ``stage``
+Shards differ in shapes (uneven stages, uneven shard sizes), while ``shard_map`` wants one array
+shape on every device. So each shard's slice of the :class:`~pipejax.core.state.PipelineState` is
+flattened into 1-D buffers padded to the largest shard's and stacked along a leading ``stage``
 dimension sharded over the mesh (the plan is :class:`pipejax.parallel.packing.Packing`), in two families:
 
 * ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
@@ -12,11 +12,11 @@ dimension sharded over the mesh (the plan is :class:`pipejax.parallel.packing.Pa
   axis (stashed inputs, forward packets' activations and labels, backward cotangents); replica r
   holds samples ``r*b/data .. (r+1)*b/data - 1`` of every micro-batch.
 
-Within a family, the ``'slots'`` layout (default) gives every state leaf a buffer of its own: the
-i-th largest leaf of each group shares buffer i, so padding stays small and XLA can update each
-leaf in place as it does on one device. The ``'flat'`` layout puts all leaves of one dtype in one
+Within a family, the ``'slots'`` packing (default) gives every state leaf a buffer of its own: the
+i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can update each
+leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one dtype in one
 buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
-registers that leave a group (its last stage's ``forward_out`` packet and its first stage's
+registers that leave a shard (its last stage's ``forward_out`` packet and its first stage's
 ``backward_out`` cotangent) sit at the same place on every device, so every device cuts its
 outgoing message the same way.
 
@@ -53,7 +53,7 @@ class ShardedLayout:
   Args:
     pipeline: the single-device pipeline whose state is laid out.
     mesh: a mesh with ``stage`` and ``data`` axes (:func:`pipejax.parallel.mesh.normalized_mesh`).
-    partition: the ``(start, stop)`` group of logical stages of each stage-axis device.
+    partition: the ``(start, stop)`` shard of logical stages of each stage-axis device.
     policy: ``'slots'``, ``'flat'`` or ``'auto'`` (:meth:`pipejax.parallel.packing.Packing.plan`).
 
   Raises:
@@ -64,7 +64,7 @@ class ShardedLayout:
   def __init__(self, pipeline: Pipeline, mesh: Mesh, partition, policy: str):
     self.mesh = mesh
     self.partition = partition
-    self.num_groups = mesh.shape[STAGE]
+    self.num_shards = mesh.shape[STAGE]
     self.num_replicas = mesh.shape[DATA]
     abstract = pipeline.state_spec
     if self.num_replicas > 1:
@@ -79,7 +79,7 @@ class ShardedLayout:
 
   def global_shape(self, key: BufferKey) -> tuple[int, ...]:
     n = self.packing.buffer_sizes[key]
-    return (self.num_groups, n) if key[0] == SHARED else (self.num_replicas, self.num_groups, n)
+    return (self.num_shards, n) if key[0] == SHARED else (self.num_replicas, self.num_shards, n)
 
   def state_shardings(self) -> PackedState:
     """Where each part of a :class:`~pipejax.parallel.packing.PackedState` lives."""
@@ -116,9 +116,9 @@ class ShardedLayout:
     """Lays a logical state of the pipeline out over the mesh (every process passes the same)."""
     host = {k: np.zeros(self.global_shape(k), np.dtype(k[1])) for k in self.packing.buffer_sizes}
     for d, (a, z) in enumerate(self.partition):
-      parts = packing.split_group(state.stages[a:z])
-      for part, layout in zip(parts, self._group_layouts(d)):
-        for slot, leaf in zip(layout.slots, layout.treedef.flatten_up_to(part)):
+      parts = packing.split_shard(state.stages[a:z])
+      for part, placement in zip(parts, self._shard_placements(d)):
+        for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(part)):
           leaf = np.asarray(leaf)
           if leaf.dtype.name != slot.key[1]:
             raise PipelineError(f"State leaf of dtype {leaf.dtype.name} where the pipeline holds "
@@ -141,11 +141,11 @@ class ShardedLayout:
     """The logical state; in a multi-process run every process must call it (it gathers)."""
     host = tree_to_host(self.buffers(packed))
     stages = []
-    for d in range(self.num_groups):
+    for d in range(self.num_shards):
       parts = []
-      for layout in self._group_layouts(d):
+      for placement in self._shard_placements(d):
         leaves = []
-        for slot in layout.slots:
+        for slot in placement.slots:
           span = slice(slot.offset, slot.offset + slot.size)
           if slot.role.batch_axis is None:
             leaves.append(host[slot.key][d, span].reshape(slot.shape))
@@ -155,8 +155,8 @@ class ShardedLayout:
           if slot.role.cotangent:
             leaf = leaf / np.asarray(self.num_replicas, leaf.dtype)
           leaves.append(leaf)
-        parts.append(layout.treedef.unflatten(leaves))
-      stages.extend(packing.join_group(*parts))
+        parts.append(placement.treedef.unflatten(leaves))
+      stages.extend(packing.join_shard(*parts))
     state = PipelineState(tuple(stages), to_host(packed.tick), to_host(packed.rng))
     return jax.tree.map(jnp.asarray, state)
 
@@ -186,19 +186,19 @@ class ShardedLayout:
   def flags_all_set(self, packed: PackedState) -> bool:
     """Whether every boolean leaf of the packed state is True (only the flag buffers are read)."""
     flags = tree_to_host({k: v for k, v in self.buffers(packed).items() if k[1] == "bool"})
-    for d in range(self.num_groups):
-      for layout in self._group_layouts(d):
-        for slot in layout.slots:
+    for d in range(self.num_shards):
+      for placement in self._shard_placements(d):
+        for slot in placement.slots:
           if slot.key in flags:
             span = flags[slot.key][..., d, slot.offset:slot.offset + slot.size]
             if not span.all():
               return False
     return True
 
-  def _group_layouts(self, d: int) -> tuple:
-    """Group d's body, outgoing packet and outgoing cotangent layouts."""
+  def _shard_placements(self, d: int) -> tuple:
+    """Shard d's body, outgoing packet and outgoing cotangent placements."""
     plan = self.packing
-    return plan.body_layouts[d], plan.packet_layouts[d], plan.cotangent_layouts[d]
+    return plan.body_placements[d], plan.packet_placements[d], plan.cotangent_placements[d]
 
 
 def _check_replicable(pipeline: Pipeline, abstract: PipelineState, num_replicas: int) -> None:

@@ -1,6 +1,6 @@
 """Pipelined Backpropagation over many devices: ``shard_map`` over a ``('data', 'stage')`` mesh.
 
-Each device on the ``stage`` axis owns a contiguous group of logical stages and advances it with
+Each device on the ``stage`` axis owns a contiguous shard of logical stages and advances it with
 the engine's own :meth:`pipejax.core.engine.Pipeline.advance_stages`: there is no second engine, and
 delays, delay lines and optimizer states stay per logical stage. Devices on the optional ``data``
 axis run replicas of the pipeline on different parts of every micro-batch and average each stage's
@@ -9,15 +9,15 @@ weight gradient (``lax.pmean``) before the stage's update, so all replicas keep 
 The state is packed into per-device buffers of one shape on every device, ``shared`` ones
 replicated over ``data`` and ``local`` ones split along the micro-batch
 (:class:`~pipejax.parallel.sharded_layout.ShardedLayout`, which also moves states between the host, the mesh
-and the logical layout). The two registers that leave a group, its last stage's forward packet and
+and the logical layout). The two registers that leave a shard, its last stage's forward packet and
 its first stage's cotangent, sit at the same place in every device's buffers.
 
 **A tick** (inside ``lax.scan`` inside ``shard_map``): (1) each device cuts its outgoing registers
-from the carry, i.e. what its group wrote last tick, and ``lax.ppermute`` moves them one device on
+from the carry, i.e. what its shard wrote last tick, and ``lax.ppermute`` moves them one device on
 (forward packet ``d -> d+1``, cotangent ``d -> d-1``); (2) ``lax.switch`` on
-``lax.axis_index('stage')`` runs branch d, which unpacks group d at static offsets, takes its
+``lax.axis_index('stage')`` runs branch d, which unpacks shard d at static offsets, takes its
 inbound packet (the batch on device 0) and cotangent (None on the last device) from the received
-messages, calls ``advance_stages``, and writes the new group state back (a whole buffer by a
+messages, calls ``advance_stages``, and writes the new shard state back (a whole buffer by a
 reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
 exactly what the single-device tick reads (registers written by the previous tick), so the
 timing, and with it every number, is that of :meth:`~pipejax.core.engine.Pipeline.run`.
@@ -58,15 +58,15 @@ class ShardedPipeline(Runner):
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
       is the global one; each data replica takes ``b / data`` samples of it. A
       :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece of
-      every stacked group ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
+      every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
       state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
       :func:`pipejax.parallel.mesh.make_mesh`).
-    partition: explicit ``(start, stop)`` groups of logical stages, one per stage-axis device.
+    partition: explicit ``(start, stop)`` shards of logical stages, one per stage-axis device.
       Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
     costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
       :func:`pipejax.parallel.partition.measure_stage_costs`).
-    layout: how a group's state is packed: ``'slots'`` (each state leaf in a buffer of its own,
+    packing_policy: how a shard's state is packed: ``'slots'`` (each state leaf in a buffer of its own,
       padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
       buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
       Results are identical; slots are faster because XLA updates them in place.
@@ -77,9 +77,10 @@ class ShardedPipeline(Runner):
   """
 
   def __init__(self, pipeline: Pipeline, mesh: Mesh, partition=None, costs=None,
-               layout: str = "auto"):
-    if layout not in ("auto", "flat", "slots"):
-      raise MeshError(f"layout must be 'auto', 'flat' or 'slots'; got {layout!r}.")
+               packing_policy: str = "auto"):
+    if packing_policy not in ("auto", "flat", "slots"):
+      raise MeshError("packing_policy must be 'auto', 'flat' or 'slots'; got "
+                      f"{packing_policy!r}.")
     runner = pipeline
     # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
     pipeline, self.runs = stacking.pipeline_and_runs(runner)
@@ -88,12 +89,12 @@ class ShardedPipeline(Runner):
     self._stacked = runner if self.runs is not None else None
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
-    self.num_groups = self.mesh.shape[STAGE]
+    self.num_shards = self.mesh.shape[STAGE]
     self.num_replicas = self.mesh.shape[DATA]
     num_stages = pipeline.num_stages
-    if self.num_groups > num_stages:
+    if self.num_shards > num_stages:
       raise MeshError(
-          f"The mesh's stage axis has {self.num_groups} devices but the pipeline has only "
+          f"The mesh's stage axis has {self.num_shards} devices but the pipeline has only "
           f"{num_stages} logical stages; each stage-axis device needs at least one stage. Use "
           f"mesh.stage <= {num_stages} (and put the other devices on the data axis), or split the "
           "model into more stages.")
@@ -104,17 +105,17 @@ class ShardedPipeline(Runner):
           "samples, which does not divide evenly. Choose a micro-batch size that is a multiple "
           f"of {self.num_replicas} or a data axis size that divides {b}.")
     if partition is not None:
-      self.partition = check_partition(partition, num_stages, self.num_groups)
+      self.partition = check_partition(partition, num_stages, self.num_shards)
     else:
       if costs is None:
         costs = param_counts(pipeline)
       if len(costs) != num_stages:
         raise MeshError(f"Got {len(costs)} stage costs for a pipeline of {num_stages} stages.")
-      self.partition = partition_stages(costs, self.num_groups)
-    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, layout)
+      self.partition = partition_stages(costs, self.num_shards)
+    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, packing_policy)
     self.packing = self._mesh_layout.packing
-    self.layout = self.packing.policy  # "auto" resolved
-    self._max_group = max(z - a for a, z in self.partition)
+    self.packing_policy = self.packing.policy  # "auto" resolved
+    self._max_shard = max(z - a for a, z in self.partition)
     metrics = pipeline.metric_shapes()
     self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
     out_shardings = (self._mesh_layout.state_shardings(), self._mesh_layout.replicated)
@@ -132,7 +133,7 @@ class ShardedPipeline(Runner):
   def ticks_per_iteration(self) -> int:
     """Ticks per iteration of the compiled loop of :meth:`run`: 2 on a stage axis of several
     devices, which advances two ticks per iteration (see :func:`_ping_pong`), else 1."""
-    return 1 if self.num_groups == 1 else 2
+    return 1 if self.num_shards == 1 else 2
 
   def stage_to_device(self) -> list[int]:
     """Index on the stage axis of the device that owns each logical stage."""
@@ -234,9 +235,9 @@ class ShardedPipeline(Runner):
         out_specs=(buffer_specs, P(), P(None, STAGE), metric_specs),
         check_vma=False)  # replicas stay equal through pmean; the checker cannot see that
     buffers, tick, finite, last = run_on_device(buffers, packed.tick, packed.rng, batch)
-    # finite: (T, stage * max_group), device d's stages first; pick logical stage s's flag.
+    # finite: (T, stage * max_shard), device d's stages first; pick logical stage s's flag.
     num_ticks = finite.shape[0]
-    finite = finite.reshape(num_ticks, self.num_groups, self._max_group)
+    finite = finite.reshape(num_ticks, self.num_shards, self._max_shard)
     device = np.array(self.stage_to_device())
     position = np.array([s - self.partition[d][0] for s, d in enumerate(device)])
     metrics = {k: v[:, -1] for k, v in last.items()}  # the last stage lives on the last device
@@ -244,12 +245,12 @@ class ShardedPipeline(Runner):
     return self._mesh_layout.packed_state(buffers, tick, packed.rng), metrics
 
   def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
-    """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its group."""
+    """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its shard."""
     carry_shapes = self.packing.carry_shapes()
     buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
     rings = {k: buffers.pop(k) for k in self.packing.ring_widths}
     branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
-                for d in range(self.num_groups)]
+                for d in range(self.num_shards)]
     group_index = jax.lax.axis_index(STAGE)
 
     def one_tick(buffers, rings, tick, tick_batch):
@@ -257,13 +258,13 @@ class ShardedPipeline(Runner):
       the tick's metrics."""
       packet_msg, cotangent_msg = self._exchange(buffers)
       operands = ({**buffers, **rings}, packet_msg, cotangent_msg, tick_batch, tick, rng)
-      if self.num_groups == 1:
+      if self.num_shards == 1:
         buffers, windows, finite, last = branches[0](*operands)
       else:
         buffers, windows, finite, last = jax.lax.switch(group_index, branches, *operands)
       return buffers, packing.write_windows(rings, windows), (finite, last)
 
-    if self.num_groups == 1:
+    if self.num_shards == 1:
       def step(carry, tick_batch):
         buffers, rings, tick = carry
         buffers, rings, outputs = one_tick(buffers, rings, tick, tick_batch)
@@ -281,49 +282,49 @@ class ShardedPipeline(Runner):
     return buffers, tick, finite, {k: v[:, None] for k, v in last.items()}
 
   def _exchange(self, buffers):
-    """Sends the registers the group wrote last tick: packet to d+1, cotangent to d-1."""
-    if self.num_groups == 1:
+    """Sends the registers the shard wrote last tick: packet to d+1, cotangent to d-1."""
+    if self.num_shards == 1:
       return None, None
     cut = lambda regions: {k: jax.lax.slice_in_dim(buffers[k].reshape(-1), a, z)
                            for k, (a, z) in regions.items()}
-    forward = [(d, d + 1) for d in range(self.num_groups - 1)]
-    backward = [(d + 1, d) for d in range(self.num_groups - 1)]
+    forward = [(d, d + 1) for d in range(self.num_shards - 1)]
+    backward = [(d + 1, d) for d in range(self.num_shards - 1)]
     return (jax.lax.ppermute(cut(self.packing.packet_region), STAGE, forward),
             jax.lax.ppermute(cut(self.packing.cotangent_region), STAGE, backward))
 
   def _advance_group(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
                      rng, every_slot_full: bool = False):
-    """lax.switch branch d: unpack group d at static offsets, advance it one tick, pack it back."""
+    """lax.switch branch d: unpack shard d at static offsets, advance it one tick, pack it back."""
     plan = self.packing
-    body_layout = plan.body_layouts[d]
-    packet_layout, cotangent_layout = plan.packet_layouts[d], plan.cotangent_layouts[d]
-    group = packing.join_group(packing.read_tree(buffers, body_layout),
-                               packing.read_tree(buffers, packet_layout),
-                               packing.read_tree(buffers, cotangent_layout))
+    body_placement = plan.body_placements[d]
+    packet_placement, cotangent_placement = plan.packet_placements[d], plan.cotangent_placements[d]
+    shard = packing.join_shard(packing.read_tree(buffers, body_placement),
+                               packing.read_tree(buffers, packet_placement),
+                               packing.read_tree(buffers, cotangent_placement))
     if d == 0:
       inbound = Packet(tick_batch.inputs, tick_batch.labels, tick_batch.valid, tick)
-    else:  # what group d-1's last stage forwarded last tick, cut from its packet region
-      inbound = packing.read_tree(packet_msg, plan.packet_layouts[d - 1])
+    else:  # what shard d-1's last stage forwarded last tick, cut from its packet region
+      inbound = packing.read_tree(packet_msg, plan.packet_placements[d - 1])
     cotangent = None
-    if d < self.num_groups - 1:  # what group d+1's first stage sent back last tick
+    if d < self.num_shards - 1:  # what shard d+1's first stage sent back last tick
       region_starts = {k: a for k, (a, _) in plan.cotangent_region.items()}
-      cotangent = packing.read_tree(cotangent_msg, plan.cotangent_layouts[d + 1], region_starts)
+      cotangent = packing.read_tree(cotangent_msg, plan.cotangent_placements[d + 1], region_starts)
     reduce_grads = (lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None
     start = self.partition[d][0]
     ring_widths = plan.ring_widths
     advance = (self.pipeline.advance_stages if self.runs is None
                else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
-    group, stage_metrics = advance(start, group, inbound, cotangent, tick, rng, reduce_grads,
+    shard, stage_metrics = advance(start, shard, inbound, cotangent, tick, rng, reduce_grads,
                                    every_slot_full, delay_line_entries=bool(ring_widths))
-    body, packet, cotangent_out = packing.split_group(group)
-    windows = packing.ring_windows(buffers, body_layout, body, tick, ring_widths)
-    buffers = packing.write_tree(buffers, body_layout, body, skip=ring_widths)
-    buffers = packing.write_tree(buffers, packet_layout, packet)
-    buffers = packing.write_tree(buffers, cotangent_layout, cotangent_out)
+    body, packet, cotangent_out = packing.split_shard(shard)
+    windows = packing.ring_windows(buffers, body_placement, body, tick, ring_widths)
+    buffers = packing.write_tree(buffers, body_placement, body, skip=ring_widths)
+    buffers = packing.write_tree(buffers, packet_placement, packet)
+    buffers = packing.write_tree(buffers, cotangent_placement, cotangent_out)
     buffers = {k: v for k, v in buffers.items() if k not in ring_widths}
     finite = jnp.stack([m["finite"] for m in stage_metrics])
-    finite = jnp.pad(finite, (0, self._max_group - finite.shape[0]))
-    if d == self.num_groups - 1:
+    finite = jnp.pad(finite, (0, self._max_shard - finite.shape[0]))
+    if d == self.num_shards - 1:
       last = {k: v for k, v in stage_metrics[-1].items() if k != "finite"}
     else:
       last = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._metric_template.items()}

@@ -1,9 +1,9 @@
-"""Runs of identical stages advanced as one stacked group under ``vmap`` (docs/design.md §6.1).
+"""Runs of identical stages advanced as one stack under ``vmap`` (docs/design.md §6.1).
 
-A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, a ResNet group's
-blocks, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
+A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, the blocks of one
+ResNet width, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
 so its kernels and its compile time grow with depth. :class:`StackedPipeline` advances each such
-run as one group: the group's weights, optimizer states, registers and variables are stacked on
+run as one stack: the stack's weights, optimizer states, registers and variables are stacked on
 a leading stage axis, and the engine's own :meth:`~pipejax.core.engine.Pipeline.forward_step` and
 :meth:`~pipejax.core.engine.Pipeline.backward_step` run under ``jax.vmap`` over it, with the stage
 number (the rng fold-in) and the delay ``D_s`` as arrays over the axis. Every method's weight
@@ -11,11 +11,11 @@ views and update rules take the delay as a value (``pipejax.optim`` accepts trac
 hyperparameters), so Spike Compensation's coefficients, the prediction horizons and PipeMare's
 rates become per-stage arrays without any change to the methods.
 
-**Which stages group**: :func:`pipejax.parallel.stacks.find_groups`; a group initializes under
+**Which stages stack**: :func:`pipejax.parallel.stacks.find_stacks`; a stack initializes under
 one ``vmap`` too (:func:`pipejax.parallel.stacks.init_program`).
 
-**Delay lines** (docs/design.md §6.1). Stage ``s`` of a group holds ``L_s = D_s + 1`` slots, and
-``L_s`` differs from stage to stage. The group keeps one buffer per leaf with all its stages'
+**Delay lines** (docs/design.md §6.1). Stage ``s`` of a stack holds ``L_s = D_s + 1`` slots, and
+``L_s`` differs from stage to stage. The stack keeps one buffer per leaf with all its stages'
 rings laid end to end, stage ``i`` at offset ``o_i = L_0 + ... + L_{i-1}``, so it holds exactly
 the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of every stage
 (the oldest input) and scatters the new entries to ``o_i + t mod L_i``: one gather and one
@@ -24,7 +24,7 @@ logical state has them, so :meth:`StackedPipeline.to_logical` is slicing and sta
 
 **On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` keeps
 each stage's state in its per-stage buffers and advances each device's stages with
-:func:`advance_stages`: the device's piece of every group (:func:`pieces`) is stacked for the
+:func:`advance_stages`: the device's piece of every stack (:func:`pieces`) is stacked for the
 tick, run through the same vmapped steps, and cut back into stages, each with its own delay line.
 """
 
@@ -40,16 +40,16 @@ from pipejax.core import accounting, checks, engine
 from pipejax.core.engine import Pipeline
 from pipejax.parallel.mesh import MeshError
 from pipejax.core.runner import ScanRunner
-from pipejax.parallel.stacks import InitProgram, find_groups, init_program
+from pipejax.parallel.stacks import InitProgram, find_stacks, init_program
 from pipejax.core.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
 
 
 class StackedState(NamedTuple):
-  """A :class:`~pipejax.core.state.PipelineState` with each group's stages stacked into one.
+  """A :class:`~pipejax.core.state.PipelineState` with each stack's stages stacked into one.
 
-  ``parts[k]`` is the :class:`~pipejax.core.state.StageState` of a single stage, or of a group with
+  ``parts[k]`` is the :class:`~pipejax.core.state.StageState` of a single stage, or of a stack with
   a leading stage axis on every leaf but the delay line's, whose rings lie end to end.
   """
 
@@ -58,14 +58,14 @@ class StackedState(NamedTuple):
   rng: jax.Array
 
 
-class _Group(NamedTuple):
-  """Static facts of one stacked group."""
+class _Stack(NamedTuple):
+  """Static facts of one stack."""
 
   start: int
   stop: int
   treedefs: tuple  # each stage's StageState structure, delay line left out
   line_treedefs: tuple  # each stage's DelayLine structure
-  offsets: np.ndarray  # where each stage's ring starts in the group's buffers
+  offsets: np.ndarray  # where each stage's ring starts in the stack's buffers
   lengths: np.ndarray  # each stage's ring length D_s + 1
   init: InitProgram | None  # the stages' one initialization program, if they have one
   salts: np.ndarray | None  # (n, k): each stage's salts for it
@@ -113,7 +113,7 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
 
 def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
   """The runs cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
-  ``(start, stop, stacked)``: ``stacked`` when the run is a group, however short its piece."""
+  ``(start, stop, stacked)``: ``stacked`` when the run is a stack, however short its piece."""
   cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in runs]
   return [(a, z, stacked) for a, z, stacked in cut if a < z]
 
@@ -125,7 +125,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
   arguments, state and results) with each piece of a run of identical stages advanced stacked.
 
   This is a mesh device's tick (``pipejax.parallel.sharding``): its stages stay in their per-stage
-  layout, and its piece of each group in ``runs`` (:func:`find_groups`) is stacked for the tick,
+  layout, and its piece of each stack in ``runs`` (:func:`find_stacks`) is stacked for the tick,
   run under ``vmap`` and cut back into stages. A piece of one stage runs stacked too, so that
   its delay is a traced value as in :class:`StackedPipeline`: the numbers are that runner's bit
   for bit. Each stage keeps its own delay line: the stacked step reads every stage's oldest
@@ -164,7 +164,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
 
 
 class StackedPipeline(ScanRunner):
-  """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacked groups.
+  """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacks.
 
   The same numbers as ``pipeline`` (tests/test_stacking.py), in fewer operations per tick and a
   compile time that does not grow with the length of a run. The logical state
@@ -173,28 +173,28 @@ class StackedPipeline(ScanRunner):
 
   Args:
     pipeline: the single-device pipeline.
-    groups: contiguous ``(start, stop)`` runs covering every stage; default
-      :func:`find_groups`. A run of two or more stages must be identical stages.
+    runs: contiguous ``(start, stop)`` runs covering every stage; default
+      :func:`find_stacks`. A run of two or more stages is a stack: its stages must be identical.
   """
 
-  def __init__(self, pipeline: Pipeline, groups=None):
+  def __init__(self, pipeline: Pipeline, runs=None):
     self.pipeline = pipeline
-    self.runs = tuple(find_groups(pipeline) if groups is None else groups)
+    self.runs = tuple(find_stacks(pipeline) if runs is None else runs)
     spec = pipeline.state_spec
-    self._groups = {}
+    self._stacks = {}
     for start, stop in self.runs:
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
       inits = [init_program(pipeline, s, spec) for s in range(start, stop)]
       together = None not in inits and len({p.text for p in inits}) == 1
-      self._groups[start] = _Group(
+      self._stacks[start] = _Stack(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
           tuple(jax.tree.structure(st.delay_line) for st in spec.stages[start:stop]),
           np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths,
           inits[0] if together else None,
           np.stack([p.salts for p in inits]) if together else None)
-    self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
+    self._stack_index = {k for k, (start, _) in enumerate(self.runs) if start in self._stacks}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = jax.jit(self._unstack)
     self._jit_from_logical = jax.jit(self._stack)
@@ -208,15 +208,15 @@ class StackedPipeline(ScanRunner):
   @property
   def stacked(self) -> bool:
     """Whether any run of stages is stacked."""
-    return bool(self._groups)
+    return bool(self._stacks)
 
   # ------------------------------------------------------------------ layout
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> StackedState:
     """The pipeline's initial state (the same numbers), in the stacked layout.
 
-    A group whose stages initialize alike initializes under one ``vmap`` over its stages' keys,
-    so this program, like the tick, does not grow with the length of a group.
+    A stack whose stages initialize alike initializes under one ``vmap`` over its stages' keys,
+    so this program, like the tick, does not grow with the length of a stack.
     """
     return self._jit_init(raw_key(rng), jnp.float32(fill_value))
 
@@ -225,17 +225,17 @@ class StackedPipeline(ScanRunner):
     keys, run_key = pipe.init_keys(rng)
     parts = []
     for start, stop in self.runs:
-      group = self._groups.get(start)
-      if group is None:
+      stack = self._stacks.get(start)
+      if stack is None:
         parts.append(pipe.initial_stage(start, keys[start], fill_value))
-      elif group.init is not None:
-        body = group.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
-                              group.salts)
+      elif stack.init is not None:
+        body = stack.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
+                              stack.salts)
         one = jax.tree.map(lambda a: a[0], body)
         parts.append(body._replace(delay_line=pipe.empty_delay_line(
-            start, one, int(group.lengths.sum()), fill_value)))
+            start, one, int(stack.lengths.sum()), fill_value)))
       else:
-        parts.append(self._stack_group(group, [pipe.initial_stage(s, keys[s], fill_value)
+        parts.append(self._stack_stages(stack, [pipe.initial_stage(s, keys[s], fill_value)
                                                for s in range(start, stop)]))
     return StackedState(tuple(parts), jnp.array(0, jnp.int32), run_key)
 
@@ -251,33 +251,33 @@ class StackedPipeline(ScanRunner):
     parts = []
     for start, stop in self.runs:
       stages = logical.stages[start:stop]
-      group = self._groups.get(start)
-      if group is None:
+      stack = self._stacks.get(start)
+      if stack is None:
         parts.append(stages[0])
         continue
-      parts.append(self._stack_group(group, stages))
+      parts.append(self._stack_stages(stack, stages))
     return StackedState(tuple(parts), logical.tick, logical.rng)
 
   @staticmethod
-  def _stack_group(group: _Group, stages) -> StageState:
-    """A group's stages as one stacked state, their rings laid end to end."""
-    body = _stack([_body(st) for st in stages], group.treedefs[0])
+  def _stack_stages(stack: _Stack, stages) -> StageState:
+    """A stack's stages as one stacked state, their rings laid end to end."""
+    body = _stack([_body(st) for st in stages], stack.treedefs[0])
     line_leaves = [jax.tree.leaves(st.delay_line) for st in stages]
-    line = jax.tree.unflatten(group.line_treedefs[0],
+    line = jax.tree.unflatten(stack.line_treedefs[0],
                               [jnp.concatenate(column) for column in zip(*line_leaves)])
     return body._replace(delay_line=line)
 
   def _unstack(self, state: StackedState) -> PipelineState:
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
-      group = self._groups.get(start)
-      if group is None:
+      stack = self._stacks.get(start)
+      if stack is None:
         stages.append(part)
         continue
       body, line = jax.tree.leaves(_body(part)), jax.tree.leaves(part.delay_line)
-      for i, (offset, length) in enumerate(zip(group.offsets, group.lengths)):
-        st = jax.tree.unflatten(group.treedefs[i], [leaf[i] for leaf in body])
-        stage_line = jax.tree.unflatten(group.line_treedefs[i],
+      for i, (offset, length) in enumerate(zip(stack.offsets, stack.lengths)):
+        st = jax.tree.unflatten(stack.treedefs[i], [leaf[i] for leaf in body])
+        stage_line = jax.tree.unflatten(stack.line_treedefs[i],
                                         [leaf[offset:offset + length] for leaf in line])
         stages.append(st._replace(delay_line=stage_line))
     return PipelineState(tuple(stages), state.tick, state.rng)
@@ -298,14 +298,14 @@ class StackedPipeline(ScanRunner):
 
   # ------------------------------------------------------------------ one tick
 
-  def _advance_group(self, group: _Group, st: StageState, inbound: Packet, cotangent: PyTree,
+  def _advance_stack(self, stack: _Stack, st: StageState, inbound: Packet, cotangent: PyTree,
                      tick, rng, every_slot_full: bool):
-    """One tick of a stacked group: the engine's steps under vmap, the packed rings between."""
-    read = jnp.asarray(group.offsets) + (tick + 1) % jnp.asarray(group.lengths)
-    write = jnp.asarray(group.offsets) + tick % jnp.asarray(group.lengths)
+    """One tick of a stack: the engine's steps under vmap, the packed rings between."""
+    read = jnp.asarray(stack.offsets) + (tick + 1) % jnp.asarray(stack.lengths)
+    write = jnp.asarray(stack.offsets) + tick % jnp.asarray(stack.lengths)
     read_oldest = lambda entry: jax.tree.map(lambda ring: jnp.take(ring, read, axis=0),
                                              st.delay_line)
-    entry, new, metrics = _stacked_steps(self.pipeline, group.start, group.stop, st, inbound,
+    entry, new, metrics = _stacked_steps(self.pipeline, stack.start, stack.stop, st, inbound,
                                          cotangent, rng, read_oldest, None, every_slot_full)
     line = jax.tree.map(
         lambda ring, new: ring.at[write].set(new, indices_are_sorted=True, unique_indices=True),
@@ -314,17 +314,17 @@ class StackedPipeline(ScanRunner):
 
   def _tick(self, state: StackedState, batch: Batch, every_slot_full: bool = False):
     parts = state.parts
-    last_of = lambda k: (parts[k].forward_out if k not in self._group_index
+    last_of = lambda k: (parts[k].forward_out if k not in self._stack_index
                          else jax.tree.map(lambda a: a[-1], parts[k].forward_out))
-    first_of = lambda k: (parts[k].backward_out if k not in self._group_index
+    first_of = lambda k: (parts[k].backward_out if k not in self._stack_index
                           else jax.tree.map(lambda a: a[0], parts[k].backward_out))
     new_parts, stage_metrics = [], []
     for k, ((start, _), st) in enumerate(zip(self.runs, parts)):
       inbound = (Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
                  if k == 0 else last_of(k - 1))
       cotangent = first_of(k + 1) if k + 1 < len(parts) else None
-      if k in self._group_index:
-        new, metrics = self._advance_group(self._groups[start], st, inbound, cotangent,
+      if k in self._stack_index:
+        new, metrics = self._advance_stack(self._stacks[start], st, inbound, cotangent,
                                            state.tick, state.rng, every_slot_full)
       else:
         new, metrics = self.pipeline.advance_stage(start, st, inbound, cotangent, state.tick,
@@ -343,4 +343,4 @@ def pipeline_and_runs(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | N
   if isinstance(runner, Pipeline):
     return runner, None
   raise MeshError(f"ShardedPipeline takes a Pipeline, or a StackedPipeline to stack each "
-                  f"device's share of its groups; got {type(runner).__name__}.")
+                  f"device's share of its stacks; got {type(runner).__name__}.")

@@ -1,15 +1,15 @@
-"""Which consecutive stages are identical, so that they can run as one stacked group.
+"""Which consecutive stages are identical, so that they can run as one stack.
 
 Two stages are identical when their forward, and the method's weight views and update with the
 delay as an input, written over the flattened leaves of the stage's state, trace to the same
 jaxprs (operations, shapes, dtypes, constants); the backward is the forward's VJP. Their parameter
-trees may differ in names only (``block3`` against ``block4``): a group keeps its first stage's
+trees may differ in names only (``block3`` against ``block4``): a stack keeps its first stage's
 tree structure, and the logical state keeps every stage's own. The first and the last stage never
-group (they skip the input gradient, and meet the loss). A method whose update cannot take a
-traced delay (an optimizer factory that branches on it in Python) makes no group: the pipeline
+stack (they skip the input gradient, and meet the loss). A method whose update cannot take a
+traced delay (an optimizer factory that branches on it in Python) makes no stack: the pipeline
 then runs stage by stage.
 
-A group also initializes as one program under ``vmap`` (:func:`init_program`): flax derives each
+A stack also initializes as one program under ``vmap`` (:func:`init_program`): flax derives each
 weight's key by folding a hash of its module's name into the stage's key, so identical blocks
 trace to initializations that differ in those constants only, which are lifted out into an input.
 """
@@ -119,9 +119,9 @@ def _as_text(traced) -> tuple:
   return tuple(str(closed.jaxpr) for closed in traced), consts
 
 
-def find_groups(pipeline: Pipeline) -> list[tuple[int, int]]:
+def find_stacks(pipeline: Pipeline) -> list[tuple[int, int]]:
   """The pipeline's stages as contiguous ``(start, stop)`` runs; a run of two or more stages is
-  a group of identical stages (module docstring), every other run a single stage."""
+  a stack of identical stages (module docstring), every other run a single stage."""
   num, spec = pipeline.num_stages, pipeline.state_spec
   signatures = [None] + [_signature(pipeline, s, spec) for s in range(1, num - 1)] + [None]
   runs, start = [], 0

@@ -20,7 +20,7 @@ import numpy as np
 
 from pipejax.core import accounting
 
-# Instructions that launch nothing: they name, group or reinterpret buffers other work produced.
+# Instructions that launch nothing: they name, bundle or reinterpret buffers other work produced.
 _FREE_OPERATIONS = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast",
                               "opt-barrier", "after-all", "partition-id", "replica-id"})
 

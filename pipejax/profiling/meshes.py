@@ -148,7 +148,7 @@ def two_halves_speedup(b: int, ticks: int, repeats: int, width=512, layers=8) ->
 
 def stacked_mesh_records(num_stages: int, devices: int, ticks: int, repeats: int) -> list[dict]:
   """The depth MLP on a stage mesh, ``ShardedPipeline`` of the ``StackedPipeline`` (each device's
-  piece of the group stacked) against that of the ``Pipeline``: build and compile seconds, the
+  piece of the stack stacked) against that of the ``Pipeline``: build and compile seconds, the
   kernels of one loop iteration (two ticks), samples/s after the fill."""
   from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)

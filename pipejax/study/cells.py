@@ -1,6 +1,6 @@
-"""A study's records grouped into cells: the numbers every table, sentence and figure is made of.
+"""A study's records gathered into cells: the numbers every table, sentence and figure is made of.
 
-A *cell* is every run with the same overrides except ``seed``. :func:`group` collects each cell's
+A *cell* is every run with the same overrides except ``seed``. :func:`gather_cells` collects each cell's
 per-seed values (or, with a baseline, its per-seed gaps to the baseline run of the same seed and
 cell coordinates), and counts the runs that diverged or never reached a ``samples_to`` level;
 :func:`lookup`, :func:`ordered` and :func:`select` find the cells a table or figure shows.
@@ -53,7 +53,7 @@ def is_diverged(record: dict) -> bool:
   return record["status"] == DIVERGED or diverged(record)
 
 
-def group(records: Iterable[dict], metric: str = "test_accuracy",
+def gather_cells(records: Iterable[dict], metric: str = "test_accuracy",
           baseline: Overrides | None = None) -> dict[tuple, Cell]:
   """Groups finished and diverged records by their overrides without the seed.
 
@@ -66,9 +66,9 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
   if baseline is not None:
     references = [r for r in records if not is_diverged(r) and is_number(metric_of(r, metric))
                   and all(r["overrides"].get(k) == v for k, v in baseline.items())]
-  grouped: dict[tuple, Cell] = {}
+  cells: dict[tuple, Cell] = {}
   for r in records:
-    cell = grouped.setdefault(without_seed(r["overrides"]),
+    cell = cells.setdefault(without_seed(r["overrides"]),
                               Cell([], 0, [], paired=baseline is not None))
     cell.seeds.append(r["overrides"].get("seed", 0))
     value = metric_of(r, metric)
@@ -83,7 +83,7 @@ def group(records: Iterable[dict], metric: str = "test_accuracy",
                                baseline) or (r if r in references else None)
       if reference is not None:
         cell.values.append(value - metric_of(reference, metric))
-  return grouped
+  return cells
 
 
 def baseline_run(references: Sequence[dict], overrides: Overrides,
@@ -105,10 +105,10 @@ def baseline_run(references: Sequence[dict], overrides: Overrides,
   return best
 
 
-def lookup(grouped: dict[tuple, Cell], point: Overrides) -> Cell | None:
+def lookup(cells: dict[tuple, Cell], point: Overrides) -> Cell | None:
   """The cell whose overrides include every item of ``point``, if exactly one does."""
   wanted = set(key_of(point))
-  found = [c for key, c in grouped.items() if wanted <= set(key)]
+  found = [c for key, c in cells.items() if wanted <= set(key)]
   return found[0] if len(found) == 1 else None
 
 

@@ -13,7 +13,7 @@ from typing import Sequence
 from pipejax import plotting
 from pipejax.study import statistics
 from pipejax.study.spec import Figure, Study
-from pipejax.study.cells import axis_values, group, is_diverged, lookup, ordered, select
+from pipejax.study.cells import axis_values, gather_cells, is_diverged, lookup, ordered, select
 from pipejax.study.records import is_number
 
 
@@ -25,7 +25,7 @@ def cell_points(study: Study, selected: Sequence[dict], figure: Figure
   gap, to the study's baseline); ``diverged`` holds ``(x, 'k/n')`` per cell where k of its n runs
   diverged. The baseline series of a gap figure is left out: its gap to itself is zero.
   """
-  grouped = group(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
+  cells = gather_cells(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
   xs = ordered(study, figure.x, axis_values(selected, figure.x))
   result = []
   for s in ordered(study, figure.series, axis_values(selected, figure.series)):
@@ -33,7 +33,7 @@ def cell_points(study: Study, selected: Sequence[dict], figure: Figure
       continue  # the baseline's gap to itself is zero by construction
     points, failed = [], []
     for x in xs:
-      cell = lookup(grouped, {figure.x: x, figure.series: s})
+      cell = lookup(cells, {figure.x: x, figure.series: s})
       if cell is None:
         continue
       if cell.values:

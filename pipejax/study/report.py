@@ -25,7 +25,7 @@ from typing import Sequence
 
 from pipejax.study import statistics
 from pipejax.study.spec import Overrides, Study, Table
-from pipejax.study.cells import (Cell, axis_values, group, is_diverged, lookup, ordered, select,
+from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered, select,
                                  without_seed)
 from pipejax.study.figures import draw_figure
 from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
@@ -70,10 +70,10 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
   ``study.min_accuracy``. Either end is None where no such value was run.
   """
   records = select(records, table.where)
-  grouped = group(records, table.metric)
+  cells = gather_cells(records, table.metric)
   trains, fails = [], []
   for value in ordered(study, table.rows, axis_values(records, table.rows)):
-    cell = lookup(grouped, {table.rows: value, table.columns: column_value})
+    cell = lookup(cells, {table.rows: value, table.columns: column_value})
     if cell is None or not cell.runs:
       continue
     ok = bool(cell.values) and not cell.diverged and cell.mean >= study.min_accuracy
@@ -103,7 +103,7 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
     return _cells_table(study, records, table)
   if table.kind == "tuned":
     return _tuned_table(study, records, table)
-  grouped = group(records, table.metric, study.baseline if table.kind == "gap" else None)
+  cells = gather_cells(records, table.metric, study.baseline if table.kind == "gap" else None)
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
   for rec in records:
@@ -121,7 +121,7 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
       elif status_by_point.get(key_of({"r": r, "c": c})) == {SKIPPED}:
         entries.append("not run (failed below)")
       else:
-        entries.append(format_cell(lookup(grouped, {table.rows: r, table.columns: c}),
+        entries.append(format_cell(lookup(cells, {table.rows: r, table.columns: c}),
                                    table.scale, table.kind == "gap", table.decimals))
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
   return "\n".join(lines)
@@ -135,8 +135,8 @@ def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
 
 
 def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  means = group(records, table.metric)
-  gaps = group(records, table.metric, study.baseline)
+  means = gather_cells(records, table.metric)
+  gaps = gather_cells(records, table.metric, study.baseline)
   points = {}
   for r in sorted(records, key=lambda r: r["overrides"].get("seed", 0)):
     if r["status"] in (FINISHED, DIVERGED):
@@ -158,10 +158,10 @@ def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
 
 def best_value(study: Study, records: Sequence[dict], table: Table, column_value):
   """The ``rows`` value at which ``column_value``'s cell has the best mean (no diverged seed)."""
-  grouped = group(records, table.metric)
+  cells = gather_cells(records, table.metric)
   best = None
   for value in ordered(study, table.rows, axis_values(records, table.rows)):
-    cell = lookup(grouped, {table.rows: value, table.columns: column_value})
+    cell = lookup(cells, {table.rows: value, table.columns: column_value})
     if cell is not None and cell.values and not cell.diverged and (
         best is None or cell.mean > best[1]):
       best = (value, cell.mean)
@@ -203,7 +203,7 @@ def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
 def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str]:
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
   records = select(records, table.where)
-  grouped = group(records, table.metric, study.baseline)
+  cells = gather_cells(records, table.metric, study.baseline)
   baseline = table.baseline_label or study.baseline_label()
   unit = "points" if table.scale == 100 else "units"
   sentences = []
@@ -212,7 +212,7 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
       point = {table.rows: r, table.columns: c}
       if all(point.get(k) == v for k, v in study.baseline.items()):
         continue
-      cell = lookup(grouped, point)
+      cell = lookup(cells, point)
       if cell is None or not cell.values:
         continue
       s = cell.stats

@@ -4,7 +4,7 @@ A study file (``configs/studies/*.py``) defines ``get_study(arg)`` returning a :
 training config every run starts from, the grid of overrides (method x depth x seed x ...), what
 the report shows. This module holds that declaration and each run's identity and trainer flags;
 ``pipejax.study.launcher`` runs the grid as trainer processes, ``pipejax.study.records`` keeps one
-record per run in ``results.jsonl``, ``pipejax.study.cells`` groups the records into cells, and
+record per run in ``results.jsonl``, ``pipejax.study.cells`` gathers the records into cells, and
 ``pipejax.study.report`` and ``pipejax.study.figures`` make the tables, statistics and figures
 from the records alone, so a report can be regenerated, merged or published without the runs'
 workdirs.

@@ -117,7 +117,7 @@ def _same_kind(default, value) -> str | None:
   return None
 
 
-# Field groups of _validate_values; optional fields (None: use the converted recipe) are checked
+# The fields _validate_values checks, by kind; optional fields (None: use the converted recipe) are checked
 # only when set.
 _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_every_samples",
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",

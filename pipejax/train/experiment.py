@@ -3,7 +3,7 @@
 :func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it loads
 the data splits, builds the model and the method at the micro-batch actually trained (the scaling
 rules of docs/design.md §4 turn the config's reference recipe into it), and picks the runner: the
-single-device :class:`~pipejax.core.engine.Pipeline`, its stacked groups
+single-device :class:`~pipejax.core.engine.Pipeline`, its stacks
 (:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh (:class:`~pipejax.parallel.sharding.ShardedPipeline`).
 Shapes stay abstract: nothing is initialised or compiled here.
 """
@@ -36,12 +36,12 @@ def resolve_recipe(config) -> optim.Recipe:
   ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
   values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
   """
-  group = config.micro_batch_size * (config.micro_batches if config.method == "sync" else 1)
+  step_samples = config.micro_batch_size * (config.micro_batches if config.method == "sync" else 1)
   ref = config.reference
   recipe = optim.scale_recipe(
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
                    weight_decay=ref.weight_decay, b2=ref.get("b2", 0.999),
-                   form="ema" if config.optimizer == "adam" else "heavy_ball"), group)
+                   form="ema" if config.optimizer == "adam" else "heavy_ball"), step_samples)
   return dataclasses.replace(
       recipe, learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
       momentum=_override(config.micro_batch.momentum, recipe.momentum),
@@ -52,7 +52,7 @@ def _override(value, converted):
   return converted if value is None else value
 
 
-def schedule_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int, int]:
+def optimizer_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int, int]:
   """``(steps, warmup_steps)``: each stage's optimizer steps over the run, and of warm-up.
 
   Schedules are kept in samples and converted to steps by one rule, at the recipe's batch.
@@ -66,7 +66,7 @@ def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
   if config.schedule == "constant":
     return optax.constant_schedule(recipe.learning_rate)
   if config.schedule == "cosine":
-    steps, warmup_steps = schedule_steps(config, recipe, train_size)
+    steps, warmup_steps = optimizer_steps(config, recipe, train_size)
     warmup = max(warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
     return optax.warmup_cosine_decay_schedule(0.0, recipe.learning_rate, warmup,
                                               max(steps, warmup + 1))
@@ -91,7 +91,7 @@ class Setup:
 
   @property
   def runner(self) -> Runner:
-    """The runner training calls: over the mesh, in stacked groups, or stage by stage."""
+    """The runner training calls: over the mesh, in stacks, or stage by stage."""
     return self.sharded or self.stacked or self.pipeline
 
   def init(self, rng):
@@ -140,17 +140,17 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   model = models_lib.build(config.model, num_classes=train_source.num_classes,
                            **model_kwargs(config))
   recipe = resolve_recipe(config)
-  schedule = learning_rate_schedule(config, recipe, len(train_source))
+  learning_rate = learning_rate_schedule(config, recipe, len(train_source))
   if config.pipemare_anneal_fraction > 0:
     anneal_steps = max(1, round(config.pipemare_anneal_fraction *
-                                 schedule_steps(config, recipe, len(train_source))[0]))
+                                 optimizer_steps(config, recipe, len(train_source))[0]))
   elif config.pipemare_anneal_epochs == 0:
     anneal_steps = 0  # no rescheduling: every stage at the base rate from the start
   else:
     anneal_steps = max(1, optim.steps_for_samples(
         int(config.pipemare_anneal_epochs * len(train_source)), b))
   method = methods_lib.make_method(
-      config.method, learning_rate=schedule, momentum=recipe.momentum,
+      config.method, learning_rate=learning_rate, momentum=recipe.momentum,
       weight_decay=recipe.weight_decay, micro_batches=config.micro_batches,
       anneal_steps=anneal_steps, optimizer=config.optimizer, b2=recipe.b2,
       num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
@@ -161,7 +161,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
       layer_delays.update({name: delay for name in stage_params})
     method = methods_lib.sgd_with_pipemare_rates(
-        layer_delays, learning_rate=schedule, momentum=recipe.momentum,
+        layer_delays, learning_rate=learning_rate, momentum=recipe.momentum,
         weight_decay=recipe.weight_decay, anneal_steps=anneal_steps)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
@@ -189,7 +189,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     balance = config.mesh.get("balance", "params")
     costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
              else partition_lib.param_counts(pipe))
-    # With stacked groups each device stacks its piece of them (pipejax.parallel.stacking.advance_stages).
+    # With stacks each device stacks its piece of them (pipejax.parallel.stacking.advance_stages).
     sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
                                        partition=config.mesh.get("partition") or None, costs=costs)
     logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
@@ -205,9 +205,9 @@ def build(config: ml_collections.ConfigDict) -> Setup:
 def run_ticks(config, train_size: int) -> int:
   """Ticks the run trains: ``config.epochs`` of the training split, whatever the chunk length.
 
-  Whole micro-batches (whole groups of ``config.micro_batches`` in the synchronous mode), at
+  Whole micro-batches (whole steps of ``config.micro_batches`` in the synchronous mode), at
   least one.
   """
-  group = config.micro_batches if config.method == "sync" else 1
+  per_step = config.micro_batches if config.method == "sync" else 1
   ticks = int(config.epochs * train_size) // config.micro_batch_size
-  return max(group, ticks - ticks % group)
+  return max(per_step, ticks - ticks % per_step)

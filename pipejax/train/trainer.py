@@ -115,7 +115,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
                "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
                "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method, b,
                recipe.learning_rate, recipe.momentum, recipe.weight_decay,
-               *experiment.schedule_steps(config, recipe, len(train_source)),
+               *experiment.optimizer_steps(config, recipe, len(train_source)),
                pipe.delays, total_samples)
 
   start_time = time.perf_counter()
@@ -130,8 +130,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
 
   evaluate = evaluation.make_evaluator(model, config.eval_batch_size)
   # The base rate, logged beside the loss.
-  schedule = experiment.learning_rate_schedule(config, recipe, len(train_source))
-  group_size = recipe.batch_size  # samples per optimizer step
+  learning_rate = experiment.learning_rate_schedule(config, recipe, len(train_source))
+  samples_per_step = recipe.batch_size
 
   def evaluate_now():
     stages = runner.to_logical(state).stages
@@ -156,11 +156,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   with interruption.StopRequest() as stop:
     while samples < total_samples:
       # The last chunk is shorter when the run is not a whole number of chunks: the run's length
-      # and its schedule follow from the config alone.
+      # and its learning-rate schedule follow from the config alone.
       ticks = min(config.ticks_per_chunk, (total_samples - samples) // b)
       if feed is None:
         x, y = stream.next_chunk(ticks)
-        x, y, valid = runner.schedule(x, y)
+        x, y, valid = runner.to_ticks(x, y)
       else:
         x, y, valid = feed.next_chunk(stream, ticks)
       first_tick = int(state.tick)
@@ -180,7 +180,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       if seen.any():
         writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
                      accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
-                     learning_rate=float(schedule(samples // group_size)),
+                     learning_rate=float(learning_rate(samples // samples_per_step)),
                      samples_per_second=rate)
       if "weight_discrepancy" in chunk_metrics:
         writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
