@@ -83,7 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1, "partition": (),
                                            "balance": "params"})
   # Runs of identical stages (a residual MLP's blocks) tick as one stack under vmap: fewer
-  # kernels and a compile time that does not grow with depth; the same numbers (pipejax.parallel.stacking).
+  # kernels and a compile time that does not grow with depth; the same numbers
+  # (pipejax.parallel.stacking).
   config.stack_stages = True
   return config
 

@@ -1,8 +1,8 @@
 """One process of the two-process test of tests/test_sharding.py (run as ``python -m``).
 
-Connects through ``pipejax.parallel.distributed`` on localhost (two processes of two CPU devices each), runs
-the same few ticks as the test's single-process reference on a mesh whose every exchange crosses
-the processes, and writes the unpacked state and the metrics to ``--out`` (an ``.npz``). The
+Connects through ``pipejax.parallel.distributed`` on localhost (two processes of two CPU devices
+each), runs the same few ticks as the test's single-process reference on a mesh whose every exchange
+crosses the processes, and writes the unpacked state and the metrics to ``--out`` (an ``.npz``). The
 problem itself (:func:`make_problem`) is imported by the test, so both sides build exactly the
 same pipeline and stream.
 """

@@ -1,4 +1,4 @@
-"""The package's layers (docs/design.md §11.3): no import goes up a layer, none goes round a circle.
+"""The package's layers (docs/design.md §11.3): no import goes up a layer or round a circle.
 
 Every import of every module of ``pipejax/`` is read with ``ast``: those at the top, inside
 functions and under ``TYPE_CHECKING`` alike, since each of them ties the two modules together.

@@ -1,7 +1,7 @@
 """The pipeline's boundary: every error a user can cause is refused here, before anything runs.
 
-:class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch, loss)
-and on every call (state, stream, labels); the runners over a mesh or in stacks reuse
+:class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch,
+loss) and on every call (state, stream, labels); the runners over a mesh or in stacks reuse
 them. Each check reads shapes and dtypes, or host arrays, never device results, so it costs
 nothing per tick.
 """

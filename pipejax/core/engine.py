@@ -31,9 +31,10 @@ empty slot updates no variable, like no weight. Stateless stages carry ``None``.
 
 A stage's tick is three steps: :meth:`Pipeline.forward_step` (forward and the delay-line entry),
 the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, VJP, update).
-The stage's index and delay enter both as values, so ``pipejax.parallel.stacking`` runs the same two steps
-under ``vmap`` for a run of identical stages. The state the tick advances is ``pipejax.core.state``'s;
-the scan over ticks is ``pipejax.core.runner.ScanRunner``'s; the boundary checks are ``pipejax.core.checks``'.
+The stage's index and delay enter both as values, so ``pipejax.parallel.stacking`` runs the same two
+steps under ``vmap`` for a run of identical stages. The state the tick advances is
+``pipejax.core.state``'s; the scan over ticks is ``pipejax.core.runner.ScanRunner``'s; the boundary
+checks are ``pipejax.core.checks``'.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from pipejax.core import accounting, checks
 from pipejax.methods import Method
 from pipejax.core.runner import ScanRunner
 from pipejax.core.stages import Model, Variables, softmax_cross_entropy
-from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState, raw_key,
-                           slots_full)
+from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState,
+                                raw_key, slots_full)
 
 PyTree = Any
 
@@ -426,7 +427,7 @@ class Pipeline(ScanRunner):
   def from_logical(self, logical_state: PipelineState) -> PipelineState:
     return logical_state
 
-  # ------------------------------------------------------------------ boundary (pipejax.core.checks)
+  # ------------------------------------------------------------- boundary (pipejax.core.checks)
 
   def checked_batch(self, inputs, labels, valid, ticks):
     """Validates a micro-batch (``ticks=None``) or a stream of them; returns a :class:`Batch`."""
@@ -454,7 +455,8 @@ class Pipeline(ScanRunner):
     return int(self._last_stage_output().shape[-1])
 
   def check_labels(self, labels, valid) -> None:
-    """Refuses class labels outside ``[0, classes)`` (:func:`pipejax.core.checks.check_class_labels`)."""
+    """Refuses class labels outside ``[0, classes)``
+    (:func:`pipejax.core.checks.check_class_labels`)."""
     checks.check_class_labels(labels, valid, self.num_classes)
 
 

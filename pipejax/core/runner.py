@@ -2,8 +2,8 @@
 
 Three runners implement it: :class:`pipejax.core.engine.Pipeline` (one device, stage by stage),
 :class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacks) and
-:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a layout
-of its own; :meth:`Runner.to_logical` gives the device-independent
+:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a
+layout of its own; :meth:`Runner.to_logical` gives the device-independent
 :class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
 
 :class:`ScanRunner` is what the two whose tick is one traced function share (``Pipeline`` and
@@ -47,8 +47,8 @@ class TickedPipeline(Protocol):
 
 
 class Runner(Protocol):
-  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline` with
-  the model, the method and the micro-batch shape; the runner advances its state.
+  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline`
+  with the model, the method and the micro-batch shape; the runner advances its state.
 
   Metrics (of :meth:`tick`, and of :meth:`run` stacked along the time axis): ``loss`` and the
   loss's own metrics (e.g. ``accuracy``) of the sample that met the loss this tick, ``valid``
@@ -102,8 +102,9 @@ class Runner(Protocol):
   def to_ticks(self, inputs, labels) -> tuple[PyTree, PyTree, np.ndarray]:
     """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
 
-    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds each step's M micro-batches
-    followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid) per tick.
+    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds each step's M
+    micro-batches followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid)
+    per tick.
     """
     count = checks.stream_length(inputs, labels)
     m = self.pipeline.method.micro_batches_per_step

@@ -120,9 +120,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   except RuntimeError as e:
     if "before" in str(e) or "already" in str(e):
       raise RuntimeError(
-          f"pipejax.parallel.distributed.initialize must run before any other JAX call in the process "
-          f"(JAX said: {e}). Call it at the very start of main(), before building models or "
-          "data.") from e
+          "pipejax.parallel.distributed.initialize must run before any other JAX call in the "
+          f"process (JAX said: {e}). Call it at the very start of main(), before building models "
+          "or data.") from e
     if "Failed to start RPC server" in str(e):
       raise StartupError(_port_in_use_message(coordinator_address)) from None
     raise

@@ -1,8 +1,8 @@
 """The device mesh of a sharded pipeline: a ``('data', 'stage')`` grid of devices.
 
 ``stage`` devices each own a contiguous shard of logical stages; ``data`` devices run replicas of
-the pipeline on parts of every micro-batch (``pipejax.parallel.sharding``). Arrays move between a host's
-full copy and the mesh with :func:`to_global` and :func:`to_host`.
+the pipeline on parts of every micro-batch (``pipejax.parallel.sharding``). Arrays move between a
+host's full copy and the mesh with :func:`to_global` and :func:`to_host`.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class _Placement:
     return out
 
 
-def _placement(spec_tree, role_tree, data: int, base: dict, slot_prefix: str | None = None) -> _Placement:
+def _placement(spec_tree, role_tree, data: int, base: dict,
+               slot_prefix: str | None = None) -> _Placement:
   """Assigns each leaf of ``spec_tree`` a buffer and an offset in it.
 
   With ``slot_prefix`` None ("flat"), leaves follow one another in one buffer per (family, dtype),
@@ -173,10 +174,11 @@ def ring_windows(buffers, placement: _Placement, tree, tick, widths: dict[Buffer
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
   (``Pipeline.advance_stages(..., delay_line_entries=True)``), which goes to slot ``tick mod
-  slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of ``widths[key]``
-  elements: the entry, then the buffer's own elements up to the window's width (a shard whose
-  slots are narrower than another's keeps its next slot as it was). A buffer carried in its leaf's
-  own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's index.
+  slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of
+  ``widths[key]`` elements: the entry, then the buffer's own elements up to the window's width (a
+  shard whose slots are narrower than another's keeps its next slot as it was). A buffer carried in
+  its leaf's own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's
+  index.
   A buffer that holds none of this shard's delay lines gets its first window back unchanged.
   """
   windows = {}
@@ -236,9 +238,9 @@ class PackedState(NamedTuple):
 class Packing:
   """Where every state leaf of every shard lives in the packed buffers, and what they cost.
 
-  Built by :meth:`plan`. ``body_placements[d]``, ``packet_placements[d]`` and ``cotangent_placements[d]``
-  place shard d's stage states without the two registers that leave the shard, its outgoing
-  forward packet and its outgoing cotangent. Those sit in ``packet_region`` and
+  Built by :meth:`plan`. ``body_placements[d]``, ``packet_placements[d]`` and
+  ``cotangent_placements[d]`` place shard d's stage states without the two registers that leave the
+  shard, its outgoing forward packet and its outgoing cotangent. Those sit in ``packet_region`` and
   ``cotangent_region`` (``{buffer: (start, stop)}``), at the same place on every device, so every
   device cuts its outgoing message the same way. ``buffer_sizes`` gives the elements of each
   buffer on one device.

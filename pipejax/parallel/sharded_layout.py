@@ -3,7 +3,8 @@
 Shards differ in shapes (uneven stages, uneven shard sizes), while ``shard_map`` wants one array
 shape on every device. So each shard's slice of the :class:`~pipejax.core.state.PipelineState` is
 flattened into 1-D buffers padded to the largest shard's and stacked along a leading ``stage``
-dimension sharded over the mesh (the plan is :class:`pipejax.parallel.packing.Packing`), in two families:
+dimension sharded over the mesh (the plan is :class:`pipejax.parallel.packing.Packing`), in two
+families:
 
 * ``shared`` buffers, global shape ``(stage, n)``, replicated over ``data``: weights, optimizer
   states, PipeDream's stashed weights, stateful stages' variables (live and stashed), and the valid
@@ -98,7 +99,8 @@ class ShardedLayout:
 
   @staticmethod
   def packed_state(buffers: dict[BufferKey, Any], tick, rng) -> PackedState:
-    """The :class:`~pipejax.parallel.packing.PackedState` of buffers by key: :meth:`buffers` undone."""
+    """The :class:`~pipejax.parallel.packing.PackedState` of buffers by key: :meth:`buffers`
+    undone."""
     return PackedState({packing.buffer_name(k): v for k, v in buffers.items() if k[0] == SHARED},
                        {packing.buffer_name(k): v for k, v in buffers.items() if k[0] == LOCAL},
                        tick, rng)

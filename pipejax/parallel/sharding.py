@@ -8,9 +8,9 @@ weight gradient (``lax.pmean``) before the stage's update, so all replicas keep 
 
 The state is packed into per-device buffers of one shape on every device, ``shared`` ones
 replicated over ``data`` and ``local`` ones split along the micro-batch
-(:class:`~pipejax.parallel.sharded_layout.ShardedLayout`, which also moves states between the host, the mesh
-and the logical layout). The two registers that leave a shard, its last stage's forward packet and
-its first stage's cotangent, sit at the same place in every device's buffers.
+(:class:`~pipejax.parallel.sharded_layout.ShardedLayout`, which also moves states between the host,
+the mesh and the logical layout). The two registers that leave a shard, its last stage's forward
+packet and its first stage's cotangent, sit at the same place in every device's buffers.
 
 **A tick** (inside ``lax.scan`` inside ``shard_map``): (1) each device cuts its outgoing registers
 from the carry, i.e. what its shard wrote last tick, and ``lax.ppermute`` moves them one device on
@@ -57,8 +57,8 @@ class ShardedPipeline(Runner):
   Args:
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
       is the global one; each data replica takes ``b / data`` samples of it. A
-      :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece of
-      every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
+      :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece
+      of every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
       state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
       :func:`pipejax.parallel.mesh.make_mesh`).
@@ -66,8 +66,8 @@ class ShardedPipeline(Runner):
       Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
     costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
       :func:`pipejax.parallel.partition.measure_stage_costs`).
-    packing_policy: how a shard's state is packed: ``'slots'`` (each state leaf in a buffer of its own,
-      padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
+    packing_policy: how a shard's state is packed: ``'slots'`` (each state leaf in a buffer of its
+      own, padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
       buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
       Results are identical; slots are faster because XLA updates them in place.
 

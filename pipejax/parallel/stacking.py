@@ -1,9 +1,9 @@
 """Runs of identical stages advanced as one stack under ``vmap`` (docs/design.md §6.1).
 
 A deep pipeline is mostly runs of identical stages (the residual MLP's blocks, the blocks of one
-ResNet width, transformer blocks). Traced stage by stage, the tick holds each operation once per stage,
-so its kernels and its compile time grow with depth. :class:`StackedPipeline` advances each such
-run as one stack: the stack's weights, optimizer states, registers and variables are stacked on
+ResNet width, transformer blocks). Traced stage by stage, the tick holds each operation once per
+stage, so its kernels and its compile time grow with depth. :class:`StackedPipeline` advances each
+such run as one stack: the stack's weights, optimizer states, registers and variables are stacked on
 a leading stage axis, and the engine's own :meth:`~pipejax.core.engine.Pipeline.forward_step` and
 :meth:`~pipejax.core.engine.Pipeline.backward_step` run under ``jax.vmap`` over it, with the stage
 number (the rng fold-in) and the delay ``D_s`` as arrays over the axis. Every method's weight

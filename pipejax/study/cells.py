@@ -1,8 +1,8 @@
 """A study's records gathered into cells: the numbers every table, sentence and figure is made of.
 
-A *cell* is every run with the same overrides except ``seed``. :func:`gather_cells` collects each cell's
-per-seed values (or, with a baseline, its per-seed gaps to the baseline run of the same seed and
-cell coordinates), and counts the runs that diverged or never reached a ``samples_to`` level;
+A *cell* is every run with the same overrides except ``seed``. :func:`gather_cells` collects each
+cell's per-seed values (or, with a baseline, its per-seed gaps to the baseline run of the same seed
+and cell coordinates), and counts the runs that diverged or never reached a ``samples_to`` level;
 :func:`lookup`, :func:`ordered` and :func:`select` find the cells a table or figure shows.
 """
 

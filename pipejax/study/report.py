@@ -25,8 +25,8 @@ from typing import Sequence
 
 from pipejax.study import statistics
 from pipejax.study.spec import Overrides, Study, Table
-from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered, select,
-                                 without_seed)
+from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered,
+                                 select, without_seed)
 from pipejax.study.figures import draw_figure
 from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
                                    metric_of, read_results)

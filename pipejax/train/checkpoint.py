@@ -13,9 +13,10 @@ A temporary directory left by a write that never finished (a kill, a full disk) 
 checkpoint: it is removed, with a warning, when the directory is opened.
 
 In a run of several processes every process calls every method (they are collectives). Given
-``placement`` (:func:`pipejax.parallel.distributed.checkpoint_shardings`), each process writes the parts
-of the state that live on its devices; the meta, with its digests, is written once, by process 0.
-The digests are of whole arrays, so a checkpoint written by N processes verifies and restores on M.
+``placement`` (:func:`pipejax.parallel.distributed.checkpoint_shardings`), each process writes the
+parts of the state that live on its devices; the meta, with its digests, is written once, by
+process 0. The digests are of whole arrays, so a checkpoint written by N processes verifies and
+restores on M.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ def _same_kind(default, value) -> str | None:
   return None
 
 
-# The fields _validate_values checks, by kind; optional fields (None: use the converted recipe) are checked
-# only when set.
+# The fields _validate_values checks, by kind; optional fields (None: use the converted recipe) are
+# checked only when set.
 _POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_every_samples",
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
                   "reference.batch_size", "mesh.stage", "mesh.data")

@@ -1,11 +1,12 @@
 """What a config builds: the data, the model, the resolved recipe and the runner.
 
-:func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it loads
-the data splits, builds the model and the method at the micro-batch actually trained (the scaling
-rules of docs/design.md §4 turn the config's reference recipe into it), and picks the runner: the
-single-device :class:`~pipejax.core.engine.Pipeline`, its stacks
-(:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh (:class:`~pipejax.parallel.sharding.ShardedPipeline`).
-Shapes stay abstract: nothing is initialised or compiled here.
+:func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it
+loads the data splits, builds the model and the method at the micro-batch actually trained (the
+scaling rules of docs/design.md §4 turn the config's reference recipe into it), and picks the
+runner: the single-device :class:`~pipejax.core.engine.Pipeline`, its stacks
+(:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh
+(:class:`~pipejax.parallel.sharding.ShardedPipeline`). Shapes stay abstract: nothing is initialised
+or compiled here.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Setup:
   recipe: optim.Recipe  # the reference recipe at the batch each update sees
   pipeline: Pipeline
   sharded: Any = None  # a pipejax.parallel.sharding.ShardedPipeline when config.mesh spans devices
-  stacked: Any = None  # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
+  # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
+  stacked: Any = None
   # The pipeline whose initial weights this run starts from, merged into its own stages, when
   # the two split the network differently: the one-stage SGD baseline starts where the pipelined
   # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
