@@ -1,4 +1,4 @@
-"""One process of the two-process test of tests/test_sharding.py (run as ``python -m``).
+"""One process of the two-process test of tests/parallel/test_sharding.py (run as ``python -m``).
 
 Connects through ``pipejax.parallel.distributed`` on localhost (two processes of two CPU devices
 each), runs the same few ticks as the test's single-process reference on a mesh whose every exchange

@@ -413,7 +413,7 @@ def test_optax_guide_examples_run(index):
 
 def _modules_with_examples(skip_packages=("pipejax.optim", "pipejax.schedules")):
   """Every pipejax module whose docstrings hold doctest examples (the skipped packages run
-  theirs in tests/test_transforms.py and tests/test_schedules.py)."""
+  theirs in tests/optim/test_transforms.py and tests/schedules/test_schedules.py)."""
   names = []
   for path in sorted(glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True)):
     with open(path) as f:

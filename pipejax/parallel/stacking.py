@@ -166,7 +166,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
 class StackedPipeline(ScanRunner):
   """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacks.
 
-  The same numbers as ``pipeline`` (tests/test_stacking.py), in fewer operations per tick and a
+  The same numbers as ``pipeline`` (tests/parallel/test_stacking.py), in fewer operations per tick and a
   compile time that does not grow with the length of a run. The logical state
   (:meth:`to_logical`, what checkpoints hold) is the pipeline's own, so either layout resumes
   the other's checkpoints.

@@ -66,7 +66,7 @@ def model_kwargs(config) -> dict:
   kwargs = dict(config.model_kwargs)
   if config.method == "sgd":
     # The reference without a pipeline: the whole network as one stage, where the engine is
-    # exactly plain optax training (tests/test_engine.py proves the identity). It starts from the
+    # exactly plain optax training (tests/core/test_engine.py proves the identity). It starts from the
     # weights of the split the config names (pipejax.train.experiment.Setup.initial_weights_from).
     kwargs["layers_per_stage"] = None
   return kwargs

@@ -1,6 +1,6 @@
 """Online Normalization against a numpy re-derivation of the paper's equations, its statistics over
 a stream, and a normalization='online' run resuming bit-exactly after SIGTERM. (The engine against
-the naive oracle with stateful stages: tests/test_engine.py; on a mesh: tests/test_sharding.py.)"""
+the naive oracle with stateful stages: tests/core/test_engine.py; on a mesh: tests/parallel/test_sharding.py.)"""
 
 import json
 

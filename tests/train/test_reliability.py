@@ -431,7 +431,7 @@ def test_sigterm_stops_with_a_checkpoint_and_its_own_exit_code(tmp_path, monkeyp
   summary = training.train_and_evaluate(digits_config(), workdir)
   assert summary["stopped_by"] == "SIGTERM" and summary["samples"] == 80
   assert checkpoint.Checkpointer(checkpoint_dir(workdir)).latest_step() == 80
-  # The binary's exit code 75 for such a stop: tests/test_training.py's
+  # The binary's exit code 75 for such a stop: tests/train/test_training.py's
   # test_training_resumes_exactly_after_sigterm signals scripts/train.py itself.
 
 

@@ -17,7 +17,7 @@ from pipejax.data import text
 from pipejax.core.engine import Pipeline
 from pipejax.optim import adam_family
 from tests import oracle
-from tests.helpers import assert_trees_close, load_config, stage_params
+from tests.helpers import ROOT, assert_trees_close, load_config, stage_params
 
 CORPUS = os.path.isdir(text.DEFAULT_DIR)
 needs_corpus = pytest.mark.skipif(not CORPUS, reason="the fortunes corpus is not installed "
@@ -163,7 +163,7 @@ def test_evaluator_averages_per_token_loss_and_accuracy(tmp_path):
 
 
 def test_study_and_config_files_load():
-  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs/studies/lm_depth.py")
+  path = os.path.join(ROOT, "configs/studies/lm_depth.py")
   for spec in (path, path + ":smoke"):
     study = study_lib.load_study(spec)
     assert study.baseline == {"method": "sgd"}

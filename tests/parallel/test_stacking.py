@@ -189,7 +189,7 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
 
 def test_a_mesh_stacks_each_devices_piece_of_a_group():
   """On a one-device mesh the piece is the whole stack: the stacked runner's numbers, bit for
-  bit (tests/test_sharding.py splits stacks over 2 and 4 devices)."""
+  bit (tests/parallel/test_sharding.py splits stacks over 2 and 4 devices)."""
   from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
   from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
