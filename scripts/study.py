@@ -27,7 +27,7 @@ from absl import app, flags, logging
 
 from pipejax import cli
 from pipejax.study import spec as study_lib
-from pipejax.study import launcher as study_runner
+from pipejax.study import launcher
 
 _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/depth.py[:smoke].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md, the figures and "
@@ -63,8 +63,8 @@ def main(argv):
             f"({', '.join(study.keys())}); got {item!r}.", file=sys.stderr)
       sys.exit(2)
     where[key] = value
-  sys.exit(study_runner.main(study, workdir, parallel=parallel, command=command, where=where,
-                             report_only=_REPORT_ONLY.value))
+  sys.exit(launcher.main(study, workdir, parallel=parallel, command=command, where=where,
+                         report_only=_REPORT_ONLY.value))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from ml_collections import config_flags
 from pipejax import config as configlib
 from pipejax.train import config_checks
 from pipejax.train import interruption
-from pipejax.train import trainer as training
+from pipejax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -94,11 +94,11 @@ def main(argv):
     config_checks.validate(config)  # before the processes wait for each other, or make the workdir
     if several:
       _start_processes(config, workdir)
-    summary = training.train_and_evaluate(config, workdir)
+    summary = trainer.train_and_evaluate(config, workdir)
   except interruption.StoppedDuringSetup as e:
     print(e)
     _exit(EXIT_STOPPED)
-  except training.USER_ERRORS as e:
+  except trainer.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
     _exit(EXIT_ERROR)
   except jax.errors.JaxRuntimeError as e:

@@ -314,7 +314,7 @@ def activated_env():
 
 @pytest.mark.slow
 def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
-  from pipejax.train import trainer as training  # pylint: disable=import-outside-toplevel
+  from pipejax.train import trainer  # pylint: disable=import-outside-toplevel
   commands = readme_training_commands()
   # One through a real shell as a user types it. The others in this process, through the binary's
   # own flag parsing and its train_and_evaluate, and shorter still than the smoke runs (one chunk):
@@ -332,7 +332,7 @@ def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
     script, args = as_script_call(tokens)
     values = parse_flags(script, smoke_variant(args, tmp_path) + [
         "--config.max_train_examples=250", "--config.max_test_examples=100"])
-    summary = training.train_and_evaluate(values["config"], values["workdir"])
+    summary = trainer.train_and_evaluate(values["config"], values["workdir"])
     assert summary["stopped_by"] is None and 0 <= summary["test_accuracy"] <= 1
   # The README's plot commands, over the runs just made.
   plots = [tokens for where, tokens in documented_commands()

@@ -1,4 +1,4 @@
-"""The study runner: the study killed, one of its trainers killed, its results file cut."""
+"""The study launcher: the study killed, one of its trainers killed, its results file cut."""
 
 import collections
 import glob

@@ -7,7 +7,7 @@ checkpoints. The lock is advisory and local to one machine (``flock`` over NFS d
 server); a multi-host run takes it in process 0 only. A study holds its own workdir the same way
 (:class:`FileLock`, in ``pipejax.study.launcher``).
 
-No JAX here: the study runner, which only starts trainer processes, uses it too.
+No JAX here: the study launcher, which only starts trainer processes, uses it too.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import pipejax
-from pipejax.train import config_checks, evaluation, trainer as training
+from pipejax.train import config_checks, evaluation, trainer
 from pipejax import data, methods, models
 from pipejax.study import spec as study_lib
 from pipejax.data import text
@@ -184,7 +184,7 @@ def test_real_corpus_is_over_a_megabyte_and_splits_one_in_ten():
 @needs_corpus
 def test_char_lm_smoke_trains_and_reports_validation_loss(tmp_path):
   config = load_config("char_lm", "smoke")
-  summary = training.train_and_evaluate(config, str(tmp_path / "lm"))
+  summary = trainer.train_and_evaluate(config, str(tmp_path / "lm"))
   assert summary["stopped_by"] is None and summary["num_stages"] == 4
   assert summary["test_loss"] < math.log(256) - 1.0  # well below uniform over bytes
 

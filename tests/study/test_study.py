@@ -19,7 +19,7 @@ from pipejax.study import cells as study_cells
 from pipejax.study import figures as study_figures
 from pipejax.study import records as study_records
 from pipejax.study import report as study_report
-from pipejax.study import launcher as study_runner
+from pipejax.study import launcher
 from pipejax.study.spec import Study, Table
 
 from tests.helpers import ROOT
@@ -218,7 +218,7 @@ def test_a_study_that_fails_stops_its_trainers_first(tmp_path):
                                   start_new_session=True)
   while not ((tmp_path / "a.up").exists() and (tmp_path / "b.up").exists()):
     time.sleep(0.05)
-  study_runner.stop_trainers([polite_process, deaf_process], timeout=3)
+  launcher.stop_trainers([polite_process, deaf_process], timeout=3)
   assert polite_process.returncode == 75 and (tmp_path / "a").read_text() == "saved"
   assert deaf_process.returncode == -9  # killed once the timeout passed
 
@@ -416,7 +416,7 @@ def fake_trainer(tmp_path):
 
 
 def run_main(workdir, trainer, study=TWO_RUNS, **kwargs):
-  return study_runner.main(study, str(workdir), parallel=2, command="", trainer=trainer, **kwargs)
+  return launcher.main(study, str(workdir), parallel=2, command="", trainer=trainer, **kwargs)
 
 
 def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, monkeypatch):
@@ -445,12 +445,12 @@ def test_a_cut_line_is_set_aside_and_never_swallows_the_next_record(tmp_path, mo
 
 
 def test_where_selects_runs_whose_value_is_one_of_the_alternatives(tmp_path):
-  planned = study_runner.outcome(STUDY, str(tmp_path),
-                                 {"model_kwargs.depth": "8", "method": "sgd|pb", "seed": "0|2"})
+  planned = launcher.outcome(STUDY, str(tmp_path),
+                             {"model_kwargs.depth": "8", "method": "sgd|pb", "seed": "0|2"})
   assert sorted(planned.planned) == sorted(
       study_lib.run_id({"model_kwargs.depth": 8, "method": m, "seed": s})
       for m in ("sgd", "pb") for s in (0, 2))
-  assert study_runner.outcome(STUDY, str(tmp_path), {"method": "adam|sg"}).planned == []
+  assert launcher.outcome(STUDY, str(tmp_path), {"method": "adam|sg"}).planned == []
 
 
 def test_the_runner_and_the_report_count_the_same_records(tmp_path, fake_trainer, capsys):
@@ -505,7 +505,7 @@ def test_a_changed_fixed_value_is_refused_with_the_diff_and_hides_no_result(tmp_
 
 def test_a_trainer_stopped_by_someone_else_leaves_a_non_zero_exit_naming_the_run(
     tmp_path, fake_trainer, capsys):
-  assert run_main(tmp_path, fake_trainer("stop-seed-1")) == study_runner.EXIT_STOPPED
+  assert run_main(tmp_path, fake_trainer("stop-seed-1")) == launcher.EXIT_STOPPED
   out = capsys.readouterr().out
   assert "stopped method=sgd,seed=1 by a signal the study did not send" in out
   assert "[1/2 done, 0 failed]" in out
@@ -534,21 +534,21 @@ def test_a_full_or_read_only_disk_is_one_paragraph(tmp_path, fake_trainer, monke
 
 
 def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_trainer, capsys):
-  with study_runner.hold(str(tmp_path)):
+  with launcher.hold(str(tmp_path)):
     assert run_main(tmp_path, fake_trainer("fail")) == 1
   err = capsys.readouterr().err
   assert f"Another study (study process {os.getpid()} on " in err and "another --workdir" in err
   assert not (tmp_path / study_records.RESULTS_FILE).exists()
-  with study_runner.hold(str(tmp_path)):  # released with the first
+  with launcher.hold(str(tmp_path)):  # released with the first
     pass
 
 
 STUDY_PROCESS = """
 import sys
-from pipejax.study import launcher as study_runner
+from pipejax.study import launcher
 from pipejax.study.spec import Study
 study = Study(name="two", config="c.py", grids=[{"method": ("sgd",), "seed": (0, 1)}])
-sys.exit(study_runner.main(study, sys.argv[1], parallel=2, command="", trainer=sys.argv[2:]))
+sys.exit(launcher.main(study, sys.argv[1], parallel=2, command="", trainer=sys.argv[2:]))
 """
 
 
@@ -580,7 +580,7 @@ def test_killing_the_study_stops_its_trainers_and_a_rerun_waits_for_them(tmp_pat
   process.kill()
   process.wait()
   assert all(alive(pid) for pid in trainers)  # still saving their checkpoints (one second)
-  with study_runner.hold(str(workdir), wait_s=30):
+  with launcher.hold(str(workdir), wait_s=30):
     assert not any(alive(pid) for pid in trainers)
     assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
   assert "has ended; waiting up to 30 s for the trainers" in capsys.readouterr().out
@@ -591,13 +591,13 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
   process, trainers = start_study(workdir, fake_trainer("sleep"))
   process.send_signal(signal.SIGTERM)
   out = process.communicate(timeout=60)[0]
-  assert process.returncode == study_runner.EXIT_STOPPED, out
+  assert process.returncode == launcher.EXIT_STOPPED, out
   assert not any(alive(pid) for pid in trainers)
   assert "SIGTERM: stopping" in out and "Not done (2, stopped before the end)" in out
 
 
 @pytest.mark.slow
-def test_a_chaos_round_of_the_study_runner_ends_complete_and_exact(tmp_path):
+def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
   the study, a kill of one trainer, a results line cut short; each rerun must match the
   uninterrupted study."""

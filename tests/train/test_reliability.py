@@ -21,7 +21,7 @@ import pytest
 from pipejax.train import checkpoint, config_checks, divergence, experiment
 from pipejax.parallel import distributed
 from pipejax import methods
-from pipejax.train import trainer as training
+from pipejax.train import trainer
 from pipejax import config as config_lib
 from pipejax.train import metrics as metrics_lib
 from pipejax.train import workdir as workdir_lib
@@ -35,7 +35,7 @@ from tests.helpers import ROOT, config_module, digits_config, make_model, make_s
 def finished(tmp_path_factory):
   """A finished digits run: 240 samples, checkpoints every 40 (steps 160, 200, 240 are kept)."""
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   return workdir, summary
 
 
@@ -79,7 +79,7 @@ def test_flipped_bit_in_newest_checkpoint_falls_back_to_an_intact_one(finished, 
       byte = f.read(1)
       f.seek(-1, os.SEEK_CUR)
       f.write(bytes([byte[0] ^ 0x10]))
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert "Checkpoint step 240" in warnings_logged() and "step 200" in warnings_logged()
   assert os.path.isdir(os.path.join(checkpoint_dir(workdir) + ".damaged", "240"))
   # Retrained from step 200 to exactly the same bits as the run that was never damaged.
@@ -107,7 +107,7 @@ def test_unfinished_first_checkpoint_is_removed_and_the_run_starts(finished, tmp
   leftover = workdir / "checkpoints" / "40.orbax-checkpoint-tmp-1234" / "state"
   leftover.mkdir(parents=True)
   (leftover / "half-written").write_bytes(b"\0" * 100)
-  summary = training.train_and_evaluate(digits_config(), str(workdir))
+  summary = trainer.train_and_evaluate(digits_config(), str(workdir))
   assert "40.orbax-checkpoint-tmp-1234" in warnings_logged()
   assert not (workdir / "checkpoints" / "40.orbax-checkpoint-tmp-1234").exists()
   assert summary["test_accuracy"] == finished[1]["test_accuracy"]
@@ -123,7 +123,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
                          eval_every_samples=10**6)
   with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) \(its weights\).*after "
                      r"\d+ training samples.*last good checkpoint"):
-    training.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
   like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
   assert saver.all_steps()
@@ -136,7 +136,7 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
 def test_divergence_message_fits_the_run(tmp_path):
   config = digits_config(**{"micro_batch.lr": 1e30}, method="pb_sc_lwp", checkpoint_every_samples=10**6)
   with pytest.raises(divergence.TrainingDiverged) as raised:
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
   message = str(raised.value)
   assert "No checkpoint had been written yet, so a rerun starts from the beginning" in message
   assert "resumes from it" not in message and "try a method" not in message
@@ -150,7 +150,7 @@ def test_changed_recipe_on_resume_is_refused_with_old_and_new_values(finished, t
   before = open(os.path.join(workdir, "config.json")).read()
   with pytest.raises(config_checks.ConfigError, match=r"epochs 0\.167\d* -> 0\.5; micro_batch\.lr "
                      r"None -> 0\.001.*--config.allow_changes_on_resume=True"):
-    training.train_and_evaluate(digits_config(**{"micro_batch.lr": 0.001}, epochs=0.5), workdir)
+    trainer.train_and_evaluate(digits_config(**{"micro_batch.lr": 0.001}, epochs=0.5), workdir)
   assert open(os.path.join(workdir, "config.json")).read() == before
 
 
@@ -160,7 +160,7 @@ def test_allowed_change_on_resume_is_recorded(finished, tmp_path):
   seconds_at_240 = checkpoint.Checkpointer(checkpoint_dir(workdir)).restore_meta(240)[
       "train_seconds"]
   config = digits_config(epochs=280 / 1437, allow_changes_on_resume=True)
-  summary = training.train_and_evaluate(config, workdir)
+  summary = trainer.train_and_evaluate(config, workdir)
   assert summary["samples"] == 280
   (record,) = [json.loads(line) for line in open(os.path.join(workdir, "config_changes.jsonl"))]
   assert record["samples"] == 240 and record["changes"]["epochs"] == [240 / 1437, 280 / 1437]
@@ -179,7 +179,7 @@ def test_rerunning_a_finished_run_reports_it_and_changes_no_file(finished, tmp_p
             for root, _, names in os.walk(workdir) for name in names if name != ".lock"}
 
   before = snapshot()
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert snapshot() == before
   assert summary == finished[1]
   assert summary["best_test_accuracy"] >= summary["test_accuracy"]
@@ -190,7 +190,7 @@ def test_a_run_killed_before_its_summary_finishes_with_one_final_test_record(fin
   workdir = copy_of(finished, tmp_path)
   os.remove(os.path.join(workdir, "summary.json"))  # killed after its final evaluation
   records = metrics_lib.read_records(workdir)
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert metrics_lib.read_records(workdir) == records  # no second final test record
   assert (summary["test_accuracy"], summary["test_loss"]) == (finished[1]["test_accuracy"],
                                                              finished[1]["test_loss"])
@@ -205,7 +205,7 @@ def test_a_sigterm_while_the_run_writes_its_last_files_lets_it_finish(tmp_path, 
 
   monkeypatch.setattr(metrics_lib, "plot_runs", plot_and_get_signalled)
   workdir = str(tmp_path / "run")
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert summary["stopped_by"] is None and summary["samples"] == summary["total_samples"]
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f)["test_accuracy"] == summary["test_accuracy"]
@@ -236,7 +236,7 @@ def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
   with pytest.raises(workdir_lib.StorageError, match="checkpoint step 40 failed: the disk .* is "
                      "full.*rerun the same command"):
-    training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+    trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
 
 
 def test_workdir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
@@ -244,12 +244,12 @@ def test_workdir_that_cannot_be_written_is_refused_before_training(tmp_path, mon
   blocker.write_text("")
   monkeypatch.setattr(experiment, "build", lambda config: pytest.fail("built before the check"))
   with pytest.raises(workdir_lib.StorageError, match="cannot be used"):
-    training.train_and_evaluate(digits_config(), str(blocker / "run"))
+    trainer.train_and_evaluate(digits_config(), str(blocker / "run"))
   if os.geteuid() != 0:  # root writes anywhere
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o500)
     with pytest.raises(workdir_lib.StorageError, match="cannot be written"):
-      training.train_and_evaluate(digits_config(), str(read_only))
+      trainer.train_and_evaluate(digits_config(), str(read_only))
 
 
 def test_storage_error_recognises_permissions_and_full_disks():
@@ -273,7 +273,7 @@ def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, val
   parent, _, leaf = key.rpartition(".")
   (config[parent] if parent else config)[leaf] = value
   with pytest.raises(config_checks.ConfigError, match=re.escape(f"config.{key} must be")):
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 
 
@@ -402,7 +402,7 @@ def test_tensorboard_is_flushed_at_every_checkpoint(tmp_path, monkeypatch):
   original_flush = metrics_lib.MetricsWriter.flush
   monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_look)
   monkeypatch.setattr(metrics_lib.MetricsWriter, "flush", flush_then_look)
-  training.train_and_evaluate(digits_config(epochs=80 / 1437), workdir)
+  trainer.train_and_evaluate(digits_config(epochs=80 / 1437), workdir)
   assert (40, [40]) in seen and (80, [40, 80]) in seen
 
 
@@ -412,7 +412,7 @@ def test_second_run_on_a_held_workdir_is_refused(tmp_path):
   workdir = str(tmp_path / "run")
   with workdir_lib.claim(workdir):
     with pytest.raises(workdir_lib.WorkdirBusy, match=rf"Another run \(process {os.getpid()}"):
-      training.train_and_evaluate(digits_config(), workdir)
+      trainer.train_and_evaluate(digits_config(), workdir)
   with workdir_lib.claim(workdir):  # released with the first claim
     pass
 
@@ -428,7 +428,7 @@ def test_sigterm_stops_with_a_checkpoint_and_its_own_exit_code(tmp_path, monkeyp
       os.kill(os.getpid(), signal.SIGTERM)
 
   monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_and_get_signalled)
-  summary = training.train_and_evaluate(digits_config(), workdir)
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert summary["stopped_by"] == "SIGTERM" and summary["samples"] == 80
   assert checkpoint.Checkpointer(checkpoint_dir(workdir)).latest_step() == 80
   # The binary's exit code 75 for such a stop: tests/train/test_training.py's

@@ -15,7 +15,7 @@ import pytest
 
 from pipejax.train import checkpoint, config_checks, divergence, experiment, interruption
 from pipejax import methods
-from pipejax.train import trainer as training
+from pipejax.train import trainer
 from pipejax.data import DataError
 from pipejax.core.engine import Pipeline
 from pipejax.core.stages import ModelError
@@ -98,14 +98,14 @@ def test_nan_at_one_stage_is_reported_with_stage_and_tick():
 
 def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_path):
   workdir = str(tmp_path / "run")
-  training.train_and_evaluate(digits_config(), workdir)
+  trainer.train_and_evaluate(digits_config(), workdir)
   saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
   good_step = saver.latest_step()
   config = digits_config(epochs=480 / 1437, **{"micro_batch.lr": 1e30},  # resumes, then blows up
                          allow_changes_on_resume=True)
   with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
                      rf"last good checkpoint \(step {good_step},"):
-    training.train_and_evaluate(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
   assert saver.all_steps()[-1] == good_step
   like = _pipeline_for(config).init(jax.random.PRNGKey(0))
   state, _ = saver.restore(good_step, like)
@@ -114,7 +114,7 @@ def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_pat
 
 def test_damaged_checkpoints_are_a_clear_error_not_a_fresh_start(tmp_path):
   workdir = str(tmp_path / "run")
-  training.train_and_evaluate(digits_config(), workdir)
+  trainer.train_and_evaluate(digits_config(), workdir)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
   for step in steps:
@@ -123,8 +123,8 @@ def test_damaged_checkpoints_are_a_clear_error_not_a_fresh_start(tmp_path):
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(8)
   with pytest.raises(checkpoint.CheckpointError, match=f"Every checkpoint.*damaged.*{steps[-1]}"):
-    training.train_and_evaluate(digits_config(epochs=480 / 1437, allow_changes_on_resume=True),
-                                workdir)
+    trainer.train_and_evaluate(digits_config(epochs=480 / 1437, allow_changes_on_resume=True),
+                               workdir)
   assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == steps  # nothing moved
 
 
@@ -133,43 +133,43 @@ def test_checkpoint_directory_with_only_garbage_is_refused(tmp_path):
   (workdir / "checkpoints" / "1234").mkdir(parents=True)
   (workdir / "checkpoints" / "1234" / "junk").write_text("not a checkpoint")
   with pytest.raises(checkpoint.CheckpointError, match="step 1234.*cannot be restored"):
-    training.train_and_evaluate(digits_config(), str(workdir))
+    trainer.train_and_evaluate(digits_config(), str(workdir))
   other = tmp_path / "other"
   (other / "checkpoints" / "copied-by-hand").mkdir(parents=True)
   with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
-    training.train_and_evaluate(digits_config(), str(other))
+    trainer.train_and_evaluate(digits_config(), str(other))
 
 
 def test_incompatible_checkpoint_names_the_differing_settings(tmp_path):
   workdir = str(tmp_path / "run")
-  training.train_and_evaluate(digits_config(), workdir)
+  trainer.train_and_evaluate(digits_config(), workdir)
   other = digits_config()
   other.model_kwargs = {"hidden": (20, 12), "layers_per_stage": 1}
   with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs"):
-    training.train_and_evaluate(other, workdir)
+    trainer.train_and_evaluate(other, workdir)
 
 
 def test_missing_data_says_how_to_install_it(tmp_path):
   config = digits_config(dataset="fashion_mnist_idx", data_dir=str(tmp_path / "nowhere"))
   with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 
 def test_unknown_method_lists_the_known_ones(tmp_path):
   with pytest.raises(config_checks.ConfigError, match="Known methods: sgd, sync, pb"):
-    training.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
+    trainer.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
 
 
 def test_batchnorm_at_micro_batch_one_is_refused(tmp_path):
   config = digits_config(model="small_cnn")
   config.model_kwargs = {"widths": (4,), "dense": (8,), "normalization": "batch"}
   with pytest.raises(ModelError, match="(?i)batch.?norm.*(batch size 1|micro-batch)"):
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 
 def test_training_writes_metrics_plots_and_summary(tmp_path):
   workdir = tmp_path / "run"
-  summary = training.train_and_evaluate(digits_config(), str(workdir))
+  summary = trainer.train_and_evaluate(digits_config(), str(workdir))
   assert summary["samples"] == 240 and summary["stopped_by"] is None
   records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
   assert {r["split"] for r in records} == {"train", "test"}
@@ -184,7 +184,7 @@ def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
   tfds = pytest.importorskip("tensorflow_datasets")
   config = load_config(config_name, "tiny")
   with tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_CODE):
-    summary = training.train_and_evaluate(config, str(tmp_path / config_name))
+    summary = trainer.train_and_evaluate(config, str(tmp_path / config_name))
   assert summary["samples"] == 8 and summary["stopped_by"] is None
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   assert np.isfinite(summary["test_loss"])
@@ -205,7 +205,7 @@ def test_every_config_has_a_smoke_variant_and_a_command(config_name):
 def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
   """--config.mesh.stage=2 on two (forced CPU) devices trains to the same numbers as one device."""
   config = digits_config()
-  single = training.train_and_evaluate(config, str(tmp_path / "single"))
+  single = trainer.train_and_evaluate(config, str(tmp_path / "single"))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
@@ -232,7 +232,7 @@ def test_the_chunk_length_changes_neither_the_run_length_nor_the_schedule(tmp_pa
   results = {}
   for ticks in (40, 70, 10 ** 9):
     workdir = str(tmp_path / f"chunk{ticks}")
-    summary = training.train_and_evaluate(digits_config(ticks_per_chunk=ticks), workdir)
+    summary = trainer.train_and_evaluate(digits_config(ticks_per_chunk=ticks), workdir)
     records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     train = [r for r in records if r["split"] == "train"]
     saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -252,7 +252,7 @@ def test_a_chunk_too_large_for_memory_is_refused_with_its_estimate(tmp_path, mon
   monkeypatch.setattr(config_checks, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
   with pytest.raises(config_checks.ConfigError, match=r"A chunk of 240 ticks .* needs about "
                      r"[\d.]+ MiB .* Lower --config.ticks_per_chunk to 1 or less"):
-    training.train_and_evaluate(digits_config(ticks_per_chunk=10 ** 9), str(tmp_path / "run"))
+    trainer.train_and_evaluate(digits_config(ticks_per_chunk=10 ** 9), str(tmp_path / "run"))
 
 
 def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monkeypatch):
@@ -263,7 +263,7 @@ def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monk
   config.model_kwargs = {"depth": 40, "width": 64}
   with pytest.raises(config_checks.ConfigError, match=r"pipeline state of this config needs about "
                      r"[\d.]+ MiB per device .* delay lines of 40 stages"):
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
 
 
 def test_a_warm_up_longer_than_the_run_is_refused():
@@ -289,7 +289,7 @@ def test_an_empty_test_split_is_refused_before_training(tmp_path, monkeypatch):
   monkeypatch.setattr(data, "load", without_test_examples)
   with pytest.raises(config_checks.ConfigError,
                      match="The test split of data set 'digits' is empty"):
-    training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+    trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -317,7 +317,7 @@ def test_config_errors_never_create_the_workdir(tmp_path, change, error, message
   for key, value in change.items():
     config[key] = value
   with pytest.raises(error, match=message):
-    training.train_and_evaluate(config, str(tmp_path / "run"))
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 
 
@@ -382,7 +382,7 @@ def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog
     return build(config)
 
   monkeypatch.setattr(experiment, "build", slow_build)
-  training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   lines = [r.getMessage() for r in caplog.records]
   assert any(re.match(r"Set-up \(\d+ s\): still loading the data and building the model\.", line)
              for line in lines)
