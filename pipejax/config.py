@@ -76,14 +76,15 @@ def base_config() -> ml_collections.ConfigDict:
   # a lower lr after a divergence) and records them in workdir/config_changes.jsonl.
   config.allow_changes_on_resume = False
   config.eval_batch_size = 1000
-  # Devices: `stage` devices each own a contiguous group of stages; `data` replicas average
+  # Devices: `stage` devices each own a contiguous shard of stages; `data` replicas average
   # gradients. Checkpoints hold the logical state, so a run can resume on another mesh.
   # balance: 'params' (parameter counts) or 'measured' (timed stage work); an explicit partition,
   # ((start, stop), ...) per stage device, overrides both.
   config.mesh = ml_collections.ConfigDict({"stage": 1, "data": 1, "partition": (),
                                            "balance": "params"})
-  # Runs of identical stages (a residual MLP's blocks) tick as one stacked group under vmap: fewer
-  # kernels and a compile time that does not grow with depth; the same numbers (pipejax.stacking).
+  # Runs of identical stages (a residual MLP's blocks) tick as one stack under vmap: fewer
+  # kernels and a compile time that does not grow with depth; the same numbers
+  # (pipejax.parallel.stacking).
   config.stack_stages = True
   return config
 

@@ -11,7 +11,7 @@ stage's delay ``D_s``. The engine never branches on a method's name; it asks the
 * ``pass_gradient_weights``: give the update the weights the gradient was computed on, as the
   extra argument ``gradient_params`` (DC-ASGD's delay compensation needs them);
 * ``micro_batches_per_step``: an int M means synchronous (GPipe / 1F1B-flush) training: the stream is
-  fed in groups of M micro-batches separated by 2(S-1) empty ticks and each stage accumulates M
+  fed M micro-batches a step, separated by 2(S-1) empty ticks and each stage accumulates M
   gradients before one step.
 
 Adding a method is a few lines: a new :class:`Method` built from optax transformations and, where
@@ -86,8 +86,8 @@ def sync(optimizer, micro_batches: int) -> Method:
   """Synchronous pipeline (GPipe / 1F1B-flush): M micro-batches, then one step; fill and drain.
 
   Numerically this is mini-batch training at batch ``M * b``: ``optax.MultiSteps`` averages the M
-  micro-batch gradients, and no stage's weights change while a group is in flight because the
-  2(S-1) empty ticks between groups let every backward finish first.
+  micro-batch gradients, and no stage's weights change while a step is in flight because the
+  2(S-1) empty ticks between steps let every backward finish first.
   """
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or \
       micro_batches < 1:

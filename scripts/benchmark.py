@@ -28,13 +28,13 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   Norm, each relative to the same model without normalization. Only when asked.
 * ``depth``: configs/deep_mlp.py's residual MLP (width 128, LayerNorm) at b = 1 and
   ``--depth_stages`` stages, PB + momentum SGD: per depth a record with ``stacked`` True
-  (``pipejax.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain loop: the whole
-  network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
-  the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
-  delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+  (``pipejax.parallel.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain loop:
+  the whole network as one optax step in ``lax.scan``): build and init seconds, trace and compile
+  seconds of the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and
+  the delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
 * ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
   ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
-  device's piece of the group stacked) against that of the ``Pipeline``: build and compile
+  device's piece of the stack stacked) against that of the ``Pipeline``: build and compile
   seconds, the kernels of one loop iteration (two ticks), samples/s after the fill. Needs the
   devices, as ``sharding`` does. Only when asked.
 * ``sharding``: ticks/s of ``ShardedPipeline.run`` on stage meshes of 1, 2, 4, 8 devices against

@@ -20,7 +20,7 @@ Every rerun must either exit 0 with exactly the reference's result (final state 
 on restore, test loss and accuracy, every metrics record), or exit non-zero with a message that
 names the damaged step.
 
-The study runner (``--cases=study``; ``--study`` and ``--study_where`` choose the runs, by default
+The study launcher (``--cases=study``; ``--study`` and ``--study_where`` choose the runs, by default
 two runs of the depth smoke study) is tried the same way against an uninterrupted study:
 ``--study_trials`` times each of
 
@@ -52,12 +52,12 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pipejax-chaos", "Where the runs 
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random kill points and corruptions.")
 _CASES = flags.DEFINE_multi_enum("cases", ["trainer", "study", "two_process"],
                                  ["trainer", "study", "two_process"],
-                                 "Which trials: the single trainer's, the study runner's, a "
+                                 "Which trials: the single trainer's, the study launcher's, a "
                                  "two-process run's.")
 _STUDY = flags.DEFINE_string("study", "configs/studies/depth.py:smoke",
-                             "The study of the study runner's trials.")
+                             "The study of the study launcher's trials.")
 _STUDY_WHERE = flags.DEFINE_list("study_where", ["model_kwargs.depth=4", "method=pb"],
-                                 "The --where of the study runner's trials (empty: every run).")
+                                 "The --where of the study launcher's trials (empty: every run).")
 _STUDY_TRIALS = flags.DEFINE_integer("study_trials", 2, "Trials of each study-runner case.")
 _TWO_PROCESS_TRIALS = flags.DEFINE_integer(
     "two_process_trials", 2, "Trials of a two-process run: a mismatched process, and a kill of "

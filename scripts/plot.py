@@ -16,7 +16,8 @@ import sys
 
 from absl import app, flags
 
-from pipejax import cli, metrics
+from pipejax import cli
+from pipejax.train import metrics
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
 _LABELS = flags.DEFINE_list("labels", None, "Legend labels (default: the workdirs' names).")

@@ -30,7 +30,8 @@ import math
 
 from absl import app, flags
 
-from pipejax import accounting, cli, schedules
+from pipejax.core import accounting
+from pipejax import cli, schedules
 from pipejax.schedules import compare, drawing
 
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 4, "Number of pipeline stages (devices).")

@@ -17,7 +17,7 @@ Exit status: 0 every selected run done; 75 some runs not done (stopped by a sign
 to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
 cannot be written; 2 a study file or flag that cannot be used, or a study whose settings differ
 from the workdir's records.
-The scheduler is ``pipejax/study_runner.py``.
+The scheduler is ``pipejax/study/launcher.py``.
 """
 
 import os
@@ -26,8 +26,8 @@ import sys
 from absl import app, flags, logging
 
 from pipejax import cli
-from pipejax import study as study_lib
-from pipejax import study_runner
+from pipejax.study import spec as study_lib
+from pipejax.study import launcher
 
 _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/depth.py[:smoke].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md, the figures and "
@@ -63,8 +63,8 @@ def main(argv):
             f"({', '.join(study.keys())}); got {item!r}.", file=sys.stderr)
       sys.exit(2)
     where[key] = value
-  sys.exit(study_runner.main(study, workdir, parallel=parallel, command=command, where=where,
-                             report_only=_REPORT_ONLY.value))
+  sys.exit(launcher.main(study, workdir, parallel=parallel, command=command, where=where,
+                         report_only=_REPORT_ONLY.value))
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ import jax
 from ml_collections import config_flags
 
 from pipejax import config as configlib
-from pipejax import config_checks
-from pipejax import interruption
-from pipejax import training
+from pipejax.train import config_checks
+from pipejax.train import interruption
+from pipejax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
                                           lock_config=True)
@@ -94,17 +94,17 @@ def main(argv):
     config_checks.validate(config)  # before the processes wait for each other, or make the workdir
     if several:
       _start_processes(config, workdir)
-    summary = training.train_and_evaluate(config, workdir)
+    summary = trainer.train_and_evaluate(config, workdir)
   except interruption.StoppedDuringSetup as e:
     print(e)
     _exit(EXIT_STOPPED)
-  except training.USER_ERRORS as e:
+  except trainer.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)  # once: absl's own log line would repeat it
     _exit(EXIT_ERROR)
   except jax.errors.JaxRuntimeError as e:
     if not jax.distributed.is_initialized():
       raise
-    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
     print(f"error: {distributed.lost_process_message(e)}", file=sys.stderr, flush=True)
     _exit(EXIT_ERROR)
   except Exception:  # pylint: disable=broad-except
@@ -124,7 +124,7 @@ def main(argv):
 
 def _start_processes(config, workdir):
   """Connects the processes and makes them agree on what they run, before any of them trains."""
-  from pipejax import distributed  # only multi-host runs pay for it
+  from pipejax.parallel import distributed  # only multi-host runs pay for it
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            initialization_timeout=_STARTUP_TIMEOUT.value,

@@ -1,8 +1,8 @@
-"""One process of the two-process test of tests/test_sharding.py (run as ``python -m``).
+"""One process of the two-process test of tests/parallel/test_sharding.py (run as ``python -m``).
 
-Connects through ``pipejax.distributed`` on localhost (two processes of two CPU devices each), runs
-the same few ticks as the test's single-process reference on a mesh whose every exchange crosses
-the processes, and writes the unpacked state and the metrics to ``--out`` (an ``.npz``). The
+Connects through ``pipejax.parallel.distributed`` on localhost (two processes of two CPU devices
+each), runs the same few ticks as the test's single-process reference on a mesh whose every exchange
+crosses the processes, and writes the unpacked state and the metrics to ``--out`` (an ``.npz``). The
 problem itself (:func:`make_problem`) is imported by the test, so both sides build exactly the
 same pipeline and stream.
 """
@@ -25,7 +25,7 @@ def make_problem(method_name="pb_sc_lwp"):
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import pipejax  # pylint: disable=g-import-not-at-top
   from pipejax import methods  # pylint: disable=g-import-not-at-top
-  from pipejax.engine import Pipeline  # pylint: disable=g-import-not-at-top
+  from pipejax.core.engine import Pipeline  # pylint: disable=g-import-not-at-top
 
   stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
             for w in WIDTHS]
@@ -53,11 +53,11 @@ def main():
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
-  from pipejax import distributed  # pylint: disable=g-import-not-at-top
+  from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(args.coordinator_address, num_processes=2, process_id=args.process_id,
                          num_cpu_devices=2)
   import jax  # pylint: disable=g-import-not-at-top
-  from pipejax import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
+  from pipejax.parallel import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
 
   assert jax.process_count() == 2, jax.process_count()
   pipe, x, y = make_problem()

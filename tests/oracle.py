@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.stages import Variables
+from pipejax.core.stages import Variables
 
 # ----------------------------------------------------------------------------- update rules
 

@@ -21,7 +21,7 @@ import sys
 from absl import flags
 
 from pipejax import config as configlib
-from pipejax import metrics
+from pipejax.train import metrics
 import pytest
 
 from tests.helpers import ROOT
@@ -246,7 +246,7 @@ def test_documented_commands_are_written_for_the_activated_virtualenv():
 
 
 def test_documented_commands_name_real_scripts_configs_and_flags():
-  from pipejax import config_checks  # pylint: disable=import-outside-toplevel
+  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
   checked = 0
   for where, tokens in documented_commands():
     if tokens[0] == "python" and tokens[1] == "-m":
@@ -314,7 +314,7 @@ def activated_env():
 
 @pytest.mark.slow
 def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
-  from pipejax import training  # pylint: disable=import-outside-toplevel
+  from pipejax.train import trainer  # pylint: disable=import-outside-toplevel
   commands = readme_training_commands()
   # One through a real shell as a user types it. The others in this process, through the binary's
   # own flag parsing and its train_and_evaluate, and shorter still than the smoke runs (one chunk):
@@ -332,7 +332,7 @@ def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
     script, args = as_script_call(tokens)
     values = parse_flags(script, smoke_variant(args, tmp_path) + [
         "--config.max_train_examples=250", "--config.max_test_examples=100"])
-    summary = training.train_and_evaluate(values["config"], values["workdir"])
+    summary = trainer.train_and_evaluate(values["config"], values["workdir"])
     assert summary["stopped_by"] is None and 0 <= summary["test_accuracy"] <= 1
   # The README's plot commands, over the runs just made.
   plots = [tokens for where, tokens in documented_commands()
@@ -387,6 +387,22 @@ def test_readme_python_examples_run():
   assert "forward_params" in namespace
 
 
+def test_readme_python_examples_use_only_the_public_face():
+  # `import pipejax` is the user's whole surface: the examples name nothing behind it.
+  import pipejax  # pylint: disable=import-outside-toplevel
+  for block in python_blocks("README.md"):
+    for node in ast.walk(ast.parse(block)):
+      if isinstance(node, ast.Import):
+        assert all(a.name.split(".")[0] != "pipejax" or a.name == "pipejax" for a in node.names), \
+            ast.unparse(node)
+      elif isinstance(node, ast.ImportFrom) and node.module.split(".")[0] == "pipejax":
+        assert node.module == "pipejax", ast.unparse(node)
+        assert {a.name for a in node.names} <= set(pipejax.__all__), ast.unparse(node)
+      elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+          node.value.id == "pipejax":
+        assert node.attr in pipejax.__all__, ast.unparse(node)
+
+
 @pytest.mark.parametrize("index", range(5))
 def test_optax_guide_examples_run(index):
   # Each block of docs/optax.md is a complete program: a user copies one, not the page.
@@ -397,7 +413,7 @@ def test_optax_guide_examples_run(index):
 
 def _modules_with_examples(skip_packages=("pipejax.optim", "pipejax.schedules")):
   """Every pipejax module whose docstrings hold doctest examples (the skipped packages run
-  theirs in tests/test_transforms.py and tests/test_schedules.py)."""
+  theirs in tests/optim/test_transforms.py and tests/schedules/test_schedules.py)."""
   names = []
   for path in sorted(glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True)):
     with open(path) as f:

@@ -11,7 +11,7 @@ import pytest
 import pipejax
 from pipejax import methods
 from pipejax import schedules
-from pipejax.engine import Pipeline
+from pipejax.core.engine import Pipeline
 from tests import oracle
 from tests.helpers import assert_trees_close, make_model, make_stream, stage_params
 
@@ -78,7 +78,7 @@ def test_preset_matches_naive_oracle(name):
   num_stages = model.num_stages
   x, y = make_stream(3 * num_stages + 2, 2)
   pipe = Pipeline(model, method, x[0], y[0])
-  x, y, valid = pipe.schedule(x, y)
+  x, y, valid = pipe.to_ticks(x, y)
   state = pipe.init(jax.random.PRNGKey(7))
   init_params = stage_params(state)
   expected, expected_metrics = oracle.run_oracle(model, ORACLES[name], init_params, x, y, valid)
@@ -205,7 +205,7 @@ def test_pipeline_is_not_full_during_fill():
   assert not pipe.every_slot_full(state)  # stage 0's 7-slot line has seen only 6 inputs
 
 
-def test_sgd_with_pipemare_rates_gives_each_layer_its_stages_rescheduled_rate():
+def test_sgd_with_pipemare_rates_gives_each_layer_its_stages_reon_ticks_rate():
   # Closed form: from zero momentum, the first update of a layer is -lr / max(D, 1) * g; after
   # K steps of annealing every layer is at the base rate.
   method = methods.sgd_with_pipemare_rates({"a": 6, "b": 2, "c": 0}, learning_rate=0.1,

@@ -40,7 +40,7 @@ def test_schedule_sync_mode_has_bubbles_and_draws_png(tmp_path):
   assert info["delays"] == [0, 0, 0]
   assert info["stash_slots"] == [2, 2, 1]
   assert info["buffer_slots"] == [5, 3, 1]
-  # Ticks 2..5 feed no new sample into stage 0: fill and drain of the first group.
+  # Ticks 2..5 feed no new sample into stage 0: fill and drain of the first step.
   assert [row[0]["forward"] for row in info["grid"][:8]] == [0, 1, None, None, None, None, 2, 3]
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

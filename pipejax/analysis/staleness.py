@@ -9,7 +9,7 @@ This emulates **staleness only**: every gradient is computed on one set of weigh
 applied D_s updates late. That is exactly what PipeDream's weight stashing gives (forward and
 backward use the same, stashed, weights); fine-grained PB also has weight inconsistency (its
 backward uses newer weights than its forward), which this loop does not model; the engine
-(``pipejax.engine.Pipeline``) runs PB itself.
+(``pipejax.core.engine.Pipeline``) runs PB itself.
 
 Example:
   >>> import optax
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipejax import models, optim, schedules, stages
+from pipejax import models, optim, schedules
+from pipejax.core import stages
 from pipejax.data import fashion_mnist
-from pipejax.stages import Model
+from pipejax.core.stages import Model
 
 
 def stale_optimizer(delays: Sequence[int],

@@ -8,7 +8,7 @@ step, or a failure starting with ``FAIL``.
   checkpoint damaged;
 * :mod:`~pipejax.chaos.two_process`: a run of two processes, one started with a different config
   or killed;
-* :mod:`~pipejax.chaos.study`: the study runner killed, one of its trainers killed, or its
+* :mod:`~pipejax.chaos.study`: the study launcher killed, one of its trainers killed, or its
   results file cut.
 """
 

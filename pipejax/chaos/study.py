@@ -1,4 +1,4 @@
-"""The study runner: the study killed, one of its trainers killed, its results file cut."""
+"""The study launcher: the study killed, one of its trainers killed, its results file cut."""
 
 import collections
 import glob
@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import NamedTuple, Sequence
 
-from pipejax import study_records
+from pipejax.study import records as study_records
 from pipejax.chaos import ROOT, ReferenceFailed, child_env, python
 
 

@@ -48,7 +48,7 @@ def comparable_records(workdir):
 
 def result(workdir):
   """What a finished run produced: final state digest (verified), summary numbers, metrics."""
-  from pipejax import checkpoint  # pylint: disable=g-import-not-at-top
+  from pipejax.train import checkpoint  # pylint: disable=g-import-not-at-top
   saver = checkpoint.Checkpointer(checkpoints(workdir))
   step = saver.latest_step()
   state, meta = saver.restore(step, _like_state())  # raises if the digest does not match
@@ -65,7 +65,7 @@ def _like_state():
   """A state of the trainer's pipeline, the structure its checkpoints restore into."""
   # JAX only here: a process that only starts trainers never loads it.
   import jax  # pylint: disable=g-import-not-at-top
-  from pipejax import experiment  # pylint: disable=g-import-not-at-top
+  from pipejax.train import experiment  # pylint: disable=g-import-not-at-top
   config = config_lib.load_config(CONFIG)
   for override in OVERRIDES:
     key, value = override[len("--config."):].split("=")

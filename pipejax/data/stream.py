@@ -5,7 +5,7 @@ The pipeline engine runs many ticks per call of ``jax.lax.scan`` and consumes on
 float32 inputs and ``(ticks, b)`` int32 labels at once.
 
 Everything random is a pure function of the seed and the position, never of a global RNG or of
-how the examples were grouped into chunks:
+how the examples were gathered into chunks:
 
 * epoch ``e`` visits the examples in the order ``np.random.default_rng([PERM, seed, e])
   .permutation(n)``;

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax.models import layers, online_norm
-from pipejax.stages import ModelError
+from pipejax.core.stages import ModelError
 
 Activation = Callable[[jax.Array], jax.Array] | None
 SHORTCUTS = ("projection", "pad")

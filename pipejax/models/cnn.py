@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipejax.models import blocks, layers, sequential
-from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
 # 'M' marks a 2x2 max pooling after the preceding conv layer (part of that layer's stage).
 VGG_CONFIGS = {

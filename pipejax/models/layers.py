@@ -21,7 +21,7 @@ from flax.linen.dtypes import promote_dtype
 from jax import lax
 
 from pipejax.models import online_norm
-from pipejax.stages import ModelError
+from pipejax.core.stages import ModelError
 
 CONV_IMPLS = ("auto", "xla", "sliced")
 _BATCH_NORM_MESSAGE = (

@@ -22,9 +22,9 @@ is an independent implementation in JAX from those equations.
 
 **In a pipeline.** The running mean and variance are *forward* variables (collection
 ``online_stats``) and the control processes *backward* variables (collection
-:data:`pipejax.stages.BACKWARD_COLLECTION`): the backward returns the control processes' increments
-as the cotangent of ``u`` and ``v`` (see :mod:`pipejax.stages`). A micro-batch of b samples is
-streamed in order, sample by sample, in both passes, as in the reference. Called with its
+:data:`pipejax.core.stages.BACKWARD_COLLECTION`): the backward returns the control processes'
+increments as the cotangent of ``u`` and ``v`` (see :mod:`pipejax.core.stages`). A micro-batch of b
+samples is streamed in order, sample by sample, in both passes, as in the reference. Called with its
 collections immutable (evaluation), the module normalizes with the running statistics and changes
 nothing.
 """
@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pipejax.stages import BACKWARD_COLLECTION, ModelError
+from pipejax.core.stages import BACKWARD_COLLECTION, ModelError
 
 STATS_COLLECTION = "online_stats"
 ERROR_CHECKS = ("clamp", "layer_scaling", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipejax.models import blocks, layers, sequential
-from pipejax.stages import LossFn, Model, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, softmax_cross_entropy
 
 
 def mlp_layers(hidden: Sequence[int] = (256, 128, 100), num_classes: int = 10,

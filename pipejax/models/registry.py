@@ -11,7 +11,7 @@ from typing import Any, Callable
 import jax
 
 from pipejax.models import cnn, perceptron, residual, resnet, transformer
-from pipejax.stages import Model, ModelError
+from pipejax.core.stages import Model, ModelError
 
 PyTree = Any
 

@@ -14,7 +14,7 @@ import jax
 
 
 from pipejax.models import layers, online_norm, sequential
-from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
 
 def _norm(normalization: str | None, name: str):

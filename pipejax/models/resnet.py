@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipejax.models import blocks, layers, sequential
-from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
 _CONV_NORMALIZATIONS = (None, "group", "layer", "online")
 RESNET50_BLOCKS = (3, 4, 6, 3)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 
-from pipejax.stages import LossFn, Model, ModelError, from_flax, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, ModelError, from_flax, softmax_cross_entropy
 
 PyTree = Any
 NamedLayers = Sequence[tuple[str, nn.Module]]

@@ -9,7 +9,7 @@ structurally identical (the same module with the same parameter shapes).
 One micro-batch is ``b`` sequences of ``T`` tokens (b = 1 in the fine-grained setting); the input
 is the ``(b, T)`` token ids (as the float32 the data stream hands out, read back as integers), the
 output ``(b, T, vocab)`` logits, and the loss the mean next-token cross-entropy over all ``b T``
-positions (:func:`pipejax.stages.softmax_cross_entropy` with ``(b, T)`` labels). The context
+positions (:func:`pipejax.core.stages.softmax_cross_entropy` with ``(b, T)`` labels). The context
 length ``T`` is taken from the input when the model is initialized.
 """
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax.models import sequential
-from pipejax.stages import LossFn, Model, ModelError, softmax_cross_entropy
+from pipejax.core.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
 _INIT = nn.initializers.normal(stddev=0.02)
 

@@ -313,7 +313,7 @@ def predicted_params(opt_state: optax.OptState, params: optax.Params) -> optax.P
   Arguments in the order of optax's ``optax.contrib.schedule_free_eval_params(state, params)``.
   ``opt_state`` is the state of an optimizer that contains :func:`linear_weight_prediction`
   anywhere: alone, in ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
-  ``optax.masked`` or ``optax.multi_transform``, once or once per group of parameters (e.g. one
+  ``optax.masked`` or ``optax.multi_transform``, once or once per set of parameters (e.g. one
   per pipeline stage, each with its own horizon); each parameter is predicted by the one that
   updates it, and parameters that none updates are returned as they are. ``params`` are the
   weights after the update that produced ``opt_state``; the update form extrapolates from them,

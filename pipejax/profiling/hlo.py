@@ -18,9 +18,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from pipejax import accounting
+from pipejax.core import accounting
 
-# Instructions that launch nothing: they name, group or reinterpret buffers other work produced.
+# Instructions that launch nothing: they name, bundle or reinterpret buffers other work produced.
 _FREE_OPERATIONS = frozenset({"parameter", "get-tuple-element", "tuple", "constant", "bitcast",
                               "opt-barrier", "after-all", "partition-id", "replica-id"})
 
@@ -134,7 +134,7 @@ def passes(compiled, per_pass_bytes: int) -> dict:
 
 
 def weight_bytes(pipe) -> int:
-  """Bytes of every stage's weights of a :class:`~pipejax.engine.Pipeline`: one pass."""
+  """Bytes of every stage's weights of a :class:`~pipejax.core.engine.Pipeline`: one pass."""
   return sum(accounting.tree_bytes(p) for p in pipe.stage_param_shapes)
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pipejax import accounting, methods
-from pipejax.engine import Pipeline
+from pipejax.core import accounting
+from pipejax import methods
+from pipejax.core.engine import Pipeline
 from pipejax.profiling.workloads import stream
 
 METHOD = "pb_sc_lwp"  # the default config's method

@@ -16,15 +16,15 @@ import numpy as np
 import optax
 
 from pipejax import methods
-from pipejax.engine import Pipeline
-from pipejax.mesh import make_mesh
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.mesh import make_mesh
 from pipejax.profiling import hlo
 from pipejax.profiling.timing import TimedRunner, best_times
 from pipejax.profiling.workloads import RESNET_INPUT, depth_model, mlp_model, stream
 
 
 def _sharded(runner, devices, partition=None):
-  from pipejax import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
   return sharding.ShardedPipeline(runner, make_mesh(devices, 1, jax.devices()[:devices]),
                                   partition=partition)
 
@@ -148,9 +148,9 @@ def two_halves_speedup(b: int, ticks: int, repeats: int, width=512, layers=8) ->
 
 def stacked_mesh_records(num_stages: int, devices: int, ticks: int, repeats: int) -> list[dict]:
   """The depth MLP on a stage mesh, ``ShardedPipeline`` of the ``StackedPipeline`` (each device's
-  piece of the group stacked) against that of the ``Pipeline``: build and compile seconds, the
+  piece of the stack stacked) against that of the ``Pipeline``: build and compile seconds, the
   kernels of one loop iteration (two ticks), samples/s after the fill."""
-  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   pipe = Pipeline(depth_model(num_stages), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
   records, timed = {}, {}

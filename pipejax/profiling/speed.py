@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipejax import methods, models, stages
-from pipejax.engine import Pipeline
+from pipejax import methods, models
+from pipejax.core import stages
+from pipejax.core.engine import Pipeline
 from pipejax.profiling import hlo, workloads
 from pipejax.profiling.timing import TimedRunner, best_times
 from pipejax.profiling.workloads import RESNET_INPUT, stream
-from pipejax.runner import jit as pipeline_jit
+from pipejax.core.runner import jit as pipeline_jit
 
 
 def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False):
@@ -222,7 +223,7 @@ def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int)
   its operations per tick, samples/s after the fill, and the delay lines' bytes held against
   the formula sum_s (D_s + 1)|x_s|.
   """
-  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   model = workloads.depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   tx = optax.sgd(0.01, momentum=0.9)

@@ -1,7 +1,7 @@
 """What the benchmarks run: the networks, their input streams, and the plain optax loop.
 
 The plain loop is the baseline every pipeline is timed against: one optax step of the whole
-network (:func:`pipejax.stages.plain_step`), unpipelined, usually inside ``lax.scan``.
+network (:func:`pipejax.core.stages.plain_step`), unpipelined, usually inside ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import optax
 
-import pipejax
-from pipejax import models, stages
+from pipejax import models
+from pipejax.core import stages
+from pipejax.core.stages import Model, from_flax
 
 WIDTH, LAYERS = 256, 8  # the MLP of 'throughput' and the mesh benchmarks
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
@@ -20,25 +21,25 @@ LM_CONTEXT = 128
 LM_MODEL = {"width": 128, "blocks": 6, "heads": 4}  # configs/char_lm.py's
 
 
-def mlp_model(num_layers: int = LAYERS, width: int = WIDTH) -> pipejax.Model:
+def mlp_model(num_layers: int = LAYERS, width: int = WIDTH) -> Model:
   """num_layers Dense(width) stages with ReLU; the last layer's outputs are the logits."""
-  stages = [pipejax.from_flax(nn.Sequential([nn.Dense(width), nn.relu]), name=f"dense{i}")
+  stages = [from_flax(nn.Sequential([nn.Dense(width), nn.relu]), name=f"dense{i}")
             for i in range(num_layers - 1)]
-  return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(width), name="logits")])
+  return Model(stages + [from_flax(nn.Dense(width), name="logits")])
 
 
-def default_model() -> pipejax.Model:
+def default_model() -> Model:
   """configs/default.py's model: the 784-256-128-10 MLP, one layer per stage."""
   return models.build("mlp", hidden=(256, 128), num_classes=10)
 
 
-def resnet20(conv_impl: str = "auto") -> pipejax.Model:
+def resnet20(conv_impl: str = "auto") -> Model:
   """ResNet-20 with GroupNorm, one conv per stage."""
   return models.build("cifar_resnet20", layers_per_stage=1, normalization="group",
                       conv_impl=conv_impl)
 
 
-def depth_model(num_stages: int) -> pipejax.Model:
+def depth_model(num_stages: int) -> Model:
   """configs/deep_mlp.py's residual MLP (width 128, LayerNorm), one block per stage."""
   return models.build("residual_mlp", num_classes=10, depth=num_stages, width=128, expansion=1,
                       normalization="layer", layers_per_stage=1)
@@ -55,8 +56,8 @@ def stream(num_ticks: int, b: int, shape=(WIDTH,), classes: int = WIDTH):
   return jax.device_put(x), jax.device_put(y)
 
 
-def plain_scan(model: pipejax.Model, tx: optax.GradientTransformation, jit=jax.jit):
+def plain_scan(model: Model, tx: optax.GradientTransformation, jit=jax.jit):
   """The plain loop over a stream, ``(carry, (x, y)) -> (carry, losses)``, jitted by ``jit``
-  (``pipejax.runner.jit``: compiled as the pipeline is) with the carry donated."""
+  (``pipejax.core.runner.jit``: compiled as the pipeline is) with the carry donated."""
   step = stages.plain_step(model, tx)
   return jit(lambda carry, xs: jax.lax.scan(step, carry, xs), donate_argnums=0)

@@ -83,23 +83,23 @@ def check_costs(layers: Sequence[LayerCost], num_devices: int):
         "Use fewer devices, or more (finer) layers.")
 
 
-def contiguous_split(costs: Sequence[float], num_groups: int) -> list[tuple[int, int]]:
-  """Contiguous ``(start, stop)`` groups of ``costs``, none empty, minimizing the largest sum.
+def contiguous_split(costs: Sequence[float], num_parts: int) -> list[tuple[int, int]]:
+  """Contiguous ``(start, stop)`` parts of ``costs``, none empty, minimizing the largest sum.
 
   An exact dynamic programme over split points (O(G S^2)), the usual PipeDream / GPipe stage
-  assignment. Among splits with the same largest sum it takes the one whose costliest groups are
-  shortest, so items that cost nothing are spread rather than piled onto one group. The caller
-  checks its inputs: finite costs >= 0 and 1 <= num_groups <= len(costs).
+  assignment. Among splits with the same largest sum it takes the one whose costliest parts are
+  shortest, so items that cost nothing are spread rather than piled onto one part. The caller
+  checks its inputs: finite costs >= 0 and 1 <= num_parts <= len(costs).
   """
   num_items = len(costs)
   prefix = [0.0] + list(itertools.accumulate(float(c) for c in costs))
   worst = (math.inf, math.inf)
-  # best[g][i]: the best (largest group sum, that group's length) for the first i items in g groups.
-  best = [[worst] * (num_items + 1) for _ in range(num_groups + 1)]
-  split = [[0] * (num_items + 1) for _ in range(num_groups + 1)]
+  # best[g][i]: the best (largest part sum, that part's length) for the first i items in g parts.
+  best = [[worst] * (num_items + 1) for _ in range(num_parts + 1)]
+  split = [[0] * (num_items + 1) for _ in range(num_parts + 1)]
   best[0][0] = (0.0, 0)
-  for g in range(1, num_groups + 1):
-    for i in range(g, num_items - (num_groups - g) + 1):
+  for g in range(1, num_parts + 1):
+    for i in range(g, num_items - (num_parts - g) + 1):
       for j in range(g - 1, i):
         if best[g - 1][j] == worst:
           continue
@@ -107,7 +107,7 @@ def contiguous_split(costs: Sequence[float], num_groups: int) -> list[tuple[int,
         if candidate < best[g][i]:
           best[g][i], split[g][i] = candidate, j
   bounds, stop = [], num_items
-  for g in range(num_groups, 0, -1):
+  for g in range(num_parts, 0, -1):
     start = split[g][stop]
     bounds.append((start, stop))
     stop = start

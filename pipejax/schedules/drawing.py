@@ -2,7 +2,7 @@
 and the figures of each as text tables.
 
 A *grid* is one row per tick, one ``(forward sample, backward sample)`` pair per stage, None where
-the stage idles (``pipejax.accounting.schedule_grid``). A Gantt chart draws the timeline of a
+the stage idles (``pipejax.core.accounting.schedule_grid``). A Gantt chart draws the timeline of a
 :class:`pipejax.schedules.Report`. The PNGs are written with :func:`pipejax.plotting.save`.
 """
 
@@ -32,7 +32,7 @@ def format_grid(grid: Grid) -> str:
 
 
 def format_mode_summary(info: dict) -> str:
-  """:func:`pipejax.accounting.mode_summary` as a table, one line per stage, and its totals."""
+  """:func:`pipejax.core.accounting.mode_summary` as a table, one line per stage, and its totals."""
   lines = ["stage | delay D_s | inputs in flight | buffer slots | stashed bytes"]
   lines += [f"{s:5d} | {info['delays'][s]:9d} | {info['stash_slots'][s]:16d} | "
             f"{info['buffer_slots'][s]:12d} | {info['stash_bytes_per_stage'][s]:13d}"

@@ -24,9 +24,9 @@ from typing import Any
 
 import jax
 
-from pipejax import accounting
+from pipejax.core import accounting
 from pipejax.schedules.costs import LayerCost
-from pipejax.stages import Model
+from pipejax.core.stages import Model
 
 PyTree = Any
 

@@ -109,10 +109,10 @@ def build(schedule: Schedule, work: Sequence[DeviceWork], micro_batches: int,
   num_devices = len(work)
   plan = empty_plan(num_devices)
   if schedule.synchronous:
-    groups = [list(range(k * micro_batches, (k + 1) * micro_batches)) for k in range(iterations)]
+    steps = [list(range(k * micro_batches, (k + 1) * micro_batches)) for k in range(iterations)]
   else:
-    groups = [list(range(num_samples))]
-  for samples in groups:
+    steps = [list(range(num_samples))]
+  for samples in steps:
     # A device runs its fixed ops in order and its floating W in order, so the last of each
     # finishing means all of that device's ops have.
     everything_before = [keys[-1] for device_keys in (plan.order, plan.floating)

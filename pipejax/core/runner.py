@@ -1,0 +1,209 @@
+"""The one interface of a pipeline runner: what training code calls, whatever the layout.
+
+Three runners implement it: :class:`pipejax.core.engine.Pipeline` (one device, stage by stage),
+:class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacks) and
+:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a
+layout of its own; :meth:`Runner.to_logical` gives the device-independent
+:class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
+
+:class:`ScanRunner` is what the two whose tick is one traced function share (``Pipeline`` and
+``StackedPipeline``); :func:`jit` is how every pipeline program is compiled.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from pipejax.core import accounting, checks
+from pipejax.core.state import Batch, PipelineState
+from pipejax.methods import Method
+
+PyTree = Any
+State = Any  # a runner's state in its own layout
+
+
+class TickedPipeline(Protocol):
+  """What a runner reads from the single-device :class:`~pipejax.core.engine.Pipeline` it runs.
+
+  A protocol rather than the class itself, so that the engine imports this module and not the
+  other way round.
+  """
+
+  method: Method
+  example_inputs: PyTree
+  example_labels: PyTree
+
+  @property
+  def num_stages(self) -> int:
+    ...
+
+  def checked_batch(self, inputs, labels, valid, ticks) -> Batch:
+    ...
+
+
+class Runner(Protocol):
+  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline`
+  with the model, the method and the micro-batch shape; the runner advances its state.
+
+  Metrics (of :meth:`tick`, and of :meth:`run` stacked along the time axis): ``loss`` and the
+  loss's own metrics (e.g. ``accuracy``) of the sample that met the loss this tick, ``valid``
+  (False while the pipeline fills), ``sample`` (its index) and ``finite`` (one flag per stage).
+  """
+
+  pipeline: TickedPipeline
+
+  @abc.abstractmethod
+  def init(self, rng: jax.Array, fill_value: float = 0.0) -> State:
+    """A fresh state in the runner's layout: the same numbers as ``pipeline.init(rng)``."""
+
+  @abc.abstractmethod
+  def run(self, state: State, inputs, labels, valid=None) -> tuple[State, dict]:
+    """Advances ``T`` ticks; inputs and labels have a leading time axis of size T.
+
+    The state is donated: do not use the ``state`` passed in afterwards. ``valid`` (bool per
+    tick; default all True) feeds empty slots where False (drain, synchronous bubbles).
+    """
+
+  @abc.abstractmethod
+  def tick(self, state: State, inputs, labels, valid=True) -> tuple[State, dict]:
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; metrics without a time axis."""
+
+  @abc.abstractmethod
+  def to_logical(self, state: State) -> PipelineState:
+    """The device-independent :class:`~pipejax.core.state.PipelineState` (what checkpoints hold)."""
+
+  @abc.abstractmethod
+  def from_logical(self, logical_state: PipelineState) -> State:
+    """A logical state laid out in the runner's layout."""
+
+  @abc.abstractmethod
+  def every_slot_full(self, state: State) -> bool:
+    """True when every delay-line slot and forward register holds a real micro-batch.
+
+    Then, if every micro-batch fed next is real too, every backward of the coming ticks is real:
+    it reads either a slot that is full now or one written from the new micro-batches.
+    """
+
+  def drain(self, state: State) -> tuple[State, dict | None]:
+    """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
+    pipeline = self.pipeline
+    ticks = accounting.fill_ticks(pipeline.num_stages)
+    if ticks == 0:
+      return state, None
+    empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
+    return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
+                    jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
+
+  def to_ticks(self, inputs, labels) -> tuple[PyTree, PyTree, np.ndarray]:
+    """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
+
+    Asynchronous methods take one micro-batch per tick. The synchronous mode feeds each step's M
+    micro-batches followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid)
+    per tick.
+    """
+    count = checks.stream_length(inputs, labels)
+    m = self.pipeline.method.micro_batches_per_step
+    if m is None:
+      return inputs, labels, np.ones((count,), bool)
+    checks.check_whole_steps(count, m)
+    gap = accounting.bubble_ticks(self.pipeline.num_stages, m)
+    steps = count // m
+
+    def spread(a):
+      a = np.asarray(a).reshape((steps, m) + a.shape[1:])
+      pad = np.zeros((steps, gap) + a.shape[2:], a.dtype)
+      return np.concatenate([a, pad], axis=1).reshape((steps * (m + gap),) + a.shape[2:])
+
+    valid = spread(np.ones((count,), bool))
+    return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
+
+
+def jit(fn, **kwargs):
+  """``jax.jit`` with the compiler options every pipeline program is built with.
+
+  On a CPU and a GPU, XLA's default copy insertion copies every loop-carried weight whose old
+  value is read by work the update does not depend on (the forward, the input gradient, a weight
+  stash). Region-based copy insertion sees that those reads end before the in-place update and
+  keeps no copy. It changes which buffers are copied, never a value.
+  """
+  option = REGION_ANALYSIS_OPTION.get(jax.default_backend())
+  if option:
+    kwargs.setdefault("compiler_options", {option: True})
+  return jax.jit(fn, **kwargs)
+
+
+# Per backend, the XLA option that :func:`jit` turns on: region-based copy insertion.
+REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
+                           "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
+
+
+class ScanRunner(Runner):
+  """What a runner whose tick is one traced function shares (:class:`pipejax.core.engine.Pipeline`,
+  :class:`pipejax.parallel.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
+  checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
+  ``check_state(state)``, and builds the programs with :meth:`_compile`.
+  """
+
+  @abc.abstractmethod
+  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
+    """One tick of a checked :class:`Batch`: ``(state, metrics)``, traceable."""
+
+  @abc.abstractmethod
+  def check_state(self, state) -> None:
+    """Refuses a state of another runner, or one whose buffers an earlier run() consumed."""
+
+  def tick(self, state, inputs, labels, valid=True):
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
+
+    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
+    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
+    ``finite`` (one flag per stage).
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    return self._jit_tick(state, batch)
+
+  def run(self, state, inputs, labels, valid=None):
+    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
+
+    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
+    stacked along T.
+
+    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
+    real: PB after its fill), a second compiled version runs without the per-stage guard against
+    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
+    same numbers up to float rounding (the two programs fuse differently); which one runs depends
+    only on the state and the stream, so a resumed run still repeats the original bit for bit.
+    """
+    self.check_state(state)
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
+      return self._jit_run_full(state, batch)
+    return self._jit_run(state, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
+    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
+
+  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
+    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
+    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
+    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    program = self._jit_run_full if every_slot_full else self._jit_run
+    return program.lower(state, batch)
+
+  def _run(self, state, batches: Batch, every_slot_full: bool = False):
+    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
+                        batches)
+
+  def _compile(self):
+    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
+    return (jit(self._tick), jit(self._run, donate_argnums=0),
+            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))

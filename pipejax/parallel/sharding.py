@@ -1,0 +1,380 @@
+"""Pipelined Backpropagation over many devices: ``shard_map`` over a ``('data', 'stage')`` mesh.
+
+Each device on the ``stage`` axis owns a contiguous shard of logical stages and advances it with
+the engine's own :meth:`pipejax.core.engine.Pipeline.advance_stages`: there is no second engine, and
+delays, delay lines and optimizer states stay per logical stage. Devices on the optional ``data``
+axis run replicas of the pipeline on different parts of every micro-batch and average each stage's
+weight gradient (``lax.pmean``) before the stage's update, so all replicas keep the same weights.
+
+The state is packed into per-device buffers of one shape on every device, ``shared`` ones
+replicated over ``data`` and ``local`` ones split along the micro-batch
+(:class:`~pipejax.parallel.sharded_layout.ShardedLayout`, which also moves states between the host,
+the mesh and the logical layout). The two registers that leave a shard, its last stage's forward
+packet and its first stage's cotangent, sit at the same place in every device's buffers.
+
+**A tick** (inside ``lax.scan`` inside ``shard_map``): (1) each device cuts its outgoing registers
+from the carry, i.e. what its shard wrote last tick, and ``lax.ppermute`` moves them one device on
+(forward packet ``d -> d+1``, cotangent ``d -> d-1``); (2) ``lax.switch`` on
+``lax.axis_index('stage')`` runs branch d, which unpacks shard d at static offsets, takes its
+inbound packet (the batch on device 0) and cotangent (None on the last device) from the received
+messages, calls ``advance_stages``, and writes the new shard state back (a whole buffer by a
+reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
+exactly what the single-device tick reads (registers written by the previous tick), so the
+timing, and with it every number, is that of :meth:`~pipejax.core.engine.Pipeline.run`.
+
+XLA writes a conditional's results into buffers of its own, never into its operands', so a loop
+that carried the state through the switch copied every weight and optimizer state back once per
+tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
+writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
+Delay lines (PipeDream's weight stashes among them) are not in the two sets: a tick changes one
+slot of each, so the switch returns that slot alone and the loop writes it in place after the
+switch (``packing.ring_windows``), instead of rewriting the whole line into the other set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+
+from pipejax.parallel import packing, stacking
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline, TickOptions
+from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
+from pipejax.parallel.packing import SHARED, PackedState
+from pipejax.parallel.partition import check_partition, param_counts, partition_stages
+from pipejax.core.runner import Runner, jit
+from pipejax.parallel.sharded_layout import ShardedLayout
+from pipejax.core.state import Batch, Packet, PipelineState
+
+
+class ShardedPipeline(Runner):
+  """A :class:`~pipejax.core.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
+
+  Args:
+    pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
+      is the global one; each data replica takes ``b / data`` samples of it. A
+      :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece
+      of every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
+      state and the numbers are the same.
+    mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
+      :func:`pipejax.parallel.mesh.make_mesh`).
+    partition: explicit ``(start, stop)`` shards of logical stages, one per stage-axis device.
+      Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
+    costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
+      :func:`pipejax.parallel.partition.measure_stage_costs`).
+    packing_policy: how a shard's state is packed: ``'slots'`` (each state leaf in a buffer of its
+      own, padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
+      buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
+      Results are identical; slots are faster because XLA updates them in place.
+
+  Raises:
+    MeshError: more stage-axis devices than stages, a data axis that does not divide ``b``, a bad
+      partition or a mesh without a ``stage`` axis.
+  """
+
+  def __init__(self, pipeline: Pipeline, mesh: Mesh, partition=None, costs=None,
+               packing_policy: str = "auto"):
+    if packing_policy not in ("auto", "flat", "slots"):
+      raise MeshError("packing_policy must be 'auto', 'flat' or 'slots'; got "
+                      f"{packing_policy!r}.")
+    runner = pipeline
+    # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
+    pipeline, self.runs = stacking.pipeline_and_runs(runner)
+    # Where stages are stacked, the initial state is made stacked: that program does not grow
+    # with depth, and it makes the per-stage init's bits.
+    self._stacked = runner if self.runs is not None else None
+    self.pipeline = pipeline
+    self.mesh = normalized_mesh(mesh)
+    self.num_shards = self.mesh.shape[STAGE]
+    self.num_replicas = self.mesh.shape[DATA]
+    num_stages = pipeline.num_stages
+    if self.num_shards > num_stages:
+      raise MeshError(
+          f"The mesh's stage axis has {self.num_shards} devices but the pipeline has only "
+          f"{num_stages} logical stages; each stage-axis device needs at least one stage. Use "
+          f"mesh.stage <= {num_stages} (and put the other devices on the data axis), or split the "
+          "model into more stages.")
+    b = pipeline.micro_batch_size
+    if b % self.num_replicas:
+      raise MeshError(
+          f"The data axis has {self.num_replicas} replicas but the micro-batch has b = {b} "
+          "samples, which does not divide evenly. Choose a micro-batch size that is a multiple "
+          f"of {self.num_replicas} or a data axis size that divides {b}.")
+    if partition is not None:
+      self.partition = check_partition(partition, num_stages, self.num_shards)
+    else:
+      if costs is None:
+        costs = param_counts(pipeline)
+      if len(costs) != num_stages:
+        raise MeshError(f"Got {len(costs)} stage costs for a pipeline of {num_stages} stages.")
+      self.partition = partition_stages(costs, self.num_shards)
+    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, packing_policy)
+    self.packing = self._mesh_layout.packing
+    self.packing_policy = self.packing.policy  # "auto" resolved
+    self._max_shard = max(z - a for a, z in self.partition)
+    metrics = pipeline.metric_shapes()
+    self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
+    out_shardings = (self._mesh_layout.state_shardings(), self._mesh_layout.replicated)
+    self._jit_run = jit(self._run, donate_argnums=0, out_shardings=out_shardings)
+    self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
+                             donate_argnums=0, out_shardings=out_shardings)
+
+  # ------------------------------------------------------------------ facts
+
+  @property
+  def num_stages(self) -> int:
+    return self.pipeline.num_stages
+
+  @property
+  def ticks_per_iteration(self) -> int:
+    """Ticks per iteration of the compiled loop of :meth:`run`: 2 on a stage axis of several
+    devices, which advances two ticks per iteration (see :func:`_ping_pong`), else 1."""
+    return 1 if self.num_shards == 1 else 2
+
+  def stage_to_device(self) -> list[int]:
+    """Index on the stage axis of the device that owns each logical stage."""
+    return [d for d, (a, z) in enumerate(self.partition) for _ in range(a, z)]
+
+  def buffer_sizes(self) -> dict[str, int]:
+    """Elements per device of each packed buffer, keyed ``'shared/float32'`` etc."""
+    return {f"{k[0]}/{packing.buffer_name(k)}": v
+            for k, v in sorted(self.packing.buffer_sizes.items())}
+
+  # ------------------------------------------------------------------ state
+
+  def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
+    """``from_logical(pipeline.init(rng, fill_value))``: the same initial state as one device."""
+    if self._stacked is not None:
+      return self.from_logical(self._stacked.to_logical(self._stacked.init(rng, fill_value)))
+    return self.from_logical(self.pipeline.init(rng, fill_value))
+
+  def from_logical(self, state: PipelineState) -> PackedState:
+    """Lays a logical :class:`PipelineState` out over the mesh (works in multi-process runs).
+
+    Every process passes the same logical state; each keeps only its own devices' parts.
+    """
+    if len(state.stages) != self.num_stages:
+      raise PipelineError(f"The state has {len(state.stages)} stages; this pipeline has "
+                          f"{self.num_stages}.")
+    self.pipeline.check_state(state)
+    return self._mesh_layout.from_logical(state)
+
+  def check_state(self, packed: PackedState) -> None:
+    """Refuses a logical state, a state of another mesh or pipeline, or one a run consumed."""
+    self._mesh_layout.check_state(packed)
+
+  def to_logical(self, packed: PackedState) -> PipelineState:
+    """The logical :class:`PipelineState` (for checkpoints and comparisons).
+
+    In a multi-process run every process must call it (it gathers the other processes' parts).
+    """
+    return self._mesh_layout.to_logical(packed)
+
+  # ------------------------------------------------------------------ running
+
+  def run(self, packed: PackedState, inputs, labels, valid=None):
+    """Advances ``T`` ticks; the same arguments and metrics as :meth:`Pipeline.run`.
+
+    ``inputs``/``labels`` have shape ``(T, b, ...)`` with the global micro-batch ``b``; each data
+    replica takes its ``b / data`` slice. ``packed`` is donated. Metrics come back replicated on
+    every device (readable in every process): ``loss`` and the loss's metrics averaged over the
+    data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
+    """
+    self.check_state(packed)
+    if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
+      # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
+      batch = Batch(inputs, labels, valid)
+    else:
+      batch = self.placed_batch(inputs, labels, valid)
+    if bool(np.all(to_host(batch.valid))) and self.every_slot_full(packed):
+      return self._jit_run_full(packed, batch)
+    return self._jit_run(packed, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between, ``(filling, full)``, each taking the
+    packed state and a :meth:`placed_batch` (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
+
+  def placed_batch(self, inputs, labels, valid=None) -> Batch:
+    """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""
+    return self._mesh_layout.place_batch(
+        self.pipeline.checked_batch(inputs, labels, valid, ticks=True))
+
+  def tick(self, packed: PackedState, inputs, labels, valid=True):
+    """One tick (``run`` with T = 1); metrics without the time axis."""
+    add_time = lambda tree: jax.tree.map(lambda a: np.asarray(a)[None], tree)
+    packed, metrics = self.run(packed, add_time(inputs), add_time(labels),
+                               np.asarray(valid, bool)[None])
+    return packed, jax.tree.map(lambda a: a[0], metrics)
+
+  def every_slot_full(self, packed: PackedState) -> bool:
+    """:meth:`Pipeline.every_slot_full` of the packed state, reading only its flags.
+
+    The flags are the state's boolean leaves (delay-line and packet ``valid``); only those small
+    buffers come to the host. Any other boolean leaf that is False (none of the built-in
+    optimizers keeps one) would only keep the guarded program running.
+    """
+    return self._mesh_layout.flags_all_set(packed)
+
+  # ------------------------------------------------------------------ the tick on the mesh
+
+  def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
+    buffers = self._mesh_layout.buffers(packed)
+    buffer_specs = {k: self._mesh_layout.partition_spec(k) for k in buffers}
+    batch_specs = Batch(jax.tree.map(lambda _: P(None, DATA), batch.inputs),
+                        jax.tree.map(lambda _: P(None, DATA), batch.labels), P())
+    metric_specs = {k: P(None, STAGE) for k in self._metric_template}
+    run_on_device = jax.shard_map(
+        functools.partial(self._device_run, every_slot_full=every_slot_full), mesh=self.mesh,
+        in_specs=(buffer_specs, P(), P(), batch_specs),
+        out_specs=(buffer_specs, P(), P(None, STAGE), metric_specs),
+        check_vma=False)  # replicas stay equal through pmean; the checker cannot see that
+    buffers, tick, finite, last = run_on_device(buffers, packed.tick, packed.rng, batch)
+    # finite: (T, stage * max_shard), device d's stages first; pick logical stage s's flag.
+    num_ticks = finite.shape[0]
+    finite = finite.reshape(num_ticks, self.num_shards, self._max_shard)
+    device = np.array(self.stage_to_device())
+    position = np.array([s - self.partition[d][0] for s, d in enumerate(device)])
+    metrics = {k: v[:, -1] for k, v in last.items()}  # the last stage lives on the last device
+    metrics["finite"] = finite[:, device, position]
+    return self._mesh_layout.packed_state(buffers, tick, packed.rng), metrics
+
+  def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
+    """One device's ``T`` ticks (inside ``shard_map``): exchange registers, run its shard."""
+    carry_shapes = self.packing.carry_shapes()
+    buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
+    rings = {k: buffers.pop(k) for k in self.packing.ring_widths}
+    branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
+                for d in range(self.num_shards)]
+    group_index = jax.lax.axis_index(STAGE)
+
+    def one_tick(buffers, rings, tick, tick_batch):
+      """The state after one tick (a new set of buffers, the delay lines written in place), and
+      the tick's metrics."""
+      packet_msg, cotangent_msg = self._exchange(buffers)
+      operands = ({**buffers, **rings}, packet_msg, cotangent_msg, tick_batch, tick, rng)
+      if self.num_shards == 1:
+        buffers, windows, finite, last = branches[0](*operands)
+      else:
+        buffers, windows, finite, last = jax.lax.switch(group_index, branches, *operands)
+      return buffers, packing.write_windows(rings, windows), (finite, last)
+
+    if self.num_shards == 1:
+      def step(carry, tick_batch):
+        buffers, rings, tick = carry
+        buffers, rings, outputs = one_tick(buffers, rings, tick, tick_batch)
+        return (buffers, rings, tick + 1), outputs
+
+      (buffers, rings, tick), (finite, last) = jax.lax.scan(step, (buffers, rings, tick), batch)
+    else:
+      buffers, rings, tick, (finite, last) = _ping_pong(one_tick, buffers, rings, tick, batch)
+    buffers.update(rings)
+    if self.num_replicas > 1:  # a replica's loss is its b/data samples' mean: mean of means
+      last = {k: jax.lax.pmean(v, DATA) if jnp.issubdtype(v.dtype, jnp.inexact) else v
+              for k, v in last.items()}
+    buffers = {k: v.reshape((1,) * (1 if k[0] == SHARED else 2) + (v.size,))
+               for k, v in buffers.items()}
+    return buffers, tick, finite, {k: v[:, None] for k, v in last.items()}
+
+  def _exchange(self, buffers):
+    """Sends the registers the shard wrote last tick: packet to d+1, cotangent to d-1."""
+    if self.num_shards == 1:
+      return None, None
+    cut = lambda regions: {k: jax.lax.slice_in_dim(buffers[k].reshape(-1), a, z)
+                           for k, (a, z) in regions.items()}
+    forward = [(d, d + 1) for d in range(self.num_shards - 1)]
+    backward = [(d + 1, d) for d in range(self.num_shards - 1)]
+    return (jax.lax.ppermute(cut(self.packing.packet_region), STAGE, forward),
+            jax.lax.ppermute(cut(self.packing.cotangent_region), STAGE, backward))
+
+  def _advance_group(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
+                     rng, every_slot_full: bool = False):
+    """lax.switch branch d: unpack shard d at static offsets, advance it one tick, pack it back."""
+    plan = self.packing
+    body_placement = plan.body_placements[d]
+    packet_placement, cotangent_placement = plan.packet_placements[d], plan.cotangent_placements[d]
+    shard = packing.join_shard(packing.read_tree(buffers, body_placement),
+                               packing.read_tree(buffers, packet_placement),
+                               packing.read_tree(buffers, cotangent_placement))
+    if d == 0:
+      inbound = Packet(tick_batch.inputs, tick_batch.labels, tick_batch.valid, tick)
+    else:  # what shard d-1's last stage forwarded last tick, cut from its packet region
+      inbound = packing.read_tree(packet_msg, plan.packet_placements[d - 1])
+    cotangent = None
+    if d < self.num_shards - 1:  # what shard d+1's first stage sent back last tick
+      region_starts = {k: a for k, (a, _) in plan.cotangent_region.items()}
+      cotangent = packing.read_tree(cotangent_msg, plan.cotangent_placements[d + 1], region_starts)
+    start = self.partition[d][0]
+    ring_widths = plan.ring_widths
+    options = TickOptions(
+        reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
+        every_slot_full=every_slot_full, delay_line_entries=bool(ring_widths))
+    advance = (self.pipeline.advance_stages if self.runs is None
+               else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
+    shard, stage_metrics = advance(start, shard, inbound, cotangent, tick, rng, options)
+    body, packet, cotangent_out = packing.split_shard(shard)
+    windows = packing.ring_windows(buffers, body_placement, body, tick, ring_widths)
+    buffers = packing.write_tree(buffers, body_placement, body, skip=ring_widths)
+    buffers = packing.write_tree(buffers, packet_placement, packet)
+    buffers = packing.write_tree(buffers, cotangent_placement, cotangent_out)
+    buffers = {k: v for k, v in buffers.items() if k not in ring_widths}
+    finite = jnp.stack([m["finite"] for m in stage_metrics])
+    finite = jnp.pad(finite, (0, self._max_shard - finite.shape[0]))
+    if d == self.num_shards - 1:
+      last = {k: v for k, v in stage_metrics[-1].items() if k != "finite"}
+    else:
+      last = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._metric_template.items()}
+    return buffers, windows, finite, last
+
+
+def _ping_pong(one_tick, buffers, rings, tick, batch: Batch):
+  """``T`` ticks of ``one_tick`` (whose ``lax.switch`` returns new buffers), two per iteration.
+
+  XLA cannot update a conditional's operands in place: the branch that runs writes its results
+  into the conditional's own output buffers. A loop that carries the state through the
+  conditional then copies them back into the loop's buffers, every weight and optimizer state
+  once per tick (2.2 passes over a device's weights, docs/performance.md). So the loop carries a
+  second, spare set: the first tick of an iteration reads set A and writes set B, the second reads
+  B and writes A, and what each conditional writes is the set whose old contents nothing reads
+  any more. The spare set takes the memory that the conditional's output buffers took. The delay
+  lines (``rings``), of which a tick rewrites one slot, are not in the sets: the conditional
+  returns the slot, and ``one_tick`` writes it in place after the conditional.
+
+  Why not the alternatives. Stacking homogeneous stages under ``vmap`` with no switch at all needs
+  every device to run the same code, which no model here does: the first device reads the batch,
+  the last holds the head and the loss, and stages often differ in shape (784-256-128-10).
+  Returning only small results from the switch and updating the buffers outside it would move
+  the optimizer's update out of the stage's code: the switch would return the weight gradients,
+  an array as large as the weights, written and read once more per tick, and the engine's tick
+  would have to be cut in two. Two sets of buffers work for every model and method as they are.
+  An odd ``T`` runs its last tick after the loop (a third copy of the program's branches).
+  """
+  num_ticks = jax.tree.leaves(batch)[0].shape[0]
+  pairs, odd = divmod(num_ticks, 2)
+  outputs = []
+  if pairs:
+    def two_ticks(carry, pair_batch):
+      (buffers, spare), rings, tick = carry
+      first, second = (jax.tree.map(lambda a, i=i: a[i], pair_batch) for i in (0, 1))
+      spare, rings, first_outputs = one_tick(buffers, rings, tick, first)
+      buffers, rings, second_outputs = one_tick(spare, rings, tick + 1, second)
+      both = jax.tree.map(lambda a, b: jnp.stack([a, b]), first_outputs, second_outputs)
+      return ((buffers, spare), rings, tick + 2), both
+
+    in_pairs = jax.tree.map(lambda a: a[:2 * pairs].reshape((pairs, 2) + a.shape[1:]), batch)
+    spare = jax.tree.map(jnp.zeros_like, buffers)  # overwritten whole by the first tick
+    ((buffers, _), rings, tick), paired = jax.lax.scan(two_ticks, ((buffers, spare), rings, tick),
+                                                       in_pairs)
+    outputs.append(jax.tree.map(lambda a: a.reshape((2 * pairs,) + a.shape[2:]), paired))
+  if odd:
+    buffers, rings, last_outputs = one_tick(buffers, rings, tick,
+                                            jax.tree.map(lambda a: a[-1], batch))
+    outputs.append(jax.tree.map(lambda a: a[None], last_outputs))
+    tick = tick + 1
+  return buffers, rings, tick, jax.tree.map(lambda *parts: jnp.concatenate(parts), *outputs)
+

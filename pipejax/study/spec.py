@@ -1,0 +1,210 @@
+"""Studies: a grid of training runs declared in a file.
+
+A study file (``configs/studies/*.py``) defines ``get_study(arg)`` returning a :class:`Study`: the
+training config every run starts from, the grid of overrides (method x depth x seed x ...), what
+the report shows. This module holds that declaration and each run's identity and trainer flags;
+``pipejax.study.launcher`` runs the grid as trainer processes, ``pipejax.study.records`` keeps one
+record per run in ``results.jsonl``, ``pipejax.study.cells`` gathers the records into cells, and
+``pipejax.study.report`` and ``pipejax.study.figures`` make the tables, statistics and figures
+from the records alone, so a report can be regenerated, merged or published without the runs'
+workdirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import os
+from typing import Any, Sequence
+
+Overrides = dict[str, Any]
+
+
+class StudyError(ValueError):
+  """A study file or a study workdir is unusable; the message says how to fix it."""
+
+
+# How reports name the grid keys most studies sweep.
+KEY_NAMES = {"model_kwargs.depth": "stages", "reference.lr": "reference lr",
+             "micro_batch_size": "micro-batch", "method": "method"}
+TABLE_KINDS = ("mean", "gap", "stability", "cells", "tuned")
+FIGURE_KINDS = ("mean", "gap", "staleness", "curves")
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A markdown table of one metric: ``rows`` x ``columns`` (two grid keys).
+
+  kind: 'mean' (n, mean and 95% CI of ``metric`` over seeds), 'gap' (the gap to the study's
+  baseline paired by seed, with its 95% CI and p-value), 'stability' (per column value, the
+  interval of ``rows`` values between the largest that trains and the smallest that fails),
+  'cells' (one line per grid point, whatever keys set it: its mean and its gap to the baseline;
+  ``rows`` and ``columns`` are unused) or 'tuned' (per column value, the ``rows`` value with the
+  best mean, and the gap there to the baseline at the baseline's own best value).
+
+  ``metric`` is a record field (``test_accuracy``, ``test_loss``) or ``samples_to:A``: the
+  training samples a run took to first reach test accuracy A (runs that never did are counted
+  as 'not reached').
+  """
+
+  title: str
+  rows: str
+  columns: str
+  kind: str = "mean"
+  metric: str = "test_accuracy"
+  where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
+  scale: float = 100.0  # cells show metric * scale (accuracy in percent)
+  decimals: int = 2
+  # How the gap sentences name the baseline, where the study's own name for it would mislead
+  # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
+  baseline_label: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  """A PNG of ``metric`` against grid key ``x``, one line per ``series`` value.
+
+  kind 'mean' and 'gap' draw the cells' means with 95% CIs, diverged runs in a band of their own
+  below the axis; 'curves' draws the mean test accuracy over training samples (with its 95% CI)
+  at the grid point ``where``; 'staleness' draws each series' per-stage weight discrepancy (the
+  runs' diagnostics) at the grid point ``where``.
+  """
+
+  file: str
+  x: str
+  series: str
+  kind: str = "mean"
+  metric: str = "test_accuracy"
+  log_x: bool = False
+  where: tuple = ()  # ((key, value), ...): only runs with these overrides
+  title: str = ""  # for a reader: never a config key
+  x_label: str = ""
+  x_unit: float = 1.0  # x is drawn as value / x_unit (a learning rate as a multiplier)
+  threshold: float | None = None  # a horizontal line at this metric value, e.g. a stability bar
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A grid of training runs and what to report about them.
+
+  Attributes:
+    name: Short name, used in titles.
+    config: The training config file every run starts from (relative to the repository root),
+      optionally with its argument, e.g. 'configs/deep_mlp.py:smoke'.
+    grids: Each a mapping from a config key (dotted, e.g. 'model_kwargs.depth') to the values it
+      takes; the study runs the union of the grids' cartesian products.
+    fixed: Overrides applied to every run.
+    baseline: Overrides that select the baseline of gaps, e.g. {'method': 'sgd'}.
+    tables, figures: What the report shows.
+    min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
+      accuracy is at least this.
+    margin: When set (a fraction of the metric: 0.005 is half a point of accuracy), each gap
+      gets a non-inferiority and an equivalence verdict at this margin (one and two one-sided
+      paired t-tests).
+    labels: Readable names of grid values for the report's text and figures, e.g.
+      {'pb_sc_lwp': 'PB + SC + LWP'}.
+    skip_beyond_failure: A grid key along which failure is taken to persist (a learning rate):
+      a run whose point, with a smaller value of this key and the same seed, already diverged or
+      ended below ``min_accuracy`` is not run but recorded as skipped. Saves the costly runs of
+      a stability sweep that cannot change its answer.
+  """
+
+  name: str
+  config: str
+  grids: Sequence[dict[str, Sequence[Any]]]
+  fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+  baseline: dict[str, Any] = dataclasses.field(default_factory=dict)
+  tables: Sequence[Table] = ()
+  figures: Sequence[Figure] = ()
+  min_accuracy: float = 0.0
+  skip_beyond_failure: str | None = None
+  margin: float | None = None
+  labels: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    for table in self.tables:
+      if table.kind not in TABLE_KINDS:
+        raise StudyError(f"Table {table.title!r}: kind {table.kind!r} is not one of "
+                         f"{', '.join(TABLE_KINDS)}.")
+    for figure in self.figures:
+      if figure.kind not in FIGURE_KINDS:
+        raise StudyError(f"Figure {figure.file!r}: kind {figure.kind!r} is not one of "
+                         f"{', '.join(FIGURE_KINDS)}.")
+    if self.margin is not None and not (isinstance(self.margin, (int, float)) and
+                                        0 < self.margin < 1):
+      raise StudyError(f"Study {self.name!r}: margin must be a fraction in (0, 1) of the metric "
+                       f"(0.005 is half a point of accuracy); got {self.margin!r}.")
+
+  def label(self, value: Any) -> str:
+    """How the report names a grid key or value: ``labels``, then a method's display name, else
+    the value itself."""
+    from pipejax.methods import DISPLAY_NAMES  # pylint: disable=import-outside-toplevel
+    text = str(value)
+    return self.labels.get(text, DISPLAY_NAMES.get(text, KEY_NAMES.get(text, text)))
+
+  def baseline_label(self) -> str:
+    """How the report names the baseline of gaps, e.g. 'SGD'."""
+    return ", ".join(self.label(v) for v in self.baseline.values())
+
+  def runs(self) -> list[Overrides]:
+    """Every run's grid overrides, in a stable order (grids in order, products in order)."""
+    seen, runs = set(), []
+    for grid in self.grids:
+      keys = list(grid)
+      for values in itertools.product(*(grid[k] for k in keys)):
+        run = dict(zip(keys, values))
+        if run_id(run) not in seen:
+          seen.add(run_id(run))
+          runs.append(run)
+    return runs
+
+  def keys(self) -> list[str]:
+    """The grid keys, in first-seen order."""
+    return list(dict.fromkeys(k for grid in self.grids for k in grid))
+
+
+def load_study(spec: str) -> Study:
+  """Loads ``path[:arg]``: the file's ``get_study(arg)``."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise StudyError(f"No study file {path!r}. Give the path of a file under configs/studies/, "
+                     "e.g. --study=configs/studies/depth.py (append :smoke for the quick variant).")
+  module_spec = importlib.util.spec_from_file_location("pipejax_study_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  if not hasattr(module, "get_study"):
+    raise StudyError(f"{path} defines no get_study(arg); a study file returns a "
+                     "pipejax.study.Study from get_study (see configs/studies/depth.py).")
+  try:
+    study = module.get_study(arg or None)
+  except ValueError as e:  # the study files' way of refusing an unknown variant
+    raise StudyError(f"{path}: {e}") from None
+  if not isinstance(study, Study):
+    raise StudyError(f"{path}: get_study returned {type(study).__name__}, not a Study.")
+  for run in study.runs():
+    if "seed" in run and not isinstance(run["seed"], int):
+      raise StudyError(f"{path}: seeds must be integers; got {run['seed']!r}.")
+  return study
+
+
+# ----------------------------------------------------------------------------- a run's identity and flags
+
+
+def run_id(overrides: Overrides) -> str:
+  """A file-name-safe id of a run, e.g. 'method=pb,model_kwargs.depth=32,seed=0'."""
+  parts = [f"{k}={format_value(v)}" for k, v in overrides.items()]
+  return ",".join(parts).replace("/", "_").replace(" ", "")
+
+
+def format_value(value: Any) -> str:
+  """A value as the trainer's ``--config.KEY=VALUE`` flag takes it."""
+  if isinstance(value, (tuple, list)):
+    return "(" + ",".join(format_value(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+  return str(value)
+
+
+def trainer_flags(study: Study, overrides: Overrides) -> list[str]:
+  """The trainer's ``--config.KEY=VALUE`` flags of one run: the study's fixed ones, then the grid's."""
+  merged = {**study.fixed, **overrides}
+  return [f"--config.{k}={format_value(v)}" for k, v in merged.items()]

@@ -1,0 +1,1 @@
+"""The trainer: a config in, a trained, checkpointed and evaluated run out (scripts/train.py)."""

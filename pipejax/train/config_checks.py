@@ -1,0 +1,332 @@
+"""Every check of a training config before anything is built, trained or resumed.
+
+:func:`validate` checks each field (types, ranges, known names; the model's keywords by building
+it once); :func:`check_resumable` compares the config with the one a checkpoint was written with;
+:func:`check_memory` refuses a chunk or a state that cannot fit. Each error is a
+:class:`ConfigError` whose message names the field and how to fix it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from pipejax.core import accounting
+from pipejax import data as data_lib
+from pipejax import methods as methods_lib
+from pipejax import models as models_lib
+from pipejax.train.checkpoint import CheckpointError
+from pipejax.core.stages import ModelError
+
+class ConfigError(ValueError):
+  """The config is inconsistent; the message names the field and how to fix it."""
+
+
+
+def validate(config) -> None:
+  """Checks every field of the config before anything is created, loaded or compiled."""
+  if config.method not in methods_lib.METHODS:
+    raise ConfigError(f"config.method={config.method!r} is not a known method. Known methods: "
+                      f"{', '.join(methods_lib.METHODS)}.")
+  if config.model not in models_lib.names():
+    raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
+                      f"{', '.join(models_lib.names())}.")
+  _validate_values(config)
+  traits = methods_lib.traits_of(config.method)
+  if config.sgd_stage_rates and (not traits.one_stage or config.optimizer != "sgd"):
+    raise ConfigError(f"config.sgd_stage_rates={config.sgd_stage_rates!r} gives the layers of "
+                      "the one-stage momentum-SGD baseline per-stage rates; it needs "
+                      f"--config.method=sgd and --config.optimizer=sgd (got method "
+                      f"{config.method!r}, optimizer {config.optimizer!r}).")
+  if not 0 <= config.pipemare_anneal_fraction <= 1:
+    raise ConfigError(f"config.pipemare_anneal_fraction must be in [0, 1] (a fraction of the "
+                      f"run's steps); got {config.pipemare_anneal_fraction!r}.")
+  if traits.accumulates_micro_batches and config.ticks_per_chunk % config.micro_batches:
+    raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
+                      f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
+  if config.schedule == "cosine" and config.warmup_epochs > config.epochs:
+    raise ConfigError(
+        f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
+        f"{config.epochs}): the learning rate would never reach its peak and never decay. Set "
+        "--config.warmup_epochs to at most --config.epochs.")
+  if config.dataset not in data_lib.NAMES:
+    raise ConfigError(f"config.dataset={config.dataset!r} is not a known data set. Known data "
+                      f"sets: {', '.join(data_lib.NAMES)}.")
+  _check_model(config)
+
+
+def model_kwargs(config) -> dict:
+  """The model builder's keywords: ``config.model_kwargs``, one stage for method 'sgd'."""
+  kwargs = dict(config.model_kwargs)
+  if methods_lib.traits_of(config.method).one_stage:
+    # The reference without a pipeline: the whole network as one stage, where the engine is
+    # exactly plain optax training (tests/core/test_engine.py proves the identity). It starts from the
+    # weights of the split the config names (pipejax.train.experiment.Setup.initial_weights_from).
+    kwargs["layers_per_stage"] = None
+  return kwargs
+
+
+def _check_model(config) -> None:
+  """Builds the model once with placeholder classes: its keywords' names, types and values.
+
+  Building only creates the stage objects (no weights), so a misspelt keyword or an impossible
+  value is refused before the workdir exists.
+  """
+  kwargs = model_kwargs(config)
+  builder = models_lib.registry._BUILDERS[config.model]  # pylint: disable=protected-access
+  defaults = {k: p.default for k, p in inspect.signature(builder).parameters.items()}
+  for name, value in kwargs.items():
+    default = defaults.get(name, inspect.Parameter.empty)
+    wanted = _same_kind(default, value)
+    if wanted:
+      raise ConfigError(
+          f"config.model_kwargs.{name} must be {wanted} (model {config.model!r} takes {name}="
+          f"{default!r} by default); got {value!r}. Set it with "
+          f"--config.model_kwargs.{name}=VALUE.")
+  try:
+    models_lib.build(config.model, **kwargs)
+  except ModelError:
+    raise
+  except (TypeError, ValueError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ConfigError(f"config.model_kwargs {kwargs} cannot build model {config.model!r}: "
+                      f"{first}. Check the values given with --config.model_kwargs.*.") from None
+
+
+def _same_kind(default, value) -> str | None:
+  """What ``value`` must be to stand where the builder's ``default`` stands, or None if it may."""
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+  if default is inspect.Parameter.empty or default is None or value is None:
+    return None
+  if isinstance(default, bool):
+    return None if isinstance(value, bool) else "True or False"
+  if is_int(default):
+    return None if is_int(value) else "an integer"
+  if isinstance(default, float):
+    return None if is_int(value) or isinstance(value, float) else "a number"
+  if isinstance(default, str) and not isinstance(value, (str, tuple, list)):
+    return "a string"
+  if isinstance(default, (tuple, list)) and not isinstance(value, (tuple, list)):
+    return "a tuple, e.g. (256, 128)"
+  return None
+
+
+# The fields _validate_values checks, by kind; optional fields (None: use the converted recipe) are
+# checked only when set.
+_POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_every_samples",
+                  "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
+                  "reference.batch_size", "mesh.stage", "mesh.data")
+_NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
+_POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learning rate
+_NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay", "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
+_MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
+_CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
+            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", *methods_lib.STAGE_RATES)}
+
+
+def _field(config, key: str):
+  value = config
+  for part in key.split("."):
+    value = value.get(part) if hasattr(value, "get") else None
+  return value
+
+
+def _validate_values(config) -> None:
+  """Types and ranges of the numeric and choice fields, each named with its bad value."""
+  def require(ok, key, what):
+    if not ok:
+      raise ConfigError(f"config.{key} must be {what}; got {_field(config, key)!r}. Set it with "
+                        f"--config.{key}=VALUE.")
+
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+  is_real = lambda v: is_int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
+  for key in _POSITIVE_INTS:
+    v = _field(config, key)
+    require(is_int(v) and v >= 1, key, "a positive integer")
+  for key in _NON_NEGATIVE_INTS:
+    v = _field(config, key)
+    require(is_int(v) and v >= 0, key, "a non-negative integer")
+  require(config.seed < 2**32, "seed", "below 2**32")
+  v = config.epochs
+  require(is_real(v) and v > 0, "epochs", "a positive finite number")
+  for key in _POSITIVE_REALS:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and v > 0), key, "a finite number > 0")
+  for key in _NON_NEGATIVE_REALS:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and v >= 0), key, "a finite number >= 0")
+  for key in _MOMENTA:
+    v = _field(config, key)
+    require(v is None or (is_real(v) and 0 <= v < 1), key, "a momentum in [0, 1)")
+  for key, choices in _CHOICES.items():
+    require(_field(config, key) in choices, key, " or ".join(repr(c) for c in choices))
+  for name, value in dict(config.model_kwargs).items():
+    # Every integer a model builder takes is a width, a count or layers per stage.
+    ints = [x for x in (value if isinstance(value, (tuple, list)) else (value,)) if is_int(x)]
+    require(all(x >= 1 for x in ints), f"model_kwargs.{name}",
+            "made of positive integers (widths, counts)")
+
+
+# Config keys that may differ on resume without changing what is trained: where the data lives, how
+# often the run reports and saves, how the devices are laid out (checkpoints hold the logical
+# state). Any other change is refused unless config.allow_changes_on_resume is set.
+FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
+             "keep_checkpoints", "eval_batch_size", "mesh", "stack_stages",
+             "allow_changes_on_resume")
+
+# Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
+# cannot be resumed.
+STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "optimizer", "micro_batch_size",
+                   "micro_batches", "image_size", "seed", "ticks_per_chunk", "diagnostics")
+
+
+
+# Config keys that may differ between the processes of one run: each host reads its own copy of
+# the data set, wherever it is mounted.
+PER_HOST_KEYS = ("data_dir", "download_data")
+
+
+def flat_config(config) -> dict:
+  """``{dotted key: value}`` of every field of ``config``, as JSON would hold them."""
+  return _flatten(to_plain(config))
+
+
+def fingerprint(config) -> dict:
+  return {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
+
+
+def to_plain(config) -> dict:
+  return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else \
+      dict(config)
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+  if not isinstance(tree, dict):
+    return {prefix[:-1]: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_flatten(value, f"{prefix}{key}."))
+  return out
+
+
+def _changed_settings(config, meta: dict) -> dict:
+  """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not."""
+  old, new = _flatten(meta.get("config", {})), flat_config(config)
+  return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+
+
+def _is_free(key: str) -> bool:
+  return key.split(".")[0] in FREE_KEYS
+
+
+def check_resumable(config, checkpointer, step: int, meta: dict) -> None:
+  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe."""
+  saved, wanted = meta.get("fingerprint", {}), fingerprint(config)
+  differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
+  if differing:
+    raise CheckpointError(
+        f"Checkpoint step {step} in {checkpointer.directory} was written with a different "
+        f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
+        f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
+        "settings, or use a new --workdir for the new ones.")
+  changes = {k: v for k, v in _changed_settings(config, meta).items() if not _is_free(k)}
+  if changes and not config.get("allow_changes_on_resume", False):
+    workdir = os.path.dirname(checkpointer.directory)
+    raise ConfigError(
+        f"This run would resume checkpoint step {step} in {workdir} with other settings than it "
+        f"was trained with: {_describe_changes(changes)}. Continuing silently would mix two "
+        "experiments in one run. Rerun with the original values, use a new --workdir for the new "
+        "ones, or pass --config.allow_changes_on_resume=True to continue with them (the change "
+        f"is then logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
+
+
+CHANGES_FILE = "config_changes.jsonl"
+
+
+def _describe_changes(changes: dict) -> str:
+  return "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+
+
+def record_changes(config, workdir: str, meta: dict, samples: int) -> None:
+  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``."""
+  changes = _changed_settings(config, meta)
+  if not changes:
+    return
+  recipe = {k: v for k, v in changes.items() if not _is_free(k)}
+  if recipe:
+    logging.warning("Resuming at %d samples with changed settings (allowed by "
+                    "config.allow_changes_on_resume): %s.", samples, _describe_changes(recipe))
+  logging.info("Resuming at %d samples with changed settings: %s.", samples,
+               _describe_changes(changes))
+  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+    f.write(json.dumps({"samples": samples, "time": time.time(),
+                        "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+# The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).
+CHUNK_MEMORY_SHARE = 0.25
+
+
+def chunk_bytes(setup, ticks: int) -> int:
+  """Bytes of one chunk of ``ticks`` ticks: its inputs and labels on the host and on the devices,
+  and its per-tick metrics."""
+  pipe = setup.pipeline
+  b, m = pipe.micro_batch_size, pipe.method.micro_batches_per_step
+  scheduled = ticks if m is None else ticks // m * (m + accounting.bubble_ticks(pipe.num_stages, m))
+  example = math.prod(setup.train_source.example_shape) * 4 + 4  # float32 inputs, int32 label
+  metrics = 4 * (4 + 5 * pipe.num_stages)  # loss, accuracy; per stage valid, sample, finite, ...
+  return scheduled * (2 * b * example + metrics)
+
+
+def _memory_available() -> tuple[int, str]:
+  """The memory a chunk and the state compete for: the first device's, or the host's on CPU."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def state_bytes(setup) -> int:
+  """Bytes of the pipeline state on one device (the largest share on a mesh), from shapes alone:
+  the logical state's leaves on one device, the packed buffers each device holds on a mesh."""
+  if setup.sharded is not None:
+    return setup.sharded.packing.allocated_bytes()
+  return accounting.tree_bytes(setup.pipeline.state_spec)
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_memory(config, setup, chunk_ticks: int) -> None:
+  """Refuses, before anything is compiled, a chunk or a state that cannot fit in memory."""
+  available, where = _memory_available()
+  chunk = chunk_bytes(setup, chunk_ticks)
+  if chunk > CHUNK_MEMORY_SHARE * available:
+    per_tick = max(chunk // chunk_ticks, 1)
+    fitting = max(1, int(CHUNK_MEMORY_SHARE * available) // per_tick)
+    raise ConfigError(
+        f"A chunk of {chunk_ticks} ticks (config.ticks_per_chunk={config.ticks_per_chunk}, at "
+        f"most the run's length) needs about {_gib(chunk)} for its inputs and metrics, more than "
+        f"{CHUNK_MEMORY_SHARE:.0%} of {where} ({_gib(available)}). Lower "
+        f"--config.ticks_per_chunk to {fitting} or less (it changes no result, only how often "
+        "the run reports and can save).")
+  state = state_bytes(setup)
+  logging.info("Pipeline state: %s per device (weights, optimizer states, delay lines of %d "
+               "stages); a chunk of %d ticks: %s.", _gib(state), setup.pipeline.num_stages,
+               chunk_ticks, _gib(chunk))
+  if state + chunk > available:
+    raise ConfigError(
+        f"The pipeline state of this config needs about {_gib(state)} per device (weights, "
+        f"optimizer states and the delay lines of {setup.pipeline.num_stages} stages, which grow "
+        f"with the square of the stage count), more than {where} ({_gib(available)}). Use fewer "
+        "stages (--config.model_kwargs.layers_per_stage, or a smaller depth), narrower layers, "
+        "or a mesh over more devices (--config.mesh.stage).")

@@ -1,0 +1,217 @@
+"""What a config builds: the data, the model, the resolved recipe and the runner.
+
+:func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it
+loads the data splits, builds the model and the method at the micro-batch actually trained (the
+scaling rules of docs/design.md §4 turn the config's reference recipe into it), and picks the
+runner: the single-device :class:`~pipejax.core.engine.Pipeline`, its stacks
+(:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh
+(:class:`~pipejax.parallel.sharding.ShardedPipeline`). Shapes stay abstract: nothing is initialised
+or compiled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from pipejax.core import accounting
+from pipejax import data as data_lib
+from pipejax import methods as methods_lib
+from pipejax import models as models_lib
+from pipejax import optim
+from pipejax.train.config_checks import ConfigError, model_kwargs, validate
+from pipejax.core.engine import Pipeline
+from pipejax.models import sequential
+from pipejax.core.runner import Runner
+
+
+def resolve_recipe(config) -> optim.Recipe:
+  """The config's reference recipe converted to the batch each update sees (docs/design.md §4).
+
+  ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
+  values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
+  """
+  step_samples = config.micro_batch_size * methods_lib.traits_of(
+      config.method).micro_batches_per_step(config.micro_batches)
+  ref = config.reference
+  recipe = optim.scale_recipe(
+      optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
+                   weight_decay=ref.weight_decay, b2=ref.get("b2", 0.999),
+                   form="ema" if config.optimizer == "adam" else "heavy_ball"), step_samples)
+  return dataclasses.replace(
+      recipe, learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
+      momentum=_override(config.micro_batch.momentum, recipe.momentum),
+      weight_decay=_override(config.micro_batch.weight_decay, recipe.weight_decay))
+
+
+def _override(value, converted):
+  return converted if value is None else value
+
+
+def optimizer_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int, int]:
+  """``(steps, warmup_steps)``: each stage's optimizer steps over the run, and of warm-up.
+
+  Schedules are kept in samples and converted to steps by one rule, at the recipe's batch.
+  """
+  steps = max(1, optim.steps_for_samples(int(config.epochs * train_size), recipe.batch_size))
+  warmup = optim.steps_for_samples(int(config.warmup_epochs * train_size), recipe.batch_size)
+  return steps, warmup
+
+
+def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
+  if config.schedule == "constant":
+    return optax.constant_schedule(recipe.learning_rate)
+  if config.schedule == "cosine":
+    steps, warmup_steps = optimizer_steps(config, recipe, train_size)
+    warmup = max(warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
+    return optax.warmup_cosine_decay_schedule(0.0, recipe.learning_rate, warmup,
+                                              max(steps, warmup + 1))
+  raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {config.schedule!r}.")
+
+
+@dataclasses.dataclass
+class Setup:
+  """What a config builds: the data splits, the model, its recipe and the pipeline."""
+
+  train_source: Any
+  test_source: Any
+  model: Any
+  recipe: optim.Recipe  # the reference recipe at the batch each update sees
+  pipeline: Pipeline
+  sharded: Any = None  # a pipejax.parallel.sharding.ShardedPipeline when config.mesh spans devices
+  # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
+  stacked: Any = None
+  # The pipeline whose initial weights this run starts from, merged into its own stages, when
+  # the two split the network differently: the one-stage SGD baseline starts where the pipelined
+  # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
+  initial_weights_from: Pipeline | None = None
+
+  @property
+  def runner(self) -> Runner:
+    """The runner training calls: over the mesh, in stacks, or stage by stage."""
+    return self.sharded or self.stacked or self.pipeline
+
+  def init(self, rng):
+    """The runner's initial state: the pipeline's, with the weights of ``initial_weights_from``
+    where that is set. Every runner's init makes the pipeline's own init's bits."""
+    if self.initial_weights_from is None:
+      return self.runner.init(rng)
+    source = self.initial_weights_from.init(rng)
+    weights = sequential.split_layer_params(
+        self.model, sequential.merge_stage_params([st.params for st in source.stages]),
+        self.pipeline.example_inputs)
+    logical = self.pipeline.init(rng)
+    logical = logical._replace(stages=tuple(
+        st._replace(params=w, opt_state=self.pipeline.method.optimizer(delay).init(w))
+        for st, w, delay in zip(logical.stages, weights, self.pipeline.delays)))
+    return self.runner.from_logical(logical)
+
+
+def build(config: ml_collections.ConfigDict) -> Setup:
+  """Data, model, method and pipeline of ``config`` (no training; cheap: shapes are abstract)."""
+  validate(config)
+  train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
+                                            download=config.get("download_data", True),
+                                            **({"image_size": config.image_size}
+                                               if config.image_size else {}),
+                                            **dict(config.get("data_kwargs", {})))
+  if config.max_train_examples:
+    train_source = data_lib.Subset(train_source, config.max_train_examples)
+  if config.max_test_examples:
+    test_source = data_lib.Subset(test_source, config.max_test_examples)
+
+  for split, source in (("training", train_source), ("test", test_source)):
+    if len(source) == 0:
+      raise ConfigError(
+          f"The {split} split of data set {config.dataset!r} is empty"
+          f"{f' in {config.data_dir}' if config.data_dir else ''}: there is nothing to "
+          f"{'train on' if split == 'training' else 'evaluate'}. Check the data files (or "
+          "--config.data_dir).")
+
+  b = config.micro_batch_size
+  split_model = None
+  if methods_lib.traits_of(config.method).one_stage and \
+      config.model_kwargs.get("layers_per_stage", 1) is not None:
+    # The one-stage baseline starts from the weights of the split the config names.
+    split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                                   **dict(config.model_kwargs))
+  model = models_lib.build(config.model, num_classes=train_source.num_classes,
+                           **model_kwargs(config))
+  recipe = resolve_recipe(config)
+  learning_rate = learning_rate_schedule(config, recipe, len(train_source))
+  if config.pipemare_anneal_fraction > 0:
+    anneal_steps = max(1, round(config.pipemare_anneal_fraction *
+                                 optimizer_steps(config, recipe, len(train_source))[0]))
+  elif config.pipemare_anneal_epochs == 0:
+    anneal_steps = 0  # no rescheduling: every stage at the base rate from the start
+  else:
+    anneal_steps = max(1, optim.steps_for_samples(
+        int(config.pipemare_anneal_epochs * len(train_source)), b))
+  method = methods_lib.make_method(
+      config.method, learning_rate=learning_rate, momentum=recipe.momentum,
+      weight_decay=recipe.weight_decay, micro_batches=config.micro_batches,
+      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=recipe.b2,
+      num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
+  if config.sgd_stage_rates and split_model is not None:
+    layer_delays = {}
+    shapes, _ = split_model.trace_shapes(
+        jax.random.PRNGKey(0), np.zeros((b,) + tuple(train_source.example_shape), np.float32))
+    for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
+      layer_delays.update({name: delay for name in stage_params})
+    method = methods_lib.STAGE_RATES[config.sgd_stage_rates](
+        layer_delays, learning_rate=learning_rate, momentum=recipe.momentum,
+        weight_decay=recipe.weight_decay, anneal_steps=anneal_steps)
+  example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
+  pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
+                  track_weight_discrepancy=bool(config.diagnostics))
+  initial_weights_from = None
+  if split_model is not None and split_model.num_stages > 1:
+    initial_weights_from = Pipeline(split_model, method, example_x,
+                                    np.zeros((b,) + train_source.label_shape, np.int32))
+  stacked = None
+  if config.stack_stages:
+    from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+    stacked = stacking.StackedPipeline(pipe)
+    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
+    stacked = stacked if stacked.stacked else None
+  sharded = None
+  if config.mesh.stage * config.mesh.data > 1:
+    if config.diagnostics:
+      raise ConfigError("config.diagnostics is measured on one device only; set "
+                        "--config.diagnostics=False on a mesh, or train on one device.")
+    # Single-device runs never touch meshes.
+    from pipejax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
+    from pipejax.parallel import sharding  # pylint: disable=g-import-not-at-top
+    mesh = mesh_lib.make_mesh(config.mesh.stage, config.mesh.data)
+    balance = config.mesh.get("balance", "params")
+    costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
+             else partition_lib.param_counts(pipe))
+    # With stacks each device stacks its piece of them (pipejax.parallel.stacking.advance_stages).
+    sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
+                                       partition=config.mesh.get("partition") or None, costs=costs)
+    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
+                 "%d bytes cross devices per tick; bytes allocated per device: %s.",
+                 config.mesh.data, config.mesh.stage, sharded.partition,
+                 partition_lib.imbalance(costs, sharded.partition), balance,
+                 sharded.packing.boundary_bytes_per_tick()["total"],
+                 [device["allocated"] for device in sharded.packing.device_memory()])
+  return Setup(train_source, test_source, model, recipe, pipe, sharded, stacked,
+               initial_weights_from=initial_weights_from)
+
+
+def run_ticks(config, train_size: int) -> int:
+  """Ticks the run trains: ``config.epochs`` of the training split, whatever the chunk length.
+
+  Whole micro-batches (whole steps of ``config.micro_batches`` in the synchronous mode), at
+  least one.
+  """
+  per_step = methods_lib.traits_of(config.method).micro_batches_per_step(config.micro_batches)
+  ticks = int(config.epochs * train_size) // config.micro_batch_size
+  return max(per_step, ticks - ticks % per_step)

@@ -1,0 +1,345 @@
+"""``train_and_evaluate(config, workdir)``: train a model with any method, stop anywhere, resume.
+
+The loop feeds the pipeline in chunks of ``config.ticks_per_chunk`` ticks (one ``lax.scan`` each),
+and does everything else between chunks: progress lines, metrics, test evaluation with the current
+weights, checkpoints, and the finite check. Checkpoints are taken only between chunks and the chunk
+length is fixed by the config, so a resumed run replays exactly the computation of a run that never
+stopped (bit-identical on CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from pipejax.train import config_checks
+from pipejax import data as data_lib
+from pipejax.train import divergence
+from pipejax.train import evaluation
+from pipejax.train import experiment
+from pipejax.train import interruption
+from pipejax.train import metrics as metrics_lib
+from pipejax.train import workdir as workdir_lib
+from pipejax.train.checkpoint import Checkpointer, CheckpointError
+from pipejax.train.checkpoint import weights_digest
+from pipejax.core.checks import PipelineError
+from pipejax.train.config_checks import ConfigError
+from pipejax.data import DataError
+from pipejax.train.divergence import TrainingDiverged
+from pipejax.methods import MethodError
+from pipejax.core.stages import ModelError
+from pipejax.train.workdir import StorageError, storage_error
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+
+  The config is validated, then the workdir is checked writable and locked (one run at a time),
+  before anything is built. Returns the final summary (also written to ``workdir/summary.json``);
+  a run stopped by SIGTERM/SIGINT returns early with ``summary['stopped_by']`` set, after saving a
+  checkpoint. A finished workdir is reported again, not retrained or re-evaluated.
+  """
+  config_checks.validate(config)
+  # In a multi-host run every process computes the same metrics; one writes them.
+  primary = jax.process_index() == 0
+  with workdir_lib.claim(workdir, lock=primary):
+    try:
+      with interruption.SetupPhases() as phases:
+        return _train(config, workdir, primary, phases)
+    except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
+      problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
+      if problem is None:
+        raise
+      raise problem from None
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
+           phases: interruption.SetupPhases) -> dict:
+  phases.enter("loading the data and building the model")
+  setup = experiment.build(config)
+  pipe, runner = setup.pipeline, setup.runner
+  b = config.micro_batch_size
+  augment = setup.train_source.default_augment if config.augment else None
+  stream = data_lib.DataStream(setup.train_source, b, config.seed, augment=augment)
+
+  total_ticks = experiment.run_ticks(config, len(setup.train_source))
+  total_samples = total_ticks * b
+  config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
+
+  feed = placement = None
+  if jax.process_count() > 1:  # each process feeds and saves its own devices' part
+    from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
+    feed, placement = distributed.trainer_parts(setup.sharded)
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
+                              primary=primary, placement=placement)
+  phases.enter(f"initialising the pipeline state ({pipe.num_stages} stages)")
+  state = setup.init(jax.random.PRNGKey(config.seed))
+  init_digest = weights_digest([st.params for st in runner.to_logical(state).stages])
+  phases.enter("looking for a checkpoint to resume")
+  state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state)
+  if meta is not None:
+    finished = _finished_summary(workdir, samples, total_samples)
+    if finished is not None:
+      checkpointer.close()
+      return finished
+    if primary:
+      config_checks.record_changes(config, workdir, meta, samples)
+
+  writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if meta is not None else None,
+                                     enabled=primary)
+  _log_start(config, workdir, primary, setup, total_samples, init_digest)
+  run = _Run(config, setup, stream, checkpointer, writer, samples, seconds_before)
+  # The test loss at the initial weights: a study counts a run whose final loss is above it as
+  # diverged, however finite its numbers.
+  if samples == 0 and not writer.has_record("test", 0):
+    run.evaluate(state)
+  phases.enter(f"compiling the chunk (a scan over ticks of {pipe.num_stages} stages) and "
+               "running the first one")
+  with interruption.StopRequest() as stop:
+    state, stopped_by, test_result = _train_chunks(run, state, feed, total_samples, primary,
+                                                   phases, stop)
+    if stopped_by is None:
+      if checkpointer.latest_step() != run.samples:
+        run.save(state)
+      test_result = run.evaluate(state)
+      recipe = setup.recipe
+      writer.write_hparams(
+          {**config_checks.flat_config(config), "num_stages": pipe.num_stages,
+           "resolved.lr": recipe.learning_rate, "resolved.momentum": recipe.momentum,
+           "resolved.weight_decay": recipe.weight_decay},
+          {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
+    # Still under the stop request: a SIGTERM while the run writes its last files must not kill
+    # it between its final checkpoint and summary.json (the run has finished; it exits 0).
+    writer.close()
+    if primary and stopped_by is None:
+      # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
+      metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+                            os.path.join(workdir, "curves.png"),
+                            title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
+    checkpointer.close()
+    summary = _summary(config, workdir, run, total_samples, stopped_by, test_result, init_digest)
+    if primary:
+      with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+  return summary
+
+
+def _resume(config, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state):
+  """The state, samples seen, training seconds and checkpoint metadata of the newest checkpoint
+  (``state``, 0, 0.0 and None when there is none)."""
+  restored = checkpointer.restore_newest(
+      runner.to_logical(state),
+      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta))
+  if restored is None:
+    return state, 0, 0.0, None
+  step, logical_state, meta = restored
+  state = runner.from_logical(logical_state)
+  stream.set_state(meta["data_position"])
+  samples = int(meta["samples"])
+  seconds_before = float(meta.get("train_seconds", 0.0))
+  logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
+               samples)
+  return state, samples, seconds_before, meta
+
+
+def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, total_samples: int,
+               init_digest: str) -> None:
+  """Writes the run's config.json and logs what it trains."""
+  pipe, recipe, train_source = setup.pipeline, setup.recipe, setup.train_source
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config_checks.to_plain(config), f, indent=2, default=str)
+  logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
+               init_digest)
+  logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
+               "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
+               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method,
+               config.micro_batch_size, recipe.learning_rate, recipe.momentum,
+               recipe.weight_decay, *experiment.optimizer_steps(config, recipe, len(train_source)),
+               pipe.delays, total_samples)
+
+
+class _Run:
+  """What the chunks of one run share: where it stands, and how it saves and evaluates."""
+
+  def __init__(self, config, setup: experiment.Setup, stream: data_lib.DataStream,
+               checkpointer: Checkpointer, writer: metrics_lib.MetricsWriter, samples: int,
+               seconds_before: float):
+    self.config, self.setup, self.stream = config, setup, stream
+    self.checkpointer, self.writer = checkpointer, writer
+    self.samples, self.seconds_before = samples, seconds_before
+    self.start_time = time.perf_counter()
+    self.evaluator = evaluation.make_evaluator(setup.model, config.eval_batch_size)
+    # The base rate, logged beside the loss.
+    self.learning_rate = experiment.learning_rate_schedule(config, setup.recipe,
+                                                      len(setup.train_source))
+
+  def train_seconds(self) -> float:
+    return self.seconds_before + time.perf_counter() - self.start_time
+
+  def save(self, state) -> None:
+    config = self.config
+    self.checkpointer.save(self.samples, self.setup.runner.to_logical(state), {
+        "samples": self.samples, "data_position": self.stream.get_state(),
+        "fingerprint": config_checks.fingerprint(config),
+        "config": config_checks.to_plain(config),
+        "train_seconds": self.train_seconds()})
+    self.writer.flush()
+
+  def evaluate(self, state) -> dict:
+    samples, writer = self.samples, self.writer
+    stages = self.setup.runner.to_logical(state).stages
+    result = self.evaluator([st.params for st in stages], self.setup.test_source,
+                            [st.variables for st in stages])
+    # A rerun of a run killed after its final evaluation (and before summary.json) evaluates the
+    # same state again: its record is already there, kept by the resume.
+    if not writer.has_record("test", samples):
+      writer.write("test", samples, **result)
+    logging.info("[%d samples] test loss %.4f, test accuracy %.4f", samples, result["loss"],
+                 result["accuracy"])
+    return result
+
+  def record_chunk(self, chunk_metrics: dict, first_tick: int, rate: float, total_samples: int,
+                   primary: bool) -> None:
+    """Writes a chunk's training metrics and logs its progress line."""
+    samples, writer, pipe = self.samples, self.writer, self.setup.pipeline
+    seen = np.asarray(chunk_metrics["valid"])
+    if seen.any():
+      writer.write("train", samples, loss=float(np.mean(chunk_metrics["loss"][seen])),
+                   accuracy=float(np.mean(chunk_metrics["accuracy"][seen])),
+                   learning_rate=float(self.learning_rate(samples // self.setup.recipe.batch_size)),
+                   samples_per_second=rate)
+    if "weight_discrepancy" in chunk_metrics:
+      writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
+          np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
+    # Every process computes the same numbers; the others' lines are for --verbosity=1.
+    logging.log(logging.INFO if primary else logging.DEBUG,
+                "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
+                samples, total_samples, samples / len(self.setup.train_source),
+                float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
+                float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
+                rate, metrics_lib.format_duration((total_samples - samples) / max(rate, 1e-9)))
+
+
+def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
+                  phases: interruption.SetupPhases, stop: interruption.StopRequest):
+  """Trains chunk after chunk until the run's end or a stop request; returns the state, the
+  signal that stopped it (None at the end) and the last test result (None if none)."""
+  config, runner, b = run.config, run.setup.runner, run.config.micro_batch_size
+  interval_start = (time.perf_counter(), run.samples)
+  stopped_by = None
+  test_result = None
+  while run.samples < total_samples:
+    # The last chunk is shorter when the run is not a whole number of chunks: the run's length
+    # and its schedule follow from the config alone.
+    ticks = min(config.ticks_per_chunk, (total_samples - run.samples) // b)
+    if feed is None:
+      x, y = run.stream.next_chunk(ticks)
+      x, y, valid = runner.to_ticks(x, y)
+    else:
+      x, y, valid = feed.next_chunk(run.stream, ticks)
+    first_tick = int(state.tick)
+    state, chunk_metrics = runner.run(state, x, y, valid)
+    chunk_metrics = jax.device_get(chunk_metrics)
+    stop.training_started()
+    phases.done()
+    divergence.raise_if_diverged(config, run.setup.model, runner.to_logical(state).stages,
+                                 chunk_metrics["finite"], valid, first_tick, run.samples,
+                                 run.checkpointer)
+    previous, run.samples = run.samples, run.samples + ticks * b
+    samples = run.samples
+    # The rate of this interval alone: a running average would count compile time forever.
+    now = time.perf_counter()
+    rate = (samples - interval_start[1]) / max(now - interval_start[0], 1e-9)
+    interval_start = (now, samples)
+    run.record_chunk(chunk_metrics, first_tick, rate, total_samples, primary)
+    crossed = lambda every: samples // every != previous // every
+    if crossed(config.eval_every_samples) and samples < total_samples:
+      test_result = run.evaluate(state)
+    if interruption.agree_to_stop(stop.signal_name is not None):
+      stopped_by = stop.signal_name or "a signal to another process"
+      logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
+                      samples)
+    if crossed(config.checkpoint_every_samples) or stopped_by:
+      run.save(state)
+    if stopped_by:
+      logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
+                      "command to resume.", stopped_by, samples, run.checkpointer.directory)
+      break
+  return state, stopped_by, test_result
+
+
+def _summary(config, workdir: str, run: _Run, total_samples: int, stopped_by: str | None,
+             test_result: dict | None, init_digest: str) -> dict:
+  """The run's summary.json."""
+  recipe = run.setup.recipe
+  return {
+      "samples": run.samples, "total_samples": total_samples, "stopped_by": stopped_by,
+      "method": config.method, "model": config.model, "dataset": config.dataset,
+      "micro_batch_size": config.micro_batch_size, "num_stages": run.setup.pipeline.num_stages,
+      "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
+      "learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
+      "train_seconds": run.train_seconds(),
+      "test_accuracy": None if test_result is None else test_result["accuracy"],
+      "test_loss": None if test_result is None else test_result["loss"],
+      "init_digest": init_digest,
+      **_run_facts(workdir),
+  }
+
+
+def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | None:
+  """The summary of a run that already finished at ``samples``, or None."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if (samples >= total_samples and summary.get("stopped_by") is None
+      and summary.get("samples") == samples and summary.get("test_accuracy") is not None):
+    logging.info("This run finished before (%d samples); reporting its summary, nothing is "
+                 "retrained or re-evaluated.", samples)
+    return summary
+  return None
+
+
+def _run_facts(workdir: str) -> dict:
+  """The summary's record of the run's best test accuracy and of what it ran on."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  tests = [r for r in metrics_lib.read_records(workdir) if r.get("split") == "test"]
+  accuracies = [r["accuracy"] for r in tests if "accuracy" in r]
+  initial = [r["loss"] for r in tests if r.get("samples") == 0 and "loss" in r]
+  try:
+    version = importlib.metadata.version("pipejax")
+  except importlib.metadata.PackageNotFoundError:
+    version = "unknown (not installed)"
+  device = jax.devices()[0]
+  return {"best_test_accuracy": max(accuracies) if accuracies else None,
+          "initial_test_loss": initial[0] if initial else None,
+          "versions": {"pipejax": version, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
+          "device": f"{jax.device_count()} x {device.platform} ({device.device_kind})",
+          "processes": jax.process_count()}
+
+
+def _mean_over_backwards(per_tick: np.ndarray, delays: list[int], first_tick: int) -> list[float]:
+  """Per stage, the mean of a (ticks, stages) metric over the ticks where the stage backwarded.
+
+  Stage s backwards its first sample at tick D_s; before that its metric is a placeholder 0.
+  """
+  ticks = first_tick + np.arange(per_tick.shape[0])
+  means = []
+  for s, delay in enumerate(delays):
+    active = ticks >= delay
+    means.append(float(per_tick[active, s].mean()) if active.any() else 0.0)
+  return means
+
+
+# Every error a user can cause; the binary prints these as one paragraph, without a traceback.
+USER_ERRORS = (ConfigError, TrainingDiverged, CheckpointError, DataError, PipelineError,
+               MethodError, ModelError, StorageError, workdir_lib.WorkdirBusy)

@@ -1,0 +1,97 @@
+"""Model.apply, the whole network as one function, against flax and a stage-by-stage loop."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pipejax
+from tests import helpers
+
+
+def _init(model, x, rng=jax.random.key(0)):
+  """Params (and variables) of every stage, each initialized on its predecessor's output."""
+  params, variables = [], []
+  for stage, key in zip(model.stages, jax.random.split(rng, model.num_stages)):
+    params.append(stage.init(key, x))
+    variables.append(stage.variables(key, x))
+    x = stage.infer(params[-1], x, variables[-1])
+  return params, variables
+
+
+def test_apply_runs_every_stage_in_order():
+  model = helpers.dense_model([5, 3])
+  x = jax.random.normal(jax.random.key(1), (4, helpers.IN_DIM))
+  params, _ = _init(model, x)
+  expected = x
+  for s, width in enumerate([5, 3]):
+    kernel, bias = params[s]["layers_0"]["kernel"], params[s]["layers_0"]["bias"]
+    expected = np.tanh(np.asarray(expected) @ np.asarray(kernel) + np.asarray(bias))
+    assert expected.shape == (4, width)
+  expected = expected @ np.asarray(params[2]["kernel"]) + np.asarray(params[2]["bias"])
+  np.testing.assert_allclose(model.apply(params, x), expected, rtol=1e-5, atol=1e-6)
+  loop = x  # the stage-by-stage loop Model.apply replaces: the same operations, the same bits
+  for stage, p in zip(model.stages, params):
+    loop = stage.apply(p, loop, None)
+  np.testing.assert_array_equal(model.apply(params, x), loop)
+  np.testing.assert_allclose(jax.jit(model.apply)(params, x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_gives_each_stage_its_own_randomness():
+  dropout = nn.Dropout(0.5, deterministic=False)
+  model = pipejax.Model([pipejax.from_flax(dropout, name=f"dropout{s}") for s in range(2)])
+  x = jnp.ones((2, 64))
+  rng = jax.random.key(3)
+  expected = x
+  for s in range(2):
+    expected = dropout.apply({}, expected, rngs={"dropout": jax.random.fold_in(rng, s)})
+  y = model.apply([{}, {}], x, rng)
+  np.testing.assert_array_equal(y, expected)
+  assert 0 < np.mean(np.asarray(y) == 0) < 1  # dropped, and not everything
+  assert not np.array_equal(model.apply([{}, {}], x, jax.random.key(4)), y)
+
+
+def test_apply_with_variables_evaluates_them_read_only():
+  norm = nn.BatchNorm(use_running_average=True)
+  model = pipejax.Model([pipejax.from_flax(nn.Dense(3)), pipejax.from_flax(norm)])
+  x = jax.random.normal(jax.random.key(1), (4, helpers.IN_DIM))
+  params, variables = _init(model, x)
+  assert variables[0] is None and variables[1] is not None
+  stats = {"mean": jnp.arange(3.0), "var": jnp.full((3,), 4.0)}
+  variables[1] = variables[1]._replace(forward={"batch_stats": stats})
+  h = x @ params[0]["kernel"] + params[0]["bias"]
+  expected = norm.apply({"params": params[1], "batch_stats": stats}, h)
+  np.testing.assert_allclose(model.apply(params, x, variables=variables), expected, rtol=1e-6)
+  np.testing.assert_allclose(expected, (h - stats["mean"]) / np.sqrt(4.0 + 1e-5), rtol=1e-5)
+
+
+def test_apply_names_what_does_not_fit():
+  model = helpers.dense_model([5])
+  x = jnp.zeros((2, helpers.IN_DIM))
+  params, variables = _init(model, x)
+  with pytest.raises(pipejax.ModelError, match="one params tree per stage: 1 for 2 stages"):
+    model.apply(params[:1], x)
+  with pytest.raises(pipejax.ModelError, match="one Variables .or None. per stage: 3 for 2"):
+    model.apply(params, x, variables=variables + [None])
+  with pytest.raises(pipejax.ModelError, match="pass rng=None with variables"):
+    model.apply(params, x, jax.random.key(0), [None, variables[1] or object()])
+
+
+def test_plain_step_is_one_optax_step_on_the_whole_network():
+  import optax  # pylint: disable=import-outside-toplevel
+  model = helpers.dense_model([5, 3])
+  x, y = helpers.make_stream(1, 4)
+  params, _ = _init(model, x[0])
+
+  def loss(ps):  # written out: logits of the chained stages, mean cross-entropy
+    logits = model.apply(ps, x[0])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y[0]))
+
+  tx = optax.sgd(0.1, momentum=0.9)
+  (stepped, opt_state), step_loss = pipejax.core.stages.plain_step(model, tx)(
+      (params, tx.init(params)), (x[0], y[0]))
+  np.testing.assert_allclose(step_loss, loss(params), rtol=1e-6)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+  helpers.assert_trees_close(stepped, expected)
+  assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))

@@ -1,0 +1,209 @@
+"""Stacks of identical stages give the per-stage engine's numbers (docs/design.md §8)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pipejax
+from pipejax.core import accounting
+from pipejax import methods, models
+from pipejax.parallel import stacking
+from pipejax.core.checks import PipelineError
+from pipejax.core.engine import Pipeline
+from pipejax.parallel.stacking import StackedPipeline
+from pipejax.parallel.stacks import find_stacks
+from tests.helpers import NUM_CLASSES, dense_model, make_stream
+
+EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never stack)
+
+
+def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):
+  """Runs ``ticks`` ticks per stage and stacked from one initial state; both logical states and
+  metrics, on the host."""
+  x, y = make_stream(ticks, b)
+  pipe = Pipeline(model, method, x[0], y[0], **kwargs)
+  stacked = StackedPipeline(pipe)
+  assert stacked.stacked
+  x, y, valid = pipe.to_ticks(x, y)
+  logical = pipe.init(jax.random.PRNGKey(5), fill_value=fill_value)
+  start = stacked.from_logical(logical)
+  # The stacked init (one vmap over a stack's keys) makes the per-stage init's bits.
+  assert_same(jax.tree.map(np.asarray, stacked.init(jax.random.PRNGKey(5), fill_value)),
+              jax.tree.map(np.asarray, start), exact=True)
+  per_stage, per_stage_metrics = pipe.run(logical, x, y, valid)
+  stacked_end, stacked_metrics = stacked.run(start, x, y, valid)
+  host = lambda tree: jax.tree.map(np.asarray, tree)
+  return (host(per_stage), host(per_stage_metrics), host(stacked.to_logical(stacked_end)),
+          host(stacked_metrics))
+
+
+def assert_same(actual, expected, exact):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    if exact:
+      np.testing.assert_array_equal(a, e)
+    else:  # float32 rounding: the same maths with m**D in float32 rather than in Python floats
+      np.testing.assert_allclose(a, e, rtol=2e-5, atol=1e-6)
+
+
+def test_identical_runs_are_found_and_the_rest_left_alone():
+  x, y = make_stream(1, 1)
+  pb = methods.make_method("pb", learning_rate=0.1)
+  assert find_stacks(Pipeline(dense_model(EVEN), pb, x[0], y[0])) == [(0, 1), (1, 4), (4, 5)]
+  # Widths 5, 7, 7, 3: stages 2 and 3 take inputs of 7 and 7 but give 7 and 3: no two alike.
+  assert find_stacks(Pipeline(dense_model((5, 7, 7, 3)), pb, x[0], y[0])) == [
+      (s, s + 1) for s in range(5)]
+  blocks = models.build("residual_mlp", num_classes=NUM_CLASSES, depth=7, width=8)
+  x = np.zeros((1, 3, 3), np.float32)  # the stem flattens it
+  assert find_stacks(Pipeline(blocks, pb, x, y[0])) == [(0, 1), (1, 6), (6, 7)]
+
+
+def test_the_stacked_init_does_not_grow_with_a_groups_length():
+  """A stack initializes under one vmap, whose weights' names (and so the constants flax folds
+  into their keys) differ from stage to stage: 3 or 9 blocks, one program, the per-stage bits."""
+  _, y = make_stream(1, 1)
+  x = np.zeros((1, 3, 3), np.float32)
+  method = methods.make_method("pb_sc_lwp", learning_rate=0.1)
+  pipes = {n: Pipeline(models.build("residual_mlp", num_classes=NUM_CLASSES, depth=n, width=8),
+                       method, x, y[0]) for n in (5, 11)}
+  stacked = {n: StackedPipeline(pipe) for n, pipe in pipes.items()}
+  equations = lambda f: str(jax.make_jaxpr(f)(jax.random.PRNGKey(0))).count(" = ")
+  assert equations(stacked[5].init) == equations(stacked[11].init)
+  assert equations(pipes[11].init) > equations(pipes[5].init) + 50  # the reference grows
+  assert_same(jax.tree.map(np.asarray, stacked[11].to_logical(stacked[11].init(7))),
+              jax.tree.map(np.asarray, pipes[11].init(7)), exact=True)
+
+
+def test_a_method_that_needs_a_python_delay_runs_stage_by_stage():
+  def per_delay(delay):
+    if delay > 2:  # a Python branch on the delay: it cannot take a traced one
+      return optax.sgd(0.05)
+    return optax.sgd(0.1)
+  x, y = make_stream(1, 1)
+  pipe = Pipeline(dense_model(EVEN), methods.pb(per_delay), x[0], y[0])
+  assert not StackedPipeline(pipe).stacked
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_every_preset_gives_the_per_stage_numbers(name):
+  """Bit for bit, but where a method's coefficients depend on the delay (m**D in float32 from a
+  traced delay, in Python floats from an int one); NaN in every empty slot."""
+  optimizer = methods.optimizers_of(name)[0]
+  method = methods.make_method(name, learning_rate=0.05 if optimizer == "sgd" else 1e-3,
+                               momentum=0.9, micro_batches=2, anneal_steps=6, gamma=0.7,
+                               dc_strength=3.0, optimizer=optimizer,
+                               num_stages=dense_model(EVEN).num_stages)
+  per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
+      dense_model(EVEN), method, 2, 3 * len(EVEN) + 6, fill_value=jnp.nan)
+  # Coefficients computed from the traced delay: the same numbers to float32 rounding.
+  exact = name not in ("pb_sc", "pb_sc_lwp", "pipeoptim", "nesterov_asyncpp")
+  assert_same(stacked_end, per_stage, exact)
+  assert_same(stacked_metrics, per_stage_metrics, exact)
+  assert np.isfinite(per_stage_metrics["loss"]).all() and per_stage_metrics["valid"].sum() > 4
+
+
+def test_adam_with_spike_compensation_agrees_within_rounding():
+  method = methods.make_method("pb_sc_lwp", learning_rate=0.01, optimizer="adam")
+  per_stage, _, stacked_end, _ = both_layouts(dense_model(EVEN), method, 1, 20)
+  assert_same(stacked_end, per_stage, exact=False)
+
+
+def test_online_norm_and_weight_stashing_with_discrepancy_tracking():
+  norm = lambda: models.online_norm.OnlineNorm(alpha_fwd=0.9, alpha_bkw=0.95)
+  stage = lambda: pipejax.from_flax(nn.Sequential([nn.Dense(5), norm(), nn.tanh]))
+  model = pipejax.Model([stage() for _ in range(4)] + [pipejax.from_flax(nn.Dense(NUM_CLASSES))])
+  method = methods.make_method("pipedream", learning_rate=0.05)
+  per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
+      model, method, 1, 18, fill_value=jnp.nan, track_weight_discrepancy=True)
+  assert_same(stacked_end, per_stage, exact=True)
+  assert_same(stacked_metrics, per_stage_metrics, exact=True)
+  assert per_stage_metrics["weight_discrepancy"].shape == (18, 5)
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(),
+                                       per_stage.stages[2].variables.backward,
+                                       stacked_end.stages[2].variables.backward))
+  assert max(moved) == 0
+
+
+def test_checkpoints_resume_in_either_layout():
+  """Half a run per stage, the rest stacked (and the other way round): the whole run's numbers."""
+  x, y = make_stream(24, 1)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05),
+                  x[0], y[0])
+  stacked = StackedPipeline(pipe)
+  whole, _ = pipe.run(pipe.init(3), x, y)
+  first, _ = pipe.run(pipe.init(3), x[:10], y[:10])
+  resumed, _ = stacked.run(stacked.from_logical(first), x[10:], y[10:])
+  first_stacked, _ = stacked.run(stacked.init(3), x[:10], y[:10])
+  back, _ = pipe.run(stacked.to_logical(first_stacked), x[10:], y[10:])
+  assert_same(jax.tree.map(np.asarray, stacked.to_logical(resumed)),
+              jax.tree.map(np.asarray, whole), exact=False)
+  assert_same(jax.tree.map(np.asarray, back), jax.tree.map(np.asarray, whole), exact=False)
+  state = stacked.init(3)
+  assert_same(jax.tree.map(np.asarray, stacked.to_logical(state)),
+              jax.tree.map(np.asarray, pipe.init(3)), exact=True)
+
+
+def test_delay_lines_hold_the_formulas_bytes():
+  x, y = make_stream(1, 3)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
+  stacked = StackedPipeline(pipe)
+  state = stacked.init(0)
+  assert len(state.parts) == 3
+  assert stacked.held_stash_bytes(state) == pipe.stash_bytes() == accounting.stash_bytes(
+      pipe.stage_input_shapes)
+
+
+def test_a_logical_or_foreign_state_is_refused():
+  x, y = make_stream(2, 1)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
+  stacked = StackedPipeline(pipe)
+  with pytest.raises(PipelineError, match="logical PipelineState"):
+    stacked.run(pipe.init(0), x, y)
+  other = StackedPipeline(Pipeline(dense_model((5, 5, 5, 5, 5)), pipe.method, x[0], y[0]))
+  with pytest.raises(PipelineError, match="does not belong"):
+    stacked.run(other.init(0), x, y)
+
+
+def test_the_trainer_stacks_identical_runs_unless_told_not_to():
+  # pylint: disable-next=import-outside-toplevel
+  from pipejax import config as configlib
+  from pipejax.train import config_checks, experiment
+  config = configlib.base_config()
+  config.dataset, config.model = "digits", "residual_mlp"
+  config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
+  setup = experiment.build(config)
+  assert isinstance(setup.runner, StackedPipeline) and setup.runner.runs == ((0, 1), (1, 4),
+                                                                             (4, 5))
+  state = setup.init(jax.random.PRNGKey(0))
+  assert_same(jax.tree.map(np.asarray, setup.runner.to_logical(state)),
+              jax.tree.map(np.asarray, setup.pipeline.init(jax.random.PRNGKey(0))),
+              exact=True)
+  config.stack_stages = False
+  unstacked = experiment.build(config)
+  assert unstacked.runner is unstacked.pipeline
+  assert "stack_stages" in config_checks.FREE_KEYS  # a checkpoint resumes in either layout
+
+
+def test_a_mesh_stacks_each_devices_piece_of_a_group():
+  """On a one-device mesh the piece is the whole stack: the stacked runner's numbers, bit for
+  bit (tests/parallel/test_sharding.py splits stacks over 2 and 4 devices)."""
+  from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
+  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
+  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 7, 9) == [(7, 8, True), (8, 9, False)]
+  x, y = make_stream(14, 2)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0],
+                  y[0])
+  stacked = StackedPipeline(pipe)
+  sharded = sharding.ShardedPipeline(stacked, make_mesh(1, 1, jax.devices()[:1]))
+  assert sharded.runs == stacked.runs and sharded.pipeline is pipe
+  expected, _ = stacked.run(stacked.init(1), x, y)
+  actual, _ = sharded.run(sharded.init(1), x, y)
+  assert_same(jax.tree.map(np.asarray, sharded.to_logical(actual)),
+              jax.tree.map(np.asarray, stacked.to_logical(expected)), exact=True)
+  assert sharding.ShardedPipeline(pipe, sharded.mesh).runs is None
+  with pytest.raises(MeshError, match="takes a Pipeline, or a StackedPipeline"):
+    sharding.ShardedPipeline(sharded, sharded.mesh)
