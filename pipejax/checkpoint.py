@@ -91,6 +91,14 @@ def _meta_digest(meta: dict) -> str:
   return hashlib.sha256(json.dumps(_plain_json(body), sort_keys=True).encode()).hexdigest()
 
 
+def _refuse_a_file_in_place_of(directory: str) -> None:
+  """A :class:`CheckpointError` when ``directory`` exists as something other than a directory."""
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise CheckpointError(
+        f"{directory} is a file, not a directory: the run keeps its checkpoints there. Move that "
+        "file away (or delete it) and rerun, or choose another --workdir.")
+
+
 class Checkpointer:
   """Saves and restores (state, meta) pairs under ``directory``, keeping the last ``max_to_keep``."""
 
@@ -100,6 +108,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.primary = primary
     self._placement = placement
+    _refuse_a_file_in_place_of(self.directory)
     if primary:
       self._remove_unfinished()
     try:

@@ -384,7 +384,7 @@ class HostFeed:
     else:  # this process holds no first stage: skip the chunk without loading it
       stream.skip(num_ticks)
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
-      y = np.zeros((num_ticks, 0), np.int32)
+      y = np.zeros((num_ticks, 0) + tuple(stream.source.label_shape), np.int32)
     x, y, valid = pipe.schedule(x, y)
     pipe.check_labels(y, valid)
     return (self._global(x), self._global(y),

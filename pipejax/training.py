@@ -50,6 +50,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
+    finished = _finished_without_checkpoints(config, workdir)
+    if finished is not None:
+      return finished
     try:
       with interruption.SetupPhases() as phases:
         return _train(config, workdir, primary, phases)
@@ -73,6 +76,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
 
   total_ticks = experiment.run_ticks(config, len(train_source))
   total_samples = total_ticks * b
+  config_checks.check_pipeline_fills(config, pipe, total_ticks)
   config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
 
   feed = placement = None
@@ -128,7 +132,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
         "train_seconds": seconds_before + time.perf_counter() - start_time})
     writer.flush()
 
-  evaluate = evaluation.make_evaluator(model, config.eval_batch_size)
+  evaluate = evaluation.make_evaluator(
+      model, config_checks.eval_batch_size(config, len(test_source)))
   # The base rate, logged beside the loss.
   schedule = experiment.learning_rate_schedule(config, recipe, len(train_source))
   group_size = recipe.batch_size  # samples per optimizer step
@@ -255,6 +260,45 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
                  "retrained or re-evaluated.", samples)
     return summary
   return None
+
+
+def _finished_without_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+  """The summary of a run that finished in ``workdir`` and whose checkpoints were deleted since.
+
+  Its results are still a finished run's: rerun with its settings, it is reported again; with
+  other settings (or settings that cannot be read back) it is refused before anything is written,
+  since a fresh start would replace its summary, metrics and curves. None when the workdir holds
+  checkpoints (the resume decides) or no finished run.
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  if os.path.lexists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+    return None
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(summary, dict) or summary.get("stopped_by") is not None or \
+      summary.get("test_accuracy") is None:
+    return None
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      trained = json.load(f)
+    changes = config_checks.recipe_changes(config, trained)
+  except (OSError, ValueError, AttributeError) as e:
+    changes = f"its config.json cannot be read ({workdir_lib.first_line(e)})"
+  if not changes:
+    logging.info("This run finished before (%s samples) and its checkpoints have been deleted; "
+                 "reporting its summary, nothing is retrained or re-evaluated.",
+                 summary.get("samples"))
+    return summary
+  raise ConfigError(
+      f"The workdir {os.path.abspath(workdir)} holds the results of a finished run (method "
+      f"{summary.get('method')!r}, {summary.get('samples')} samples, test accuracy "
+      f"{summary['test_accuracy']}) whose checkpoints were deleted, trained with other "
+      f"settings than this run: {changes}. Training here would overwrite its summary, metrics "
+      "and curves. Choose another --workdir for the new settings, or move that run's files "
+      "away first.")
 
 
 def _run_facts(workdir: str) -> dict:
