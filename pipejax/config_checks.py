@@ -23,6 +23,7 @@ from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax.checkpoint import CheckpointError
+from pipejax.data import fingerprint as data_fingerprint
 from pipejax.stages import ModelError
 
 class ConfigError(ValueError):
@@ -270,8 +271,11 @@ def recipe_changes(config, trained_config: dict) -> str:
   return _describe_changes(changes)
 
 
-def check_resumable(config, checkpointer, step: int, meta: dict) -> None:
-  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe."""
+def check_resumable(config, checkpointer, step: int, meta: dict, data: dict | None = None
+                    ) -> None:
+  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe or,
+  given this run's ``data`` fingerprint (:mod:`pipejax.data.fingerprint`), of the data."""
+  _check_same_data(config, checkpointer, step, meta, data)
   saved, wanted = meta.get("fingerprint", {}), fingerprint(config)
   differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
   if differing:
@@ -291,6 +295,21 @@ def check_resumable(config, checkpointer, step: int, meta: dict) -> None:
         f"is then logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
 
 
+def _check_same_data(config, checkpointer, step: int, meta: dict, data: dict | None) -> None:
+  # A checkpoint that records no data fingerprint predates them: nothing to compare.
+  if data is None or "data" not in meta:
+    return
+  changes = data_fingerprint.differences(meta["data"], data)
+  if changes and not config.get("allow_changes_on_resume", False):
+    workdir = os.path.dirname(checkpointer.directory)
+    raise data_lib.DataError(
+        f"The data changed since checkpoint step {step} in {workdir} was written: "
+        f"{'; '.join(changes)}. Continuing would train one run on two data sets. Point "
+        "--config.data_dir at the data it was trained on, use a new --workdir, or pass "
+        "--config.allow_changes_on_resume=True to continue on the new data (the change is then "
+        f"logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
+
+
 CHANGES_FILE = "config_changes.jsonl"
 
 
@@ -298,8 +317,11 @@ def _describe_changes(changes: dict) -> str:
   return "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
 
 
-def record_changes(config, workdir: str, meta: dict, samples: int) -> None:
-  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``."""
+def record_changes(config, workdir: str, meta: dict, samples: int, data: dict | None = None
+                   ) -> None:
+  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``;
+  given this run's ``data`` fingerprint, a change of the data too."""
+  _record_data_change(workdir, meta, samples, data)
   changes = _changed_settings(config, meta)
   if not changes:
     return
@@ -312,6 +334,16 @@ def record_changes(config, workdir: str, meta: dict, samples: int) -> None:
   with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
     f.write(json.dumps({"samples": samples, "time": time.time(),
                         "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+def _record_data_change(workdir: str, meta: dict, samples: int, data: dict | None) -> None:
+  changes = data_fingerprint.differences(meta["data"], data) if data and "data" in meta else []
+  if not changes:
+    return
+  logging.warning("Resuming at %d samples on changed data (allowed by "
+                  "config.allow_changes_on_resume): %s.", samples, "; ".join(changes))
+  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+    f.write(json.dumps({"samples": samples, "time": time.time(), "data": changes}) + "\n")
 
 
 # The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).

@@ -75,6 +75,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   stream = data_lib.DataStream(train_source, b, config.seed, augment=augment)
 
   total_ticks = experiment.run_ticks(config, len(train_source))
+  data_fingerprint = data_lib.fingerprint.fingerprint(train_source, test_source)
   total_samples = total_ticks * b
   config_checks.check_pipeline_fills(config, pipe, total_ticks)
   config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
@@ -92,7 +93,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   phases.enter("looking for a checkpoint to resume")
   restored = checkpointer.restore_newest(
       runner.to_logical(state),
-      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta))
+      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta,
+                                                       data=data_fingerprint))
   if restored is not None:
     step, logical_state, meta = restored
     state = runner.from_logical(logical_state)
@@ -106,7 +108,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       checkpointer.close()
       return finished
     if primary:
-      config_checks.record_changes(config, workdir, meta, samples)
+      config_checks.record_changes(config, workdir, meta, samples, data=data_fingerprint)
 
   writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if restored else None,
                                      enabled=primary)
@@ -127,7 +129,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   def save(current_state):
     checkpointer.save(samples, runner.to_logical(current_state), {
         "samples": samples, "data_position": stream.get_state(),
-        "fingerprint": config_checks.fingerprint(config),
+        "fingerprint": config_checks.fingerprint(config), "data": data_fingerprint,
         "config": config_checks.to_plain(config),
         "train_seconds": seconds_before + time.perf_counter() - start_time})
     writer.flush()

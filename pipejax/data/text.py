@@ -164,5 +164,11 @@ def load_fortunes(data_dir: str | os.PathLike | None = None, context: int = DEFA
   """
   data_dir = os.fspath(data_dir) if data_dir is not None else DEFAULT_DIR
   train, validation = split_fortunes(data_dir, validation_every)
-  return (TextSource(train, context, "fortunes:train"),
-          TextSource(validation, context, "fortunes:validation"))
+  sources = (TextSource(train, context, "fortunes:train"),
+             TextSource(validation, context, "fortunes:validation"))
+  # Named in a checkpoint's data fingerprint (pipejax.data.fingerprint): a resume on another copy
+  # of the corpus says which files differ.
+  files = {os.path.basename(path): os.path.getsize(path) for path in fortune_files(data_dir)}
+  for source in sources:
+    source.files = files
+  return sources
