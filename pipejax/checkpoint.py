@@ -93,14 +93,6 @@ def _meta_digest(meta: dict) -> str:
   return hashlib.sha256(json.dumps(_plain_json(body), sort_keys=True).encode()).hexdigest()
 
 
-def _refuse_a_file_in_place_of(directory: str) -> None:
-  """A :class:`CheckpointError` when ``directory`` exists as something other than a directory."""
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    raise CheckpointError(
-        f"{directory} is a file, not a directory: the run keeps its checkpoints there. Move that "
-        "file away (or delete it) and rerun, or choose another --workdir.")
-
-
 class Checkpointer:
   """Saves and restores (state, meta) pairs under ``directory``, keeping the last ``max_to_keep``."""
 
@@ -110,7 +102,6 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.primary = primary
     self._placement = placement
-    _refuse_a_file_in_place_of(self.directory)
     if primary:
       self._remove_unfinished()
     try:
@@ -168,6 +159,7 @@ class Checkpointer:
         if problem is None:
           raise
         held.drop()  # each of orbax's writer threads logged the full disk with its traceback
+        _quiet_abandoned_writers()
         raise problem from None
 
   def restore_meta(self, step: int) -> dict:
@@ -279,7 +271,8 @@ class Checkpointer:
 
 class _LibraryReportsHeld:
   """Holds back, while its block runs, orbax's log records of warning level and above and the
-  exceptions tensorstore's callbacks print (through ``sys.excepthook``) from its threads.
+  exceptions that tensorstore's callbacks raise in orbax's threads (printed, with a traceback,
+  through ``sys.unraisablehook`` or ``sys.excepthook``).
 
   When a save fails for want of space, every writer thread of orbax logs the failure with a
   traceback (up to 16 of them), before the save raises the one error the trainer turns into its
@@ -287,9 +280,9 @@ class _LibraryReportsHeld:
   """
 
   def __init__(self):
-    self._records, self._printed = [], []
+    self._records, self._printed, self._unraisable = [], [], []
     self._logger = std_logging.getLogger("absl")
-    self._excepthook = None
+    self._excepthook = self._unraisablehook = None
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     if record.levelno >= std_logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname:
@@ -300,21 +293,48 @@ class _LibraryReportsHeld:
   def __enter__(self):
     self._logger.addFilter(self)
     self._excepthook, sys.excepthook = sys.excepthook, self._hold_printed
+    self._unraisablehook, sys.unraisablehook = sys.unraisablehook, self._unraisable.append
     return self
 
   def _hold_printed(self, *exc_info):
     self._printed.append(exc_info)
 
   def drop(self) -> None:
-    self._records, self._printed = [], []
+    self._records, self._printed, self._unraisable = [], [], []
 
   def __exit__(self, *exc):
     self._logger.removeFilter(self)
-    sys.excepthook = self._excepthook
+    sys.excepthook, sys.unraisablehook = self._excepthook, self._unraisablehook
     for record in self._records:
       self._logger.handle(record)
     for exc_info in self._printed:
       self._excepthook(*exc_info)
+    for unraisable in self._unraisable:
+      self._unraisablehook(unraisable)
+
+
+def _quiet_abandoned_writers() -> None:
+  """After a save failed for want of space, for the rest of the process (which ends with the
+  trainer's message): drops what orbax's abandoned writer threads still report, each with a
+  traceback: their log records, tensorstore's "Event loop is closed" from callbacks that outlive
+  the save's event loop, and asyncio's "exception was never retrieved" for their futures."""
+  std_logging.getLogger("absl").addFilter(
+      lambda record: f"{os.sep}orbax{os.sep}" not in record.pathname)
+  std_logging.getLogger("asyncio").addFilter(
+      lambda record: "exception was never retrieved" not in record.getMessage())
+  closed_loop = lambda error: isinstance(error, RuntimeError) and "Event loop is closed" in str(
+      error)
+  previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind, value, traceback):
+    if not closed_loop(value):
+      previous_excepthook(kind, value, traceback)
+
+  def unraisablehook(unraisable):
+    if not closed_loop(unraisable.exc_value):
+      previous_unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
 class _DamagedCheckpoint(CheckpointError):

@@ -256,6 +256,8 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
       summary = json.load(f)
   except (OSError, ValueError):
     return None
+  if not isinstance(summary, dict):  # damaged: the run writes it again when it finishes
+    return None
   if (samples >= total_samples and summary.get("stopped_by") is None
       and summary.get("samples") == samples and summary.get("test_accuracy") is not None):
     logging.info("This run finished before (%d samples); reporting its summary, nothing is "

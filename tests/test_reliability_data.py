@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -296,10 +297,34 @@ def test_a_checkpoint_directory_that_is_a_file_is_one_line(tmp_path):
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "checkpoints").write_text("not a directory")
-  with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints is a file, not a directory: "
-                     r"the run keeps its checkpoints there"):
+  with pytest.raises(workdir_lib.StorageError, match=r"checkpoints is a file, where the run keeps "
+                     r"its checkpoints. Move it away"):
     training.train_and_evaluate(digits_config(), str(workdir))
   assert (workdir / "checkpoints").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("name", ["summary.json", "metrics.jsonl", "config.json", "curves.png",
+                                  ".lock"])
+def test_a_directory_where_the_run_writes_a_file_is_refused_before_training(tmp_path, name,
+                                                                          monkeypatch):
+  (tmp_path / "run" / name).mkdir(parents=True)
+  monkeypatch.setattr(experiment, "build", lambda config: pytest.fail("built before the check"))
+  with pytest.raises(workdir_lib.StorageError, match=f"{re.escape(name)} is a directory, where "
+                     "the run keeps its"):
+    training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("damage", ["[]", "null", "5"])
+def test_a_damaged_summary_or_metrics_line_is_written_again_not_a_traceback(finished, tmp_path,
+                                                                           damage):
+  workdir = copy_of(finished, tmp_path)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    f.write(damage)
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write(damage + "\n")
+  summary = training.train_and_evaluate(digits_config(), workdir)
+  assert summary["test_accuracy"] == finished[1]["test_accuracy"]
+  assert json.load(open(os.path.join(workdir, "summary.json")))["samples"] == 240
 
 
 def test_a_full_disk_while_saving_reports_once(tmp_path, monkeypatch, caplog, capsys):
@@ -315,6 +340,9 @@ def test_a_full_disk_while_saving_reports_once(tmp_path, monkeypatch, caplog, ca
           "_SignalingThread.run() raised an exception", None, sys.exc_info())
     std_logging.getLogger("absl").handle(record)
     sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+    sys.unraisablehook(types.SimpleNamespace(
+        exc_type=RuntimeError, exc_value=RuntimeError("Event loop is closed"),
+        exc_traceback=None, err_msg=None, object=None))
     raise ValueError("RESOURCE_EXHAUSTED: Error writing local file: No space left on device")
 
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
