@@ -32,8 +32,8 @@ import numpy as np
 from pipejax.state import PipelineState
 from pipejax.mesh import DATA, STAGE, MeshError
 
-__all__ = ["HostFeed", "StartupError", "agree", "agree_on_shared_workdir", "any_process",
-           "checkpoint_shardings", "code_version", "exchange", "initialize",
+__all__ = ["HostFeed", "StartupError", "agree", "agree_on_data", "agree_on_shared_workdir",
+           "any_process", "checkpoint_shardings", "code_version", "exchange", "initialize",
            "lost_process_message", "shutdown", "trainer_parts"]
 
 # Seconds without a heartbeat after which a process counts as dead (JAX's default is 100).
@@ -251,6 +251,33 @@ def agree(fingerprint: dict[str, Any], timeout: float = STARTUP_TIMEOUT) -> None
         "Every process must run the same code with the same config and --workdir (one directory "
         "shared by all hosts); only --process_id differs. Start them again with the same "
         "command.")
+
+
+def agree_on_data(fingerprint: dict, timeout: float = STARTUP_TIMEOUT) -> None:
+  """Refuses, on every process, data that differs between the processes.
+
+  Each process reads its own copy of the data set (``data_dir`` may differ between hosts); a copy
+  that differs would feed its devices other examples than the run's stream, and evaluate on
+  another test split, without any error. ``fingerprint`` is this process's
+  :func:`pipejax.data.fingerprint.fingerprint`.
+
+  Raises:
+    DataError: the copies differ; the message names each process's differences from process 0's.
+  """
+  from pipejax.data import DataError  # pylint: disable=g-import-not-at-top
+  from pipejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
+  everyone = [json.loads(v) for v in exchange("data", json.dumps(fingerprint, sort_keys=True),
+                                              timeout)]
+  differing = {p: fingerprint_lib.differences(everyone[0], theirs)
+               for p, theirs in enumerate(everyone)}
+  differing = {p: changes for p, changes in differing.items() if changes}
+  if differing:
+    raise DataError(
+        f"The {len(everyone)} processes of this run read different data (each reads its own copy, "
+        "from its --config.data_dir): " + "; ".join(
+            f"process {p}, against process 0: {'; '.join(changes)}"
+            for p, changes in differing.items())
+        + ". Give every process the same copy of the data set, then start them all again.")
 
 
 def agree_on_shared_workdir(workdir: str, timeout: float = STARTUP_TIMEOUT) -> None:

@@ -76,6 +76,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
 
   total_ticks = experiment.run_ticks(config, len(train_source))
   data_fingerprint = data_lib.fingerprint.fingerprint(train_source, test_source)
+  if jax.process_count() > 1:
+    from pipejax import distributed  # pylint: disable=g-import-not-at-top
+    distributed.agree_on_data(data_fingerprint)
   total_samples = total_ticks * b
   config_checks.check_pipeline_fills(config, pipe, total_ticks)
   config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))

@@ -269,6 +269,27 @@ def test_the_char_lm_over_two_processes_equals_one_process(tmp_path):
   assert expected["samples"] == 100
 
 
+@pytest.mark.slow
+def test_processes_that_read_different_copies_of_the_data_refuse_to_train(tmp_path):
+  write_corpus(tmp_path / "host0")
+  (write_corpus(tmp_path / "host1") / "gamma").write_text("gamma fortune\n%\n")
+  address = f"localhost:{free_port()}"
+  processes = [subprocess.Popen(
+      _lm_command(tmp_path / "run", f"--config.data_dir={tmp_path / f'host{i}'}",
+                  f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}"),
+      cwd=ROOT, env=_lm_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
+  for p in processes:
+    log = p.communicate(timeout=600)[0]
+    assert p.returncode == 1, log[-3000:]
+    (error,) = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert "The 2 processes of this run read different data" in error
+    assert "process 1, against process 0: the training split (fortunes:train): files added: " \
+        "gamma" in error
+    assert "Traceback" not in log
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------ 11. one line, not a traceback
 
 def test_an_eval_batch_larger_than_the_test_split_is_capped(finished, tmp_path, monkeypatch):
