@@ -100,8 +100,24 @@ def test_a_resume_allowed_on_changed_data_records_the_change(finished, tmp_path,
   rewind_to(workdir, 160)
   summary = training.train_and_evaluate(digits_config(allow_changes_on_resume=True), workdir)
   assert summary["samples"] == 240
-  (record,) = [json.loads(line) for line in open(os.path.join(workdir, "config_changes.jsonl"))]
+  records = [json.loads(line) for line in open(os.path.join(workdir, "config_changes.jsonl"))]
+  (record,) = [r for r in records if "data" in r]  # beside the change of the flag itself
   assert record["samples"] == 160 and "the training split (digits:train)" in record["data"][0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_records_no_data_resumes_as_before(finished, tmp_path,
+                                                             digits_with_one_pixel_changed):
+  workdir = copy_of(finished, tmp_path)
+  rewind_to(workdir, 160)
+  path = pathlib.Path(workdir) / "checkpoints" / "160" / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  del meta["data"]  # as written before checkpoints recorded their data
+  meta["meta_digest"] = checkpoint._meta_digest(meta)  # pylint: disable=protected-access
+  path.write_text(json.dumps(meta))
+  summary = training.train_and_evaluate(digits_config(), workdir)
+  assert summary["samples"] == 240
+  assert not os.path.exists(os.path.join(workdir, "config_changes.jsonl"))
 
 
 def write_corpus(directory, files=("alpha", "beta"), fortunes_per_file=2000, links=True):
