@@ -1,9 +1,11 @@
 """Every check of a training config before anything is built, trained or resumed.
 
 :func:`validate` checks each field (types, ranges, known names; the model's keywords by building
-it once); :func:`check_resumable` compares the config with the one a checkpoint was written with;
-:func:`check_memory` refuses a chunk or a state that cannot fit. Each error is a
-:class:`ConfigError` whose message names the field and how to fix it.
+it once); :func:`check_resumable` compares the config, and the data's fingerprint, with those a
+checkpoint was written with; :func:`check_pipeline_fills` refuses a run too short to train every
+stage; :func:`check_memory` refuses a chunk, a state or an evaluation batch that cannot fit. Each
+error is a :class:`ConfigError` (a :class:`~pipejax.data.DataError` for changed data) whose
+message names the field and how to fix it.
 """
 
 from __future__ import annotations
