@@ -398,7 +398,6 @@ def check_memory(config, setup, chunk_ticks: int) -> None:
         f"--config.ticks_per_chunk to {fitting} or less (it changes no result, only how often "
         "the run reports and can save).")
   state = state_bytes(setup)
-  _check_evaluation_memory(config, setup, state, available, where)
   logging.info("Pipeline state: %s per device (weights, optimizer states, delay lines of %d "
                "stages); a chunk of %d ticks: %s.", _gib(state), setup.pipeline.num_stages,
                chunk_ticks, _gib(chunk))
@@ -409,6 +408,7 @@ def check_memory(config, setup, chunk_ticks: int) -> None:
         f"with the square of the stage count), more than {where} ({_gib(available)}). Use fewer "
         "stages (--config.model_kwargs.layers_per_stage, or a smaller depth), narrower layers, "
         "or a mesh over more devices (--config.mesh.stage).")
+  _check_evaluation_memory(config, setup, state, available, where)
 
 
 def eval_batch_size(config, test_size: int) -> int:
