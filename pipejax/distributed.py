@@ -272,12 +272,16 @@ def agree_on_data(fingerprint: dict, timeout: float = STARTUP_TIMEOUT) -> None:
                for p, theirs in enumerate(everyone)}
   differing = {p: changes for p, changes in differing.items() if changes}
   if differing:
-    raise DataError(
+    message = (
         f"The {len(everyone)} processes of this run read different data (each reads its own copy, "
         "from its --config.data_dir): " + "; ".join(
             f"process {p}, against process 0: {'; '.join(changes)}"
             for p, changes in differing.items())
         + ". Give every process the same copy of the data set, then start them all again.")
+    # Every process reached this verdict from the same values: they leave together, so that
+    # process 0, which hosts the coordination service, does not go while another still reads.
+    leave_together(timeout)
+    raise DataError(message)
 
 
 def agree_on_shared_workdir(workdir: str, timeout: float = STARTUP_TIMEOUT) -> None:
