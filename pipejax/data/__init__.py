@@ -7,12 +7,14 @@ inputs and ``(ticks, b)`` int32 labels for one ``lax.scan`` of the pipeline, and
 the test split in order.
 """
 
+from pipejax.data import fingerprint
 from pipejax.data.errors import DataError
-from pipejax.data.registry import NAMES, load
+from pipejax.data.registry import AUGMENTED_NAMES, NAMES, load
 from pipejax.data.source import ArraySource, Augment, Normalization, Source, Subset
 from pipejax.data.stream import DataStream, augment_rng, epoch_permutation, eval_batches
 
 __all__ = [
-    "ArraySource", "Augment", "DataError", "DataStream", "NAMES", "Normalization", "Source",
-    "Subset", "augment_rng", "epoch_permutation", "eval_batches", "load",
+    "AUGMENTED_NAMES", "ArraySource", "Augment", "DataError", "DataStream", "NAMES",
+    "Normalization", "Source", "Subset", "augment_rng", "epoch_permutation", "eval_batches",
+    "fingerprint", "load",
 ]

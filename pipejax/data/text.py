@@ -7,7 +7,9 @@ the origin and licence).
 
 Tokens are bytes (vocabulary 256). The split is fixed by the corpus alone: the files are read in
 sorted order, and every ``validation_every``-th fortune (counting across files) goes to the
-validation split, so both splits cover every topic. Each split is its fortunes joined with their
+validation split, so both splits cover every topic. Files with identical bytes are read once,
+and a validation fortune whose text is also a training fortune is left out, so the splits share
+no text. Each split is its fortunes joined with their
 ``%`` separator lines, cut into non-overlapping windows of ``context + 1`` bytes that overlap by
 one: window ``i`` is the example ``tokens[i T : i T + T]`` with the per-token labels
 ``tokens[i T + 1 : i T + T + 1]`` (the next byte of each position). A window is the unit the
@@ -17,8 +19,10 @@ image streams are.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+from absl import logging
 import numpy as np
 
 from pipejax.data.errors import DataError
@@ -105,9 +109,7 @@ def split_fortunes(data_dir: str, validation_every: int = 10) -> tuple[bytes, by
     raise DataError(f"validation_every must be an int >= 2 (one fortune in that many "
                     f"validates); got {validation_every!r}.")
   fortunes = []
-  for path in fortune_files(data_dir):
-    with open(path, "rb") as f:
-      text = f.read()
+  for text in _distinct_files(fortune_files(data_dir)):
     # A file ends with its last separator; an empty piece is no fortune.
     fortunes.extend(piece for piece in (b"\n" + text).split(SEPARATOR) if piece.strip())
   total = sum(len(piece) + len(SEPARATOR) for piece in fortunes)
@@ -117,7 +119,35 @@ def split_fortunes(data_dir: str, validation_every: int = 10) -> tuple[bytes, by
   splits = ([], [])
   for k, piece in enumerate(fortunes):
     splits[k % validation_every == validation_every - 1].append(piece.lstrip(b"\n") + SEPARATOR)
-  return b"".join(splits[0]), b"".join(splits[1])
+  return b"".join(splits[0]), b"".join(_not_in(splits[1], splits[0]))
+
+
+def _distinct_files(paths: list[str]):
+  """The bytes of each file, once per content: a copy whose ``NAME.u8`` links became files holds
+  every fortune twice, and its second copies would land in the validation split too."""
+  first_with = {}
+  for path in paths:
+    with open(path, "rb") as f:
+      text = f.read()
+    digest = hashlib.sha256(text).digest()
+    if digest in first_with:
+      logging.warning("Fortune file %s holds the same bytes as %s (a copy that followed a link, "
+                      "such as NAME.u8 -> NAME); reading them once.", path, first_with[digest])
+      continue
+    first_with[digest] = path
+    yield text
+
+
+def _not_in(held_out: list[bytes], trained: list[bytes]) -> list[bytes]:
+  """The held-out fortunes that are not also training fortunes (some appear in two files): a
+  validation split shares no text with training."""
+  training = set(trained)
+  kept = [piece for piece in held_out if piece not in training]
+  if len(kept) < len(held_out):
+    logging.info("%d of %d validation fortunes also appear among the training fortunes (in "
+                 "another file); they are left out of validation.", len(held_out) - len(kept),
+                 len(held_out))
+  return kept
 
 
 def load_fortunes(data_dir: str | os.PathLike | None = None, context: int = DEFAULT_CONTEXT,
@@ -134,5 +164,11 @@ def load_fortunes(data_dir: str | os.PathLike | None = None, context: int = DEFA
   """
   data_dir = os.fspath(data_dir) if data_dir is not None else DEFAULT_DIR
   train, validation = split_fortunes(data_dir, validation_every)
-  return (TextSource(train, context, "fortunes:train"),
-          TextSource(validation, context, "fortunes:validation"))
+  sources = (TextSource(train, context, "fortunes:train"),
+             TextSource(validation, context, "fortunes:validation"))
+  # Named in a checkpoint's data fingerprint (pipejax.data.fingerprint): a resume on another copy
+  # of the corpus says which files differ.
+  files = {os.path.basename(path): os.path.getsize(path) for path in fortune_files(data_dir)}
+  for source in sources:
+    source.files = files
+  return sources

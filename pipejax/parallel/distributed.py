@@ -32,8 +32,8 @@ import numpy as np
 from pipejax.core.state import PipelineState
 from pipejax.parallel.mesh import DATA, STAGE, MeshError
 
-__all__ = ["HostFeed", "StartupError", "agree", "agree_on_shared_workdir", "any_process",
-           "checkpoint_shardings", "code_version", "exchange", "initialize",
+__all__ = ["HostFeed", "StartupError", "agree", "agree_on_data", "agree_on_shared_workdir",
+           "any_process", "checkpoint_shardings", "code_version", "exchange", "initialize",
            "lost_process_message", "shutdown", "trainer_parts"]
 
 # Seconds without a heartbeat after which a process counts as dead (JAX's default is 100).
@@ -253,6 +253,37 @@ def agree(fingerprint: dict[str, Any], timeout: float = STARTUP_TIMEOUT) -> None
         "command.")
 
 
+def agree_on_data(fingerprint: dict, timeout: float = STARTUP_TIMEOUT) -> None:
+  """Refuses, on every process, data that differs between the processes.
+
+  Each process reads its own copy of the data set (``data_dir`` may differ between hosts); a copy
+  that differs would feed its devices other examples than the run's stream, and evaluate on
+  another test split, without any error. ``fingerprint`` is this process's
+  :func:`pipejax.data.fingerprint.fingerprint`.
+
+  Raises:
+    DataError: the copies differ; the message names each process's differences from process 0's.
+  """
+  from pipejax.data import DataError  # pylint: disable=g-import-not-at-top
+  from pipejax.data import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
+  everyone = [json.loads(v) for v in exchange("data", json.dumps(fingerprint, sort_keys=True),
+                                              timeout)]
+  differing = {p: fingerprint_lib.differences(everyone[0], theirs)
+               for p, theirs in enumerate(everyone)}
+  differing = {p: changes for p, changes in differing.items() if changes}
+  if differing:
+    message = (
+        f"The {len(everyone)} processes of this run read different data (each reads its own copy, "
+        "from its --config.data_dir): " + "; ".join(
+            f"process {p}, against process 0: {'; '.join(changes)}"
+            for p, changes in differing.items())
+        + ". Give every process the same copy of the data set, then start them all again.")
+    # Every process reached this verdict from the same values: they leave together, so that
+    # process 0, which hosts the coordination service, does not go while another still reads.
+    leave_together(timeout)
+    raise DataError(message)
+
+
 def agree_on_shared_workdir(workdir: str, timeout: float = STARTUP_TIMEOUT) -> None:
   """Refuses, on every process, a workdir that is not one directory shared by all of them.
 
@@ -384,7 +415,7 @@ class HostFeed:
     else:  # this process holds no first stage: skip the chunk without loading it
       stream.skip(num_ticks)
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
-      y = np.zeros((num_ticks, 0), np.int32)
+      y = np.zeros((num_ticks, 0) + tuple(stream.source.label_shape), np.int32)
     x, y, valid = pipe.to_ticks(x, y)
     pipe.check_labels(y, valid)
     return (self._global(x), self._global(y),

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging as std_logging
 import os
 import shutil
+import sys
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -148,15 +150,18 @@ class Checkpointer:
     meta["meta_digest"] = _meta_digest(meta)
     if self._placement is not None:
       state = jax.tree.map(to_global, state, self._placement(state))
-    try:
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)))
-      self._manager.wait_until_finished()
-    except Exception as e:
-      problem = storage_error(f"Writing checkpoint step {step}", self.directory, e)
-      if problem is None:
-        raise
-      raise problem from None
+    with _LibraryReportsHeld() as held:
+      try:
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)))
+        self._manager.wait_until_finished()
+      except Exception as e:
+        problem = storage_error(f"Writing checkpoint step {step}", self.directory, e)
+        if problem is None:
+          raise
+        held.drop()  # each of orbax's writer threads logged the full disk with its traceback
+        _quiet_abandoned_writers()
+        raise problem from None
 
   def restore_meta(self, step: int) -> dict:
     """The meta of ``step`` as saved, its digest checked (a :class:`CheckpointError` if damaged).
@@ -263,6 +268,74 @@ class Checkpointer:
 
   def close(self):
     self._manager.close()
+
+
+class _LibraryReportsHeld:
+  """Holds back, while its block runs, orbax's log records of warning level and above and the
+  exceptions that tensorstore's callbacks raise in orbax's threads (printed, with a traceback,
+  through ``sys.unraisablehook`` or ``sys.excepthook``).
+
+  When a save fails for want of space, every writer thread of orbax logs the failure with a
+  traceback (up to 16 of them), before the save raises the one error the trainer turns into its
+  message; :meth:`drop` discards them then. Otherwise they are passed on when the block ends.
+  """
+
+  def __init__(self):
+    self._records, self._printed, self._unraisable = [], [], []
+    self._logger = std_logging.getLogger("absl")
+    self._excepthook = self._unraisablehook = None
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.levelno >= std_logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname:
+      self._records.append(record)
+      return False
+    return True
+
+  def __enter__(self):
+    self._logger.addFilter(self)
+    self._excepthook, sys.excepthook = sys.excepthook, self._hold_printed
+    self._unraisablehook, sys.unraisablehook = sys.unraisablehook, self._unraisable.append
+    return self
+
+  def _hold_printed(self, *exc_info):
+    self._printed.append(exc_info)
+
+  def drop(self) -> None:
+    self._records, self._printed, self._unraisable = [], [], []
+
+  def __exit__(self, *exc):
+    self._logger.removeFilter(self)
+    sys.excepthook, sys.unraisablehook = self._excepthook, self._unraisablehook
+    for record in self._records:
+      self._logger.handle(record)
+    for exc_info in self._printed:
+      self._excepthook(*exc_info)
+    for unraisable in self._unraisable:
+      self._unraisablehook(unraisable)
+
+
+def _quiet_abandoned_writers() -> None:
+  """After a save failed for want of space, for the rest of the process (which ends with the
+  trainer's message): drops what orbax's abandoned writer threads still report, each with a
+  traceback: their log records, tensorstore's "Event loop is closed" from callbacks that outlive
+  the save's event loop, and asyncio's "exception was never retrieved" for their futures."""
+  std_logging.getLogger("absl").addFilter(
+      lambda record: f"{os.sep}orbax{os.sep}" not in record.pathname)
+  std_logging.getLogger("asyncio").addFilter(
+      lambda record: "exception was never retrieved" not in record.getMessage())
+  closed_loop = lambda error: isinstance(error, RuntimeError) and "Event loop is closed" in str(
+      error)
+  previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind, value, traceback):
+    if not closed_loop(value):
+      previous_excepthook(kind, value, traceback)
+
+  def unraisablehook(unraisable):
+    if not closed_loop(unraisable.exc_value):
+      previous_unraisablehook(unraisable)
+
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
 class _DamagedCheckpoint(CheckpointError):

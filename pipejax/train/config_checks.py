@@ -1,9 +1,11 @@
 """Every check of a training config before anything is built, trained or resumed.
 
 :func:`validate` checks each field (types, ranges, known names; the model's keywords by building
-it once); :func:`check_resumable` compares the config with the one a checkpoint was written with;
-:func:`check_memory` refuses a chunk or a state that cannot fit. Each error is a
-:class:`ConfigError` whose message names the field and how to fix it.
+it once); :func:`check_resumable` compares the config, and the data's fingerprint, with those a
+checkpoint was written with; :func:`check_pipeline_fills` refuses a run too short to train every
+stage; :func:`check_memory` refuses a chunk, a state or an evaluation batch that cannot fit. Each
+error is a :class:`ConfigError` (a :class:`~pipejax.data.DataError` for changed data) whose
+message names the field and how to fix it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax.train.checkpoint import CheckpointError
+from pipejax.data import fingerprint as data_fingerprint
 from pipejax.core.stages import ModelError
 
 class ConfigError(ValueError):
@@ -59,7 +62,18 @@ def validate(config) -> None:
   if config.dataset not in data_lib.NAMES:
     raise ConfigError(f"config.dataset={config.dataset!r} is not a known data set. Known data "
                       f"sets: {', '.join(data_lib.NAMES)}.")
+  _check_augmentation(config)
   _check_model(config)
+
+
+def _check_augmentation(config) -> None:
+  """``config.augment`` on a data set without a standard augmentation would train unaugmented
+  while config.json and TensorBoard say otherwise."""
+  if config.augment and config.dataset not in data_lib.AUGMENTED_NAMES:
+    raise ConfigError(
+        f"config.augment=True, but data set {config.dataset!r} has no standard augmentation "
+        f"(only {', '.join(data_lib.AUGMENTED_NAMES)} have one), so the run would train exactly as "
+        "without it. Set --config.augment=False.")
 
 
 def model_kwargs(config) -> dict:
@@ -174,6 +188,32 @@ def _validate_values(config) -> None:
             "made of positive integers (widths, counts)")
 
 
+def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
+  """Refuses a run too short for every stage to apply an update that moves its weights.
+
+  Asynchronously, stage 0 backwards its first micro-batch only once the pipeline is full, at
+  tick 2(S-1); a synchronous step takes M micro-batches. A cosine schedule's first update has a
+  rate of 0 (its warm-up starts there), so it needs a second one.
+  """
+  updates = 2 if config.schedule == "cosine" else 1
+  m = pipeline.method.micro_batches_per_step
+  stages = pipeline.num_stages
+  needed = updates * m if m is not None else 2 * (stages - 1) + updates
+  if run_ticks >= needed:
+    return
+  b = config.micro_batch_size
+  why = (f"a synchronous step takes config.micro_batches = {m} micro-batches" if m is not None else
+         f"the first of its {stages} stages applies its first update only once the pipeline is "
+         f"full, at micro-batch {2 * (stages - 1) + 1}")
+  raise ConfigError(
+      f"This run is too short to train every stage: it trains {run_ticks} micro-batch"
+      f"{'es' if run_ticks != 1 else ''} of {b} ({run_ticks * b} samples: config.epochs times "
+      f"the training split), but {why}"
+      f"{', and a cosine schedule starts its warm-up at a rate of 0' if updates == 2 else ''}. "
+      f"It needs at least {needed * b} training samples ({needed} micro-batches of {b}). Raise "
+      "--config.epochs or --config.max_train_examples, or lower --config.micro_batch_size.")
+
+
 # Config keys that may differ on resume without changing what is trained: where the data lives, how
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
@@ -226,8 +266,19 @@ def _is_free(key: str) -> bool:
   return key.split(".")[0] in FREE_KEYS
 
 
-def check_resumable(config, checkpointer, step: int, meta: dict) -> None:
-  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe."""
+def recipe_changes(config, trained_config: dict) -> str:
+  """The fields other than :data:`FREE_KEYS` in which ``config`` differs from ``trained_config``
+  (a run's config.json), described as ``key old -> new; ...``; empty when none does."""
+  changes = {k: v for k, v in _changed_settings(config, {"config": trained_config}).items()
+             if not _is_free(k)}
+  return _describe_changes(changes)
+
+
+def check_resumable(config, checkpointer, step: int, meta: dict, data: dict | None = None
+                    ) -> None:
+  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe or,
+  given this run's ``data`` fingerprint (:mod:`pipejax.data.fingerprint`), of the data."""
+  _check_same_data(config, checkpointer, step, meta, data)
   saved, wanted = meta.get("fingerprint", {}), fingerprint(config)
   differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
   if differing:
@@ -247,6 +298,21 @@ def check_resumable(config, checkpointer, step: int, meta: dict) -> None:
         f"is then logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
 
 
+def _check_same_data(config, checkpointer, step: int, meta: dict, data: dict | None) -> None:
+  # A checkpoint that records no data fingerprint predates them: nothing to compare.
+  if data is None or "data" not in meta:
+    return
+  changes = data_fingerprint.differences(meta["data"], data)
+  if changes and not config.get("allow_changes_on_resume", False):
+    workdir = os.path.dirname(checkpointer.directory)
+    raise data_lib.DataError(
+        f"The data changed since checkpoint step {step} in {workdir} was written: "
+        f"{'; '.join(changes)}. Continuing would train one run on two data sets. Point "
+        "--config.data_dir at the data it was trained on, use a new --workdir, or pass "
+        "--config.allow_changes_on_resume=True to continue on the new data (the change is then "
+        f"logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
+
+
 CHANGES_FILE = "config_changes.jsonl"
 
 
@@ -254,8 +320,11 @@ def _describe_changes(changes: dict) -> str:
   return "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
 
 
-def record_changes(config, workdir: str, meta: dict, samples: int) -> None:
-  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``."""
+def record_changes(config, workdir: str, meta: dict, samples: int, data: dict | None = None
+                   ) -> None:
+  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``;
+  given this run's ``data`` fingerprint, a change of the data too."""
+  _record_data_change(workdir, meta, samples, data)
   changes = _changed_settings(config, meta)
   if not changes:
     return
@@ -268,6 +337,16 @@ def record_changes(config, workdir: str, meta: dict, samples: int) -> None:
   with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
     f.write(json.dumps({"samples": samples, "time": time.time(),
                         "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+def _record_data_change(workdir: str, meta: dict, samples: int, data: dict | None) -> None:
+  changes = data_fingerprint.differences(meta["data"], data) if data and "data" in meta else []
+  if not changes:
+    return
+  logging.warning("Resuming at %d samples on changed data (allowed by "
+                  "config.allow_changes_on_resume): %s.", samples, "; ".join(changes))
+  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
+    f.write(json.dumps({"samples": samples, "time": time.time(), "data": changes}) + "\n")
 
 
 # The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).
@@ -330,3 +409,33 @@ def check_memory(config, setup, chunk_ticks: int) -> None:
         f"with the square of the stage count), more than {where} ({_gib(available)}). Use fewer "
         "stages (--config.model_kwargs.layers_per_stage, or a smaller depth), narrower layers, "
         "or a mesh over more devices (--config.mesh.stage).")
+  _check_evaluation_memory(config, setup, state, available, where)
+
+
+def eval_batch_size(config, test_size: int) -> int:
+  """The batch evaluation runs: ``config.eval_batch_size``, at most the test split (a larger
+  batch would only be padding)."""
+  return max(1, min(config.eval_batch_size, test_size))
+
+
+def eval_bytes(setup, batch: int) -> int:
+  """Bytes of one evaluation batch, from shapes alone: every stage's input and the logits, at
+  ``batch`` examples (a lower bound: the layers' intermediate values come on top)."""
+  pipe = setup.pipeline
+  per_micro_batch = accounting.tree_bytes(pipe.stage_input_shapes) + \
+      accounting.tree_bytes(pipe._last_stage_output())  # pylint: disable=protected-access
+  labels = 4 * math.prod(setup.test_source.label_shape)
+  return batch * (math.ceil(per_micro_batch / pipe.micro_batch_size) + labels)
+
+
+def _check_evaluation_memory(config, setup, state: int, available: int, where: str) -> None:
+  batch = eval_batch_size(config, len(setup.test_source))
+  needed = eval_bytes(setup, batch)
+  if state + needed <= available:
+    return
+  fitting = max(1, (available - state) * batch // max(needed, 1) // 2)
+  raise ConfigError(
+      f"Evaluation in batches of {batch} (config.eval_batch_size={config.eval_batch_size}, at "
+      f"most the test split) needs about {_gib(needed)} for its activations alone; beside the "
+      f"pipeline state ({_gib(state)}) that is more than {where} ({_gib(available)}). Lower "
+      f"--config.eval_batch_size to {fitting} or less (it changes no result).")

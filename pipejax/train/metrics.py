@@ -31,9 +31,11 @@ def read_records(workdir: str) -> list[dict]:
       line = line.strip()
       if line:
         try:
-          records.append(json.loads(line))
+          record = json.loads(line)
         except json.JSONDecodeError:
           continue  # a line cut short by a kill; everything before it is intact
+        if isinstance(record, dict):  # else a damaged line that happens to parse
+          records.append(record)
   return records
 
 

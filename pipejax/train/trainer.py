@@ -50,6 +50,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
+    finished = _finished_without_checkpoints(config, workdir)
+    if finished is not None:
+      return finished
     try:
       with interruption.SetupPhases() as phases:
         return _train(config, workdir, primary, phases)
@@ -70,7 +73,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   stream = data_lib.DataStream(setup.train_source, b, config.seed, augment=augment)
 
   total_ticks = experiment.run_ticks(config, len(setup.train_source))
+  data_fingerprint = data_lib.fingerprint.fingerprint(setup.train_source, setup.test_source)
+  if jax.process_count() > 1:
+    from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
+    distributed.agree_on_data(data_fingerprint)
   total_samples = total_ticks * b
+  config_checks.check_pipeline_fills(config, pipe, total_ticks)
   config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
 
   feed = placement = None
@@ -83,19 +91,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   state = setup.init(jax.random.PRNGKey(config.seed))
   init_digest = weights_digest([st.params for st in runner.to_logical(state).stages])
   phases.enter("looking for a checkpoint to resume")
-  state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state)
+  state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state,
+                                                 data_fingerprint)
   if meta is not None:
     finished = _finished_summary(workdir, samples, total_samples)
     if finished is not None:
       checkpointer.close()
       return finished
     if primary:
-      config_checks.record_changes(config, workdir, meta, samples)
+      config_checks.record_changes(config, workdir, meta, samples, data=data_fingerprint)
 
   writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if meta is not None else None,
                                      enabled=primary)
   _log_start(config, workdir, primary, setup, total_samples, init_digest)
-  run = _Run(config, setup, stream, checkpointer, writer, samples, seconds_before)
+  run = _Run(config, setup, stream, checkpointer, writer, samples, seconds_before,
+             data_fingerprint)
   # The test loss at the initial weights: a study counts a run whose final loss is above it as
   # diverged, however finite its numbers.
   if samples == 0 and not writer.has_record("test", 0):
@@ -131,12 +141,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   return summary
 
 
-def _resume(config, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state):
+def _resume(config, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state,
+            data_fingerprint: dict):
   """The state, samples seen, training seconds and checkpoint metadata of the newest checkpoint
   (``state``, 0, 0.0 and None when there is none)."""
   restored = checkpointer.restore_newest(
       runner.to_logical(state),
-      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta))
+      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta,
+                                                       data=data_fingerprint))
   if restored is None:
     return state, 0, 0.0, None
   step, logical_state, meta = restored
@@ -171,15 +183,17 @@ class _Run:
 
   def __init__(self, config, setup: experiment.Setup, stream: data_lib.DataStream,
                checkpointer: Checkpointer, writer: metrics_lib.MetricsWriter, samples: int,
-               seconds_before: float):
+               seconds_before: float, data_fingerprint: dict):
     self.config, self.setup, self.stream = config, setup, stream
+    self.data_fingerprint = data_fingerprint
     self.checkpointer, self.writer = checkpointer, writer
     self.samples, self.seconds_before = samples, seconds_before
     self.start_time = time.perf_counter()
-    self.evaluator = evaluation.make_evaluator(setup.model, config.eval_batch_size)
+    self.evaluator = evaluation.make_evaluator(
+        setup.model, config_checks.eval_batch_size(config, len(setup.test_source)))
     # The base rate, logged beside the loss.
     self.learning_rate = experiment.learning_rate_schedule(config, setup.recipe,
-                                                      len(setup.train_source))
+                                                           len(setup.train_source))
 
   def train_seconds(self) -> float:
     return self.seconds_before + time.perf_counter() - self.start_time
@@ -188,7 +202,7 @@ class _Run:
     config = self.config
     self.checkpointer.save(self.samples, self.setup.runner.to_logical(state), {
         "samples": self.samples, "data_position": self.stream.get_state(),
-        "fingerprint": config_checks.fingerprint(config),
+        "fingerprint": config_checks.fingerprint(config), "data": self.data_fingerprint,
         "config": config_checks.to_plain(config),
         "train_seconds": self.train_seconds()})
     self.writer.flush()
@@ -301,12 +315,53 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
       summary = json.load(f)
   except (OSError, ValueError):
     return None
+  if not isinstance(summary, dict):  # damaged: the run writes it again when it finishes
+    return None
   if (samples >= total_samples and summary.get("stopped_by") is None
       and summary.get("samples") == samples and summary.get("test_accuracy") is not None):
     logging.info("This run finished before (%d samples); reporting its summary, nothing is "
                  "retrained or re-evaluated.", samples)
     return summary
   return None
+
+
+def _finished_without_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
+  """The summary of a run that finished in ``workdir`` and whose checkpoints were deleted since.
+
+  Its results are still a finished run's: rerun with its settings, it is reported again; with
+  other settings (or settings that cannot be read back) it is refused before anything is written,
+  since a fresh start would replace its summary, metrics and curves. None when the workdir holds
+  checkpoints (the resume decides) or no finished run.
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  if os.path.lexists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+    return None
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(summary, dict) or summary.get("stopped_by") is not None or \
+      summary.get("test_accuracy") is None:
+    return None
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      trained = json.load(f)
+    changes = config_checks.recipe_changes(config, trained)
+  except (OSError, ValueError, AttributeError) as e:
+    changes = f"its config.json cannot be read ({workdir_lib.first_line(e)})"
+  if not changes:
+    logging.info("This run finished before (%s samples) and its checkpoints have been deleted; "
+                 "reporting its summary, nothing is retrained or re-evaluated.",
+                 summary.get("samples"))
+    return summary
+  raise ConfigError(
+      f"The workdir {os.path.abspath(workdir)} holds the results of a finished run (method "
+      f"{summary.get('method')!r}, {summary.get('samples')} samples, test accuracy "
+      f"{summary['test_accuracy']}) whose checkpoints were deleted, trained with other "
+      f"settings than this run: {changes}. Training here would overwrite its summary, metrics "
+      "and curves. Choose another --workdir for the new settings, or move that run's files "
+      "away first.")
 
 
 def _run_facts(workdir: str) -> dict:

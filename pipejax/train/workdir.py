@@ -71,6 +71,26 @@ def check_writable(workdir: str) -> None:
         "a directory this user can write.")) from None
 
 
+# What a run writes in its workdir: files, and directories.
+RUN_FILES = (LOCK_FILE, "config.json", "summary.json", "metrics.jsonl", "config_changes.jsonl",
+             "curves.png")
+RUN_DIRECTORIES = ("checkpoints", "tensorboard")
+
+
+def check_layout(workdir: str) -> None:
+  """A :class:`StorageError` naming a directory where the run writes a file, or a file where it
+  keeps a directory: found before the run starts, not when it writes there at its end."""
+  for names, wrong, is_wrong in ((RUN_FILES, "a directory", os.path.isdir),
+                                 (RUN_DIRECTORIES, "a file", lambda p: os.path.lexists(p) and
+                                  not os.path.isdir(p))):
+    for name in names:
+      path = os.path.join(os.path.abspath(workdir), name)
+      if is_wrong(path):
+        raise StorageError(
+            f"{path} is {wrong}, where the run keeps its {name}. Move it away (or delete it) "
+            "and rerun, or choose another --workdir.")
+
+
 class FileLock:
   """An exclusive ``flock`` on a file whose text names the holder.
 
@@ -111,6 +131,7 @@ def this_process() -> str:
 def claim(workdir: str, lock: bool = True):
   """Checks ``workdir`` is writable and, with ``lock``, holds its lock until the block ends."""
   check_writable(workdir)
+  check_layout(workdir)
   if not lock:
     yield
     return

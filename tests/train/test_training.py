@@ -183,9 +183,10 @@ def test_training_writes_metrics_plots_and_summary(tmp_path):
 def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
   tfds = pytest.importorskip("tensorflow_datasets")
   config = load_config(config_name, "tiny")
-  with tfds.testing.mock_data(num_examples=8, policy=tfds.testing.MockPolicy.USE_CODE):
+  # 24 examples: enough for every stage of the deepest tiny split (10) to take two updates.
+  with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
     summary = trainer.train_and_evaluate(config, str(tmp_path / config_name))
-  assert summary["samples"] == 8 and summary["stopped_by"] is None
+  assert summary["samples"] == 24 and summary["stopped_by"] is None
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   assert np.isfinite(summary["test_loss"])
 
