@@ -13,7 +13,8 @@ from absl import app
 EXIT_USAGE = 2  # a bad command line, as the shell's own builtins and scripts/train.py use it
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning resumes
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP is a closed terminal or SSH session: a stop like the others, never a half-written save.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def run(main: Callable[[list[str]], None], **kwargs) -> None:
@@ -34,12 +35,12 @@ def run(main: Callable[[list[str]], None], **kwargs) -> None:
 
 
 class SignalWatch:
-  """SIGTERM and SIGINT taken by a thread of their own, in every phase of a run.
+  """SIGTERM, SIGINT and SIGHUP taken by a thread of their own, in every phase of a run.
 
   A Python signal handler runs only when the main thread returns to the interpreter, so during a
   long XLA compile or a blocking ``jax.distributed`` call a signal waits (or, as a
   ``KeyboardInterrupt`` unwinding native code, crashes the process), and the coordination
-  service's own SIGTERM handler swallows it. Here both signals are blocked in every thread before
+  service's own SIGTERM handler swallows it. Here the signals are blocked in every thread before
   any library starts one (the mask is inherited), and one thread takes them with ``sigwait`` as
   they arrive, whatever the main thread is doing.
 

@@ -26,14 +26,16 @@ def read_records(workdir: str) -> list[dict]:
   if not os.path.exists(path):
     return []
   records = []
-  with open(path) as f:
+  with open(path, errors="replace") as f:  # bytes a crash left are no text: skipped below
     for line in f:
       line = line.strip()
       if line:
         try:
-          records.append(json.loads(line))
+          record = json.loads(line)
         except json.JSONDecodeError:
           continue  # a line cut short by a kill; everything before it is intact
+        if isinstance(record, dict):
+          records.append(record)
   return records
 
 

@@ -46,6 +46,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
     study = study_lib.load_study(_STUDY.value)
+    if not _REPORT_ONLY.value:
+      study_runner.check_config_keys(study)
   except study_lib.StudyError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

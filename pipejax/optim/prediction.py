@@ -213,6 +213,7 @@ def linear_weight_prediction(
         params, state.forward_params if outermost else
         state.previous_params if form == 'update' else state.offset, 'params',
         'the params given to init', owner)
+    _checks.check_gradients(updates, params, owner)
     gradient = updates
     updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     previous, offset, forward = None, None, None

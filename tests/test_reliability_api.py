@@ -1,0 +1,326 @@
+"""Faults at the edges a user reaches: signals of a closed terminal, study files and flags that
+cannot be used, a trainer's damaged files under a study, and bad input to the optax API."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from pipejax import optim
+from pipejax import study as study_lib
+from pipejax import study_records
+from pipejax import study_runner
+from pipejax.optim import adam_family
+
+from tests.helpers import ROOT
+from tests.test_study import FAKE_TRAINER, TWO_RUNS, alive, start_study
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+
+
+def _train_command(workdir, *overrides):
+  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+          "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+          f"--workdir={workdir}", "--config.dataset=digits", "--config.max_train_examples=0",
+          "--config.max_test_examples=0", "--config.model_kwargs.hidden=(16,12)",
+          "--config.schedule=constant", *overrides]
+
+
+def _signal_when(command, sig, marker):
+  """Starts ``command``, sends ``sig`` once a line holding ``marker`` appears; returns
+  (exit code, whole output)."""
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=ENV)
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if marker in line:
+      process.send_signal(sig)
+      break
+  rest, _ = process.communicate(timeout=300)
+  return process.returncode, "".join(lines) + rest
+
+
+# ----------------------------------------------------------------------------- SIGHUP
+
+
+def test_sighup_while_training_saves_a_checkpoint_exits_75_and_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  command = _train_command(workdir, "--config.epochs=2.0", "--config.ticks_per_chunk=50",
+                           "--config.eval_every_samples=1000000",
+                           "--config.checkpoint_every_samples=1000000")
+  code, output = _signal_when(command, signal.SIGHUP, "samples/s")
+  assert code == 75, output[-2000:]
+  assert "STOPPED by SIGHUP after" in output
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["stopped_by"] == "SIGHUP" and summary["samples"] > 0
+  assert os.listdir(workdir / "checkpoints")
+  resumed = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Resumed from" in resumed.stderr
+
+
+def test_sighup_during_set_up_is_a_stop_of_one_line(tmp_path):
+  code, output = _signal_when(_train_command(tmp_path / "run"), signal.SIGHUP,
+                              "pipejax training:")
+  assert code == 75, output[-2000:]
+  assert "STOPPED by SIGHUP during" in output and "Traceback" not in output
+
+
+@pytest.fixture
+def fake_trainer(tmp_path):
+  path = tmp_path / "fake_train.py"
+  path.write_text(FAKE_TRAINER)
+  return lambda mode: (sys.executable, str(path), mode)
+
+
+def test_sighup_to_a_study_stops_its_trainers_through_their_checkpoints(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  process, trainers = start_study(workdir, fake_trainer("sleep"))
+  process.send_signal(signal.SIGHUP)
+  out = process.communicate(timeout=60)[0]
+  assert process.returncode == study_runner.EXIT_STOPPED, out
+  assert not any(alive(pid) for pid in trainers)
+  assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
+  assert "SIGHUP: stopping" in out
+
+
+# ----------------------------------------------------------------------------- study files and flags
+
+
+def _study_cli(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "study.py"), *args],
+                        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+
+
+GOOD_STUDY = """
+from pipejax.study import Study
+def get_study(arg):
+  return Study(name="g", config="configs/default.py:smoke", fixed={FIXED},
+               grids=[{"method": ("sgd", "pb"), "seed": (0, 1)}])
+"""
+
+
+def _study_file(tmp_path, text, name="s.py"):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("args", [
+    ("--where=method=pbx",), ("--where=method=pb|sgdx,seed=3",), ("--report_only",)],
+    ids=["no value matches", "one key matches nothing", "report of a missing workdir"])
+def test_a_selection_or_report_with_nothing_to_do_fails_in_one_line_creating_nothing(
+    tmp_path, args):
+  workdir = tmp_path / "mistyped"
+  result = _study_cli(f"--study={_study_file(tmp_path, GOOD_STUDY.replace('{FIXED}', '{}'))}",
+                      f"--workdir={workdir}", *args)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+  assert not workdir.exists()
+
+
+def test_where_names_the_values_its_key_takes_and_report_only_names_an_empty_workdir(tmp_path):
+  with pytest.raises(study_lib.StudyError, match=r"method takes sgd\. Nothing"):
+    study_runner.check_selection(TWO_RUNS, {"method": "pbx"})
+  with pytest.raises(study_lib.StudyError, match="no grid point has them together"):
+    study_runner.check_selection(
+        study_lib.Study(name="u", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)},
+                                                        {"method": ("pb",), "seed": (1,)}]),
+        {"method": "sgd", "seed": "1"})
+  study_runner.check_selection(TWO_RUNS, {"method": "pb|sgd"})  # one alternative is enough
+  assert study_runner.main(TWO_RUNS, str(tmp_path), parallel=1, command="",
+                           report_only=True) == study_runner.EXIT_USAGE
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("text, message", [
+    ("from pipejax.study import Study\ndef get_study(arg):\n  return Study(name=nme)\n",
+     r"NameError: name 'nme' is not defined \(line 3\)"),
+    ("def get_study(arg)\n  return None\n", r"SyntaxError: .*line 1"),
+    ("import no_such_module_here\n", "ModuleNotFoundError"),
+    ("def get_study(arg):\n  return {}['x']\n", r"KeyError: 'x' \(line 2\)"),
+    (GOOD_STUDY.replace("(\"sgd\", \"pb\")", "\"sgd\"").replace("{FIXED}", "{}"),
+     "the values of grid key 'method' must be a list or tuple"),
+    (GOOD_STUDY.replace("grids=[", "grids=").replace(")}]", ")}").replace("{FIXED}", "{}"),
+     "grids must be a list of mappings"),
+    (GOOD_STUDY.replace("{FIXED}", "{'epcohs': 1.0}"), "'epcohs' is not a field of "
+     "configs/default.py:smoke. Did you mean 'epochs'"),
+    (GOOD_STUDY.replace("{FIXED}", "{}").replace("configs/default.py", "configs/nope.py"),
+     "its config file 'configs/nope.py' does not exist"),
+], ids=["NameError", "SyntaxError", "ImportError", "error in get_study", "grid value",
+        "grid not a list", "unknown config key", "missing config file"])
+def test_a_study_file_that_cannot_be_used_is_exit_2_in_one_line(tmp_path, text, message):
+  workdir = tmp_path / "work"
+  result = _study_cli(f"--study={_study_file(tmp_path, text)}", f"--workdir={workdir}")
+  assert result.returncode == 2, result.stdout + result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  assert re.search(message, lines[0]), lines[0]
+  assert not workdir.exists()
+
+
+# ----------------------------------------------------------------------------- a trainer's files
+
+
+@pytest.mark.parametrize("content", [b"", b'{"test_accuracy": 0.5', b"\xff\xfe", b"[1, 2]"],
+                         ids=["empty", "cut short", "not text", "not an object"])
+def test_an_unreadable_summary_is_a_missing_one(tmp_path, content):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "summary.json").write_bytes(content)
+  (run_dir / "metrics.jsonl").write_bytes(b'{"split": "test", "samples": 10, "accuracy": 0.5}\n'
+                                          b"\xff\x00garbage\n[3]\n")
+  record = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 0,
+                                         1.0, "error: No space left on device")
+  assert record["status"] == study_records.FAILED
+  assert "summary.json cannot be read" in record["error"] or "not a summary" in record["error"]
+  assert record["test_curve"] == [[10, 0.5, None]]
+  # Exit 75 with the same summary: stopped, not failed; the runner never records it.
+  stopped = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir),
+                                          1, 1.0, "")
+  assert stopped["status"] == study_records.FAILED
+
+
+EMPTY_SUMMARY_TRAINER = FAKE_TRAINER + """
+open(os.path.join(workdir, "summary.json"), "w").close()  # the disk filled while writing it
+"""
+
+
+def test_a_study_records_a_run_with_an_empty_summary_as_failed_and_retries_it(tmp_path, capsys):
+  trainer_path = tmp_path / "trainer.py"
+  trainer_path.write_text(EMPTY_SUMMARY_TRAINER)
+  trainer = (sys.executable, str(trainer_path), "finish")
+  for _ in range(2):  # every rerun the same: recorded, never a crash
+    code = study_runner.main(TWO_RUNS, str(tmp_path / "study"), parallel=2, command="",
+                             trainer=trainer)
+    assert code == study_runner.EXIT_FAILED
+    assert "FAILED" in capsys.readouterr().out
+  records = study_records.read_results(str(tmp_path / "study"))
+  assert [r["status"] for r in records] == [study_records.FAILED] * 2
+
+
+# ----------------------------------------------------------------------------- the optax API
+
+PARAMS = jnp.ones(3)
+
+
+def _lwp(**kwargs):
+  return optim.linear_weight_prediction(optax.sgd(0.1, momentum=0.9), 2, **kwargs)
+
+
+def _lwp_velocity(form, **kwargs):
+  return optim.linear_weight_prediction(lambda rate: optax.sgd(rate, momentum=0.9), 2, form=form,
+                                        learning_rate=0.1, **kwargs)
+
+
+# Every transformation of pipejax.optim, built for PARAMS.
+TRANSFORMS = {
+    "adam_sc": lambda: optim.adam_sc(0.1, 2),
+    "adam_sc with weight decay": lambda: optim.adam_sc(0.1, 2, weight_decay=0.1),
+    "scale_by_adam_sc": lambda: optim.scale_by_adam_sc(2),
+    "sgd_sc": lambda: optim.sgd_sc(0.1, 2, 0.9),
+    "spike_compensation": lambda: optim.spike_compensation(2, 0.9),
+    "delay_gradients": lambda: optim.delay_gradients(2),
+    "delay_compensation": lambda: optim.delay_compensation(0.04),
+    "pipemare": lambda: optim.pipemare(0.1, 2, 0.9, 10),
+    "pipemare_discrepancy": lambda: optim.pipemare_discrepancy(),
+    "linear_weight_prediction update": _lwp,
+    "linear_weight_prediction update outermost": lambda: _lwp(outermost=True),
+    "linear_weight_prediction velocity": lambda: _lwp_velocity("velocity"),
+    "linear_weight_prediction next_velocity": lambda: _lwp_velocity("next_velocity",
+                                                                    momentum=0.9),
+    "linear_weight_prediction velocity outermost": lambda: _lwp_velocity("velocity",
+                                                                         outermost=True),
+    "adam_weight_prediction": lambda: adam_family.adam_weight_prediction(0.1, 2),
+    "nesterov_asyncpp": lambda: adam_family.nesterov_asyncpp(0.1, 2, 4, 10),
+}
+
+WRONG_GRADIENTS = {
+    "(1,)": jnp.ones(1), "()": jnp.ones(()), "(4,)": jnp.ones(4), "(3, 1)": jnp.ones((3, 1)),
+    "dict": {"w": jnp.ones(3)}, "list": [jnp.ones(3)],
+}
+
+
+@pytest.mark.parametrize("gradients", sorted(WRONG_GRADIENTS))
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_every_transform_refuses_gradients_that_do_not_fit_the_params(name, gradients):
+  tx = TRANSFORMS[name]()
+  state = tx.init(PARAMS)
+  extra = {"gradient_params": PARAMS} if name == "delay_compensation" else {}
+  with pytest.raises(ValueError, match="the gradients must have the structure and leaf shapes"
+                     ) as error:
+    tx.update(WRONG_GRADIENTS[gradients], state, PARAMS, **extra)
+  assert "\n" not in str(error.value)
+  # Under jit too (the check is on shapes, known when tracing).
+  with pytest.raises(ValueError, match="the gradients must have"):
+    jax.jit(lambda g, s: tx.update(g, s, PARAMS, **extra))(WRONG_GRADIENTS[gradients], state)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_every_transform_takes_gradients_that_fit_and_none_for_frozen_leaves(name):
+  tx = TRANSFORMS[name]()
+  params = {"w": PARAMS, "frozen": jnp.ones(2)}
+  state = tx.init(params)
+  extra = {"gradient_params": params} if name == "delay_compensation" else {}
+  updates, _ = tx.update({"w": jnp.ones(3), "frozen": jnp.ones(2)}, state, params, **extra)
+  assert jax.tree.map(jnp.shape, updates) == {"w": (3,), "frozen": (2,)}
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+
+
+BAD_HYPERPARAMETERS = {
+    # (factory, good keyword arguments, bad ones: name -> values, expected message)
+    "adam_weight_prediction": (
+        adam_family.adam_weight_prediction, dict(learning_rate=0.1, horizon=2),
+        {"b1": (1.0, -0.1), "b2": (1.0, 1.5), "eps": (-1e-8, float("nan")),
+         "weight_decay": (-0.1,), "learning_rate": (-0.1,)}),
+    "nesterov_asyncpp": (
+        adam_family.nesterov_asyncpp, dict(learning_rate=0.1, delay=2, max_delay=4,
+                                           anneal_steps=10),
+        {"b2": (1.0, 1.5), "eps": (-1e-8,), "weight_decay": (-0.1,), "delay": (2.5, 6),
+         "max_delay": (4.5,), "learning_rate": (-0.1, float("nan"))}),
+    "adam_sc": (
+        optim.adam_sc, dict(learning_rate=0.1, delay=2),
+        {"b1": (1.0,), "b2": (1.0,), "eps": (-1e-8,), "weight_decay": (-0.1,), "delay": (2.5,)}),
+    "scale_by_adam_sc": (
+        optim.scale_by_adam_sc, dict(delay=2),
+        {"b1": (1.0,), "b2": (1.0,), "eps": (-1e-8,), "delay": (2.5,)}),
+}
+
+HYPERPARAMETER_CASES = [(name, key, value, injected)
+                        for name, (_, _, bad) in BAD_HYPERPARAMETERS.items()
+                        for key, values in bad.items() for value in values
+                        for injected in (False, True)]
+
+
+@pytest.mark.parametrize("name, key, value, injected", HYPERPARAMETER_CASES,
+                         ids=[f"{n}-{k}={v}-{'injected' if i else 'direct'}"
+                              for n, k, v, i in HYPERPARAMETER_CASES])
+def test_adam_family_refuses_hyperparameters_out_of_range(name, key, value, injected):
+  factory, good, _ = BAD_HYPERPARAMETERS[name]
+  kwargs = dict(good, **{key: value})
+  with pytest.raises(ValueError, match=f"{name}: ") as error:
+    if injected:  # inject_hyperparams hands the factory jax arrays, concrete at init
+      optax.inject_hyperparams(factory)(**kwargs).init(PARAMS)
+    else:
+      factory(**kwargs)
+  assert key in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_HYPERPARAMETERS))
+def test_adam_family_takes_its_defaults_and_edges_of_its_ranges(name):
+  factory, good, _ = BAD_HYPERPARAMETERS[name]
+  edges = dict(good, eps=0.0, b2=0.0, **({"weight_decay": 0.0} if "weight_decay" in
+                                         BAD_HYPERPARAMETERS[name][2] else {}))
+  for kwargs in (good, edges):
+    for tx in (factory(**kwargs), optax.inject_hyperparams(factory)(**kwargs)):
+      updates, _ = tx.update(jnp.ones(3), tx.init(PARAMS), PARAMS)
+      assert np.all(np.isfinite(updates))
