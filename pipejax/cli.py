@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 from typing import Callable
@@ -64,6 +65,8 @@ class SignalWatch:
   def _watch(self):
     while True:
       signum = signal.sigwait(STOP_SIGNALS)
+      if signum == signal.SIGHUP:
+        detach_from_terminal()
       with self._lock:
         self.signal_name = signal.Signals(signum).name
         if self._deferred:
@@ -83,6 +86,27 @@ class SignalWatch:
     """From now on a signal is a request the run honours between chunks, not an exit."""
     with self._lock:
       self._deferred = True
+
+
+def detach_from_terminal() -> None:
+  """Points stdout and stderr at /dev/null where they are a terminal: after a SIGHUP the terminal
+  is closed, and a write to it fails (EIO), which would turn a clean stop into a traceback and
+  exit 1. Output to a file or pipe (a log, a study's) is kept."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  null = os.open(os.devnull, os.O_WRONLY)
+  try:
+    for fd in (1, 2):
+      try:
+        if stat.S_ISCHR(os.fstat(fd).st_mode):
+          os.dup2(null, fd)
+      except OSError:
+        pass
+  finally:
+    os.close(null)
 
 
 _WATCH: list[SignalWatch] = []

@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Sequence
 
+from pipejax import cli
 from pipejax import study as study_lib
 from pipejax import study_records
 from pipejax import study_report
@@ -144,6 +145,8 @@ class _Stop:
 
   def _handle(self, signum, frame):
     del frame
+    if signum == signal.SIGHUP:  # the terminal is gone: a print to it would raise
+      cli.detach_from_terminal()
     self.count += 1
     name = signal.Signals(signum).name
     if self.count == 1:

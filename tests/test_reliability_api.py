@@ -3,10 +3,13 @@ cannot be used, a trainer's damaged files under a study, and bad input to the op
 
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +24,7 @@ from pipejax import study_runner
 from pipejax.optim import adam_family
 
 from tests.helpers import ROOT
-from tests.test_study import FAKE_TRAINER, TWO_RUNS, alive, start_study
+from tests.test_study import FAKE_TRAINER, STUDY_PROCESS, TWO_RUNS, alive, start_study
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
 
@@ -75,6 +78,35 @@ def test_sighup_during_set_up_is_a_stop_of_one_line(tmp_path):
   assert "STOPPED by SIGHUP during" in output and "Traceback" not in output
 
 
+def _in_a_terminal_closed_when(command, ready):
+  """Runs ``command`` in a terminal of its own (a pty, as an SSH session gives), closes the
+  terminal once ``ready(output so far)``; returns the exit code. The kernel then sends SIGHUP, and
+  every later write to the terminal fails."""
+  pid, terminal = pty.fork()
+  if pid == 0:  # the child: nothing but exec
+    os.execve(command[0], command, ENV)
+  output, deadline = b"", time.time() + 300
+  while not ready(output) and time.time() < deadline:
+    if select.select([terminal], [], [], 1)[0]:
+      try:
+        output += os.read(terminal, 4096)
+      except OSError:
+        break
+  os.close(terminal)
+  return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_closed_terminal_stops_the_trainer_with_75_and_a_checkpoint(tmp_path):
+  workdir = tmp_path / "run"
+  command = _train_command(workdir, "--config.epochs=3.0", "--config.ticks_per_chunk=20",
+                           "--config.eval_every_samples=1000000",
+                           "--config.checkpoint_every_samples=1000000")
+  code = _in_a_terminal_closed_when(command, lambda output: b"samples/s" in output)
+  assert code == 75  # not 1: the final "STOPPED" line must not fail on the closed terminal
+  assert json.load(open(workdir / "summary.json"))["stopped_by"] == "SIGHUP"
+  assert os.listdir(workdir / "checkpoints")
+
+
 @pytest.fixture
 def fake_trainer(tmp_path):
   path = tmp_path / "fake_train.py"
@@ -91,6 +123,17 @@ def test_sighup_to_a_study_stops_its_trainers_through_their_checkpoints(tmp_path
   assert not any(alive(pid) for pid in trainers)
   assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
   assert "SIGHUP: stopping" in out
+
+
+def test_a_closed_terminal_stops_a_study_and_its_trainers_with_75(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
+  code = _in_a_terminal_closed_when(
+      [sys.executable, "-c", STUDY_PROCESS, str(workdir), *fake_trainer("sleep")],
+      lambda output: all(p.exists() and p.read_text() for p in pids))
+  assert code == study_runner.EXIT_STOPPED
+  assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
+  assert not any(alive(int(p.read_text())) for p in pids)
 
 
 # ----------------------------------------------------------------------------- study files and flags
