@@ -410,11 +410,11 @@ def check_selection(study: study_lib.Study, where: dict[str, str] | None) -> Non
 def check_report_workdir(workdir: str) -> None:
   """Refuses a ``--report_only`` workdir that holds no study records, before creating anything:
   a mistyped path would otherwise get a report of zero runs."""
-  path = os.path.join(workdir, study_records.RESULTS_FILE)
-  if os.path.isfile(path):
+  if any(os.path.exists(os.path.join(workdir, name)) for name in (study_records.RESULTS_FILE,
+                                                                  "runs")):
     return
   what = "does not exist" if not os.path.exists(workdir) else \
-      f"holds no {study_records.RESULTS_FILE} (no run of a study has ended there)"
+      f"holds no study (neither {study_records.RESULTS_FILE} nor runs/)"
   raise study_lib.StudyError(f"--report_only: the workdir {workdir} {what}, so there is nothing "
                              "to report. Give the --workdir the study ran in.")
 
