@@ -4,6 +4,7 @@ cannot be used, a trainer's damaged files under a study, and bad input to the op
 import json
 import os
 import pty
+import random
 import re
 import select
 import signal
@@ -367,3 +368,37 @@ def test_adam_family_takes_its_defaults_and_edges_of_its_ranges(name):
     for tx in (factory(**kwargs), optax.inject_hyperparams(factory)(**kwargs)):
       updates, _ = tx.update(jnp.ones(3), tx.init(PARAMS), PARAMS)
       assert np.all(np.isfinite(updates))
+
+
+# ----------------------------------------------------------------------------- chaos, LM path
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_in_one_process_ends_exact(tmp_path):
+  """scripts/chaos.py --cases=lm, one trial of each: a kill at a random moment, a damaged newest
+  checkpoint; each rerun must match the uninterrupted LM run bit for bit (or name the step)."""
+  from pipejax.chaos import lm, trainer  # pylint: disable=import-outside-toplevel
+  outcomes = trainer.trainer_trials(str(tmp_path), 1, random.Random(0), lm.LM)
+  assert sorted(k.split(":")[0] for k in outcomes) == ["lm corruption", "lm kill"], outcomes
+  assert not any(k.endswith("FAIL") for k in outcomes), outcomes
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_over_two_processes_has_no_failure(tmp_path):
+  """scripts/chaos.py --cases=lm_two_process: a mismatched process, a killed one."""
+  from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
+  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_DATA)
+  assert outcomes == {"two processes, lm data, mismatch: refused": 1,
+                      "two processes, lm data, kill one: exact": 1}, outcomes
+
+
+# Skipped while the LM's stages cannot start over two processes (mesh.stage=2); remove the mark
+# once they can.
+@pytest.mark.skip(reason="the char LM with mesh.stage=2 over two processes stops at start-up "
+                  "('A stage's state changed from (1, 32) int32 to (1,) int32')")
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_with_stages_over_two_processes_has_no_failure(tmp_path):
+  from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
+  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_STAGES)
+  assert outcomes == {"two processes, lm stages, mismatch: refused": 1,
+                      "two processes, lm stages, kill one: exact": 1}, outcomes
