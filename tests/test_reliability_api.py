@@ -1,5 +1,6 @@
 """Faults at the edges a user reaches: signals of a closed terminal, study files and flags that
-cannot be used, a trainer's damaged files under a study, and bad input to the optax API."""
+cannot be used, a trainer's damaged files under a study, bad input to the optax API, and the
+chaos trials of the language model."""
 
 import json
 import os
