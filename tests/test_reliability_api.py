@@ -403,3 +403,16 @@ def test_a_chaos_round_of_the_lm_with_stages_over_two_processes_has_no_failure(t
   outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_STAGES)
   assert outcomes == {"two processes, lm stages, mismatch: refused": 1,
                       "two processes, lm stages, kill one: exact": 1}, outcomes
+
+
+# ----------------------------------------------------------------------------- docs/reliability.md
+
+
+def test_every_test_docs_reliability_cites_exists():
+  text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+  cited = set(re.findall(r"`(test_\w+\.py)::(test_\w+)", text))
+  assert len(cited) > 50
+  missing = [f"{name}::{test}" for name, test in sorted(cited)
+             if not re.search(rf"^\s*def {test}\(", open(os.path.join(ROOT, "tests", name)).read(),
+                              re.M)]
+  assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"
