@@ -64,6 +64,10 @@ def main(argv):
       print(f"error: --where takes KEY=VALUE items with a grid key of the study "
             f"({', '.join(study.keys())}); got {item!r}.", file=sys.stderr)
       sys.exit(2)
+    if key in where:  # a second item would silently replace the first
+      print(f"error: --where names {key} twice; give its values as one item, "
+            f"{key}={where[key]}|{value}.", file=sys.stderr)
+      sys.exit(2)
     where[key] = value
   sys.exit(study_runner.main(study, workdir, parallel=parallel, command=command, where=where,
                              report_only=_REPORT_ONLY.value))

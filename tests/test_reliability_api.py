@@ -161,8 +161,10 @@ def _study_file(tmp_path, text, name="s.py"):
 
 
 @pytest.mark.parametrize("args", [
-    ("--where=method=pbx",), ("--where=method=pb|sgdx,seed=3",), ("--report_only",)],
-    ids=["no value matches", "one key matches nothing", "report of a missing workdir"])
+    ("--where=method=pbx",), ("--where=method=pb|sgdx,seed=3",), ("--report_only",),
+    ("--where=method=pb,method=sgd",)],
+    ids=["no value matches", "one key matches nothing", "report of a missing workdir",
+         "a key named twice"])
 def test_a_selection_or_report_with_nothing_to_do_fails_in_one_line_creating_nothing(
     tmp_path, args):
   workdir = tmp_path / "mistyped"
@@ -201,8 +203,10 @@ def test_where_names_the_values_its_key_takes_and_report_only_names_an_empty_wor
      "configs/default.py:smoke. Did you mean 'epochs'"),
     (GOOD_STUDY.replace("{FIXED}", "{}").replace("configs/default.py", "configs/nope.py"),
      "its config file 'configs/nope.py' does not exist"),
+    (GOOD_STUDY.replace("{FIXED}", "{}").replace(":smoke", ":smok"),
+     "Unknown config argument 'smok'"),
 ], ids=["NameError", "SyntaxError", "ImportError", "error in get_study", "grid value",
-        "grid not a list", "unknown config key", "missing config file"])
+        "grid not a list", "unknown config key", "missing config file", "unknown config variant"])
 def test_a_study_file_that_cannot_be_used_is_exit_2_in_one_line(tmp_path, text, message):
   workdir = tmp_path / "work"
   result = _study_cli(f"--study={_study_file(tmp_path, text)}", f"--workdir={workdir}")
@@ -416,3 +420,16 @@ def test_every_test_docs_reliability_cites_exists():
              if not re.search(rf"^\s*def {test}\(", open(os.path.join(ROOT, "tests", name)).read(),
                               re.M)]
   assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"
+
+
+def test_adam_predicted_params_refuses_weights_or_decays_that_do_not_fit_its_state():
+  tx = adam_family.adam_weight_prediction(0.1, 2)
+  state = tx.init(PARAMS)
+  _, state = tx.update(jnp.ones(3), state, PARAMS)
+  for params in (jnp.ones(1), jnp.ones(()), {"w": PARAMS}):
+    with pytest.raises(ValueError, match="adam_predicted_params: params must have the structure"):
+      adam_family.adam_predicted_params(params, state)
+  for kwargs in ({"b1": 1.0}, {"b2": 1.0}, {"eps": -1e-3}):
+    with pytest.raises(ValueError, match=f"adam_predicted_params: {next(iter(kwargs))} must be"):
+      adam_family.adam_predicted_params(PARAMS, state, **kwargs)
+  assert adam_family.adam_predicted_params(PARAMS, state).shape == (3,)

@@ -134,8 +134,12 @@ def adam_predicted_params(params: optax.Params, opt_state: optax.OptState, b1: A
   them; before any update the weights are returned unchanged.
   """
   helper, provider = "adam_predicted_params", "adam_weight_prediction"
+  _check_adam(b1, b2, eps, 0.0, helper)
   state = _find(opt_state, AdamPredictionState, helper, provider)
   adam = _find(state.inner_state, optax.ScaleByAdamState, helper, provider)
+  # Else a leaf of shape (1,) or () would broadcast into a prediction of the moments' shape.
+  _checks.check_same_structure(params, adam.mu, "params", f"the weights {provider} was "
+                               "initialised with", helper)
   count = jnp.maximum(adam.count, 1)  # before any update mu = nu = 0 and step_size = 0
 
   def predict(w, mu, nu):
