@@ -18,6 +18,13 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning r
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def honoured(signals=STOP_SIGNALS) -> tuple[signal.Signals, ...]:
+  """``signals`` less those the process was started ignoring: ``nohup`` ignores SIGHUP so that
+  the run outlives its terminal, and a watch that blocks it would still receive it (Linux keeps
+  a blocked signal pending even when ignored)."""
+  return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
+
+
 def run(main: Callable[[list[str]], None], **kwargs) -> None:
   """``absl.app.run(main)``, with a usage error said in one line.
 
@@ -36,7 +43,8 @@ def run(main: Callable[[list[str]], None], **kwargs) -> None:
 
 
 class SignalWatch:
-  """SIGTERM, SIGINT and SIGHUP taken by a thread of their own, in every phase of a run.
+  """SIGTERM, SIGINT and SIGHUP taken by a thread of their own, in every phase of a run (SIGHUP
+  not where the process was started ignoring it, as ``nohup`` starts it).
 
   A Python signal handler runs only when the main thread returns to the interpreter, so during a
   long XLA compile or a blocking ``jax.distributed`` call a signal waits (or, as a
@@ -54,17 +62,19 @@ class SignalWatch:
   def __init__(self):
     self.signal_name: str | None = None
     self.phase = "start-up"
+    self._signals = STOP_SIGNALS
     self._deferred = False
     self._lock = threading.Lock()
 
   def start(self) -> "SignalWatch":
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    self._signals = honoured()
+    signal.pthread_sigmask(signal.SIG_BLOCK, self._signals)
     threading.Thread(target=self._watch, name="pipejax-signal-watch", daemon=True).start()
     return self
 
   def _watch(self):
     while True:
-      signum = signal.sigwait(STOP_SIGNALS)
+      signum = signal.sigwait(self._signals)
       if signum == signal.SIGHUP:
         detach_from_terminal()
       with self._lock:

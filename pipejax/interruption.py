@@ -62,7 +62,7 @@ class StopRequest:
   def __enter__(self):
     if self._watch:
       return self
-    for sig in cli.STOP_SIGNALS:
+    for sig in cli.honoured():
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread (e.g. inside some test runners): no handler.

@@ -132,7 +132,7 @@ class _Stop:
     self.count = 0
 
   def __enter__(self):
-    self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+    self._previous = {sig: signal.signal(sig, self._handle) for sig in cli.honoured(SIGNALS)}
     return self
 
   def __exit__(self, *exc):

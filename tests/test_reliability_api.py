@@ -109,6 +109,23 @@ def test_a_closed_terminal_stops_the_trainer_with_75_and_a_checkpoint(tmp_path):
   assert os.listdir(workdir / "checkpoints")
 
 
+def _ignoring_sighup():  # what nohup does before it starts the command
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_under_nohup_a_sighup_leaves_the_trainer_running_to_the_end(tmp_path):
+  command = _train_command(tmp_path / "run", "--config.epochs=1.0", "--config.ticks_per_chunk=50")
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=ENV, preexec_fn=_ignoring_sighup)
+  for line in process.stdout:
+    if "samples/s" in line:
+      process.send_signal(signal.SIGHUP)
+      break
+  output = process.communicate(timeout=300)[0]
+  assert process.returncode == 0, output[-2000:]
+  assert json.load(open(tmp_path / "run" / "summary.json"))["stopped_by"] is None
+
+
 @pytest.fixture
 def fake_trainer(tmp_path):
   path = tmp_path / "fake_train.py"
@@ -125,6 +142,25 @@ def test_sighup_to_a_study_stops_its_trainers_through_their_checkpoints(tmp_path
   assert not any(alive(pid) for pid in trainers)
   assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
   assert "SIGHUP: stopping" in out
+
+
+def test_under_nohup_a_sighup_leaves_the_study_running(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
+  process = subprocess.Popen(
+      [sys.executable, "-c", STUDY_PROCESS, str(workdir), *fake_trainer("sleep")], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+      preexec_fn=_ignoring_sighup)
+  deadline = time.time() + 60
+  while not all(p.exists() and p.read_text() for p in pids):
+    assert time.time() < deadline and process.poll() is None
+    time.sleep(0.05)
+  process.send_signal(signal.SIGHUP)
+  time.sleep(2)
+  assert process.poll() is None and all(alive(int(p.read_text())) for p in pids)
+  process.send_signal(signal.SIGTERM)  # then a stop it does take
+  out = process.communicate(timeout=60)[0]
+  assert process.returncode == study_runner.EXIT_STOPPED and "SIGHUP" not in out, out
 
 
 def test_a_closed_terminal_stops_a_study_and_its_trainers_with_75(tmp_path, fake_trainer):
