@@ -6,17 +6,18 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
-run again; a failed one is retried on the next invocation. Ctrl-C (or SIGTERM) stops every
-running trainer through its own checkpoint, so rerunning the same command continues the study
-where it stopped; a killed study's trainers stop the same way. One study at a time holds a
-workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are rewritten after every run.
+run again; a failed one is retried on the next invocation. Ctrl-C (or SIGTERM, or SIGHUP: a
+closed terminal) stops every running trainer through its own checkpoint, so rerunning the same
+command continues the study where it stopped; a killed study's trainers stop the same way. One
+study at a time holds a workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are rewritten after every run.
 Runs share a persistent XLA compilation cache (``WORKDIR/runs/.jax_cache``), so runs that differ
 only by seed compile once.
 
 Exit status: 0 every selected run done; 75 some runs not done (stopped by a signal; named; rerun
 to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
-cannot be written; 2 a study file or flag that cannot be used, or a study whose settings differ
-from the workdir's records.
+cannot be written; 2 a study file or flag that cannot be used (a typo in the file, a grid key that
+is not a config field, a --where that selects nothing, --report_only on a workdir without a
+study), or a study whose settings differ from the workdir's records; nothing is created then.
 The scheduler is ``pipejax/study_runner.py``.
 """
 

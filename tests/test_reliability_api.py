@@ -253,6 +253,17 @@ def test_a_study_file_that_cannot_be_used_is_exit_2_in_one_line(tmp_path, text, 
   assert not workdir.exists()
 
 
+def test_every_study_file_passes_the_config_key_check():
+  # The check refuses what a trainer would; it must not refuse a study the trainers accept.
+  paths = sorted(p for p in os.listdir(os.path.join(ROOT, "configs", "studies"))
+                 if p.endswith(".py"))
+  assert paths
+  for path in paths:
+    for variant in ("", ":smoke"):
+      study_runner.check_config_keys(
+          study_lib.load_study(os.path.join(ROOT, "configs", "studies", path) + variant))
+
+
 # ----------------------------------------------------------------------------- a trainer's files
 
 
