@@ -9,9 +9,9 @@ Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its
 run again; a failed one is retried on the next invocation. Ctrl-C (or SIGTERM, or SIGHUP: a
 closed terminal) stops every running trainer through its own checkpoint, so rerunning the same
 command continues the study where it stopped; a killed study's trainers stop the same way. One
-study at a time holds a workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are rewritten after every run.
-Runs share a persistent XLA compilation cache (``WORKDIR/runs/.jax_cache``), so runs that differ
-only by seed compile once.
+study at a time holds a workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are
+rewritten after every run. Runs share a persistent XLA compilation cache
+(``WORKDIR/runs/.jax_cache``), so runs that differ only by seed compile once.
 
 Exit status: 0 every selected run done; 75 some runs not done (stopped by a signal; named; rerun
 to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
