@@ -10,7 +10,8 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
 
 A workdir that holds a checkpoint is resumed. SIGTERM, Ctrl-C or SIGHUP (a closed terminal) saves
 a checkpoint and exits; rerunning the same command continues bit-exactly where it stopped. A
-finished workdir is reported again, not retrained. One run at a time holds a workdir (a second one is refused).
+finished workdir is reported again, not retrained. One run at a time holds a workdir (a second one
+is refused).
 
 Exit codes (for job schedulers and study runners):
 

@@ -174,7 +174,7 @@ def test_a_closed_terminal_stops_a_study_and_its_trainers_with_75(tmp_path, fake
   assert not any(alive(int(p.read_text())) for p in pids)
 
 
-# ----------------------------------------------------------------------------- study files and flags
+# ---------------------------------------------------------------------------- study files and flags
 
 
 def _study_cli(*args):

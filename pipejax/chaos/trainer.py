@@ -196,8 +196,8 @@ def trainer_trials(workdir, trials, rng, case=MLP) -> collections.Counter:
   if code != 0:
     raise ReferenceFailed(f"The {prefix}reference run failed (exit {code}):\n{output[-3000:]}")
   reference = result(reference_dir, case)
-  print(f"{prefix}reference: {reference['step']} samples, test accuracy {reference['test_accuracy']}, "
-        f"{reference_seconds:.0f} s", flush=True)
+  print(f"{prefix}reference: {reference['step']} samples, test accuracy "
+        f"{reference['test_accuracy']}, {reference_seconds:.0f} s", flush=True)
 
   # A run stopped half-way by SIGTERM, for the corruption trials (beside the finished one).
   stopped_dir = os.path.join(workdir, "stopped")
@@ -218,7 +218,8 @@ def trainer_trials(workdir, trials, rng, case=MLP) -> collections.Counter:
     code, output = run(run_dir, case=case)
     verdict = judge(run_dir, code, output, reference, case=case)
     outcomes[f"{prefix}kill: " + _category(verdict)] += 1
-    print(f"{prefix}kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}", flush=True)
+    print(f"{prefix}kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}",
+          flush=True)
 
     source = rng.choice([stopped_dir, reference_dir])
     run_dir = os.path.join(workdir, f"corrupt{trial}")
