@@ -52,6 +52,10 @@ def main(argv):
   except study_lib.StudyError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  if not _WORKDIR.value.strip():  # abspath would make it the current directory
+    print("error: --workdir is empty; give the study's own directory, e.g. "
+          "--workdir=/tmp/depth_smoke.", file=sys.stderr)
+    sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
   parallel = _PARALLEL.value or os.cpu_count() or 1

@@ -211,6 +211,14 @@ def test_a_selection_or_report_with_nothing_to_do_fails_in_one_line_creating_not
   assert not workdir.exists()
 
 
+def test_an_empty_workdir_flag_is_refused_not_taken_for_the_current_directory(tmp_path):
+  study_file = _study_file(tmp_path, GOOD_STUDY.replace("{FIXED}", "{}"))
+  before = sorted(os.listdir(ROOT))
+  result = _study_cli(f"--study={study_file}", "--workdir=")
+  assert result.returncode == 2 and "--workdir is empty" in result.stderr, result.stderr
+  assert sorted(os.listdir(ROOT)) == before
+
+
 def test_where_names_the_values_its_key_takes_and_report_only_names_an_empty_workdir(tmp_path):
   with pytest.raises(study_lib.StudyError, match=r"method takes sgd\. Nothing"):
     study_runner.check_selection(TWO_RUNS, {"method": "pbx"})
