@@ -57,6 +57,7 @@ def _signal_when(command, sig, marker):
 # ----------------------------------------------------------------------------- SIGHUP
 
 
+@pytest.mark.slow
 def test_sighup_while_training_saves_a_checkpoint_exits_75_and_resumes(tmp_path):
   workdir = tmp_path / "run"
   command = _train_command(workdir, "--config.epochs=2.0", "--config.ticks_per_chunk=50",
@@ -73,6 +74,7 @@ def test_sighup_while_training_saves_a_checkpoint_exits_75_and_resumes(tmp_path)
   assert "Resumed from" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_sighup_during_set_up_is_a_stop_of_one_line(tmp_path):
   code, output = _signal_when(_train_command(tmp_path / "run"), signal.SIGHUP,
                               "pipejax training:")
@@ -98,6 +100,7 @@ def _in_a_terminal_closed_when(command, ready):
   return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+@pytest.mark.slow
 def test_a_closed_terminal_stops_the_trainer_with_75_and_a_checkpoint(tmp_path):
   workdir = tmp_path / "run"
   command = _train_command(workdir, "--config.epochs=3.0", "--config.ticks_per_chunk=20",
@@ -113,6 +116,7 @@ def _ignoring_sighup():  # what nohup does before it starts the command
   signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 def test_under_nohup_a_sighup_leaves_the_trainer_running_to_the_end(tmp_path):
   command = _train_command(tmp_path / "run", "--config.epochs=1.0", "--config.ticks_per_chunk=50")
   process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
