@@ -492,3 +492,22 @@ def test_adam_predicted_params_refuses_weights_or_decays_that_do_not_fit_its_sta
     with pytest.raises(ValueError, match=f"adam_predicted_params: {next(iter(kwargs))} must be"):
       adam_family.adam_predicted_params(PARAMS, state, **kwargs)
   assert adam_family.adam_predicted_params(PARAMS, state).shape == (3,)
+
+
+@pytest.mark.parametrize("name", ["adam_sc with weight decay", "adam_weight_prediction",
+                                  "nesterov_asyncpp", "sgd_sc with weight decay"])
+@pytest.mark.parametrize("params", ["(1,)", "()"])
+def test_transforms_that_decay_the_weights_refuse_params_that_do_not_fit(name, params):
+  # optax.add_decayed_weights alone would broadcast them into a (3,) update.
+  tx = TRANSFORMS_WITH_DECAY[name]()
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match="params must have the structure and leaf shapes"):
+    tx.update(jnp.ones(3), state, WRONG_GRADIENTS[params])
+
+
+TRANSFORMS_WITH_DECAY = {
+    "adam_sc with weight decay": TRANSFORMS["adam_sc with weight decay"],
+    "adam_weight_prediction": lambda: adam_family.adam_weight_prediction(0.1, 2, weight_decay=0.1),
+    "nesterov_asyncpp": lambda: adam_family.nesterov_asyncpp(0.1, 2, 4, 10, weight_decay=0.1),
+    "sgd_sc with weight decay": lambda: optim.sgd_sc(0.1, 2, 0.9, weight_decay=0.1),
+}

@@ -207,10 +207,12 @@ def check_gradients(updates: Any, reference: Any, owner: str,
 
 def checking_gradients(transformation: optax.GradientTransformation, owner: str,
                        reference: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
-  """``transformation`` whose ``update`` first refuses gradients that do not fit the params.
+  """``transformation`` whose ``update`` first refuses gradients, and params when given, that do
+  not fit the params given to ``init``.
 
   For transformations built from optax's own (``optax.trace``, ``optax.adamw``), whose ``update``
-  would broadcast a gradient of shape ``()`` or ``(1,)`` into a finite update of every leaf.
+  would broadcast a gradient of shape ``()`` or ``(1,)`` into a finite update of every leaf (and
+  ``optax.add_decayed_weights`` a parameter of such a shape into the update).
 
   Args:
     transformation: the transformation to guard; its state is left as it is.
@@ -222,6 +224,8 @@ def checking_gradients(transformation: optax.GradientTransformation, owner: str,
 
   def update_fn(updates, state, params=None, **extra_args):
     check_gradients(updates, reference(state), owner)
+    if params is not None:
+      check_same_structure(params, reference(state), 'params', 'the params given to init', owner)
     return transformation.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(transformation.init, update_fn)
