@@ -225,10 +225,23 @@ def checking_gradients(transformation: optax.GradientTransformation, owner: str,
   def update_fn(updates, state, params=None, **extra_args):
     check_gradients(updates, reference(state), owner)
     if params is not None:
-      check_same_structure(params, reference(state), 'params', 'the params given to init', owner)
+      check_params(params, reference(state), owner)
     return transformation.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(transformation.init, update_fn)
+
+
+def check_params(params: Any, reference: Any, owner: str) -> None:
+  """Raises a one-paragraph ``ValueError`` unless ``params`` have the structure and leaf shapes
+  of ``reference``, a state tree built like the params at ``init``; where ``reference`` holds
+  ``None`` (``optax.trace`` keeps no trace of a frozen parameter) any leaf is fine."""
+  try:
+    jax.tree.map(lambda r, p: None if r is None else chex.assert_shape(p, jnp.shape(r)),
+                 reference, params, is_leaf=is_none)
+  except (AssertionError, ValueError, TypeError) as error:
+    raise ValueError(f'{owner}: params must have the structure and leaf shapes of the params '
+                     'given to init. '
+                     f'{str(error).splitlines()[0] if str(error) else ""}') from error
 
 
 def state_field(name: str) -> Callable[[Any], Any]:

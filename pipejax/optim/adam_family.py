@@ -99,7 +99,7 @@ def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, 
     moments = _checks.state_field("mu")(state.inner_state)
     _checks.check_gradients(updates, moments, owner)
     if params is not None:  # the decay would broadcast a parameter of shape () or (1,)
-      _checks.check_same_structure(params, moments, "params", "the params given to init", owner)
+      _checks.check_params(params, moments, owner)
     updates, inner_state = inner.update(updates, state.inner_state, params)
     eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
     step_size = _checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
