@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import threading
 from typing import Callable
@@ -13,7 +14,15 @@ from absl import app
 EXIT_USAGE = 2  # a bad command line, as the shell's own builtins and scripts/train.py use it
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning resumes
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP is a closed terminal or SSH session: a stop like the others, never a half-written save.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def honoured(signals=STOP_SIGNALS) -> tuple[signal.Signals, ...]:
+  """``signals`` less those the process was started ignoring: ``nohup`` ignores SIGHUP so that
+  the run outlives its terminal, and a watch that blocks it would still receive it (Linux keeps
+  a blocked signal pending even when ignored)."""
+  return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 def run(main: Callable[[list[str]], None], **kwargs) -> None:
@@ -34,12 +43,13 @@ def run(main: Callable[[list[str]], None], **kwargs) -> None:
 
 
 class SignalWatch:
-  """SIGTERM and SIGINT taken by a thread of their own, in every phase of a run.
+  """SIGTERM, SIGINT and SIGHUP taken by a thread of their own, in every phase of a run (SIGHUP
+  not where the process was started ignoring it, as ``nohup`` starts it).
 
   A Python signal handler runs only when the main thread returns to the interpreter, so during a
   long XLA compile or a blocking ``jax.distributed`` call a signal waits (or, as a
   ``KeyboardInterrupt`` unwinding native code, crashes the process), and the coordination
-  service's own SIGTERM handler swallows it. Here both signals are blocked in every thread before
+  service's own SIGTERM handler swallows it. Here the signals are blocked in every thread before
   any library starts one (the mask is inherited), and one thread takes them with ``sigwait`` as
   they arrive, whatever the main thread is doing.
 
@@ -52,17 +62,21 @@ class SignalWatch:
   def __init__(self):
     self.signal_name: str | None = None
     self.phase = "start-up"
+    self._signals = STOP_SIGNALS
     self._deferred = False
     self._lock = threading.Lock()
 
   def start(self) -> "SignalWatch":
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    self._signals = honoured()
+    signal.pthread_sigmask(signal.SIG_BLOCK, self._signals)
     threading.Thread(target=self._watch, name="pipejax-signal-watch", daemon=True).start()
     return self
 
   def _watch(self):
     while True:
-      signum = signal.sigwait(STOP_SIGNALS)
+      signum = signal.sigwait(self._signals)
+      if signum == signal.SIGHUP:
+        detach_from_terminal()
       with self._lock:
         self.signal_name = signal.Signals(signum).name
         if self._deferred:
@@ -82,6 +96,27 @@ class SignalWatch:
     """From now on a signal is a request the run honours between chunks, not an exit."""
     with self._lock:
       self._deferred = True
+
+
+def detach_from_terminal() -> None:
+  """Points stdout and stderr at /dev/null where they are a terminal: after a SIGHUP the terminal
+  is closed, and a write to it fails (EIO), which would turn a clean stop into a traceback and
+  exit 1. Output to a file or pipe (a log, a study's) is kept."""
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+  null = os.open(os.devnull, os.O_WRONLY)
+  try:
+    for fd in (1, 2):
+      try:
+        if stat.S_ISCHR(os.fstat(fd).st_mode):
+          os.dup2(null, fd)
+      except OSError:
+        pass
+  finally:
+    os.close(null)
 
 
 _WATCH: list[SignalWatch] = []

@@ -2,6 +2,7 @@ r"""Fault injection: kills and corrupted checkpoints never turn into a different
 
     python scripts/chaos.py --trials=10 --workdir=/tmp/chaos
     python scripts/chaos.py --cases=study --study_trials=1 --workdir=/tmp/chaos
+    python scripts/chaos.py --cases=lm --cases=lm_two_process --lm_trials=1 --workdir=/tmp/chaos
 
 Trains the smoke config on a few samples once without interruption (the reference), then:
 
@@ -15,6 +16,12 @@ Trains the smoke config on a few samples once without interruption (the referenc
   refuse, naming the field, before the workdir exists), and one process killed with SIGTERM or
   SIGKILL at a random time (the other must end within TWO_PROCESS_DEADLINE seconds, and rerunning
   both must give the reference's exact result).
+
+The language model (``--cases=lm``: configs/char_lm.py's smoke config, a transformer with AdamW
+on the fortunes corpus) goes through ``--lm_trials`` kill and corruption trials the same way, and
+(``--cases=lm_two_process``) through ``--two_process_trials`` trials of a run of two processes
+that split its micro-batch (``mesh.data=2``); ``--cases=lm_stages`` puts its stages over the two
+processes instead (``mesh.stage=2``).
 
 Every rerun must either exit 0 with exactly the reference's result (final state digest, verified
 on restore, test loss and accuracy, every metrics record), or exit non-zero with a message that
@@ -45,20 +52,25 @@ import sys
 from absl import app, flags, logging
 
 from pipejax import cli
-from pipejax.chaos import ReferenceFailed, study, trainer, two_process
+from pipejax.chaos import ReferenceFailed, lm, study, trainer, two_process
 
 _TRIALS = flags.DEFINE_integer("trials", 10, "Kill trials, and as many corruption trials.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pipejax-chaos", "Where the runs go (emptied).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random kill points and corruptions.")
-_CASES = flags.DEFINE_multi_enum("cases", ["trainer", "study", "two_process"],
-                                 ["trainer", "study", "two_process"],
+_CASES = flags.DEFINE_multi_enum("cases", ["trainer", "study", "two_process", "lm",
+                                           "lm_two_process"],
+                                 ["trainer", "study", "two_process", "lm", "lm_two_process",
+                                  "lm_stages"],
                                  "Which trials: the single trainer's, the study launcher's, a "
-                                 "two-process run's.")
+                                 "two-process run's; the language model's in one process, over "
+                                 "two (data parallel), over two with its stages split.")
 _STUDY = flags.DEFINE_string("study", "configs/studies/depth.py:smoke",
                              "The study of the study launcher's trials.")
 _STUDY_WHERE = flags.DEFINE_list("study_where", ["model_kwargs.depth=4", "method=pb"],
                                  "The --where of the study launcher's trials (empty: every run).")
 _STUDY_TRIALS = flags.DEFINE_integer("study_trials", 2, "Trials of each study-runner case.")
+_LM_TRIALS = flags.DEFINE_integer("lm_trials", 2, "The language model's kill trials, and as "
+                                  "many corruption trials.")
 _TWO_PROCESS_TRIALS = flags.DEFINE_integer(
     "two_process_trials", 2, "Trials of a two-process run: a mismatched process, and a kill of "
     "one process, each.")
@@ -80,6 +92,11 @@ def main(argv):
       outcomes += study.study_trials(case, workdir, _STUDY_TRIALS.value, rng)
     if "two_process" in _CASES.value:
       outcomes += two_process.two_process_round(workdir, rng, _TWO_PROCESS_TRIALS.value)
+    if "lm" in _CASES.value:
+      outcomes += trainer.trainer_trials(workdir, _LM_TRIALS.value, rng, lm.LM)
+    for name, case in (("lm_two_process", lm.LM_DATA), ("lm_stages", lm.LM_STAGES)):
+      if name in _CASES.value:
+        outcomes += two_process.two_process_round(workdir, rng, _TWO_PROCESS_TRIALS.value, case)
   except ReferenceFailed as e:
     sys.exit(str(e))
   print("COUNTS " + ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())))

@@ -6,17 +6,18 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
-run again; a failed one is retried on the next invocation. Ctrl-C (or SIGTERM) stops every
-running trainer through its own checkpoint, so rerunning the same command continues the study
-where it stopped; a killed study's trainers stop the same way. One study at a time holds a
-workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are rewritten after every run.
-Runs share a persistent XLA compilation cache (``WORKDIR/runs/.jax_cache``), so runs that differ
-only by seed compile once.
+run again; a failed one is retried on the next invocation. Ctrl-C (or SIGTERM, or SIGHUP: a
+closed terminal) stops every running trainer through its own checkpoint, so rerunning the same
+command continues the study where it stopped; a killed study's trainers stop the same way. One
+study at a time holds a workdir. ``WORKDIR/report.md``, ``results.csv`` and the figures are
+rewritten after every run. Runs share a persistent XLA compilation cache
+(``WORKDIR/runs/.jax_cache``), so runs that differ only by seed compile once.
 
 Exit status: 0 every selected run done; 75 some runs not done (stopped by a signal; named; rerun
 to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
-cannot be written; 2 a study file or flag that cannot be used, or a study whose settings differ
-from the workdir's records.
+cannot be written; 2 a study file or flag that cannot be used (a typo in the file, a grid key that
+is not a config field, a --where that selects nothing, --report_only on a workdir without a
+study), or a study whose settings differ from the workdir's records; nothing is created then.
 The scheduler is ``pipejax/study/launcher.py``.
 """
 
@@ -46,8 +47,14 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
     study = study_lib.load_study(_STUDY.value)
+    if not _REPORT_ONLY.value:
+      launcher.check_config_keys(study)
   except study_lib.StudyError as e:
     print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not _WORKDIR.value.strip():  # abspath would make it the current directory
+    print("error: --workdir is empty; give the study's own directory, e.g. "
+          "--workdir=/tmp/depth_smoke.", file=sys.stderr)
     sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
@@ -61,6 +68,10 @@ def main(argv):
     if not sep or key not in study.keys():
       print(f"error: --where takes KEY=VALUE items with a grid key of the study "
             f"({', '.join(study.keys())}); got {item!r}.", file=sys.stderr)
+      sys.exit(2)
+    if key in where:  # a second item would silently replace the first
+      print(f"error: --where names {key} twice; give its values as one item, "
+            f"{key}={where[key]}|{value}.", file=sys.stderr)
       sys.exit(2)
     where[key] = value
   sys.exit(launcher.main(study, workdir, parallel=parallel, command=command, where=where,

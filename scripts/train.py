@@ -8,9 +8,10 @@ r"""Trains a network with pipelined backpropagation (or a rival method) and eval
         --config.mesh.stage=2 --config.mesh.data=1          # stages over 2 devices
     # (on a CPU, fake the devices: XLA_FLAGS=--xla_force_host_platform_device_count=2 python ...)
 
-A workdir that holds a checkpoint is resumed. SIGTERM or Ctrl-C saves a checkpoint and exits;
-rerunning the same command continues bit-exactly where it stopped. A finished workdir is reported
-again, not retrained. One run at a time holds a workdir (a second one is refused).
+A workdir that holds a checkpoint is resumed. SIGTERM, Ctrl-C or SIGHUP (a closed terminal) saves
+a checkpoint and exits; rerunning the same command continues bit-exactly where it stopped. A
+finished workdir is reported again, not retrained. One run at a time holds a workdir (a second one
+is refused).
 
 Exit codes (for job schedulers and study runners):
 
@@ -19,8 +20,8 @@ Exit codes (for job schedulers and study runners):
         divergence, a full or read-only disk, a workdir held by another run, another process of
         a multi-host run that died (rerun all of them to resume).
     2   bad command line: an unknown flag or config field, a config file that cannot be loaded.
-    75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during set-up before there was
-        anything to save (EX_TEMPFAIL: not finished, rerun the same command to resume). A run
+    75  stopped by SIGTERM/SIGINT/SIGHUP after saving a checkpoint, or during set-up before there
+        was anything to save (EX_TEMPFAIL: not finished, rerun the same command to resume). A run
         killed with SIGKILL gets the shell's 137 and also resumes.
 """
 

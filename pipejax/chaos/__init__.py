@@ -9,7 +9,9 @@ step, or a failure starting with ``FAIL``.
 * :mod:`~pipejax.chaos.two_process`: a run of two processes, one started with a different config
   or killed;
 * :mod:`~pipejax.chaos.study`: the study launcher killed, one of its trainers killed, or its
-  results file cut.
+  results file cut;
+* :mod:`~pipejax.chaos.lm`: the language model's set-ups for the trainer's and the two-process
+  trials.
 """
 
 import os

@@ -1,6 +1,7 @@
 """One trainer process: kill trials and checkpoint corruption trials against a reference run."""
 
 import collections
+import dataclasses
 import functools
 import glob
 import json
@@ -21,17 +22,36 @@ OVERRIDES = ("--config.max_train_examples=1000", "--config.max_test_examples=200
              "--config.eval_every_samples=500")
 
 
+
+@dataclasses.dataclass(frozen=True)
+class TrainerCase:
+  """A trainer set-up the trials run: its config file and overrides.
+
+  ``label`` starts each outcome's name ('' for the image model's case); ``half_way`` is a
+  progress line's start at which the run kept for the corruption trials is stopped.
+  """
+
+  label: str
+  config: str
+  overrides: tuple[str, ...]
+  half_way: str
+
+
+MLP = TrainerCase("", CONFIG, OVERRIDES, "[500/1000 samples")
+
+
 # Measured, not computed: they differ between any two runs, interrupted or not.
 TIMING_FIELDS = frozenset({"samples_per_second"})
 
 
-def command(workdir):
-  """The trainer's command line: the smoke config on a few samples, in ``workdir``."""
-  return [*python("train.py"), f"--config={CONFIG}", f"--workdir={workdir}", *OVERRIDES]
+def command(workdir, case=MLP):
+  """The trainer's command line: the case's smoke config on a few samples, in ``workdir``."""
+  return [*python("train.py"), f"--config={case.config}", f"--workdir={workdir}",
+          *case.overrides]
 
 
-def run(workdir, timeout=600):
-  done = subprocess.run(command(workdir), capture_output=True, text=True, timeout=timeout,
+def run(workdir, timeout=600, case=MLP):
+  done = subprocess.run(command(workdir, case), capture_output=True, text=True, timeout=timeout,
                         env=child_env())
   return done.returncode, done.stdout + done.stderr
 
@@ -46,12 +66,12 @@ def comparable_records(workdir):
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
 
 
-def result(workdir):
+def result(workdir, case=MLP):
   """What a finished run produced: final state digest (verified), summary numbers, metrics."""
   from pipejax.train import checkpoint  # pylint: disable=g-import-not-at-top
   saver = checkpoint.Checkpointer(checkpoints(workdir))
   step = saver.latest_step()
-  state, meta = saver.restore(step, _like_state())  # raises if the digest does not match
+  state, meta = saver.restore(step, _like_state(case))  # raises if the digest does not match
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   records = comparable_records(workdir)
   saver.close()
@@ -61,23 +81,23 @@ def result(workdir):
 
 
 @functools.cache
-def _like_state():
+def _like_state(case=MLP):
   """A state of the trainer's pipeline, the structure its checkpoints restore into."""
   # JAX only here: a process that only starts trainers never loads it.
   import jax  # pylint: disable=g-import-not-at-top
   from pipejax.train import experiment  # pylint: disable=g-import-not-at-top
-  config = config_lib.load_config(CONFIG)
-  for override in OVERRIDES:
+  config = config_lib.load_config(case.config)
+  for override in case.overrides:
     key, value = override[len("--config."):].split("=")
     config[key] = type(config[key])(value)
   return experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
 
 
-def kill_at_random(workdir, rng, reference_seconds):
+def kill_at_random(workdir, rng, reference_seconds, case=MLP):
   """Starts a run and kills it; returns a description and the killed run's exit code."""
   sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
   during_write = rng.random() < 0.5
-  process = subprocess.Popen(command(workdir), stdout=subprocess.DEVNULL,
+  process = subprocess.Popen(command(workdir, case), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=child_env())
   if during_write:
     # The n-th checkpoint write (n random), caught while its temporary directory exists.
@@ -131,11 +151,11 @@ def corrupt_newest(workdir, rng):
   return step, f"{kind} in {os.path.relpath(path, checkpoints(workdir))}"
 
 
-def judge(workdir, code, output, reference, damaged_step=None):
+def judge(workdir, code, output, reference, damaged_step=None, case=MLP):
   """'exact', 'refused (names step N)' or a failure starting with 'FAIL'."""
   if code == 0:
     try:
-      got = result(workdir)
+      got = result(workdir, case)
     except Exception as e:  # pylint: disable=broad-except
       return f"FAIL: exit 0 but the result cannot be read ({str(e)[:200]})"
     differing = [k for k in reference if got[k] != reference[k]]
@@ -160,29 +180,31 @@ def _category(verdict: str) -> str:
   return "exact (bytes never read)" if "never read" in verdict else "exact"
 
 
-def trainer_trials(workdir, trials, rng) -> collections.Counter:
+def trainer_trials(workdir, trials, rng, case=MLP) -> collections.Counter:
   """A reference run, then ``trials`` kill and ``trials`` corruption trials (scripts/chaos.py);
   prints a line each and returns their outcome counts.
 
   Raises:
     ReferenceFailed: the uninterrupted reference run failed.
   """
+  prefix = f"{case.label} " if case.label else ""
+  workdir = os.path.join(workdir, case.label) if case.label else workdir
   reference_dir = os.path.join(workdir, "reference")
   start = time.perf_counter()
-  code, output = run(reference_dir)
+  code, output = run(reference_dir, case=case)
   reference_seconds = time.perf_counter() - start
   if code != 0:
-    raise ReferenceFailed(f"The reference run failed (exit {code}):\n{output[-3000:]}")
-  reference = result(reference_dir)
-  print(f"reference: {reference['step']} samples, test accuracy {reference['test_accuracy']}, "
-        f"{reference_seconds:.0f} s", flush=True)
+    raise ReferenceFailed(f"The {prefix}reference run failed (exit {code}):\n{output[-3000:]}")
+  reference = result(reference_dir, case)
+  print(f"{prefix}reference: {reference['step']} samples, test accuracy "
+        f"{reference['test_accuracy']}, {reference_seconds:.0f} s", flush=True)
 
   # A run stopped half-way by SIGTERM, for the corruption trials (beside the finished one).
   stopped_dir = os.path.join(workdir, "stopped")
-  process = subprocess.Popen(command(stopped_dir), stdout=subprocess.PIPE,
+  process = subprocess.Popen(command(stopped_dir, case), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=child_env())
   for line in process.stdout:
-    if "[500/1000 samples" in line:
+    if case.half_way in line:
       process.send_signal(signal.SIGTERM)
       break
   process.communicate(timeout=600)
@@ -191,19 +213,21 @@ def trainer_trials(workdir, trials, rng) -> collections.Counter:
   # Kill and corruption trials alternate, so a run cut short still has counts of both.
   for trial in range(trials):
     run_dir = os.path.join(workdir, f"kill{trial}")
-    what, killed_code = kill_at_random(run_dir, rng, reference_seconds)
-    code, output = run(run_dir)  # a kill damages no complete checkpoint: one rerun must finish
-    verdict = judge(run_dir, code, output, reference)
-    outcomes["kill: " + _category(verdict)] += 1
-    print(f"kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}", flush=True)
+    what, killed_code = kill_at_random(run_dir, rng, reference_seconds, case)
+    # A kill damages no complete checkpoint: one rerun must finish.
+    code, output = run(run_dir, case=case)
+    verdict = judge(run_dir, code, output, reference, case=case)
+    outcomes[f"{prefix}kill: " + _category(verdict)] += 1
+    print(f"{prefix}kill {trial}: {what} (killed run's exit {killed_code}); rerun: {verdict}",
+          flush=True)
 
     source = rng.choice([stopped_dir, reference_dir])
     run_dir = os.path.join(workdir, f"corrupt{trial}")
     shutil.copytree(source, run_dir)
     step, what = corrupt_newest(run_dir, rng)
-    code, output = run(run_dir)
-    verdict = judge(run_dir, code, output, reference, damaged_step=step)
-    outcomes["corruption: " + _category(verdict)] += 1
-    print(f"corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
+    code, output = run(run_dir, case=case)
+    verdict = judge(run_dir, code, output, reference, damaged_step=step, case=case)
+    outcomes[f"{prefix}corruption: " + _category(verdict)] += 1
+    print(f"{prefix}corruption {trial}: {os.path.basename(source)} step {step}, {what}: {verdict}",
           flush=True)
   return outcomes

@@ -100,7 +100,7 @@ def check_count(value: Any, name: str, owner: str) -> None:
   number = scalar(value, name, owner)
   if number is not None and number != int(number):
     raise ValueError(f'{owner}: {name} is a number of steps and must be a whole number, got '
-                     f'{value!r}.')
+                     f'{number!r}.')
 
 
 def check_static_int(value: Any, name: str, owner: str, *, minimum: int = 0) -> int:
@@ -203,6 +203,51 @@ def check_gradients(updates: Any, reference: Any, owner: str,
     raise ValueError(f'{owner}: the gradients must have the structure and leaf shapes of the '
                      'params given to init (None leaves, for frozen parameters, are fine). '
                      f'{str(error).splitlines()[0] if str(error) else ""}') from error
+
+
+def checking_gradients(transformation: optax.GradientTransformation, owner: str,
+                       reference: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
+  """``transformation`` whose ``update`` first refuses gradients, and params when given, that do
+  not fit the params given to ``init``.
+
+  For transformations built from optax's own (``optax.trace``, ``optax.adamw``), whose ``update``
+  would broadcast a gradient of shape ``()`` or ``(1,)`` into a finite update of every leaf (and
+  ``optax.add_decayed_weights`` a parameter of such a shape into the update).
+
+  Args:
+    transformation: the transformation to guard; its state is left as it is.
+    owner: the public function that built it, for the message.
+    reference: from the transformation's state, a tree with the params' structure and leaf shapes
+      (a momentum trace, Adam's ``mu``).
+  """
+  transformation = optax.with_extra_args_support(transformation)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    check_gradients(updates, reference(state), owner)
+    if params is not None:
+      check_params(params, reference(state), owner)
+    return transformation.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(transformation.init, update_fn)
+
+
+def check_params(params: Any, reference: Any, owner: str) -> None:
+  """Raises a one-paragraph ``ValueError`` unless ``params`` have the structure and leaf shapes
+  of ``reference``, a state tree built like the params at ``init``; where ``reference`` holds
+  ``None`` (``optax.trace`` keeps no trace of a frozen parameter) any leaf is fine."""
+  try:
+    jax.tree.map(lambda r, p: None if r is None else chex.assert_shape(p, jnp.shape(r)),
+                 reference, params, is_leaf=is_none)
+  except (AssertionError, ValueError, TypeError) as error:
+    raise ValueError(f'{owner}: params must have the structure and leaf shapes of the params '
+                     'given to init. '
+                     f'{str(error).splitlines()[0] if str(error) else ""}') from error
+
+
+def state_field(name: str) -> Callable[[Any], Any]:
+  """The one field ``name`` of an optimizer state (e.g. a trace, Adam's ``mu``), for
+  :func:`checking_gradients`."""
+  return lambda state: optax.tree_utils.tree_get(state, name)
 
 
 def check_same_structure(tree: Any, reference: Any, what: str, reference_what: str,

@@ -87,6 +87,7 @@ def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, 
   _checks.check_range(horizon, "horizon", owner, low=0)
   if not callable(learning_rate):
     _checks.check_range(learning_rate, "learning_rate", owner, low=0)
+  _check_adam(b1, b2, eps, weight_decay, owner)
   inner = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
 
   def init_fn(params):
@@ -95,6 +96,10 @@ def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, 
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    moments = _checks.state_field("mu")(state.inner_state)
+    _checks.check_gradients(updates, moments, owner)
+    if params is not None:  # the decay would broadcast a parameter of shape () or (1,)
+      _checks.check_params(params, moments, owner)
     updates, inner_state = inner.update(updates, state.inner_state, params)
     eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
     step_size = _checks.at_least_float32(eta) * _checks.at_least_float32(horizon)
@@ -103,6 +108,15 @@ def adam_weight_prediction(learning_rate: optax.ScalarOrSchedule, horizon: Any, 
                                         step_size=jnp.asarray(step_size, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_adam(b1: Any, b2: Any, eps: Any, weight_decay: Any, owner: str) -> None:
+  """The ranges of AdamW's hyperparameters, as :func:`pipejax.optim.adam_sc` checks them: a decay
+  of 1 divides by zero in the bias correction, a negative ``eps`` can too."""
+  _checks.check_range(b1, "b1", owner, low=0, high=1, high_open=True)
+  _checks.check_range(b2, "b2", owner, low=0, high=1, high_open=True)
+  _checks.check_range(eps, "eps", owner, low=0)
+  _checks.check_range(weight_decay, "weight_decay", owner, low=0)
 
 
 def _find(tree: Any, kind: type, helper: str, provider: str):
@@ -123,8 +137,12 @@ def adam_predicted_params(params: optax.Params, opt_state: optax.OptState, b1: A
   them; before any update the weights are returned unchanged.
   """
   helper, provider = "adam_predicted_params", "adam_weight_prediction"
+  _check_adam(b1, b2, eps, 0.0, helper)
   state = _find(opt_state, AdamPredictionState, helper, provider)
   adam = _find(state.inner_state, optax.ScaleByAdamState, helper, provider)
+  # Else a leaf of shape (1,) or () would broadcast into a prediction of the moments' shape.
+  _checks.check_same_structure(params, adam.mu, "params", f"the weights {provider} was "
+                               "initialised with", helper)
   count = jnp.maximum(adam.count, 1)  # before any update mu = nu = 0 and step_size = 0
 
   def predict(w, mu, nu):
@@ -212,14 +230,19 @@ def nesterov_asyncpp(learning_rate: optax.ScalarOrSchedule, delay: Any, max_dela
     <https://arxiv.org/abs/2505.01099>`_, ICML 2025 (code: PluralisResearch/AsyncPP).
   """
   owner = "nesterov_asyncpp"
-  _checks.check_range(delay, "delay", owner, low=0)
-  _checks.check_range(max_delay, "max_delay", owner, low=0)
+  _checks.check_count(delay, "delay", owner)
+  _checks.check_count(max_delay, "max_delay", owner)
   _checks.check_range(b1, "b1", owner, low=0, high=ASYNCPP_MOMENTUM_TARGET)
-  if _checks.is_concrete_number(delay) and _checks.is_concrete_number(max_delay) and \
-      delay > max_delay:
-    raise ValueError(f"{owner}: delay ({delay}) cannot exceed the pipeline's largest delay "
-                     f"max_delay ({max_delay}).")
+  _check_adam(0.0, b2, eps, weight_decay, owner)
+  _checks.check_learning_rate(learning_rate, owner)
+  # Arrays from optax.inject_hyperparams are compared too while concrete (at init).
+  delay_value = _checks.scalar(delay, "delay", owner)
+  max_delay_value = _checks.scalar(max_delay, "max_delay", owner)
+  if delay_value is not None and max_delay_value is not None and delay_value > max_delay_value:
+    raise ValueError(f"{owner}: delay ({delay_value}) cannot exceed the pipeline's largest delay "
+                     f"max_delay ({max_delay_value}).")
   _checks.check_range(anneal_steps, "anneal_steps", owner, low=1)
-  return optax.nadamw(asyncpp_learning_rate(learning_rate, delay, anneal_steps),
-                      b1=asyncpp_momentum(b1, delay, max_delay), b2=b2, eps=eps,
-                      weight_decay=weight_decay, mask=mask)
+  nadamw = optax.nadamw(asyncpp_learning_rate(learning_rate, delay, anneal_steps),
+                        b1=asyncpp_momentum(b1, delay, max_delay), b2=b2, eps=eps,
+                        weight_decay=weight_decay, mask=mask)
+  return _checks.checking_gradients(nadamw, owner, _checks.state_field("mu"))

@@ -61,6 +61,7 @@ def delay_compensation(strength: Any = 0.04) -> optax.GradientTransformationExtr
       raise ValueError(f'{owner}: update needs params (the weights being updated) and '
                        'gradient_params (the weights the gradient was computed on).')
     _checks.check_same_structure(gradient_params, params, 'gradient_params', 'params', owner)
+    _checks.check_gradients(updates, params, owner)
     corrected = _checks.map_gradients(
         lambda g, now, then: g + jnp.asarray(strength, g.dtype) * g * g * (now - then).astype(
             g.dtype), updates, params, gradient_params)

@@ -211,7 +211,8 @@ def pipemare(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any, a
     gamma: decay of the update EMA in ``[0, 1)`` (see :func:`pipemare_discrepancy`).
 
   Returns:
-    ``optax.chain(trace, scale_by_learning_rate, pipemare_discrepancy)``.
+    ``optax.chain(trace, scale_by_learning_rate, pipemare_discrepancy)`` (its state too), whose
+    ``update`` first checks that the gradients fit the params.
 
   Example:
     >>> import jax.numpy as jnp
@@ -229,8 +230,10 @@ def pipemare(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any, a
     <https://arxiv.org/abs/1910.05124>`_, MLSys 2021.
   """
   _checks.check_range(momentum, 'momentum', 'pipemare', low=0, high=1, high_open=True)
-  return optax.chain(
+  chain = optax.chain(
       optax.trace(decay=momentum),
       optax.scale_by_learning_rate(pipemare_learning_rate(learning_rate, delay, anneal_steps)),
       pipemare_discrepancy(gamma),
   )
+  # optax.trace would broadcast a gradient of shape () or (1,) into every leaf.
+  return _checks.checking_gradients(chain, 'pipemare', _checks.state_field('trace'))

@@ -259,6 +259,7 @@ class _Prediction(NamedTuple):
         params, state.forward_params if outermost else
         state.previous_params if form == 'update' else state.offset, 'params',
         'the params given to init', _OWNER)
+    _checks.check_gradients(updates, params, _OWNER)
     gradient = updates
     updates, inner_state = self.inner.update(updates, state.inner_state, params, **extra_args)
     previous, offset, forward = None, None, None

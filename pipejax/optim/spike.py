@@ -194,7 +194,8 @@ def sgd_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any,
       params and a momentum close to 1, give ``jnp.float32``.
 
   Returns:
-    ``optax.chain(add_decayed_weights, spike_compensation, scale_by_learning_rate)``.
+    ``optax.chain(add_decayed_weights, spike_compensation, scale_by_learning_rate)`` (its state
+    too), whose ``update`` first checks that the gradients and params fit the params of ``init``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -229,7 +230,8 @@ def sgd_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, momentum: Any,
     parts.append(optax.add_decayed_weights(weight_decay))
   parts.append(spike_compensation(delay, momentum, nesterov, accumulator_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*parts)
+  # optax.add_decayed_weights would broadcast a parameter of shape () or (1,) into the update.
+  return _checks.checking_gradients(optax.chain(*parts), 'sgd_sc', _checks.state_field('trace'))
 
 
 def _check_adam(delay: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, owner: str) -> None:
@@ -363,7 +365,8 @@ def adam_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, b1: Any = 0.9, b2
       normalisation scales out.
 
   Returns:
-    ``optax.chain(scale_by_adam_sc, add_decayed_weights, scale_by_learning_rate)``.
+    ``optax.chain(scale_by_adam_sc, add_decayed_weights, scale_by_learning_rate)`` (its state
+    too), whose ``update`` first checks that the gradients and params fit the params of ``init``.
 
   Example:
     >>> import jax
@@ -393,4 +396,5 @@ def adam_sc(learning_rate: optax.ScalarOrSchedule, delay: Any, b1: Any = 0.9, b2
   if not _checks.is_concrete_zero(weight_decay):
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*parts)
+  # optax.add_decayed_weights would broadcast a parameter of shape () or (1,) into the update.
+  return _checks.checking_gradients(optax.chain(*parts), 'adam_sc', _checks.state_field('mu'))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import re
 import shlex
@@ -34,6 +35,7 @@ import sys
 import time
 from typing import Sequence
 
+from pipejax import cli
 from pipejax.study import spec as study_lib
 from pipejax.study import records as study_records
 from pipejax.study import report as study_report
@@ -130,7 +132,7 @@ class _Stop:
     self.count = 0
 
   def __enter__(self):
-    self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+    self._previous = {sig: signal.signal(sig, self._handle) for sig in cli.honoured(SIGNALS)}
     return self
 
   def __exit__(self, *exc):
@@ -143,6 +145,8 @@ class _Stop:
 
   def _handle(self, signum, frame):
     del frame
+    if signum == signal.SIGHUP:  # the terminal is gone: a print to it would raise
+      cli.detach_from_terminal()
     self.count += 1
     name = signal.Signals(signum).name
     if self.count == 1:
@@ -407,6 +411,69 @@ def _print_outcome(result: Outcome, workdir: str) -> None:
           f"{_names(result.not_done)}. Rerun the same command to continue.", flush=True)
 
 
+def check_selection(study: study_lib.Study, where: dict[str, str] | None) -> None:
+  """Refuses (:class:`pipejax.study.StudyError`) a ``where`` that selects no run of the grid,
+  naming the key whose values match nothing and the values it takes."""
+  if not where or _selected(study, where):
+    return
+  runs = study.runs()
+  for key, wanted in where.items():
+    known = list(dict.fromkeys(study_lib.format_value(o.get(key)) for o in runs))
+    if not set(wanted.split("|")) & set(known):
+      raise study_lib.StudyError(
+          f"--where={key}={wanted} matches no run of study {study.name!r}: {key} takes "
+          f"{'|'.join(known)}. Nothing was run.")
+  items = ",".join(f"{k}={v}" for k, v in where.items())
+  raise study_lib.StudyError(f"--where={items} matches no run of study {study.name!r}: each "
+                             "value is in the grid, but no grid point has them together. "
+                             "Nothing was run.")
+
+
+def check_report_workdir(workdir: str) -> None:
+  """Refuses a ``--report_only`` workdir that holds no study records, before creating anything:
+  a mistyped path would otherwise get a report of zero runs."""
+  if any(os.path.exists(os.path.join(workdir, name)) for name in (study_records.RESULTS_FILE,
+                                                                  "runs")):
+    return
+  what = "does not exist" if not os.path.exists(workdir) else \
+      f"holds no study (neither {study_records.RESULTS_FILE} nor runs/)"
+  raise study_lib.StudyError(f"--report_only: the workdir {workdir} {what}, so there is nothing "
+                             "to report. Give the --workdir the study ran in.")
+
+
+def _config_keys(config, prefix: str = "") -> set[str]:
+  keys = set()
+  for key, value in config.items():
+    keys.add(prefix + key)
+    if hasattr(value, "items"):
+      keys |= _config_keys(value, f"{prefix}{key}.")
+  return keys
+
+
+def check_config_keys(study: study_lib.Study) -> None:
+  """Refuses a study whose config file cannot be loaded or whose grid or ``fixed`` keys are not
+  fields of it, before any trainer starts: each trainer would otherwise fail alike, one by one.
+  ``model_kwargs.*`` keys are the model builder's to check (the trainer adds them)."""
+  from pipejax import config as config_lib  # pylint: disable=import-outside-toplevel
+  if not os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0])):
+    raise study_lib.StudyError(
+        f"Study {study.name!r}: its config file {study.config.partition(':')[0]!r} does not "
+        f"exist under {ROOT} (a study names its config relative to the repository root, e.g. "
+        "'configs/default.py:smoke').")
+  try:
+    config = config_lib.load_config(os.path.join(ROOT, study.config))
+  except config_lib.ConfigFileError as e:
+    raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
+  known = _config_keys(config)
+  for key in dict.fromkeys([*study.keys(), *study.fixed]):
+    if key not in known and not key.startswith("model_kwargs."):
+      close = difflib.get_close_matches(key, sorted(known), n=1)
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise study_lib.StudyError(
+          f"Study {study.name!r}: {key!r} is not a field of {study.config}.{hint} Every trainer "
+          "would refuse it; nothing was run.")
+
+
 def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,
          where: dict[str, str] | None = None, report_only: bool = False,
          trainer: Sequence[str] = TRAINER) -> int:
@@ -414,7 +481,9 @@ def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,
   as one paragraph, never as a traceback."""
   action = "Writing the report" if report_only else "Running the study"
   try:
+    check_selection(study, where)
     if report_only:
+      check_report_workdir(workdir)
       check_records(study, workdir)
       os.makedirs(workdir, exist_ok=True)
       print(study_report.write_report(study, workdir, command))

@@ -213,11 +213,7 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   record = {"run": run_id(overrides), "overrides": _jsonable(overrides),
             "fixed": _jsonable(study.fixed), "config": study.config,
             "wall_seconds": round(wall_seconds, 1)}
-  summary_path = os.path.join(run_dir, "summary.json")
-  summary = None
-  if os.path.exists(summary_path):
-    with open(summary_path) as f:
-      summary = json.load(f)
+  summary, summary_problem = read_summary(run_dir)
   if returncode == 0 and summary and not summary.get("stopped_by"):
     for key in ("test_accuracy", "test_loss", "initial_test_loss", "init_digest",
                 "train_seconds", "num_stages", "samples", "learning_rate", "momentum"):
@@ -228,6 +224,8 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   else:
     record["status"] = FAILED
     record["error"] = log_tail[-2000:]
+    if returncode == 0 and summary_problem:
+      record["error"] = f"exit 0, but {summary_problem}\n" + record["error"][-1800:]
   # Where the run's times come from: the devices the trainer saw, and this host's cores.
   device = (summary or {}).get("device")
   record["machine"] = (f"{device}, " if device else "") + f"{os.cpu_count()} CPU cores"
@@ -243,6 +241,23 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   if timing:
     record["timing"] = timing
   return record
+
+
+def read_summary(run_dir: str) -> tuple[dict | None, str | None]:
+  """A trainer's ``summary.json`` and, when it is there but cannot be used (empty or cut short by a
+  full disk, not JSON, not an object), why. An unusable summary counts as a missing one: the run
+  is then judged by its exit code and log, and runs again."""
+  path = os.path.join(run_dir, "summary.json")
+  if not os.path.exists(path):
+    return None, None
+  try:
+    with open(path, "rb") as f:
+      summary = json.loads(f.read())
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    return None, f"its {path} cannot be read ({type(e).__name__}: {e})"
+  if not isinstance(summary, dict):
+    return None, f"its {path} holds {type(summary).__name__}, not a summary"
+  return summary, None
 
 
 _INIT_DIGEST = re.compile(r"Initial weights: sha256 ([0-9a-f]{64})")

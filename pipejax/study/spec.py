@@ -16,6 +16,8 @@ import dataclasses
 import importlib.util
 import itertools
 import os
+import traceback
+from collections.abc import Iterable, Mapping
 from typing import Any, Sequence
 
 Overrides = dict[str, Any]
@@ -135,6 +137,7 @@ class Study:
                                         0 < self.margin < 1):
       raise StudyError(f"Study {self.name!r}: margin must be a fraction in (0, 1) of the metric "
                        f"(0.005 is half a point of accuracy); got {self.margin!r}.")
+    _check_grids(self)
 
   def label(self, value: Any) -> str:
     """How the report names a grid key or value: ``labels``, then a method's display name, else
@@ -164,15 +167,36 @@ class Study:
     return list(dict.fromkeys(k for grid in self.grids for k in grid))
 
 
+def _check_grids(study: Study) -> None:
+  """Refuses grids that are not a list of ``{key: values}`` mappings, in one line each."""
+  where = f"Study {study.name!r}"
+  if isinstance(study.grids, (str, bytes, Mapping)) or not isinstance(study.grids, Iterable):
+    raise StudyError(f"{where}: grids must be a list of mappings, e.g. "
+                     f"[{{'method': ('sgd', 'pb'), 'seed': (0, 1)}}]; got {study.grids!r}.")
+  for grid in study.grids:
+    if not isinstance(grid, Mapping):
+      raise StudyError(f"{where}: each grid must be a mapping from a config key to its values; "
+                       f"got {grid!r}.")
+    for key, values in grid.items():
+      if not isinstance(key, str) or not key:
+        raise StudyError(f"{where}: grid keys are config keys (text such as 'method'); got "
+                         f"{key!r}.")
+      if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise StudyError(f"{where}: the values of grid key {key!r} must be a list or tuple, "
+                         f"e.g. ({values!r},); got {values!r}.")
+  for name in ("fixed", "baseline"):
+    if not isinstance(getattr(study, name), Mapping):
+      raise StudyError(f"{where}: {name} must be a mapping from config keys to values; got "
+                       f"{getattr(study, name)!r}.")
+
+
 def load_study(spec: str) -> Study:
   """Loads ``path[:arg]``: the file's ``get_study(arg)``."""
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise StudyError(f"No study file {path!r}. Give the path of a file under configs/studies/, "
                      "e.g. --study=configs/studies/depth.py (append :smoke for the quick variant).")
-  module_spec = importlib.util.spec_from_file_location("pipejax_study_file", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  module = _run_study_file(path)
   if not hasattr(module, "get_study"):
     raise StudyError(f"{path} defines no get_study(arg); a study file returns a "
                      "pipejax.study.Study from get_study (see configs/studies/depth.py).")
@@ -180,12 +204,39 @@ def load_study(spec: str) -> Study:
     study = module.get_study(arg or None)
   except ValueError as e:  # the study files' way of refusing an unknown variant
     raise StudyError(f"{path}: {e}") from None
+  except Exception as e:  # noqa: BLE001 - a mistake in the file, said in one line
+    raise StudyError(_broken_file_message(spec, path, e)) from None
   if not isinstance(study, Study):
     raise StudyError(f"{path}: get_study returned {type(study).__name__}, not a Study.")
   for run in study.runs():
     if "seed" in run and not isinstance(run["seed"], int):
       raise StudyError(f"{path}: seeds must be integers; got {run['seed']!r}.")
   return study
+
+
+def _run_study_file(path: str):
+  """The study file run as a module; a file that raises (a typo, a syntax error) is a
+  :class:`StudyError` of one line, as ``scripts/train.py`` says it of a config file."""
+  module_spec = importlib.util.spec_from_file_location("pipejax_study_file", path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # noqa: BLE001 - whatever the file raises, say it in one line
+    raise StudyError(_broken_file_message(path, path, e)) from None
+  return module
+
+
+def _broken_file_message(spec: str, path: str, error: Exception) -> str:
+  """``The study file 'X' could not be loaded: NameError: ... (line 12)``."""
+  detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+  if line is None:  # the deepest frame of the study file itself
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]
+    line = frames[-1].lineno if frames else None
+  where = f" (line {line})" if line and f"line {line}" not in detail else ""
+  return (f"The study file {spec!r} could not be loaded: {type(error).__name__}: {detail}{where}. "
+          "Fix the file, or give another --study.")
 
 
 # ----------------------------------------------------------------------------- a run's identity and flags

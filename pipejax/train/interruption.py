@@ -37,7 +37,7 @@ def agree_to_stop(requested: bool) -> bool:
 
 
 class StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop checks between chunks (then saves and exits).
+  """Turns SIGTERM/SIGINT/SIGHUP into a flag the loop checks between chunks (then saves and exits).
 
   In a binary that started a :class:`pipejax.cli.SignalWatch`, the watch takes the signals: it
   ends the process at once until the first chunk has trained (there is nothing to save), and
@@ -62,7 +62,7 @@ class StopRequest:
   def __enter__(self):
     if self._watch:
       return self
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in cli.honoured():
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread (e.g. inside some test runners): no handler.

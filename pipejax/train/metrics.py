@@ -26,7 +26,7 @@ def read_records(workdir: str) -> list[dict]:
   if not os.path.exists(path):
     return []
   records = []
-  with open(path) as f:
+  with open(path, errors="replace") as f:  # bytes a crash left are no text: skipped below
     for line in f:
       line = line.strip()
       if line:

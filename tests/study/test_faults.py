@@ -1,0 +1,355 @@
+"""Faults at the edges a user reaches: signals of a closed terminal, study files and flags that
+cannot be used, a trainer's damaged files under a study, and the chaos trials of the language
+model."""
+
+import json
+import os
+import pty
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipejax.study import launcher
+from pipejax.study import records as study_records
+from pipejax.study import spec as study_lib
+
+from tests.helpers import ROOT
+from tests.study.test_study import FAKE_TRAINER, STUDY_PROCESS, TWO_RUNS, alive, start_study
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+
+
+def _train_command(workdir, *overrides):
+  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+          "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+          f"--workdir={workdir}", "--config.dataset=digits", "--config.max_train_examples=0",
+          "--config.max_test_examples=0", "--config.model_kwargs.hidden=(16,12)",
+          "--config.schedule=constant", *overrides]
+
+
+def _signal_when(command, sig, marker):
+  """Starts ``command``, sends ``sig`` once a line holding ``marker`` appears; returns
+  (exit code, whole output)."""
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=ENV)
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if marker in line:
+      process.send_signal(sig)
+      break
+  rest, _ = process.communicate(timeout=300)
+  return process.returncode, "".join(lines) + rest
+
+
+# ----------------------------------------------------------------------------- SIGHUP
+
+
+@pytest.mark.slow
+def test_sighup_while_training_saves_a_checkpoint_exits_75_and_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  command = _train_command(workdir, "--config.epochs=2.0", "--config.ticks_per_chunk=50",
+                           "--config.eval_every_samples=1000000",
+                           "--config.checkpoint_every_samples=1000000")
+  code, output = _signal_when(command, signal.SIGHUP, "samples/s")
+  assert code == 75, output[-2000:]
+  assert "STOPPED by SIGHUP after" in output
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["stopped_by"] == "SIGHUP" and summary["samples"] > 0
+  assert os.listdir(workdir / "checkpoints")
+  resumed = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "Resumed from" in resumed.stderr
+
+
+@pytest.mark.slow
+def test_sighup_during_set_up_is_a_stop_of_one_line(tmp_path):
+  code, output = _signal_when(_train_command(tmp_path / "run"), signal.SIGHUP,
+                              "pipejax training:")
+  assert code == 75, output[-2000:]
+  assert "STOPPED by SIGHUP during" in output and "Traceback" not in output
+
+
+def _in_a_terminal_closed_when(command, ready):
+  """Runs ``command`` in a terminal of its own (a pty, as an SSH session gives), closes the
+  terminal once ``ready(output so far)``; returns the exit code. The kernel then sends SIGHUP, and
+  every later write to the terminal fails."""
+  pid, terminal = pty.fork()
+  if pid == 0:  # the child: nothing but exec
+    os.execve(command[0], command, ENV)
+  output, deadline = b"", time.time() + 300
+  while not ready(output) and time.time() < deadline:
+    if select.select([terminal], [], [], 1)[0]:
+      try:
+        output += os.read(terminal, 4096)
+      except OSError:
+        break
+  os.close(terminal)
+  return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_stops_the_trainer_with_75_and_a_checkpoint(tmp_path):
+  workdir = tmp_path / "run"
+  command = _train_command(workdir, "--config.epochs=3.0", "--config.ticks_per_chunk=20",
+                           "--config.eval_every_samples=1000000",
+                           "--config.checkpoint_every_samples=1000000")
+  code = _in_a_terminal_closed_when(command, lambda output: b"samples/s" in output)
+  assert code == 75  # not 1: the final "STOPPED" line must not fail on the closed terminal
+  assert json.load(open(workdir / "summary.json"))["stopped_by"] == "SIGHUP"
+  assert os.listdir(workdir / "checkpoints")
+
+
+def _ignoring_sighup():  # what nohup does before it starts the command
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+@pytest.mark.slow
+def test_under_nohup_a_sighup_leaves_the_trainer_running_to_the_end(tmp_path):
+  command = _train_command(tmp_path / "run", "--config.epochs=1.0", "--config.ticks_per_chunk=50")
+  process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=ENV, preexec_fn=_ignoring_sighup)
+  for line in process.stdout:
+    if "samples/s" in line:
+      process.send_signal(signal.SIGHUP)
+      break
+  output = process.communicate(timeout=300)[0]
+  assert process.returncode == 0, output[-2000:]
+  assert json.load(open(tmp_path / "run" / "summary.json"))["stopped_by"] is None
+
+
+@pytest.fixture
+def fake_trainer(tmp_path):
+  path = tmp_path / "fake_train.py"
+  path.write_text(FAKE_TRAINER)
+  return lambda mode: (sys.executable, str(path), mode)
+
+
+def test_sighup_to_a_study_stops_its_trainers_through_their_checkpoints(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  process, trainers = start_study(workdir, fake_trainer("sleep"))
+  process.send_signal(signal.SIGHUP)
+  out = process.communicate(timeout=60)[0]
+  assert process.returncode == launcher.EXIT_STOPPED, out
+  assert not any(alive(pid) for pid in trainers)
+  assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
+  assert "SIGHUP: stopping" in out
+
+
+def test_under_nohup_a_sighup_leaves_the_study_running(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
+  process = subprocess.Popen(
+      [sys.executable, "-c", STUDY_PROCESS, str(workdir), *fake_trainer("sleep")], cwd=ROOT,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+      preexec_fn=_ignoring_sighup)
+  deadline = time.time() + 60
+  while not all(p.exists() and p.read_text() for p in pids):
+    assert time.time() < deadline and process.poll() is None
+    time.sleep(0.05)
+  process.send_signal(signal.SIGHUP)
+  time.sleep(2)
+  assert process.poll() is None and all(alive(int(p.read_text())) for p in pids)
+  process.send_signal(signal.SIGTERM)  # then a stop it does take
+  out = process.communicate(timeout=60)[0]
+  assert process.returncode == launcher.EXIT_STOPPED and "SIGHUP" not in out, out
+
+
+def test_a_closed_terminal_stops_a_study_and_its_trainers_with_75(tmp_path, fake_trainer):
+  workdir = tmp_path / "study"
+  pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
+  code = _in_a_terminal_closed_when(
+      [sys.executable, "-c", STUDY_PROCESS, str(workdir), *fake_trainer("sleep")],
+      lambda output: all(p.exists() and p.read_text() for p in pids))
+  assert code == launcher.EXIT_STOPPED
+  assert all((workdir / "runs" / f"method=sgd,seed={s}" / "saved").exists() for s in (0, 1))
+  assert not any(alive(int(p.read_text())) for p in pids)
+
+
+# ---------------------------------------------------------------------------- study files and flags
+
+
+def _study_cli(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "study.py"), *args],
+                        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+
+
+GOOD_STUDY = """
+from pipejax.study import Study
+def get_study(arg):
+  return Study(name="g", config="configs/default.py:smoke", fixed={FIXED},
+               grids=[{"method": ("sgd", "pb"), "seed": (0, 1)}])
+"""
+
+
+def _study_file(tmp_path, text, name="s.py"):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("args", [
+    ("--where=method=pbx",), ("--where=method=pb|sgdx,seed=3",), ("--report_only",),
+    ("--where=method=pb,method=sgd",)],
+    ids=["no value matches", "one key matches nothing", "report of a missing workdir",
+         "a key named twice"])
+def test_a_selection_or_report_with_nothing_to_do_fails_in_one_line_creating_nothing(
+    tmp_path, args):
+  workdir = tmp_path / "mistyped"
+  result = _study_cli(f"--study={_study_file(tmp_path, GOOD_STUDY.replace('{FIXED}', '{}'))}",
+                      f"--workdir={workdir}", *args)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: ")
+  assert not workdir.exists()
+
+
+def test_an_empty_workdir_flag_is_refused_not_taken_for_the_current_directory(tmp_path):
+  study_file = _study_file(tmp_path, GOOD_STUDY.replace("{FIXED}", "{}"))
+  before = sorted(os.listdir(ROOT))
+  result = _study_cli(f"--study={study_file}", "--workdir=")
+  assert result.returncode == 2 and "--workdir is empty" in result.stderr, result.stderr
+  assert sorted(os.listdir(ROOT)) == before
+
+
+def test_where_names_the_values_its_key_takes_and_report_only_names_an_empty_workdir(tmp_path):
+  with pytest.raises(study_lib.StudyError, match=r"method takes sgd\. Nothing"):
+    launcher.check_selection(TWO_RUNS, {"method": "pbx"})
+  with pytest.raises(study_lib.StudyError, match="no grid point has them together"):
+    launcher.check_selection(
+        study_lib.Study(name="u", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)},
+                                                        {"method": ("pb",), "seed": (1,)}]),
+        {"method": "sgd", "seed": "1"})
+  launcher.check_selection(TWO_RUNS, {"method": "pb|sgd"})  # one alternative is enough
+  assert launcher.main(TWO_RUNS, str(tmp_path), parallel=1, command="",
+                           report_only=True) == launcher.EXIT_USAGE
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("text, message", [
+    ("from pipejax.study import Study\ndef get_study(arg):\n  return Study(name=nme)\n",
+     r"NameError: name 'nme' is not defined \(line 3\)"),
+    ("def get_study(arg)\n  return None\n", r"SyntaxError: .*line 1"),
+    ("import no_such_module_here\n", "ModuleNotFoundError"),
+    ("def get_study(arg):\n  return {}['x']\n", r"KeyError: 'x' \(line 2\)"),
+    (GOOD_STUDY.replace("(\"sgd\", \"pb\")", "\"sgd\"").replace("{FIXED}", "{}"),
+     "the values of grid key 'method' must be a list or tuple"),
+    (GOOD_STUDY.replace("grids=[", "grids=").replace(")}]", ")}").replace("{FIXED}", "{}"),
+     "grids must be a list of mappings"),
+    (GOOD_STUDY.replace("{FIXED}", "{'epcohs': 1.0}"), "'epcohs' is not a field of "
+     "configs/default.py:smoke. Did you mean 'epochs'"),
+    (GOOD_STUDY.replace("{FIXED}", "{}").replace("configs/default.py", "configs/nope.py"),
+     "its config file 'configs/nope.py' does not exist"),
+    (GOOD_STUDY.replace("{FIXED}", "{}").replace(":smoke", ":smok"),
+     "Unknown config argument 'smok'"),
+], ids=["NameError", "SyntaxError", "ImportError", "error in get_study", "grid value",
+        "grid not a list", "unknown config key", "missing config file", "unknown config variant"])
+def test_a_study_file_that_cannot_be_used_is_exit_2_in_one_line(tmp_path, text, message):
+  workdir = tmp_path / "work"
+  result = _study_cli(f"--study={_study_file(tmp_path, text)}", f"--workdir={workdir}")
+  assert result.returncode == 2, result.stdout + result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  assert re.search(message, lines[0]), lines[0]
+  assert not workdir.exists()
+
+
+def test_every_study_file_passes_the_config_key_check():
+  # The check refuses what a trainer would; it must not refuse a study the trainers accept.
+  paths = sorted(p for p in os.listdir(os.path.join(ROOT, "configs", "studies"))
+                 if p.endswith(".py"))
+  assert paths
+  for path in paths:
+    for variant in ("", ":smoke"):
+      launcher.check_config_keys(
+          study_lib.load_study(os.path.join(ROOT, "configs", "studies", path) + variant))
+
+
+# ----------------------------------------------------------------------------- a trainer's files
+
+
+@pytest.mark.parametrize("content", [b"", b'{"test_accuracy": 0.5', b"\xff\xfe", b"[1, 2]"],
+                         ids=["empty", "cut short", "not text", "not an object"])
+def test_an_unreadable_summary_is_a_missing_one(tmp_path, content):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "summary.json").write_bytes(content)
+  (run_dir / "metrics.jsonl").write_bytes(b'{"split": "test", "samples": 10, "accuracy": 0.5}\n'
+                                          b"\xff\x00garbage\n[3]\n")
+  record = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 0,
+                                         1.0, "error: No space left on device")
+  assert record["status"] == study_records.FAILED
+  assert "summary.json cannot be read" in record["error"] or "not a summary" in record["error"]
+  assert record["test_curve"] == [[10, 0.5, None]]
+  # Exit 75 with the same summary: stopped, not failed; the runner never records it.
+  stopped = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir),
+                                          1, 1.0, "")
+  assert stopped["status"] == study_records.FAILED
+
+
+EMPTY_SUMMARY_TRAINER = FAKE_TRAINER + """
+open(os.path.join(workdir, "summary.json"), "w").close()  # the disk filled while writing it
+"""
+
+
+def test_a_study_records_a_run_with_an_empty_summary_as_failed_and_retries_it(tmp_path, capsys):
+  trainer_path = tmp_path / "trainer.py"
+  trainer_path.write_text(EMPTY_SUMMARY_TRAINER)
+  trainer = (sys.executable, str(trainer_path), "finish")
+  for _ in range(2):  # every rerun the same: recorded, never a crash
+    code = launcher.main(TWO_RUNS, str(tmp_path / "study"), parallel=2, command="",
+                             trainer=trainer)
+    assert code == launcher.EXIT_FAILED
+    assert "FAILED" in capsys.readouterr().out
+  records = study_records.read_results(str(tmp_path / "study"))
+  assert [r["status"] for r in records] == [study_records.FAILED] * 2
+
+
+# ----------------------------------------------------------------------------- chaos, LM path
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_in_one_process_ends_exact(tmp_path):
+  """scripts/chaos.py --cases=lm, one trial of each: a kill at a random moment, a damaged newest
+  checkpoint; each rerun must match the uninterrupted LM run bit for bit (or name the step)."""
+  from pipejax.chaos import lm, trainer  # pylint: disable=import-outside-toplevel
+  outcomes = trainer.trainer_trials(str(tmp_path), 1, random.Random(0), lm.LM)
+  assert sorted(k.split(":")[0] for k in outcomes) == ["lm corruption", "lm kill"], outcomes
+  assert not any(k.endswith("FAIL") for k in outcomes), outcomes
+
+
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_over_two_processes_has_no_failure(tmp_path):
+  """scripts/chaos.py --cases=lm_two_process: a mismatched process, a killed one."""
+  from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
+  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_DATA)
+  assert outcomes == {"two processes, lm data, mismatch: refused": 1,
+                      "two processes, lm data, kill one: exact": 1}, outcomes
+
+
+# Skipped while the LM's stages cannot start over two processes (mesh.stage=2); remove the mark
+# once they can.
+@pytest.mark.slow
+def test_a_chaos_round_of_the_lm_with_stages_over_two_processes_has_no_failure(tmp_path):
+  from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
+  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_STAGES)
+  assert outcomes == {"two processes, lm stages, mismatch: refused": 1,
+                      "two processes, lm stages, kill one: exact": 1}, outcomes
+
+
+# ----------------------------------------------------------------------------- docs/reliability.md
+
+
+def test_every_test_docs_reliability_cites_exists():
+  text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
+  cited = set(re.findall(r"`((?:\w+/)?test_\w+\.py)::(test_\w+)", text))
+  assert len(cited) > 50
+  missing = [f"{name}::{test}" for name, test in sorted(cited)
+             if not re.search(rf"^\s*def {test}\(", open(os.path.join(ROOT, "tests", name)).read(),
+                              re.M)]
+  assert not missing, f"docs/reliability.md cites tests that do not exist: {missing}"
