@@ -147,6 +147,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   # The test loss at the initial weights: a study counts a run whose final loss is above it as
   # diverged, however finite its numbers.
   if samples == 0 and not writer.has_record("test", 0):
+    phases.enter("evaluating the initial weights on the test split")
     evaluate_now()
   interval_start = (time.perf_counter(), samples)
   stopped_by = None

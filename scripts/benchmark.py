@@ -92,6 +92,10 @@ _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _DEPTH_STAGES = flags.DEFINE_list("depth_stages", ["8", "32", "128", "256"],
                                   "Stage counts of the residual MLP for 'depth'.")
 _DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of 'depth'.")
+_DEPTH_METHODS = flags.DEFINE_list(
+    "depth_methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
+                      "dcasgd"],
+    "Presets 'depth' times stacked at each depth, side by side with pb (none: '').")
 _DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
     "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
     "(its compile time grows with depth).")
@@ -144,7 +148,10 @@ def main(argv):
       "lm": lambda: speed.lm_speeds(_LM_SEQUENCES.value, repeats),
       "depth": lambda: [record for s in _DEPTH_STAGES.value
                         for record in speed.depth_records(int(s), _DEPTH_TICKS.value, repeats,
-                                                          _DEPTH_UNSTACKED_MAX.value)],
+                                                          _DEPTH_UNSTACKED_MAX.value)
+                        + (speed.depth_method_records(int(s), _DEPTH_METHODS.value,
+                                                      _DEPTH_TICKS.value, repeats)
+                           if _DEPTH_METHODS.value else [])],
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }

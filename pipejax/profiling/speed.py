@@ -213,6 +213,75 @@ def compile_time(num_stages: int) -> dict:
           "trace_and_compile_s": time.perf_counter() - start}
 
 
+def weight_passes_per_tick(method: methods.Method) -> int:
+  """The weight-sized passes a stage's tick must make under ``method`` at b = 1, from its
+  definition (docs/performance.md §1 and §7), with every product fused into as few passes as it
+  can be.
+
+  Every method reads w in the forward and again in the recompute (whose input gradient comes
+  with it), and reads and writes w and the momentum in the update: 6. A forward on other weights
+  than w (weight prediction) writes them at the update: +1. A weight stash writes the forward's
+  weights into its slot: +1 (the recompute reads the slot instead of w). A gradient moved to
+  the current weights (DC-ASGD) reads the stashed weights once more: +1. A backward on other
+  weights than w or the stash (PipeMare's w - D delta) reads delta in the recompute and reads and
+  writes it in the update: +3.
+  """
+  passes = 6
+  if method.forward_weights is not methods.current_weights:
+    passes += 1
+  if method.stash_forward_weights:
+    passes += 1
+  if method.pass_gradient_weights:
+    passes += 1
+  if method.backward_weights is not methods.current_weights and not method.stash_forward_weights:
+    passes += 3
+  return passes
+
+
+def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> list[dict]:
+  """Each method preset of ``names`` on configs/deep_mlp.py's residual MLP at one depth, stacked
+  (``pipejax.stacking.StackedPipeline``), timed side by side with ``pb`` after the fill.
+
+  Per record: the method's samples per CPU second over ``pb``'s (``cpu_relative_to_pb``) and
+  per wall second (``relative_to_pb``), the passes its definition needs
+  (:func:`weight_passes_per_tick`) and ``pb``'s over them (``pass_ratio``), and what its compiled
+  tick makes: weight-sized passes and copies (:func:`pipejax.profiling.hlo.passes`), operations.
+  """
+  from pipejax import stacking  # pylint: disable=import-outside-toplevel
+  names = list(dict.fromkeys(["pb", *names]))
+  model = workloads.depth_model(num_stages)
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  runners, rows = {}, []
+  for name in names:
+    method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
+    start = time.perf_counter()
+    pipe = Pipeline(model, method, x[0], y[0])
+    stacked = stacking.StackedPipeline(pipe)
+    runners[name] = TimedRunner(stacked, x, y)
+    jax.block_until_ready(runners[name].state)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = stacked.lower(runners[name].state, x, y).compile()
+    compile_s = time.perf_counter() - start
+    runners[name].warm_up()
+    rows.append({"num_stages": num_stages, "method": name, "stacked": True,
+                 "weight_passes_per_tick": weight_passes_per_tick(method),
+                 "compiled_passes_per_tick": hlo.passes(compiled, hlo.weight_bytes(pipe)),
+                 "build_and_init_s": build_s, "trace_and_compile_s": compile_s})
+    logging.info("depth methods: %s built", rows[-1])
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    wall, cpu = seconds[row["method"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = ticks / wall, ticks / cpu
+  relative_to(rows, lambda r: r["method"] == "pb", "pb")
+  pb_passes = weight_passes_per_tick(methods.make_method("pb", learning_rate=1e-3))
+  for row in rows:
+    row["pass_ratio"] = pb_passes / row["weight_passes_per_tick"]
+    row["meets_pass_ratio"] = row["cpu_relative_to_pb"] >= 0.9 * row["pass_ratio"]
+    logging.info("depth methods: %s", row)
+  return rows
+
+
 def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int) -> list[dict]:
   """configs/deep_mlp.py's residual MLP at one depth: stacked, per stage (up to
   ``unstacked_max`` stages) and the plain loop, timed side by side.
