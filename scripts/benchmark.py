@@ -40,6 +40,11 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   256), the stacked residual MLP's delay lines' bytes (from its state's shapes, nothing allocated)
   against sum_s (D_s + 1)|x_s| for the inputs and sum_s (D_s + 1)|w_s| for a weight stash, and the
   seconds to build it. Only when asked.
+* ``trainer``: configs/deep_mlp.py (PB + SC + LWP, stacked) at ``--trainer_stages`` stages: the
+  trainer's chunk (the host's data stream, scheduling, ``run``, the metrics fetched, the finite
+  check) timed side by side with ``run`` on a stream already on the device, their ratio
+  (``cpu_trainer_over_benchmark``), and the seconds to build the experiment and init its state
+  (``setup_s``). Needs the Fashion-MNIST files. Only when asked.
 * ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
   ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
   device's piece of the group stacked) against that of the ``Pipeline``: build and compile
@@ -74,12 +79,12 @@ import jax
 import numpy as np
 
 from pipejax import cli
-from pipejax.profiling import memory, meshes, speed, workloads
+from pipejax.profiling import memory, meshes, speed, trainer, workloads
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
-              "lm", "depth", "delay_lines", "stacked_mesh"]
+              "lm", "depth", "delay_lines", "trainer", "stacked_mesh"]
 # Each adds minutes; 'sharding' and 'stacked_mesh' need fake devices.
-OPT_IN = ("normalization", "sharding", "lm", "depth", "delay_lines", "stacked_mesh")
+OPT_IN = ("normalization", "sharding", "lm", "depth", "delay_lines", "trainer", "stacked_mesh")
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -110,6 +115,8 @@ _DEPTH_METHODS = flags.DEFINE_list(
     "Presets 'depth' times stacked at each depth, side by side with pb (none: '').")
 _DELAY_LINE_STAGES = flags.DEFINE_list("delay_line_stages", ["128", "256"],
                                        "Stage counts of the residual MLP for 'delay_lines'.")
+_TRAINER_STAGES = flags.DEFINE_list("trainer_stages", ["32", "128", "256"],
+                                    "Stage counts of configs/deep_mlp.py for 'trainer'.")
 _DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
     "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
     "(its compile time grows with depth).")
@@ -169,6 +176,9 @@ def main(argv):
                            if _DEPTH_METHODS.value else [])],
       "delay_lines": lambda: [record for s in _DELAY_LINE_STAGES.value
                               for record in speed.delay_line_records(int(s), _DEPTH_METHODS.value)],
+      "trainer": lambda: [trainer.trainer_rate(trainer.deep_mlp_config(int(s)),
+                                               _DEPTH_TICKS.value, repeats)
+                          for s in _TRAINER_STAGES.value],
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }
