@@ -30,6 +30,7 @@ tick, run through the same vmapped steps, and cut back into stages, each with it
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -109,6 +110,16 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
       in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
                                               delays)
   return forward.entry, new, metrics
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _rows(leaf, n: int):
+  return tuple(leaf[i] for i in range(n))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _spans(leaf, spans: tuple):
+  return tuple(leaf[o:o + n] for o, n in spans)
 
 
 def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
@@ -196,7 +207,7 @@ class StackedPipeline(ScanRunner):
           np.stack([p.salts for p in inits]) if together else None)
     self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
-    self._jit_to_logical = jax.jit(self._unstack)
+    self._jit_to_logical = self._unstack_leaf_by_leaf
     self._jit_from_logical = jax.jit(self._stack)
     self._jit_init = jax.jit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
@@ -267,20 +278,32 @@ class StackedPipeline(ScanRunner):
                               [jnp.concatenate(column) for column in zip(*line_leaves)])
     return body._replace(delay_line=line)
 
-  def _unstack(self, state: StackedState) -> PipelineState:
+  def _unstack(self, state: StackedState, rows=None, spans=None, copy=None) -> PipelineState:
+    """The logical state of ``state``. Traced whole by default; given ``rows(leaf, n)`` (a
+    leaf's n rows), ``spans(leaf, spans)`` (its slices) and ``copy``, it runs leaf by leaf."""
+    rows = rows or (lambda leaf, n: [leaf[i] for i in range(n)])
+    spans = spans or (lambda leaf, spans: [leaf[o:o + n] for o, n in spans])
+    copy = copy or (lambda tree: tree)
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
       group = self._groups.get(start)
       if group is None:
-        stages.append(part)
+        stages.append(jax.tree.map(copy, part))
         continue
-      body, line = jax.tree.leaves(_body(part)), jax.tree.leaves(part.delay_line)
-      for i, (offset, length) in enumerate(zip(group.offsets, group.lengths)):
+      n, where = len(group.lengths), tuple(zip(group.offsets.tolist(), group.lengths.tolist()))
+      body = [rows(leaf, n) for leaf in jax.tree.leaves(_body(part))]
+      line = [spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
+      for i in range(n):
         st = jax.tree.unflatten(group.treedefs[i], [leaf[i] for leaf in body])
-        stage_line = jax.tree.unflatten(group.line_treedefs[i],
-                                        [leaf[offset:offset + length] for leaf in line])
+        stage_line = jax.tree.unflatten(group.line_treedefs[i], [leaf[i] for leaf in line])
         stages.append(st._replace(delay_line=stage_line))
-    return PipelineState(tuple(stages), state.tick, state.rng)
+    return PipelineState(tuple(stages), copy(state.tick), copy(state.rng))
+
+  def _unstack_leaf_by_leaf(self, state: StackedState) -> PipelineState:
+    # One program for the whole state holds S x leaves slices, and XLA's compile time grows
+    # faster than that count (minutes at 128 stages); one small program per leaf shape compiles
+    # in a fraction of a second at any depth.
+    return self._unstack(state, _rows, _spans, jnp.copy)
 
   def check_state(self, state: StackedState) -> None:
     if isinstance(state, PipelineState):
