@@ -37,8 +37,9 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   """Samples/s of the trainer's chunk (host stream, schedule, run, metrics, finite check) over
   those of the runner's ``run`` on a device stream, side by side; and the set-up's seconds.
 
-  ``setup_s`` is ``experiment.build`` and the runner's init, the part of the trainer's set-up that
-  depends on the depth (data loading aside, which is the same at every depth).
+  ``setup_s`` is ``experiment.build``, the runner's init and its logical state (which the trainer
+  reads for the initial weights' digest): the part of the trainer's set-up that depends on the
+  depth (data loading aside, which is the same at every depth).
   """
   start = time.perf_counter()
   setup = experiment.build(config)
@@ -46,6 +47,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   runner, b = setup.runner, config.micro_batch_size
   start = time.perf_counter()
   holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(config.seed)))}
+  jax.block_until_ready(runner.to_logical(holder["state"]))  # the initial weights' digest reads it
   init_s = time.perf_counter() - start
   stream = data_lib.DataStream(setup.train_source, b, config.seed)
   x_device, y_device = (jax.device_put(a) for a in stream.next_chunk(ticks))
