@@ -207,7 +207,7 @@ class StackedPipeline(ScanRunner):
           np.stack([p.salts for p in inits]) if together else None)
     self._group_index = {k for k, (start, _) in enumerate(self.runs) if start in self._groups}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
-    self._jit_to_logical = self._unstack_leaf_by_leaf
+    self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
     self._jit_init = jax.jit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
@@ -278,32 +278,26 @@ class StackedPipeline(ScanRunner):
                               [jnp.concatenate(column) for column in zip(*line_leaves)])
     return body._replace(delay_line=line)
 
-  def _unstack(self, state: StackedState, rows=None, spans=None, copy=None) -> PipelineState:
-    """The logical state of ``state``. Traced whole by default; given ``rows(leaf, n)`` (a
-    leaf's n rows), ``spans(leaf, spans)`` (its slices) and ``copy``, it runs leaf by leaf."""
-    rows = rows or (lambda leaf, n: [leaf[i] for i in range(n)])
-    spans = spans or (lambda leaf, spans: [leaf[o:o + n] for o, n in spans])
-    copy = copy or (lambda tree: tree)
+  def _unstack(self, state: StackedState) -> PipelineState:
+    # Leaf by leaf: one program for the whole state holds S x leaves slices, and XLA's compile
+    # time grows faster than that count (minutes at 128 stages); one small program per leaf
+    # shape (_rows, _spans) compiles in a fraction of a second at any depth. The single stages,
+    # tick and rng are copied so that the logical state never aliases the stacked one, which
+    # run donates.
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
       group = self._groups.get(start)
       if group is None:
-        stages.append(jax.tree.map(copy, part))
+        stages.append(jax.tree.map(jnp.copy, part))
         continue
       n, where = len(group.lengths), tuple(zip(group.offsets.tolist(), group.lengths.tolist()))
-      body = [rows(leaf, n) for leaf in jax.tree.leaves(_body(part))]
-      line = [spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
+      body = [_rows(leaf, n) for leaf in jax.tree.leaves(_body(part))]
+      line = [_spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
       for i in range(n):
         st = jax.tree.unflatten(group.treedefs[i], [leaf[i] for leaf in body])
         stage_line = jax.tree.unflatten(group.line_treedefs[i], [leaf[i] for leaf in line])
         stages.append(st._replace(delay_line=stage_line))
-    return PipelineState(tuple(stages), copy(state.tick), copy(state.rng))
-
-  def _unstack_leaf_by_leaf(self, state: StackedState) -> PipelineState:
-    # One program for the whole state holds S x leaves slices, and XLA's compile time grows
-    # faster than that count (minutes at 128 stages); one small program per leaf shape compiles
-    # in a fraction of a second at any depth.
-    return self._unstack(state, _rows, _spans, jnp.copy)
+    return PipelineState(tuple(stages), jnp.copy(state.tick), jnp.copy(state.rng))
 
   def check_state(self, state: StackedState) -> None:
     if isinstance(state, PipelineState):
