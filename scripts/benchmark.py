@@ -5,7 +5,7 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
     python scripts/benchmark.py --only=conv --conv_impls=xla,sliced --conv_micro_batch_sizes=1
     python scripts/benchmark.py --output=benchmark.json
     python scripts/benchmark.py --only=normalization   # about 10 minutes: 10 compiled pipelines
-    python scripts/benchmark.py --only=lm              # the transformer LM, about 2 minutes
+    python scripts/benchmark.py --only=lm              # the transformer LM at 8, 16, 32 stages
 
 * ``throughput``: ``Pipeline.run`` (Pipelined Backpropagation, one layer per stage) against a plain
   optax training loop in ``lax.scan`` on the same MLP (8 layers of width 256), samples per second at
@@ -28,10 +28,23 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   Norm, each relative to the same model without normalization. Only when asked.
 * ``depth``: configs/deep_mlp.py's residual MLP (width 128, LayerNorm) at b = 1 and
   ``--depth_stages`` stages, PB + momentum SGD: per depth a record with ``stacked`` True
-  (``pipejax.parallel.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain loop:
-  the whole network as one optax step in ``lax.scan``): build and init seconds, trace and compile
-  seconds of the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and
-  the delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+  (``pipejax.parallel.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain
+  loop: the whole network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
+  the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
+  delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+  Beside them, one record per method of ``--depth_methods`` stacked at each depth, timed side
+  by side with ``pb``: ``cpu_relative_to_pb`` (its samples per CPU second over ``pb``'s),
+  ``weight_passes_per_tick`` (the passes its definition needs, ``speed.weight_passes_per_tick``),
+  ``pass_ratio`` (``pb``'s over them), what its compiled tick makes, and its delay lines' bytes.
+* ``delay_lines``: per method of ``--depth_methods`` and depth of ``--delay_line_stages`` (128,
+  256), the stacked residual MLP's delay lines' bytes (from its state's shapes, nothing allocated)
+  against sum_s (D_s + 1)|x_s| for the inputs and sum_s (D_s + 1)|w_s| for a weight stash, and the
+  seconds to build it. Only when asked.
+* ``trainer``: configs/deep_mlp.py (PB + SC + LWP, stacked) at ``--trainer_stages`` stages: the
+  trainer's chunk (the host's data stream, scheduling, ``run``, the metrics fetched, the finite
+  check) timed side by side with ``run`` on a stream already on the device, their ratio
+  (``cpu_trainer_over_benchmark``), and the seconds to build the experiment and init its state
+  (``setup_s``). Needs the Fashion-MNIST files. Only when asked.
 * ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
   ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
   device's piece of the stack stacked) against that of the ``Pipeline``: build and compile
@@ -44,10 +57,12 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   balanced halves of an 8x512 MLP on 2 devices against 1 (b = 1, 2, 4), with both programs'
   passes. A mesh of several stage devices runs two ticks per loop iteration
   (``ShardedPipeline.ticks_per_iteration``); its passes are per tick all the same.
-* ``lm``: tokens per second of ``Pipeline.run`` (PB + Adam) on configs/char_lm.py's transformer
-  (byte vocabulary, width 128, 6 blocks: 8 stages, one sequence of 128 tokens per micro-batch,
-  b = 1) against the plain loop (the whole model as one optax Adam step in ``lax.scan``), and
-  their ratio. Only when asked.
+* ``lm``: per depth, tokens per second of the stacked pipeline (``StackedPipeline``, PB + Adam)
+  on configs/char_lm.py's transformer (byte vocabulary, context 64, one block per stage,
+  ``--lm_blocks`` = 6, 14, 30 blocks: 8, 16 and 32 stages, at configs/studies/lm_depth.py's widths
+  128, 96 and 64, one sequence per micro-batch, b = 1) against the plain loop (the whole model as
+  one optax Adam step in ``lax.scan``), their ratio, and the seconds to trace and compile the
+  pipeline's ``run`` (``pipeline_compile_s``). Only when asked.
 
 Passes over the weights (``passes_per_tick``: ``bytes_accessed``, ``copies``, ``operations``)
 are read from each compiled program's HLO: ``pipejax/profiling/hlo.py`` says how. The
@@ -64,12 +79,12 @@ import jax
 import numpy as np
 
 from pipejax import cli
-from pipejax.profiling import memory, meshes, speed, workloads
+from pipejax.profiling import memory, meshes, speed, trainer, workloads
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
-              "lm", "depth", "stacked_mesh"]
+              "lm", "depth", "delay_lines", "trainer", "stacked_mesh"]
 # Each adds minutes; 'sharding' and 'stacked_mesh' need fake devices.
-OPT_IN = ("normalization", "sharding", "lm", "depth", "stacked_mesh")
+OPT_IN = ("normalization", "sharding", "lm", "depth", "delay_lines", "trainer", "stacked_mesh")
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
@@ -88,10 +103,20 @@ _CONV_SAMPLES = flags.DEFINE_integer("conv_samples", 128,
                                      "Samples per timed repetition of 'conv'.")
 _LM_SEQUENCES = flags.DEFINE_integer("lm_sequences", 256,
                                      "Sequences (micro-batches of b = 1) per timed call of 'lm'.")
+_LM_BLOCKS = flags.DEFINE_list("lm_blocks", ["6", "14", "30"],
+                               "Transformer blocks for 'lm' (blocks + 2 stages).")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _DEPTH_STAGES = flags.DEFINE_list("depth_stages", ["8", "32", "128", "256"],
                                   "Stage counts of the residual MLP for 'depth'.")
 _DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of 'depth'.")
+_DEPTH_METHODS = flags.DEFINE_list(
+    "depth_methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
+                      "dcasgd"],
+    "Presets 'depth' times stacked at each depth, side by side with pb (none: '').")
+_DELAY_LINE_STAGES = flags.DEFINE_list("delay_line_stages", ["128", "256"],
+                                       "Stage counts of the residual MLP for 'delay_lines'.")
+_TRAINER_STAGES = flags.DEFINE_list("trainer_stages", ["32", "128", "256"],
+                                    "Stage counts of configs/deep_mlp.py for 'trainer'.")
 _DEPTH_UNSTACKED_MAX = flags.DEFINE_integer(
     "depth_unstacked_max", 256, "'depth' compiles the unstacked pipeline up to this many stages "
     "(its compile time grows with depth).")
@@ -141,10 +166,19 @@ def main(argv):
           "fake_device_control": meshes.fake_device_speedup(3000, repeats) if two_devices else [],
           "method_passes": meshes.sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [speed.compile_time(int(s)) for s in _COMPILE_STAGES.value],
-      "lm": lambda: speed.lm_speeds(_LM_SEQUENCES.value, repeats),
+      "lm": lambda: speed.lm_speeds(_LM_SEQUENCES.value, repeats,
+                                      [int(n) for n in _LM_BLOCKS.value]),
       "depth": lambda: [record for s in _DEPTH_STAGES.value
                         for record in speed.depth_records(int(s), _DEPTH_TICKS.value, repeats,
-                                                          _DEPTH_UNSTACKED_MAX.value)],
+                                                          _DEPTH_UNSTACKED_MAX.value)
+                        + (speed.depth_method_records(int(s), _DEPTH_METHODS.value,
+                                                      _DEPTH_TICKS.value, repeats)
+                           if _DEPTH_METHODS.value else [])],
+      "delay_lines": lambda: [record for s in _DELAY_LINE_STAGES.value
+                              for record in speed.delay_line_records(int(s), _DEPTH_METHODS.value)],
+      "trainer": lambda: [trainer.trainer_rate(trainer.deep_mlp_config(int(s)),
+                                               _DEPTH_TICKS.value, repeats)
+                          for s in _TRAINER_STAGES.value],
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }

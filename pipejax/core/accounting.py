@@ -46,6 +46,18 @@ def held_stash_bytes(stage_states) -> int:
   return sum(tree_bytes(st.delay_line.x) for st in stage_states)
 
 
+def weight_stash_bytes(stage_param_shapes: Sequence[PyTree]) -> int:
+  """The formula for a weight stash (PipeDream's, DC-ASGD's): sum_s (D_s + 1) * |w_s|, one copy
+  of stage s's weights beside each of its stashed inputs."""
+  return stash_bytes(stage_param_shapes)
+
+
+def held_weight_stash_bytes(stage_states) -> int:
+  """Bytes of stashed weight copies the delay lines of ``stage_states`` hold (0 where a method
+  stashes none): what :func:`weight_stash_bytes` predicts, read off a state."""
+  return sum(tree_bytes(st.delay_line.weights) for st in stage_states)
+
+
 def fill_ticks(num_stages: int) -> int:
   """Ticks until every stage has seen its first backward (stage 0's comes at 2(S-1))."""
   _check_num_stages(num_stages)

@@ -30,6 +30,7 @@ tick, run through the same vmapped steps, and cut back into stages, each with it
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -110,6 +111,16 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
   return forward.entry, new, metrics
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _rows(leaf, n: int):
+  return tuple(leaf[i] for i in range(n))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _spans(leaf, spans: tuple):
+  return tuple(leaf[o:o + n] for o, n in spans)
+
+
 def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
   """The runs cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
   ``(start, stop, stacked)``: ``stacked`` when the run is a stack, however short its piece."""
@@ -164,8 +175,8 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
 class StackedPipeline(ScanRunner):
   """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacks.
 
-  The same numbers as ``pipeline`` (tests/parallel/test_stacking.py), in fewer operations per tick and a
-  compile time that does not grow with the length of a run. The logical state
+  The same numbers as ``pipeline`` (tests/parallel/test_stacking.py), in fewer operations per
+  tick and a compile time that does not grow with the length of a run. The logical state
   (:meth:`to_logical`, what checkpoints hold) is the pipeline's own, so either layout resumes
   the other's checkpoints.
 
@@ -194,7 +205,7 @@ class StackedPipeline(ScanRunner):
           np.stack([p.salts for p in inits]) if together else None)
     self._stack_index = {k for k, (start, _) in enumerate(self.runs) if start in self._stacks}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
-    self._jit_to_logical = jax.jit(self._unstack)
+    self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
     self._jit_init = jax.jit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
@@ -266,19 +277,25 @@ class StackedPipeline(ScanRunner):
     return body._replace(delay_line=line)
 
   def _unstack(self, state: StackedState) -> PipelineState:
+    # Leaf by leaf: one program for the whole state holds S x leaves slices, and XLA's compile
+    # time grows faster than that count (minutes at 128 stages); one small program per leaf
+    # shape (_rows, _spans) compiles in a fraction of a second at any depth. The single stages,
+    # tick and rng are copied so that the logical state never aliases the stacked one, which
+    # run donates.
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
       stack = self._stacks.get(start)
       if stack is None:
-        stages.append(part)
+        stages.append(jax.tree.map(jnp.copy, part))
         continue
-      body, line = jax.tree.leaves(_body(part)), jax.tree.leaves(part.delay_line)
-      for i, (offset, length) in enumerate(zip(stack.offsets, stack.lengths)):
+      n, where = len(stack.lengths), tuple(zip(stack.offsets.tolist(), stack.lengths.tolist()))
+      body = [_rows(leaf, n) for leaf in jax.tree.leaves(_body(part))]
+      line = [_spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
+      for i in range(n):
         st = jax.tree.unflatten(stack.treedefs[i], [leaf[i] for leaf in body])
-        stage_line = jax.tree.unflatten(stack.line_treedefs[i],
-                                        [leaf[offset:offset + length] for leaf in line])
+        stage_line = jax.tree.unflatten(stack.line_treedefs[i], [leaf[i] for leaf in line])
         stages.append(st._replace(delay_line=stage_line))
-    return PipelineState(tuple(stages), state.tick, state.rng)
+    return PipelineState(tuple(stages), jnp.copy(state.tick), jnp.copy(state.rng))
 
   def check_state(self, state: StackedState) -> None:
     if isinstance(state, PipelineState):

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from pipejax import methods, models
-from pipejax.core import stages
+from pipejax.core import accounting, stages
 from pipejax.core.engine import Pipeline
 from pipejax.profiling import hlo, workloads
 from pipejax.profiling.timing import TimedRunner, best_times
@@ -25,15 +25,24 @@ from pipejax.profiling.workloads import RESNET_INPUT, stream
 from pipejax.core.runner import jit as pipeline_jit
 
 
-def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False):
+def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_scan=False,
+                 runner=None, compile_time=False):
   """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream.
 
-  Returns the row, the pipeline, and its initial weights.
+  ``runner`` wraps the pipeline (``pipejax.parallel.stacking.StackedPipeline``: its stacked layout).
+  Returns the row, the pipeline (or its runner), and its initial weights; with ``compile_time``
+  also the seconds to trace and compile the full pipeline's ``run``.
   """
   ticks, b = x.shape[:2]
   pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
+  if runner is not None:
+    pipe = runner(pipe)
   run_pipeline = TimedRunner(pipe, x, y)
-  params = [st.params for st in run_pipeline.state.stages]
+  params = [st.params for st in pipe.to_logical(run_pipeline.state).stages]
+  if compile_time:
+    start = time.perf_counter()
+    pipe.lower(run_pipeline.state, x, y).compile()
+    compile_s = time.perf_counter() - start
   plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
 
   def run_scan(scan=workloads.plain_scan(model, tx)):
@@ -66,6 +75,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
                                             / row[f"{name}_samples_per_s"])
       row[f"cpu_ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_cpu_s"]
                                                 / row[f"{name}_samples_per_cpu_s"])
+  if compile_time:
+    return row, pipe, params, compile_s
   return row, pipe, params
 
 
@@ -129,22 +140,36 @@ def method_speeds(names, samples: int, repeats: int) -> list[dict]:
   return rows
 
 
-def lm_speeds(sequences: int, repeats: int) -> dict:
-  """Tokens/s of Pipeline.run (PB + Adam) on the transformer LM against the plain Adam loop."""
+def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS) -> list[dict]:
+  """Per depth, tokens/s of the stacked pipeline (PB + Adam) on the transformer LM against the
+  plain Adam loop, side by side, and the seconds to trace and compile the pipeline's ``run``.
+
+  ``blocks`` are the transformer's block counts (``blocks + 2`` stages); each gets the width
+  configs/studies/lm_depth.py gives it (:data:`pipejax.profiling.workloads.LM_WIDTHS`).
+  """
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   context = workloads.LM_CONTEXT
-  model = models.build("transformer_lm", **workloads.LM_MODEL)
-  tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
-  x = jax.device_put(tokens[..., :-1].astype(np.float32))
-  y = jax.device_put(tokens[..., 1:].astype(np.int32))
-  row, pipe, _ = versus_plain(model, optax.adam(3e-4), x, y, repeats)
-  result = {"model": f"transformer_lm {workloads.LM_MODEL}, {pipe.num_stages} stages",
-            "context": context, "micro_batch_size": 1, "sequences": sequences}
-  for name in ("pipeline", "plain_scan"):
-    result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * context
-    result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
-  result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
-  result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
-  return result
+  rows = []
+  for n in blocks:
+    kwargs = workloads.lm_model_kwargs(n)
+    model = models.build("transformer_lm", **kwargs)
+    tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
+    x = jax.device_put(tokens[..., :-1].astype(np.float32))
+    y = jax.device_put(tokens[..., 1:].astype(np.int32))
+    row, runner, _, compile_s = versus_plain(model, optax.adam(3e-4), x, y, repeats,
+                                             runner=stacking.StackedPipeline, compile_time=True)
+    result = {"num_stages": runner.num_stages, "model": f"transformer_lm {kwargs}",
+              "stacked_runs": [list(r) for r in runner.runs],
+              "context": context, "micro_batch_size": 1, "sequences": sequences,
+              "pipeline_compile_s": compile_s}
+    for name in ("pipeline", "plain_scan"):
+      result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * context
+      result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
+    result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
+    result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
+    logging.info("lm: %s", result)
+    rows.append(result)
+  return rows
 
 
 def tick_time_fit(rows: list[dict], target: float = 0.85) -> dict:
@@ -213,6 +238,109 @@ def compile_time(num_stages: int) -> dict:
   pipe.lower(state, x, y, every_slot_full=False).compile()
   return {"num_stages": num_stages, "build_and_init_s": build_s,
           "trace_and_compile_s": time.perf_counter() - start}
+
+
+def weight_passes_per_tick(method: methods.Method) -> int:
+  """The weight-sized passes a stage's tick must make under ``method`` at b = 1, from its
+  definition (docs/performance.md §1 and §7), with every product fused into as few passes as it
+  can be.
+
+  Every method reads w in the forward and again in the recompute (whose input gradient comes
+  with it), and reads and writes w and the momentum in the update: 6. A forward on other weights
+  than w (weight prediction) writes them at the update: +1. A weight stash writes the forward's
+  weights into its slot: +1 (the recompute reads the slot instead of w). A gradient moved to
+  the current weights (DC-ASGD) reads the stashed weights once more: +1. A backward on other
+  weights than w or the stash (PipeMare's w - D delta) reads delta in the recompute and reads and
+  writes it in the update: +3.
+  """
+  passes = 6
+  if method.forward_weights is not methods.current_weights:
+    passes += 1
+  if method.stash_forward_weights:
+    passes += 1
+  if method.pass_gradient_weights:
+    passes += 1
+  if method.backward_weights is not methods.current_weights and not method.stash_forward_weights:
+    passes += 3
+  return passes
+
+
+def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> list[dict]:
+  """Each method preset of ``names`` on configs/deep_mlp.py's residual MLP at one depth, stacked
+  (``pipejax.parallel.stacking.StackedPipeline``), timed side by side with ``pb`` after the fill.
+
+  Per record: the method's samples per CPU second over ``pb``'s (``cpu_relative_to_pb``) and
+  per wall second (``relative_to_pb``), the passes its definition needs
+  (:func:`weight_passes_per_tick`) and ``pb``'s over them (``pass_ratio``), and what its compiled
+  tick makes: weight-sized passes and copies (:func:`pipejax.profiling.hlo.passes`), operations.
+  """
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+  names = list(dict.fromkeys(["pb", *names]))
+  model = workloads.depth_model(num_stages)
+  x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
+  runners, rows = {}, []
+  for name in names:
+    method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
+    start = time.perf_counter()
+    pipe = Pipeline(model, method, x[0], y[0])
+    stacked = stacking.StackedPipeline(pipe)
+    runners[name] = TimedRunner(stacked, x, y)
+    jax.block_until_ready(runners[name].state)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = stacked.lower(runners[name].state, x, y).compile()
+    compile_s = time.perf_counter() - start
+    runners[name].warm_up()
+    rows.append({"num_stages": num_stages, "method": name, "stacked": True,
+                 "weight_passes_per_tick": weight_passes_per_tick(method),
+                 "compiled_passes_per_tick": hlo.passes(compiled, hlo.weight_bytes(pipe)),
+                 "build_and_init_s": build_s, "trace_and_compile_s": compile_s,
+                 **delay_line_bytes(stacked, pipe)})
+    logging.info("depth methods: %s built", rows[-1])
+  seconds = best_times(runners, repeats)
+  for row in rows:
+    wall, cpu = seconds[row["method"]]
+    row["samples_per_s"], row["samples_per_cpu_s"] = ticks / wall, ticks / cpu
+  relative_to(rows, lambda r: r["method"] == "pb", "pb")
+  pb_passes = weight_passes_per_tick(methods.make_method("pb", learning_rate=1e-3))
+  for row in rows:
+    row["pass_ratio"] = pb_passes / row["weight_passes_per_tick"]
+    row["meets_pass_ratio"] = row["cpu_relative_to_pb"] >= 0.9 * row["pass_ratio"]
+    logging.info("depth methods: %s", row)
+  return rows
+
+
+def delay_line_bytes(runner, pipe) -> dict:
+  """The bytes ``runner``'s delay lines hold (read off its state's shapes, nothing allocated)
+  beside their formulas: sum_s (D_s + 1)|x_s| for the stashed inputs, and for a method that
+  stashes the forward's weights sum_s (D_s + 1)|w_s| for the weight copies (0 otherwise)."""
+  state = jax.eval_shape(lambda: runner.init(jax.random.PRNGKey(0)))
+  parts = state.parts if hasattr(state, "parts") else state.stages
+  return {"delay_line_bytes": accounting.held_stash_bytes(parts),
+          "delay_line_formula_bytes": pipe.stash_bytes(),
+          "weight_stash_bytes": accounting.held_weight_stash_bytes(parts),
+          "weight_stash_formula_bytes": (accounting.weight_stash_bytes(pipe.stage_param_shapes)
+                                         if pipe.stashes_weights else 0)}
+
+
+def delay_line_records(num_stages: int, names) -> list[dict]:
+  """Each method preset of ``names`` stacked on configs/deep_mlp.py's residual MLP at one depth:
+  its delay lines' bytes against their formulas (:func:`delay_line_bytes`), and the seconds to
+  build the pipeline and its stacked layout (no state is allocated)."""
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+  model = workloads.depth_model(num_stages)
+  x, y = stream(1, 1, shape=RESNET_INPUT, classes=10)
+  rows = []
+  for name in names:
+    start = time.perf_counter()
+    pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0],
+                    y[0])
+    stacked = stacking.StackedPipeline(pipe)
+    build_s = time.perf_counter() - start
+    rows.append({"num_stages": num_stages, "method": name, "stacked": True, "build_s": build_s,
+                 **delay_line_bytes(stacked, pipe)})
+    logging.info("delay lines: %s", rows[-1])
+  return rows
 
 
 def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int) -> list[dict]:

@@ -17,8 +17,16 @@ from pipejax.core.stages import Model, from_flax
 
 WIDTH, LAYERS = 256, 8  # the MLP of 'throughput' and the mesh benchmarks
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST
-LM_CONTEXT = 128
-LM_MODEL = {"width": 128, "blocks": 6, "heads": 4}  # configs/char_lm.py's
+LM_CONTEXT = 64  # configs/char_lm.py's
+LM_BLOCKS = (6, 14, 30)  # 8, 16 and 32 stages
+LM_WIDTHS = {6: 128, 14: 96, 30: 64}  # configs/studies/lm_depth.py's: about 1.5 M parameters
+
+
+def lm_model_kwargs(blocks: int) -> dict:
+  """configs/char_lm.py's transformer at ``blocks`` blocks, one a stage, at the width
+  configs/studies/lm_depth.py gives that depth (128 where it gives none)."""
+  return {"width": LM_WIDTHS.get(blocks, 128), "blocks": blocks, "heads": 4,
+          "layers_per_stage": 1}
 
 
 def mlp_model(num_layers: int = LAYERS, width: int = WIDTH) -> Model:

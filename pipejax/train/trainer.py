@@ -109,6 +109,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   # The test loss at the initial weights: a study counts a run whose final loss is above it as
   # diverged, however finite its numbers.
   if samples == 0 and not writer.has_record("test", 0):
+    phases.enter("evaluating the initial weights on the test split")
     run.evaluate(state)
   phases.enter(f"compiling the chunk (a scan over ticks of {pipe.num_stages} stages) and "
                "running the first one")

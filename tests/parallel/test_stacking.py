@@ -15,7 +15,7 @@ from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
 from pipejax.parallel.stacking import StackedPipeline
 from pipejax.parallel.stacks import find_stacks
-from tests.helpers import NUM_CLASSES, dense_model, make_stream
+from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never stack)
 
@@ -146,14 +146,29 @@ def test_checkpoints_resume_in_either_layout():
               jax.tree.map(np.asarray, pipe.init(3)), exact=True)
 
 
-def test_delay_lines_hold_the_formulas_bytes():
-  x, y = make_stream(1, 3)
-  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
+@pytest.mark.parametrize("name", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain",
+                                  "pipemare", "dcasgd"])
+def test_delay_lines_hold_the_formulas_bytes(name):
+  b = 3
+  x, y = make_stream(1, b)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method(name, learning_rate=0.1), x[0], y[0])
   stacked = StackedPipeline(pipe)
   state = stacked.init(0)
   assert len(state.parts) == 3
-  assert stacked.held_stash_bytes(state) == pipe.stash_bytes() == accounting.stash_bytes(
-      pipe.stage_input_shapes)
+  # By hand: 5 stages, D_s + 1 = 9, 7, 5, 3, 1 slots; inputs of widths IN_DIM, 5, 5, 5, 5 and
+  # weights of IN_DIM x 5 + 5, three of 5 x 5 + 5 and the head's 5 x NUM_CLASSES + NUM_CLASSES.
+  slots = (9, 7, 5, 3, 1)
+  inputs = (IN_DIM, 5, 5, 5, 5)
+  weights = (IN_DIM * 5 + 5, 30, 30, 30, 5 * NUM_CLASSES + NUM_CLASSES)
+  activations = 4 * b * sum(n * w for n, w in zip(slots, inputs))
+  stashed = 4 * sum(n * w for n, w in zip(slots, weights)) if name in ("pipedream", "dcasgd") else 0
+  for runner, held in ((stacked, state), (pipe, pipe.init(0))):
+    parts = held.parts if runner is stacked else held.stages
+    assert accounting.held_stash_bytes(parts) == activations
+    assert accounting.held_weight_stash_bytes(parts) == stashed
+  assert pipe.stash_bytes() == accounting.stash_bytes(pipe.stage_input_shapes) == activations
+  assert (accounting.weight_stash_bytes(pipe.stage_param_shapes) if pipe.stashes_weights
+          else 0) == stashed
 
 
 def test_a_logical_or_foreign_state_is_refused():

@@ -274,6 +274,40 @@ def test_a_warm_up_longer_than_the_run_is_refused():
   config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
 
 
+def test_an_empty_workdir_restores_nothing_and_times_the_evaluation_as_its_own_phase(
+    tmp_path, monkeypatch):
+  """A fresh run reads no checkpoint, and the initial test evaluation (which compiles the whole
+  network's forward) is logged as itself, not as "looking for a checkpoint"."""
+  from pipejax import evaluation  # pylint: disable=import-outside-toplevel
+  phases, phase_of_evaluations = [], []
+  enter = interruption.SetupPhases.enter
+
+  def recording_enter(self, phase):
+    phases.append(phase)
+    return enter(self, phase)
+
+  make_evaluator = evaluation.make_evaluator
+
+  def recording_evaluator(*args, **kwargs):
+    evaluate = make_evaluator(*args, **kwargs)
+    def evaluate_and_record(*a, **k):
+      phase_of_evaluations.append(phases[-1])
+      return evaluate(*a, **k)
+    return evaluate_and_record
+
+  def no_restore(*args, **kwargs):
+    raise AssertionError("an empty workdir has no checkpoint to restore")
+
+  monkeypatch.setattr(interruption.SetupPhases, "enter", recording_enter)
+  monkeypatch.setattr(evaluation, "make_evaluator", recording_evaluator)
+  monkeypatch.setattr(checkpoint.Checkpointer, "restore", no_restore)
+  monkeypatch.setattr(checkpoint.Checkpointer, "restore_meta", no_restore)
+  training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  looking = next(p for p in phases if "checkpoint" in p)
+  assert phases[phases.index(looking) + 1] == "evaluating the initial weights on the test split"
+  assert phase_of_evaluations[0] == "evaluating the initial weights on the test split"
+
+
 # ------------------------------------------------------------------ the data and the model's values
 
 

@@ -1,0 +1,84 @@
+"""What the trainer adds to a tick, and what its set-up costs, measured side by side in one process.
+
+``scripts/train.py`` feeds the runner chunk by chunk: it draws the chunk from the data stream on
+the host, schedules it, runs it, fetches the metrics and checks the weights are finite. Timed
+interleaved with the runner's ``run`` on a stream already on the device (what the ``depth``
+benchmark times), the ratio of the two rates is what the trainer costs per tick; the machine's
+load slows both alike.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from pipejax import config as configlib
+from pipejax import data as data_lib
+from pipejax.train import divergence, experiment
+from pipejax.profiling.timing import best_times
+
+DEEP_MLP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deep_mlp.py")
+
+
+def deep_mlp_config(num_stages: int, method: str | None = None):
+  """configs/deep_mlp.py at ``num_stages`` stages (its own method unless ``method``)."""
+  config = configlib.load_config(os.path.abspath(DEEP_MLP))
+  config.model_kwargs.depth = num_stages
+  if method:
+    config.method = method
+  return config
+
+
+def trainer_rate(config, ticks: int, repeats: int) -> dict:
+  """Samples/s of the trainer's chunk (host stream, schedule, run, metrics, finite check) over
+  those of the runner's ``run`` on a device stream, side by side; and the set-up's seconds.
+
+  ``setup_s`` is ``experiment.build``, the runner's init and its logical state (which the trainer
+  reads for the initial weights' digest): the part of the trainer's set-up that depends on the
+  depth (data loading aside, which is the same at every depth).
+  """
+  start = time.perf_counter()
+  setup = experiment.build(config)
+  build_s = time.perf_counter() - start
+  runner, b = setup.runner, config.micro_batch_size
+  start = time.perf_counter()
+  holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(config.seed)))}
+  jax.block_until_ready(runner.to_logical(holder["state"]))  # the initial weights' digest reads it
+  init_s = time.perf_counter() - start
+  stream = data_lib.DataStream(setup.train_source, b, config.seed)
+  x_device, y_device = (jax.device_put(a) for a in stream.next_chunk(ticks))
+
+  def benchmark_chunk():
+    holder["state"], metrics = runner.run(holder["state"], x_device, y_device)
+    return metrics["loss"]
+
+  def trainer_chunk():
+    x, y = stream.next_chunk(ticks)
+    x, y, valid = runner.to_ticks(x, y)
+    first_tick = int(holder["state"].tick)
+    holder["state"], metrics = runner.run(holder["state"], x, y, valid)
+    metrics = jax.device_get(metrics)
+    divergence.raise_if_diverged(config, setup.model, runner.to_logical(holder["state"]).stages,
+                                 metrics["finite"], valid, first_tick, 0, None)
+    seen = np.asarray(metrics["valid"])
+    return float(np.mean(metrics["loss"][seen])) if seen.any() else 0.0
+
+  while not runner.every_slot_full(holder["state"]):
+    benchmark_chunk()
+  for fn in (benchmark_chunk, trainer_chunk):
+    fn()  # both programs compiled and run once on a full pipeline
+  seconds = best_times({"benchmark": benchmark_chunk, "trainer": trainer_chunk}, repeats)
+  row = {"num_stages": setup.pipeline.num_stages, "method": config.method, "ticks": ticks,
+         "build_s": build_s, "init_s": init_s, "setup_s": build_s + init_s}
+  for name, (wall, cpu) in seconds.items():
+    row[f"{name}_samples_per_s"] = ticks * b / wall
+    row[f"{name}_samples_per_cpu_s"] = ticks * b / cpu
+  row["trainer_over_benchmark"] = row["trainer_samples_per_s"] / row["benchmark_samples_per_s"]
+  row["cpu_trainer_over_benchmark"] = (row["trainer_samples_per_cpu_s"]
+                                       / row["benchmark_samples_per_cpu_s"])
+  logging.info("trainer: %s", row)
+  return row
