@@ -302,7 +302,7 @@ def test_an_empty_workdir_restores_nothing_and_times_the_evaluation_as_its_own_p
   monkeypatch.setattr(evaluation, "make_evaluator", recording_evaluator)
   monkeypatch.setattr(checkpoint.Checkpointer, "restore", no_restore)
   monkeypatch.setattr(checkpoint.Checkpointer, "restore_meta", no_restore)
-  training.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   looking = next(p for p in phases if "checkpoint" in p)
   assert phases[phases.index(looking) + 1] == "evaluating the initial weights on the test split"
   assert phase_of_evaluations[0] == "evaluating the initial weights on the test split"
