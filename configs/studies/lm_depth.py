@@ -16,26 +16,36 @@ every gap is Adam without a pipeline (method ``sgd``: the whole network as one s
 seed at the same depth. Validation loss is reported in bits per byte (the mean next-byte
 cross-entropy over ln 2); count models on the same split score 3.11 (trigram) and 2.80 (4-gram).
 
-Why this size. Measured with Adam without a pipeline on a quiet 2-core machine: 30 blocks of
-width 64 at context 64 reach 2.89 bits per byte after 24,000 sequences (2.78 after a whole epoch,
-1,347 s); 6 blocks of width 64 stand at 3.37 after 12,000, too small a model for the bar of 3.0,
-hence width 128 at 6 blocks. Context 128 costs each 32-stage pipelined run 4 times the time for
-the same bytes (10 against 40 sequences/s), so the study uses 64 throughout.
+Why this size. Adam without a pipeline must beat the trigram model (3.11) at every depth; the
+sizing runs (seed 0, ``docs/studies/lm_depth/sizing.jsonl``, on the corpus before duplicated
+fortunes were dropped from the validation split) reached 2.77, 2.89 and 2.95 bits per byte at 8,
+16 and 32 stages. Context 128 costs each 32-stage pipelined run 4 times the time for the same
+bytes (10 against 40 sequences/s), so the study uses 64 throughout; 6 blocks of width 64 stand
+at 3.37 after 12,000 sequences, too small a model for the bar, hence the widths above.
 
-Grid (84 runs), in the order it runs (``--where`` picks a part, e.g.
-``--where=model_kwargs.blocks=30,method=sgd|pb|pb_sc_lwp|nesterov_asyncpp``):
+What the sizing runs already show, one seed each at 32 stages and lr 1e-3: PB ends at 4.14 and
+PB + SC + LWP at 4.46 bits per byte against Adam's 2.95, while Nesterov AsyncPP was ahead of PB
+when stopped (2.89 against 3.19 nats after 8,000 sequences). At Adam's rate the asynchronous
+methods lose more than a bit per byte, so the sweep goes down to 1e-4 and covers Nesterov AsyncPP
+(the strongest asynchronous method in the sizing runs) beside the baseline at both depths, and
+PB + SC + LWP at 32 stages, so that no method's gap is an artefact of one rate.
 
-* 32 stages: every method × 3 seeds, and seeds 3 and 4 of sgd, pb, pb_sc_lwp and
-  nesterov_asyncpp (5 seeds for the paper's comparison and the strongest rival);
-* 16 stages: sgd, pb, pb_sc_lwp and nesterov_asyncpp × 3 seeds;
-* 8 stages: every method × 3 seeds;
-* the learning-rate sweep: sgd and :data:`SWEEP_METHOD` at 8 and 32 stages, seed 0, at four rates
-  beside the main grid's 1e-3.
+Grid (88 runs). The runner does every cell's first seed before any second one; run the parts in
+this order with ``--where`` (as the study asks: the 32-stage comparison first):
 
-The runner does every cell's first seed before any second one.
+1. ``--where=model_kwargs.blocks=30,method=sgd|pb|pb_sc_lwp|nesterov_asyncpp,reference.lr=None``:
+   32 stages, the paper's comparison and the strongest rival, 5 seeds (20 runs);
+2. ``--where=model_kwargs.blocks=30`` : the 32-stage sweep and the other methods (20 runs);
+3. ``--where=model_kwargs.blocks=6`` : 8 stages, every method × 3 seeds and the sweep (32 runs);
+4. ``--where=model_kwargs.blocks=14``: 16 stages, sgd, pb, pb_sc_lwp, nesterov_asyncpp × 3
+   seeds (12 runs); or run the whole study without ``--where``.
 
-Cost (measured, see docs/studies/lm_depth/report.md's timing column and docs/lm.md §4): the
-per-run times and the total are in docs/lm.md §4, from the records' ``wall_seconds``.
+Cost, measured from the sizing runs' ``wall_seconds`` with two trainers at a time (one thread
+each) while helpers' test suites also loaded the 2 cores (load average 15 to 25): 1,273 s (8
+stages, sgd), 1,602 s (16, sgd), 2,136 s (32, sgd), 2,375 s (32, pb) and 2,397 s (32,
+pb_sc_lwp). At those times the 88 runs take 23 hours two at a time; on a quiet machine, where
+the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
+against 40 for pb at 32 stages alone), about 12 hours.
 
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
 """
@@ -47,10 +57,9 @@ from pipejax.study import Figure, Study, Table
 METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipeoptim", "pipedream", "nesterov_asyncpp",
            "pb_muon")
 FIVE_SEEDS = ("sgd", "pb", "pb_sc_lwp", "nesterov_asyncpp")
-# The asynchronous method the sweep tunes beside the baseline: PB + SC + LWP, the paper's method
-# and the one the study asks about, so that its gap is not an artefact of the baseline's rate.
-SWEEP_METHOD = "pb_sc_lwp"
-SWEEP_RATES = (3e-4, 6e-4, 2e-3, 4e-3)  # beside the main grid's 1e-3
+SWEEP_METHODS = ("sgd", "nesterov_asyncpp")  # the baseline and the strongest rival, both depths
+SWEEP_RATES = (1e-4, 3e-4, 6e-4, 2e-3)  # beside the main grid's 1e-3
+SWEEP_TITLE = "bits per byte, seed 0; lr 1e-3 is in the first table"
 WIDTH = {30: 64, 14: 96, 6: 128}  # blocks -> width: about 1.5 M parameters at every depth
 BITS_PER_NAT = 1 / math.log(2)
 MAIN = (("reference.lr", None),)  # the runs at the recipe's rate
@@ -80,22 +89,20 @@ def get_study(arg: str | None = None) -> Study:
       name="lm depth", config="configs/char_lm.py",
       grids=[_at(30, METHODS, (0, 1, 2)),
              _at(30, FIVE_SEEDS, (3, 4)),
+             _at(30, SWEEP_METHODS + ("pb_sc_lwp",), (0,), **{"reference.lr": SWEEP_RATES}),
              _at(14, FIVE_SEEDS, (0, 1, 2)),
              _at(6, METHODS, (0, 1, 2)),
-             _at(6, ("sgd", SWEEP_METHOD), (0,), **{"reference.lr": SWEEP_RATES}),
-             _at(30, ("sgd", SWEEP_METHOD), (0,), **{"reference.lr": SWEEP_RATES})],
+             _at(6, SWEEP_METHODS, (0,), **{"reference.lr": SWEEP_RATES})],
       baseline={"method": "sgd"}, margin=MARGIN,
       tables=[Table("Validation bits per byte", rows="model_kwargs.blocks", columns="method",
                     where=MAIN, **BITS),
               Table("Gap to Adam without a pipeline, paired by seed (bits per byte)",
                     rows="model_kwargs.blocks", columns="method", kind="gap", where=MAIN,
                     baseline_label="Adam without a pipeline", **BITS),
-              Table("Learning-rate sweep at 8 stages (bits per byte, seed 0)",
-                    rows="reference.lr", columns="method", where=(("model_kwargs.blocks", 6),),
-                    **BITS),
-              Table("Learning-rate sweep at 32 stages (bits per byte, seed 0)",
-                    rows="reference.lr", columns="method", where=(("model_kwargs.blocks", 30),),
-                    **BITS)],
+              Table(f"Learning-rate sweep at 8 stages ({SWEEP_TITLE})", rows="reference.lr",
+                    columns="method", where=(("model_kwargs.blocks", 6),), **BITS),
+              Table(f"Learning-rate sweep at 32 stages ({SWEEP_TITLE})", rows="reference.lr",
+                    columns="method", where=(("model_kwargs.blocks", 30),), **BITS)],
       figures=[Figure("gap_vs_depth.png", x="model_kwargs.blocks", series="method", kind="gap",
                       where=MAIN, x_label="transformer blocks (stages - 2)",
                       title="Gap to Adam without a pipeline against depth",

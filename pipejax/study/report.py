@@ -9,7 +9,8 @@ Conventions (the report states them too):
   ``init_digest``) and see the same data, so the pairing removes the seed-to-seed spread. Each gap
   gets its 95% CI and the paired t-test's two-sided p-value;
 * with a margin declared, each gap gets a non-inferiority verdict (one-sided t-test of
-  H0: gap <= -margin) and an equivalence verdict (two one-sided tests);
+  H0: gap <= -margin, or gap >= +margin on a metric that is better smaller, such as a loss) and
+  an equivalence verdict (two one-sided tests);
 * a diverged run (a non-finite result, or a final test loss above its initial one) is counted
   and marked, never averaged in;
 * the sentences under "Conclusions" are generated from these numbers, never written by hand.
@@ -162,8 +163,9 @@ def best_value(study: Study, records: Sequence[dict], table: Table, column_value
   best = None
   for value in ordered(study, table.rows, axis_values(records, table.rows)):
     cell = lookup(cells, {table.rows: value, table.columns: column_value})
+    better = (lambda a, b: a > b) if table.higher_is_better else (lambda a, b: a < b)
     if cell is not None and cell.values and not cell.diverged and (
-        best is None or cell.mean > best[1]):
+        best is None or better(cell.mean, best[1])):
       best = (value, cell.mean)
   return None if best is None else best[0]
 
@@ -229,7 +231,10 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
               f"[{_number(s.low, table.scale, 2, True)}, {_number(s.high, table.scale, 2, True)}],"
               f" n = {s.n} seeds, paired t-test p = {s.p_value:.2g})")
       if study.margin is not None:
-        tests = statistics.margin_tests(cell.values, study.margin)
+        # Non-inferiority asks whether the method is at most a margin worse: on a metric that is
+        # better smaller, a positive gap is the worse one, so the test takes the gaps negated.
+        tests = statistics.margin_tests(
+            cell.values if table.higher_is_better else [-v for v in cell.values], study.margin)
         m = _number(study.margin, table.scale, 2)
         text += (f"; non-inferior at margin {m}: "
                  f"{'yes' if tests.non_inferior else 'not shown'} "
@@ -240,6 +245,20 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
         text += f"; {cell.diverged} of {cell.runs} runs diverged and are not in the gap"
       sentences.append(text + ".")
   return sentences
+
+
+def _margin_sentence(study: Study) -> str:
+  """The report's statement of the verdicts' margin, in the units its gap tables show."""
+  if not study.margin:
+    return ""
+  gap_tables = [t for t in study.tables if t.kind == "gap"]
+  if all(t.scale == 100 for t in gap_tables):
+    return f" Verdicts use a margin of {study.margin * 100:g} points."
+  table = next(t for t in gap_tables if t.scale != 100)
+  better = "" if table.higher_is_better else " (the metric is better smaller: a method is " \
+      "non-inferior when its gap is credibly below the margin)"
+  return (f" Verdicts use a margin of {study.margin * table.scale:.3g} in the units of the table "
+          f"'{table.title}'{better}.")
 
 
 def write_csv(records: Sequence[dict], path: str) -> None:
@@ -274,8 +293,7 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
       "[low, high] and n; a gap is paired by seed (same starting weights and data order) with "
       "its 95% CI and the paired t-test's p-value. A run diverged when its result is not finite "
       "or its final test loss is above its initial one; diverged runs are counted, never "
-      "averaged." + (f" Verdicts use a margin of {study.margin * 100:g} points." if study.margin
-                     else ""))
+      "averaged." + _margin_sentence(study))
   parts += _pairing_check(records)
   if superseded:
     parts += ["", f"{superseded} runs recorded before every method of a seed started from the "

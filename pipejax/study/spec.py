@@ -62,6 +62,13 @@ class Table:
   # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
   baseline_label: str = ""
 
+  @property
+  def higher_is_better(self) -> bool:
+    """Whether a larger value of the metric is the better result: accuracy is, while a loss and
+    the samples taken to reach an accuracy are better smaller. Margin verdicts and the 'tuned'
+    table's best value follow it."""
+    return not (self.metric.endswith("loss") or self.metric.startswith("samples_to:"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
@@ -101,7 +108,7 @@ class Study:
     tables, figures: What the report shows.
     min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
       accuracy is at least this.
-    margin: When set (a fraction of the metric: 0.005 is half a point of accuracy), each gap
+    margin: When set (in the metric's units: 0.005 is half a point of accuracy), each gap
       gets a non-inferiority and an equivalence verdict at this margin (one and two one-sided
       paired t-tests).
     labels: Readable names of grid values for the report's text and figures, e.g.

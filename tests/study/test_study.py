@@ -629,3 +629,42 @@ def test_numeric_rows_ascend_across_grids_and_names_keep_the_files_order():
   assert study_cells.ordered(study, "lr", [1.6, 3.2, 0.4, 0.8]) == [0.4, 0.8, 1.6, 3.2]
   assert study_cells.ordered(study, "method", ["pipedream", "pb", "sgd"]) == [
       "sgd", "pb", "pipedream"]
+
+
+def _loss_record(method, depth, seed, loss):
+  r = record(method, depth, seed, 0.5)
+  return {**r, "test_loss": loss, "initial_test_loss": 5.0}
+
+
+def test_a_loss_is_better_smaller_in_margin_verdicts_and_the_best_rate():
+  study = Study(name="t", config="c.py", grids=STUDY.grids, baseline={"method": "sgd"},
+                margin=0.02, labels={"pb": "PB"},
+                tables=[Table("gap", rows="model_kwargs.depth", columns="method", kind="gap",
+                              metric="test_loss", scale=1.0)])
+  table = study.tables[0]
+  assert not table.higher_is_better and Table("a", rows="r", columns="c").higher_is_better
+  assert not Table("s", rows="r", columns="c", metric="samples_to:0.85").higher_is_better
+  base = [_loss_record("sgd", 8, s, v) for s, v in enumerate((2.00, 2.10, 2.05))]
+  # Half a margin worse (higher loss) on every seed: non-inferior, as it would be for accuracy
+  # half a margin lower; read as accuracy (higher better) the same gaps would be "above".
+  worse = [_loss_record("pb", 8, s, v + 0.01) for s, v in enumerate((2.00, 2.10, 2.05))]
+  (sentence,) = study_report.conclusions(study, base + worse, table)
+  assert "non-inferior at margin 0.02: yes" in sentence
+  # Five margins worse: not non-inferior (on the old, accuracy-only reading it was).
+  much_worse = [_loss_record("pb", 8, s, v + 0.1 + 0.001 * s)
+                for s, v in enumerate((2.00, 2.10, 2.05))]
+  (sentence,) = study_report.conclusions(study, base + much_worse, table)
+  assert "non-inferior at margin 0.02: not shown" in sentence
+  assert "better smaller" in study_report._margin_sentence(study)  # pylint: disable=protected-access
+  # The best rate of a loss is its lowest mean.
+  sweep = Study(name="t", config="c.py",
+                grids=[{"reference.lr": (0.1, 0.2), "method": ("sgd",), "seed": (0,)}],
+                tables=[Table("tuned", rows="reference.lr", columns="method", kind="tuned",
+                              metric="test_loss")])
+  records = []
+  for lr, loss in ((0.1, 3.0), (0.2, 2.0)):
+    overrides = {"reference.lr": lr, "method": "sgd", "seed": 0}
+    records.append({"run": study_lib.run_id(overrides), "overrides": overrides,
+                    "status": study_records.FINISHED, "test_accuracy": 0.5, "test_loss": loss,
+                    "initial_test_loss": 5.0, "fixed": {}, "config": "c.py", "init_digest": "w"})
+  assert study_report.best_value(sweep, records, sweep.tables[0], "sgd") == 0.2
