@@ -20,8 +20,8 @@ Trains the smoke config on a few samples once without interruption (the referenc
 The language model (``--cases=lm``: configs/char_lm.py's smoke config, a transformer with AdamW
 on the fortunes corpus) goes through ``--lm_trials`` kill and corruption trials the same way, and
 (``--cases=lm_two_process``) through ``--two_process_trials`` trials of a run of two processes
-that split its micro-batch (``mesh.data=2``); ``--cases=lm_stages`` puts its stages over the two
-processes instead (``mesh.stage=2``).
+that split its micro-batch (``mesh.data=2``), and (``--cases=lm_stages``) of a run whose stages
+are split over the two processes (``mesh.stage=2``).
 
 Every rerun must either exit 0 with exactly the reference's result (final state digest, verified
 on restore, test loss and accuracy, every metrics record), or exit non-zero with a message that
@@ -58,7 +58,7 @@ _TRIALS = flags.DEFINE_integer("trials", 10, "Kill trials, and as many corruptio
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/pipejax-chaos", "Where the runs go (emptied).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random kill points and corruptions.")
 _CASES = flags.DEFINE_multi_enum("cases", ["trainer", "study", "two_process", "lm",
-                                           "lm_two_process"],
+                                           "lm_two_process", "lm_stages"],
                                  ["trainer", "study", "two_process", "lm", "lm_two_process",
                                   "lm_stages"],
                                  "Which trials: the single trainer's, the study launcher's, a "

@@ -8,6 +8,7 @@ importing from them, and these are functions and constants, not fixtures.
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -138,3 +139,10 @@ def sigterm_midway_and_resume(tmp_path, overrides):
                            timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "Resumed from" in resumed.stderr
+
+
+def copy_of(finished, tmp_path) -> str:
+  """A copy of a finished run's workdir (the ``finished`` fixture) to damage or resume."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished[0], workdir)
+  return workdir

@@ -301,7 +301,7 @@ def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> li
   for row in rows:
     wall, cpu = seconds[row["method"]]
     row["samples_per_s"], row["samples_per_cpu_s"] = ticks / wall, ticks / cpu
-  relative_to(rows, lambda r: r["method"] == "pb", "pb")
+  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline, "pb")
   pb_passes = weight_passes_per_tick(methods.make_method("pb", learning_rate=1e-3))
   for row in rows:
     row["pass_ratio"] = pb_passes / row["weight_passes_per_tick"]

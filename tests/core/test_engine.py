@@ -352,7 +352,7 @@ def test_every_runner_has_the_protocols_members_as_instance_methods(runner_class
   cls = {"Pipeline": Pipeline, "StackedPipeline": StackedPipeline,
          "ShardedPipeline": sharding.ShardedPipeline}[runner_class]
   assert Runner in cls.__mro__
-  for name in ("init", "run", "tick", "drain", "schedule", "to_logical", "from_logical",
+  for name in ("init", "run", "tick", "drain", "to_ticks", "to_logical", "from_logical",
                "every_slot_full"):
     assert inspect.isfunction(inspect.getattr_static(cls, name)), f"{runner_class}.{name}"
 

@@ -28,21 +28,7 @@ from pipejax.train import workdir as workdir_lib
 from pipejax.chaos import trainer as chaos_trainer
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
-from tests.helpers import ROOT, config_module, digits_config, make_model, make_stream
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-  """A finished digits run: 240 samples, checkpoints every 40 (steps 160, 200, 240 are kept)."""
-  workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  summary = trainer.train_and_evaluate(digits_config(), workdir)
-  return workdir, summary
-
-
-def copy_of(finished, tmp_path) -> str:
-  workdir = str(tmp_path / "run")
-  shutil.copytree(finished[0], workdir)
-  return workdir
+from tests.helpers import copy_of, ROOT, config_module, digits_config, make_model, make_stream
 
 
 def checkpoint_dir(workdir):

@@ -25,21 +25,7 @@ from pipejax.train import checkpoint, config_checks, evaluation, experiment, tra
 from pipejax.train import workdir as workdir_lib
 from pipejax.data import fingerprint as fingerprint_lib
 from pipejax.data import text
-from tests.helpers import ROOT, digits_config, free_port
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-  """A finished digits run: 240 samples, checkpoints every 40 (steps 160, 200, 240 are kept)."""
-  workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  summary = trainer.train_and_evaluate(digits_config(), workdir)
-  return workdir, summary
-
-
-def copy_of(finished, tmp_path) -> str:
-  workdir = str(tmp_path / "run")
-  shutil.copytree(finished[0], workdir)
-  return workdir
+from tests.helpers import copy_of, ROOT, digits_config, free_port
 
 
 def snapshot(workdir) -> dict:

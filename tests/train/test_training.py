@@ -278,7 +278,7 @@ def test_an_empty_workdir_restores_nothing_and_times_the_evaluation_as_its_own_p
     tmp_path, monkeypatch):
   """A fresh run reads no checkpoint, and the initial test evaluation (which compiles the whole
   network's forward) is logged as itself, not as "looking for a checkpoint"."""
-  from pipejax import evaluation  # pylint: disable=import-outside-toplevel
+  from pipejax.train import evaluation  # pylint: disable=import-outside-toplevel
   phases, phase_of_evaluations = [], []
   enter = interruption.SetupPhases.enter
 
