@@ -87,6 +87,7 @@ def get_study(arg: str | None = None) -> Study:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
   return Study(
       name="lm depth", config="configs/char_lm.py",
+      labels={"sgd": "Adam, no pipeline"},
       grids=[_at(30, METHODS, (0, 1, 2)),
              _at(30, FIVE_SEEDS, (3, 4)),
              _at(30, SWEEP_METHODS + ("pb_sc_lwp",), (0,), **{"reference.lr": SWEEP_RATES}),
