@@ -20,7 +20,9 @@ restrict a session to cheap depths with ``--where=model_kwargs.depth=8``.
   38 s, 138 samples/s steady) with two other trainers on the 2 cores (load about 3). With the
   64-stage runs' ratios to PB (SGD 1.1, PB + SC + LWP 2.6, SpecTrain 1.6, PipeMare 2.0; PB + SC
   taken as 1.2) the 128-stage cells cost about 5.3 hours and the 256-stage cells, at twice the
-  time a run, about 8 hours: about 13 hours one at a time, 7 two at a time.
+  time a run, about 8 hours: about 13 hours one at a time, 7 two at a time. Not in that
+  estimate: SGD at 256 stages is one program of 256 layers (the one-stage baseline is not
+  stacked), and its chunk was still compiling after 7 minutes under load.
 * One seed of every method at 8 stages also logs the per-stage weight discrepancy between forward
   and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
   repeat the comparison at 8 stages.
