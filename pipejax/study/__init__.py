@@ -4,6 +4,6 @@ A study file (``configs/studies/*.py``) imports its spec from here; this loads w
 ``scripts/study.py`` reads dozens of studies, and reports from their records, without it.
 """
 
-from pipejax.study.spec import Figure, Study, StudyError, Table
+from pipejax.study.spec import Figure, Section, Study, StudyError, Table
 
-__all__ = ["Figure", "Study", "StudyError", "Table"]
+__all__ = ["Figure", "Section", "Study", "StudyError", "Table"]

@@ -1,7 +1,10 @@
 """A study's figures from its records: cell means or gaps with 95% CIs, curves, staleness.
 
 Diverged runs are drawn as 'k/n' marks in a band of their own, never on the metric axis, so a
-mean is never pulled by a run that did not train.
+mean is never pulled by a run that did not train. The metric is drawn times ``Figure.scale``, as
+the tables show it, and a gap is the method's value minus the baseline's, as in the gap tables;
+the y axis names the metric, its unit and, for a gap of a metric that is better smaller (a loss),
+that lower is better.
 """
 
 from __future__ import annotations
@@ -17,13 +20,53 @@ from pipejax.study.cells import axis_values, gather_cells, is_diverged, lookup, 
 from pipejax.study.records import is_number
 
 
+def metric_words(metric: str) -> str:
+  """A metric in readable words: 'test_loss' is 'test loss', 'val_loss' 'validation loss',
+  'samples_to:0.85' 'training samples to 85% test accuracy'."""
+  if metric.startswith("samples_to:"):
+    return f"training samples to {float(metric.split(':', 1)[1]):.0%} test accuracy"
+  words = {"val": "validation", "acc": "accuracy"}
+  return " ".join(words.get(word, word) for word in metric.split("_"))
+
+
+def y_unit(figure: Figure) -> str:
+  """The y axis's unit: ``figure.unit``, else percent (points for a gap) for an accuracy at scale
+  100, else none."""
+  if figure.unit:
+    return figure.unit
+  if figure.metric.endswith("accuracy") and figure.scale == 100:
+    return "points" if figure.kind == "gap" else "%"
+  return ""
+
+
+def y_label(study: Study, figure: Figure) -> str:
+  """E.g. 'test accuracy (%)', 'test accuracy gap to SGD (points)', 'test loss gap to SGD (bits per
+  byte; lower is better)': a gap above zero reads as better unless the axis says otherwise."""
+  what = metric_words(figure.metric)
+  if figure.kind == "gap":
+    what += f" gap to {study.baseline_label()}"
+  notes = [y_unit(figure)]
+  if figure.kind == "gap" and not figure.higher_is_better:
+    notes.append("lower is better")
+  notes = [note for note in notes if note]
+  return f"{what} ({'; '.join(notes)})" if notes else what
+
+
+def _with_unit(value: float, unit: str) -> str:
+  """'50%', '1.2 bits per byte', '3'."""
+  if unit == "%":
+    return f"{value:g}%"
+  return f"{value:g} {unit}" if unit else f"{value:g}"
+
+
 def cell_points(study: Study, selected: Sequence[dict], figure: Figure
                 ) -> list[tuple[object, list[tuple], list[tuple]]]:
   """What a 'mean' or 'gap' figure draws, per series: ``(series value, points, diverged)``.
 
-  ``points`` holds ``(x, mean, CI half-width)`` per cell with a finished run, in percent (for a
-  gap, to the study's baseline); ``diverged`` holds ``(x, 'k/n')`` per cell where k of its n runs
-  diverged. The baseline series of a gap figure is left out: its gap to itself is zero.
+  ``points`` holds ``(x, mean, CI half-width)`` per cell with a finished run, times
+  ``figure.scale`` (for a gap, method minus the study's baseline, paired by seed); ``diverged``
+  holds ``(x, 'k/n')`` per cell where k of its n runs diverged. The baseline series of a gap
+  figure is left out: its gap to itself is zero.
   """
   cells = gather_cells(selected, figure.metric, study.baseline if figure.kind == "gap" else None)
   xs = ordered(study, figure.x, axis_values(selected, figure.x))
@@ -38,8 +81,8 @@ def cell_points(study: Study, selected: Sequence[dict], figure: Figure
         continue
       if cell.values:
         st = cell.stats
-        points.append((x / figure.x_unit, st.mean * 100,
-                       0.0 if math.isnan(st.half_width) else st.half_width * 100))
+        points.append((x / figure.x_unit, st.mean * figure.scale,
+                       0.0 if math.isnan(st.half_width) else st.half_width * figure.scale))
       if cell.diverged:
         failed.append((x / figure.x_unit, f"{cell.diverged}/{cell.runs}"))
     result.append((s, points, failed))
@@ -69,26 +112,29 @@ def _draw_cells(study: Study, figure: Figure, series, ax, band) -> None:
 
 
 def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoom) -> bool:
-  """Mean test accuracy over training samples per series, with its 95% CI as a band: the whole
+  """Mean ``figure.metric`` over training samples per series, with its 95% CI as a band: the whole
   run on ``ax``, and on ``zoom`` the last three quarters of it on an axis fitted to them, where
-  the methods' final differences (tenths of a point) are visible."""
+  the methods' final differences (tenths of a point of accuracy, hundredths of a bit of loss) are
+  visible once the first quarter's large values are off the axis."""
+  column = 2 if figure.metric == "test_loss" else 1  # test_curve rows: samples, accuracy, loss
+  scale = figure.scale
   drawn, tail = False, []
   for i, s in enumerate(ordered(study, figure.series, axis_values(selected, figure.series))):
     runs = [r for r in selected if r["overrides"].get(figure.series) == s
             and r.get("test_curve") and not is_diverged(r)]
     by_samples = collections.defaultdict(list)
     for r in runs:
-      for samples, accuracy, _ in r["test_curve"]:
-        if is_number(accuracy):
-          by_samples[samples].append(accuracy)
+      for row in r["test_curve"]:
+        if len(row) > column and is_number(row[column]):
+          by_samples[row[0]].append(row[column])
     if not by_samples:
       continue
     xs = sorted(by_samples)
     st = [statistics.interval(by_samples[x]) for x in xs]
-    means = [v.mean * 100 for v in st]
+    means = [v.mean * scale for v in st]
     has_band = all(v.n > 1 for v in st)
-    lows = [v.low * 100 for v in st] if has_band else means
-    highs = [v.high * 100 for v in st] if has_band else means
+    lows = [v.low * scale for v in st] if has_band else means
+    highs = [v.high * scale for v in st] if has_band else means
     for axis in (ax, zoom):
       axis.plot(xs, means, color=f"C{i % 10}", label=f"{study.label(s)} (n={len(runs)})")
       if has_band:
@@ -99,7 +145,7 @@ def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoo
     end = max(x for x, _, _ in tail)
     low = min(lo for x, lo, _ in tail if x >= end / 4)
     high = max(hi for x, _, hi in tail if x >= end / 4)
-    pad = max(0.1, (high - low) * 0.05)
+    pad = max(0.001 * abs(scale), (high - low) * 0.05)  # at least a tenth of a point of accuracy
     zoom.set_xlim(end / 4, end * 1.01)
     zoom.set_ylim(low - pad, high + pad)
     zoom.set_title("the last three quarters, zoomed", fontsize=9)
@@ -124,9 +170,7 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
       fig, ax = plt.subplots(figsize=(7, 4.2))
     _draw_cells(study, figure, series, ax, band)
     (band or ax).set_xlabel(figure.x_label or study.label(figure.x))
-    what = "test accuracy" if figure.metric == "test_accuracy" else figure.metric
-    ax.set_ylabel(f"{what} gap to {study.baseline_label()} (points)" if figure.kind == "gap"
-                  else f"{what} (%)")
+    ax.set_ylabel(y_label(study, figure))
     if figure.kind == "gap":
       ax.axhline(0, color="k", lw=0.8)
     if figure.log_x:
@@ -135,13 +179,13 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
     if figure.kind == "curves":
       fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4.2))
       drawn = _draw_curves(study, selected, figure, ax, zoom)
-      ax.set_ylabel("test accuracy (%)")
+      ax.set_ylabel(y_label(study, figure))
     else:
       fig, ax = plt.subplots(figsize=(7, 4.2))
       drawn = _draw_staleness(study, selected, figure, ax)
   if figure.threshold is not None:
-    ax.axhline(figure.threshold * 100, color="tab:red", ls="--", lw=1,
-               label=f"threshold {figure.threshold * 100:g}%")
+    ax.axhline(figure.threshold * figure.scale, color="tab:red", ls="--", lw=1,
+               label=f"threshold {_with_unit(figure.threshold * figure.scale, y_unit(figure))}")
   if not drawn:
     plt.close(fig)
     return False

@@ -13,7 +13,8 @@ Conventions (the report states them too):
   an equivalence verdict (two one-sided tests);
 * a diverged run (a non-finite result, or a final test loss above its initial one) is counted
   and marked, never averaged in;
-* the sentences under "Conclusions" are generated from these numbers, never written by hand.
+* the sentences under "Conclusions" are generated from these numbers, never written by hand;
+  a study's own sections (``Study.sections``) follow the tables and figures.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import logging
 import os
 from typing import Sequence
 
 from pipejax.study import statistics
-from pipejax.study.spec import Overrides, Study, Table
+from pipejax.study.spec import Overrides, Section, Study, Table
 from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered,
                                  select, without_seed)
 from pipejax.study.figures import draw_figure
@@ -314,11 +316,30 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
              if draw_figure(study, records, f, os.path.join(workdir, f.file))]
   for figure in figures:
     parts += ["", f"![{figure.title or figure.file}]({figure.file})"]
+  for section in study.sections:
+    parts += ["", f"## {section.title}", "", section_body(section, records, workdir)]
   text = "\n".join(parts) + "\n"
   tmp = os.path.join(workdir, "report.md.tmp")
   with open(tmp, "w") as f:
     f.write(text)
   os.replace(tmp, os.path.join(workdir, "report.md"))
+  return text
+
+
+def section_body(section: Section, records: Sequence[dict], workdir: str) -> str:
+  """A section's markdown: its text, or what its function returns given the report's records and
+  the workdir. A function that raises, or returns no text, gives a one-paragraph note that says
+  why, and a warning: one broken section must not cost the report its tables and figures."""
+  if isinstance(section.body, str):
+    return section.body
+  try:
+    text = section.body(records, workdir)
+    if not isinstance(text, str):
+      raise TypeError(f"it returned {type(text).__name__}, not markdown text")
+  except Exception as e:  # noqa: BLE001 - whatever the study's function raises, said in the report
+    reason = " ".join(f"{type(e).__name__}: {e}".split()).rstrip(".")
+    logging.warning("Section %r of the report could not be generated: %s", section.title, reason)
+    return f"This section could not be generated: {reason}."
   return text
 
 

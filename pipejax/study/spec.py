@@ -18,7 +18,7 @@ import itertools
 import os
 import traceback
 from collections.abc import Iterable, Mapping
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 Overrides = dict[str, Any]
 
@@ -32,6 +32,14 @@ KEY_NAMES = {"model_kwargs.depth": "stages", "reference.lr": "reference lr",
              "micro_batch_size": "micro-batch", "method": "method"}
 TABLE_KINDS = ("mean", "gap", "stability", "cells", "tuned")
 FIGURE_KINDS = ("mean", "gap", "staleness", "curves")
+# What a 'curves' figure can draw: the metrics a record's ``test_curve`` rows hold.
+CURVE_METRICS = ("test_accuracy", "test_loss")
+
+
+def higher_is_better(metric: str) -> bool:
+  """Whether a larger value of ``metric`` is the better result: accuracy is, while a loss and the
+  samples taken to reach an accuracy are better smaller."""
+  return not (metric.endswith("loss") or metric.startswith("samples_to:"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +75,7 @@ class Table:
     """Whether a larger value of the metric is the better result: accuracy is, while a loss and
     the samples taken to reach an accuracy are better smaller. Margin verdicts and the 'tuned'
     table's best value follow it."""
-    return not (self.metric.endswith("loss") or self.metric.startswith("samples_to:"))
+    return higher_is_better(self.metric)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +83,13 @@ class Figure:
   """A PNG of ``metric`` against grid key ``x``, one line per ``series`` value.
 
   kind 'mean' and 'gap' draw the cells' means with 95% CIs, diverged runs in a band of their own
-  below the axis; 'curves' draws the mean test accuracy over training samples (with its 95% CI)
-  at the grid point ``where``; 'staleness' draws each series' per-stage weight discrepancy (the
-  runs' diagnostics) at the grid point ``where``.
+  below the axis; 'curves' draws the mean of ``metric`` (``test_accuracy`` or ``test_loss``) over
+  training samples (with its 95% CI) at the grid point ``where``; 'staleness' draws each series'
+  per-stage weight discrepancy (the runs' diagnostics) at the grid point ``where``.
+
+  A gap is the method's value minus the baseline's, whichever way the metric is better, as in the
+  gap tables; the y axis says when smaller is better (a loss), since a gap above zero is then the
+  worse one.
   """
 
   file: str
@@ -91,6 +103,28 @@ class Figure:
   x_label: str = ""
   x_unit: float = 1.0  # x is drawn as value / x_unit (a learning rate as a multiplier)
   threshold: float | None = None  # a horizontal line at this metric value, e.g. a stability bar
+  scale: float = 100.0  # the metric is drawn times scale, as a Table shows it (accuracy in %)
+  # The y axis's unit, e.g. 'bits per byte' for a loss in nats drawn at scale 1 / ln 2; default:
+  # '%' for an accuracy's mean and 'points' for its gap at scale 100, none otherwise.
+  unit: str = ""
+
+  @property
+  def higher_is_better(self) -> bool:
+    """Whether a larger value of the metric is the better result (see :class:`Table`)."""
+    return higher_is_better(self.metric)
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  """A part of the report after its tables and figures, under ``## title``.
+
+  ``body`` is markdown, or a function of the report's records and the study's workdir that
+  returns it: for what the tables cannot say (a sample of generated text, a plot of a run's
+  logs). A function that raises costs its own section only, which then says why it is missing.
+  """
+
+  title: str
+  body: str | Callable[[Sequence[dict], str], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +140,7 @@ class Study:
     fixed: Overrides applied to every run.
     baseline: Overrides that select the baseline of gaps, e.g. {'method': 'sgd'}.
     tables, figures: What the report shows.
+    sections: Parts of the report after the tables and figures, in order.
     min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
       accuracy is at least this.
     margin: When set (in the metric's units: 0.005 is half a point of accuracy), each gap
@@ -130,16 +165,15 @@ class Study:
   skip_beyond_failure: str | None = None
   margin: float | None = None
   labels: dict[str, str] = dataclasses.field(default_factory=dict)
+  sections: Sequence[Section] = ()
 
   def __post_init__(self):
     for table in self.tables:
       if table.kind not in TABLE_KINDS:
         raise StudyError(f"Table {table.title!r}: kind {table.kind!r} is not one of "
                          f"{', '.join(TABLE_KINDS)}.")
-    for figure in self.figures:
-      if figure.kind not in FIGURE_KINDS:
-        raise StudyError(f"Figure {figure.file!r}: kind {figure.kind!r} is not one of "
-                         f"{', '.join(FIGURE_KINDS)}.")
+    _check_figures(self)
+    _check_sections(self)
     if self.margin is not None and not (isinstance(self.margin, (int, float)) and
                                         0 < self.margin < 1):
       raise StudyError(f"Study {self.name!r}: margin must be a fraction in (0, 1) of the metric "
@@ -172,6 +206,35 @@ class Study:
   def keys(self) -> list[str]:
     """The grid keys, in first-seen order."""
     return list(dict.fromkeys(k for grid in self.grids for k in grid))
+
+
+def _check_figures(study: Study) -> None:
+  """Refuses a figure of an unknown kind, or curves of a metric the records' curves lack."""
+  for figure in study.figures:
+    if figure.kind not in FIGURE_KINDS:
+      raise StudyError(f"Figure {figure.file!r}: kind {figure.kind!r} is not one of "
+                       f"{', '.join(FIGURE_KINDS)}.")
+    if figure.kind == "curves" and figure.metric not in CURVE_METRICS:
+      raise StudyError(f"Figure {figure.file!r}: curves are recorded of "
+                       f"{' and '.join(CURVE_METRICS)} only; got metric {figure.metric!r}.")
+
+
+def _check_sections(study: Study) -> None:
+  """Refuses sections that are not :class:`Section` instances with a title and a body."""
+  where = f"Study {study.name!r}"
+  if isinstance(study.sections, (str, bytes, Mapping)) or not isinstance(study.sections, Iterable):
+    raise StudyError(f"{where}: sections must be a list of Section(title, body); got "
+                     f"{study.sections!r}.")
+  for section in study.sections:
+    if not isinstance(section, Section):
+      raise StudyError(f"{where}: each section must be a pipejax.study.Section(title, body); got "
+                       f"{section!r}.")
+    if not isinstance(section.title, str) or not section.title.strip():
+      raise StudyError(f"{where}: a section needs a title (the report's heading); got "
+                       f"{section.title!r}.")
+    if not (isinstance(section.body, str) or callable(section.body)):
+      raise StudyError(f"{where}: the body of section {section.title!r} must be markdown text or "
+                       f"a function (records, workdir) -> text; got {section.body!r}.")
 
 
 def _check_grids(study: Study) -> None:
