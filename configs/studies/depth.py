@@ -31,7 +31,9 @@ restrict a session to cheap depths with ``--where=model_kwargs.depth=8``.
 learning rate that diverges (CI, about two minutes).
 """
 
-from pipejax.study import Figure, Study, Table
+import os
+
+from pipejax.study import Figure, Section, Study, Table
 
 PAPER = ("sgd", "pb", "pb_sc_lwp")
 RIVALS = ("pb_sc", "pb_lwp", "pipedream", "spectrain", "pipemare", "dcasgd")
@@ -39,6 +41,18 @@ DEEP_RIVALS = ("pb_sc", "spectrain", "pipemare")
 ADAM_METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipedream")
 SGD = (("optimizer", None), ("diagnostics", None))
 ADAM = (("optimizer", "adam"),)
+BREAKS_INTRODUCTION = """\
+The convex quadratic (`pipejax.analysis.quadratic`, docs/quadratic.md) is stable at a step ηλ
+and a delay D or it is not. On this network each stage's update meets the curvature of its own
+block of the Hessian, λ_s (its top eigenvalue, mean loss over 256 training examples, power
+iteration: `pipejax.analysis.sharpness`), through its own delay D_s = 2(S − 1 − s). Each row
+reads λ_s on sampled stages of one network's weights, `python scripts/depth_limits.py` (its
+docstring gives the command), and sets the quadratic's largest stable delay at the study's peak
+step (η = 6.43e-6 at momentum 0.99918, the batch-128 recipe at micro-batch 1) and the sharpest
+sampled block's λ beside the longest delay a block has at that depth and what the study measured
+there (momentum SGD runs). The stem (stage 0, the longest delay) is shown apart: it sees the
+raw pixels and is the sharpest block at every depth measured. What the comparison finds is in
+docs/study.md, "Where each method breaks"."""
 
 
 def get_study(arg: str | None = None) -> Study:
@@ -92,4 +106,11 @@ def get_study(arg: str | None = None) -> Study:
                       x_label="pipeline stages"),
                Figure("staleness_by_stage.png", x="stage", series="method", kind="staleness",
                       where=(("model_kwargs.depth", 8), ("diagnostics", True)),
-                      title="Weight discrepancy by stage, 8 stages")])
+                      title="Weight discrepancy by stage, 8 stages")],
+      sections=[Section("Where each method breaks, beside the convex quadratic", _breaks)])
+
+
+def _breaks(records, workdir: str) -> str:
+  from pipejax.analysis import depth_limits  # pylint: disable=import-outside-toplevel
+  limits = depth_limits.read_records(os.path.join(workdir, "limits.jsonl"))
+  return BREAKS_INTRODUCTION + "\n\n" + depth_limits.report_section(records, limits)

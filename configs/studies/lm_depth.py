@@ -52,7 +52,7 @@ against 40 for pb at 32 stages alone), about 12 hours.
 
 import math
 
-from pipejax.study import Figure, Study, Table
+from pipejax.study import Figure, Section, Study, Table
 
 METHODS = ("sgd", "pb", "pb_sc", "pb_sc_lwp", "pipeoptim", "pipedream", "nesterov_asyncpp",
            "pb_muon")
@@ -64,7 +64,27 @@ WIDTH = {30: 64, 14: 96, 6: 128}  # blocks -> width: about 1.5 M parameters at e
 BITS_PER_NAT = 1 / math.log(2)
 MAIN = (("reference.lr", None),)  # the runs at the recipe's rate
 MARGIN = 0.02 / BITS_PER_NAT  # 0.02 bits per byte, in the metric's nats
-BITS = {"metric": "test_loss", "scale": BITS_PER_NAT}
+BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
+FIGURE_BITS = {"scale": BITS_PER_NAT, "unit": "bits per byte"}
+NOT_SHOWN = """\
+* **Model size.** About 1.2 to 1.5 M parameters at every depth. Whether the gaps shrink, hold or
+  grow with width at a fixed depth is not measured here.
+* **Tokens seen.** 24,104 sequences of 64 bytes (1.5 M bytes, two thirds of an epoch of the
+  corpus) per run: far from convergence, where an asynchronous method's gap can close (or open)
+  as the learning rate decays. The curves show each method's loss along the way, not where it
+  would end.
+* **One corpus, byte level.** The fortunes corpus (2.3 MB of English text to train on) with a 256-symbol
+  vocabulary. Nothing here says how a sub-word tokenizer, a larger corpus or another language
+  would move the gaps.
+* **One recipe.** AdamW at b1 0.9, b2 0.99, with the decay mask and a cosine schedule with 5%
+  warm-up. The sweep tunes the learning rate of the baseline and of the strongest rival at
+  8 and 32 stages, not of every method, and not the betas, the warm-up or the weight decay.
+* **Micro-batch 1.** One sequence per update, as in fine-grained pipelined backpropagation; the
+  gaps at larger micro-batches (fewer, larger steps per delay) are not measured.
+* **Wall-clock speed.** Every run is a simulation of the pipeline on one device; the study
+  compares what each method learns from the same samples, not how fast a pipeline of real
+  devices would run (docs/performance.md).
+"""
 
 
 def _at(blocks: int, methods, seeds, **more) -> dict:
@@ -87,7 +107,7 @@ def get_study(arg: str | None = None) -> Study:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
   return Study(
       name="lm depth", config="configs/char_lm.py",
-      labels={"sgd": "Adam, no pipeline"},
+      labels={"sgd": "Adam, no pipeline", "model_kwargs.blocks": "blocks (stages − 2)"},
       grids=[_at(30, METHODS, (0, 1, 2)),
              _at(30, FIVE_SEEDS, (3, 4)),
              _at(30, SWEEP_METHODS + ("pb_sc_lwp",), (0,), **{"reference.lr": SWEEP_RATES}),
@@ -107,4 +127,11 @@ def get_study(arg: str | None = None) -> Study:
       figures=[Figure("gap_vs_depth.png", x="model_kwargs.blocks", series="method", kind="gap",
                       where=MAIN, x_label="transformer blocks (stages - 2)",
                       title="Gap to Adam without a pipeline against depth",
-                      metric="test_loss")])
+                      metric="test_loss", **FIGURE_BITS),
+               Figure("curves_32_stages.png", x="samples", series="method", kind="curves",
+                      where=MAIN + (("model_kwargs.blocks", 30),), metric="test_loss",
+                      title="Validation loss over training, 32 stages", **FIGURE_BITS),
+               Figure("curves_8_stages.png", x="samples", series="method", kind="curves",
+                      where=MAIN + (("model_kwargs.blocks", 6),), metric="test_loss",
+                      title="Validation loss over training, 8 stages", **FIGURE_BITS)],
+      sections=[Section("What this does not show", NOT_SHOWN)])

@@ -311,6 +311,46 @@ def max_stable_lr(method: str, momentum: float, delay: int) -> float:
   return _stability_edge(method, float(momentum), effective_delay(method, delay))[0]
 
 
+def largest_stable_delay(method: str, lr_lambda: float, momentum: float,
+                         max_delay: int = 1024) -> int | None:
+  """The largest delay ``D ≤ max_delay`` at which ``ηλ = lr_lambda`` is still stable (``ρ < 1``).
+
+  What the quadratic says is a stage's limit at a given step size and curvature. The search
+  doubles ``D`` until the first unstable one, then bisects between it and the last stable one:
+  it assumes that a delay's stability implies every shorter delay's, which holds for the
+  methods whose step does not shrink with the delay (checked on a grid in the tests); PipeMare's
+  step is ``ηλ / D`` and its stable set need not be an interval, so it is refused here.
+
+  Returns:
+    The largest stable delay; ``-1`` when even ``D = 0`` is unstable; None when ``max_delay`` is
+    stable too (no limit within it).
+
+  Raises:
+    ValueError: an unknown method, ``pipemare``, or an argument out of range.
+  """
+  check_arguments(method, momentum, max_delay)
+  check_lr(lr_lambda)
+  if method in RATE_OVER_DELAY:
+    raise ValueError(f"largest_stable_delay assumes stability falls with the delay, which "
+                     f"{method!r}'s step (divided by the delay) does not; ask spectral_radius at "
+                     "each delay instead.")
+
+  def stable(delay: int) -> bool:
+    return spectral_radius(method, lr_lambda, momentum, delay) < 1.0
+
+  if not stable(0):
+    return -1
+  good, bad = 0, 1
+  while stable(bad):
+    if bad >= max_delay:
+      return None
+    good, bad = bad, min(2 * bad, max_delay)
+  while bad - good > 1:
+    mid = (good + bad) // 2
+    good, bad = (mid, bad) if stable(mid) else (good, mid)
+  return good
+
+
 def _golden_min(f, lo: float, hi: float, tol: float = 1e-9) -> tuple[float, float]:
   """Minimizes ``f`` on ``[lo, hi]`` by golden-section search; returns ``(x, f(x))``."""
   inv_phi = (math.sqrt(5.0) - 1.0) / 2.0

@@ -209,7 +209,7 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
   records = select(records, table.where)
   cells = gather_cells(records, table.metric, study.baseline)
   baseline = table.baseline_label or study.baseline_label()
-  unit = "points" if table.scale == 100 else "units"
+  unit = table.unit_name
   sentences = []
   for r in ordered(study, table.rows, axis_values(records, table.rows)):
     for c in ordered(study, table.columns, axis_values(records, table.columns)):
@@ -259,8 +259,9 @@ def _margin_sentence(study: Study) -> str:
   table = next(t for t in gap_tables if t.scale != 100)
   better = "" if table.higher_is_better else " (the metric is better smaller: a method is " \
       "non-inferior when its gap is credibly below the margin)"
-  return (f" Verdicts use a margin of {study.margin * table.scale:.3g} in the units of the table "
-          f"'{table.title}'{better}.")
+  units = (f"{table.unit}" if table.unit else
+           f"the units of the table '{table.title}'")
+  return f" Verdicts use a margin of {study.margin * table.scale:.3g} {units}{better}."
 
 
 def write_csv(records: Sequence[dict], path: str) -> None:

@@ -66,9 +66,14 @@ class Table:
   where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
   scale: float = 100.0  # cells show metric * scale (accuracy in percent)
   decimals: int = 2
+  unit: str = ""  # what the gap sentences call a cell's unit; default: 'points' at scale 100
   # How the gap sentences name the baseline, where the study's own name for it would mislead
   # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
   baseline_label: str = ""
+
+  @property
+  def unit_name(self) -> str:
+    return self.unit or ("points" if self.scale == 100 else "units")
 
   @property
   def higher_is_better(self) -> bool:

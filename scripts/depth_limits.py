@@ -1,0 +1,85 @@
+r"""Each stage's curvature and the delay the convex quadratic allows it, for the depth study.
+
+    python scripts/depth_limits.py --config=configs/deep_mlp.py \
+        --config.model_kwargs.depth=128 --config.method=pb \
+        --run_dir=docs/studies/depth/runs/model_kwargs.depth=128,method=pb,seed=0 \
+        --at_samples=0,20000,60000 --output=docs/studies/depth/limits.jsonl
+
+Reads the top eigenvalue of each sampled stage's block of the Hessian (mean loss over
+``--batch`` training examples) at the run's initial weights (0) and at its checkpoints, and
+appends one JSON record a (weights, stage) to ``--output`` with what the quadratic predicts at the
+run's peak learning rate: the largest stable delay per method, and whether the stage's own delay
+is stable (``pipejax.analysis.depth_limits``). Give the run's own config overrides: the
+checkpoints restore into the state they build. Without ``--run_dir`` only the initial weights.
+A 128-stage network takes about 10 minutes on one loaded CPU core (the build is most of it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from pipejax import cli
+from pipejax.analysis import depth_limits
+from pipejax.train.checkpoint import CheckpointError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's training config file.")
+_RUN_DIR = flags.DEFINE_string("run_dir", None, "The run's workdir (its checkpoints).")
+_AT_SAMPLES = flags.DEFINE_list("at_samples", ["0"], "0: initial weights; else checkpoint steps.")
+_BATCH = flags.DEFINE_integer("batch", 512, "Training examples in the loss.", lower_bound=1)
+_ITERATIONS = flags.DEFINE_integer("iterations", 30, "Power-iteration products a stage.",
+                                   lower_bound=2)
+_OUTPUT = flags.DEFINE_string("output", None, "JSONL file the records are appended to.")
+
+
+def _check_run_dir(config, run_dir: str) -> None:
+  path = os.path.join(run_dir, "config.json")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(f"--run_dir={run_dir} has no readable config.json ({e}); give a "
+                         "training run's workdir.") from None
+  for key in ("model", "method", "seed", "model_kwargs"):
+    if saved.get(key) != json.loads(json.dumps(config.to_dict().get(key))):
+      raise app.UsageError(f"--run_dir={run_dir} trained {key}={saved.get(key)!r} but the config "
+                           f"here says {config.get(key)!r}: give the run's own overrides, or its "
+                           "checkpoints cannot be restored.")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/deep_mlp.py.")
+  try:
+    samples = [int(v) for v in _AT_SAMPLES.value]
+  except ValueError:
+    raise app.UsageError(f"--at_samples takes integers, got {_AT_SAMPLES.value}.") from None
+  if any(samples) and not _RUN_DIR.value:
+    raise app.UsageError("--at_samples other than 0 needs --run_dir (the checkpoints).")
+  if _RUN_DIR.value:
+    _check_run_dir(config, _RUN_DIR.value)
+  records = depth_limits.measure(config, _RUN_DIR.value, samples, batch=_BATCH.value,
+                                 iterations=_ITERATIONS.value)
+  try:
+    for r in records:
+      _write(r, config)
+  except (ValueError, CheckpointError) as e:  # a missing or unreadable checkpoint
+    raise app.UsageError(str(e)) from None
+
+
+def _write(r: dict, config) -> None:
+  r.update(method=config.method, seed=config.seed)
+  line = json.dumps(r)
+  print(line)
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "a") as f:
+      f.write(line + "\n")
+
+
+if __name__ == "__main__":
+  cli.run(main)

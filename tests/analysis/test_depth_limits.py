@@ -1,0 +1,65 @@
+"""The depth limits: each stage's curvature against a dense Hessian, its predictions consistent."""
+
+import jax
+import jax.flatten_util
+import numpy as np
+import pytest
+
+from pipejax.analysis import depth_limits
+from pipejax.analysis import quadratic
+from pipejax.train import experiment
+from pipejax.train import trainer
+from tests.helpers import digits_config
+
+
+def test_sampled_stages_reach_from_the_longest_delay_to_the_head():
+  assert depth_limits.sampled_stages(4) == [0, 1, 2, 3]
+  assert depth_limits.sampled_stages(128) == [0, 1, 16, 32, 64, 96, 126, 127]
+
+
+def test_a_stage_is_predicted_stable_exactly_when_its_delay_is_within_the_limit():
+  momentum = 0.99
+  for x in (1e-5, 1e-4, 1e-3):
+    limits = depth_limits.limits_at(x, momentum, max_delay=64)
+    for delay in (0, 8, 40):
+      stable = depth_limits.stable_at(x, momentum, delay)
+      for method, limit in limits.items():
+        assert stable[method] == (limit is None or delay <= limit), (method, x, delay)
+      assert stable["pipemare"] == (quadratic.spectral_radius("pipemare", x, momentum, delay) < 1)
+
+
+@pytest.mark.slow  # trains a short run
+def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(tmp_path):
+  config = digits_config()
+  workdir = str(tmp_path / "run")
+  trainer.train_and_evaluate(config, workdir)
+  records = list(depth_limits.measure(config, workdir, at_samples=(0, 240), batch=32,
+                                      iterations=150))
+  setup = experiment.build(config)
+  x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
+  model = setup.model
+  by_point = {}
+  for r in records:
+    by_point.setdefault(r["samples"], []).append(r)
+    assert r["delay"] == 2 * (model.num_stages - 1 - r["stage"])
+    assert r["learning_rate"] == pytest.approx(setup.recipe.learning_rate)
+    assert r["lr_sharpness"] == pytest.approx(r["learning_rate"] * r["sharpness"])
+  assert sorted(by_point) == [0, 240]
+  initial = setup.runner.to_logical(setup.init(jax.random.PRNGKey(config.seed)))
+  params = [st.params for st in initial.stages]
+  flat, unflatten = jax.flatten_util.ravel_pytree(params)
+  dense = np.asarray(jax.jit(jax.hessian(
+      lambda f: model.loss(model.apply(unflatten(f), x), y)[0]))(flat), np.float64)
+  sizes = [jax.flatten_util.ravel_pytree(p)[0].size for p in params]
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  for r in by_point[0]:
+    a, b = starts[r["stage"]], starts[r["stage"] + 1]
+    assert r["sharpness"] == pytest.approx(np.linalg.eigvalsh(dense[a:b, a:b]).max(), rel=5e-3)
+  trained = [r["sharpness"] for r in by_point[240]]
+  assert trained != [r["sharpness"] for r in by_point[0]]  # the checkpoint's weights, not init's
+
+
+def test_a_point_without_a_checkpoint_is_refused_naming_what_is_saved(tmp_path):
+  config = digits_config()
+  with pytest.raises(ValueError, match="No checkpoint at 80 samples"):
+    list(depth_limits.measure(config, None, at_samples=(80,), batch=8, iterations=2))
