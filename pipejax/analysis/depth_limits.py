@@ -147,15 +147,27 @@ def _limit_text(limit) -> str:
 
 
 def _outcomes(study_records: Sequence[dict], method: str, depth: int) -> str:
-  """What the study measured for ``method`` at ``depth`` (momentum SGD runs): 'k of n diverged'
-  or 'trained (n)'; '—' when none ran."""
-  runs = [r for r in study_records if r["overrides"].get("method") == method
-          and r["overrides"].get("model_kwargs.depth") == depth
-          and r["overrides"].get("optimizer") is None and r["status"] in ("finished", "diverged")]
+  """What the study measured for ``method`` at ``depth`` (momentum SGD runs): the mean gap to
+  SGD in points over the seeds both finished, with their count, and the diverged runs; '—' when
+  none ran."""
+  def runs_of(name):
+    return {r["overrides"].get("seed"): r for r in study_records
+            if r["overrides"].get("method") == name
+            and r["overrides"].get("model_kwargs.depth") == depth
+            and r["overrides"].get("optimizer") is None
+            and r["overrides"].get("diagnostics") is None
+            and r["status"] in ("finished", "diverged")}
+  runs, baseline = runs_of(method), runs_of("sgd")
   if not runs:
     return "—"
-  diverged = sum(r["status"] == "diverged" for r in runs)
-  return f"{diverged} of {len(runs)} diverged" if diverged else f"trained ({len(runs)})"
+  gaps = [100 * (r["test_accuracy"] - baseline[seed]["test_accuracy"])
+          for seed, r in runs.items() if r["status"] == "finished"
+          and seed in baseline and baseline[seed]["status"] == "finished"]
+  diverged = sum(r["status"] == "diverged" for r in runs.values())
+  parts = [f"{sum(gaps) / len(gaps):+.1f} pts (n={len(gaps)})".replace("-", "−")] if gaps else []
+  if diverged:
+    parts.append(f"div. {diverged}/{len(runs)}")
+  return ", ".join(parts) or f"trained ({len(runs)}), no SGD pair yet"
 
 
 def report_section(study_records: Sequence[dict], limit_records: Sequence[dict]) -> str:

@@ -63,3 +63,28 @@ def test_a_point_without_a_checkpoint_is_refused_naming_what_is_saved(tmp_path):
   config = digits_config()
   with pytest.raises(ValueError, match="No checkpoint at 80 samples"):
     list(depth_limits.measure(config, None, at_samples=(80,), batch=8, iterations=2))
+
+
+def _limit_record(stage, sharpness, limits=None):
+  return {"num_stages": 8, "samples": 0, "method": "pb", "stage": stage, "delay": 2 * (7 - stage),
+          "sharpness": sharpness, "lr_sharpness": 1e-3 * sharpness,
+          "largest_stable_delay": limits or {}}
+
+
+def _run(method, seed, accuracy, status="finished"):
+  return {"overrides": {"model_kwargs.depth": 8, "method": method, "seed": seed},
+          "status": status, "test_accuracy": accuracy}
+
+
+def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():
+  limits = dict.fromkeys(depth_limits.LIMIT_METHODS, 9)
+  records = [_limit_record(0, 50.0, {**limits, "pb": 1}), _limit_record(1, 2.0),
+             _limit_record(3, 4.0, {**limits, "pb": 5}), _limit_record(7, 99.0)]
+  study = [_run("sgd", 0, 0.80), _run("sgd", 1, 0.90), _run("pb", 0, 0.78), _run("pb", 1, 0.85),
+           _run("pb_sc", 0, None, "diverged")]
+  text = depth_limits.report_section(study, records)
+  row = text.splitlines()[-1].split(" | ")
+  assert row[2:5] == ["50.0 (14)", "2.0–4.0", "12"]  # the head (stage 7) is not a block
+  assert row[5] == "5 · −3.5 pts (n=2)"  # stage 3's limit; gaps −2 and −5 points, paired by seed
+  assert row[6] == "9 · div. 1/1"
+  assert "No curvature measured" in depth_limits.report_section(study, [])
