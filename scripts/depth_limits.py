@@ -29,6 +29,8 @@ from pipejax.train.checkpoint import CheckpointError
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's training config file.")
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "The run's workdir (its checkpoints).")
 _AT_SAMPLES = flags.DEFINE_list("at_samples", ["0"], "0: initial weights; else checkpoint steps.")
+_STAGES = flags.DEFINE_list("stages", None, "Stages to measure; default: the stem, the first "
+                            "block, blocks spread evenly and the head.")
 _BATCH = flags.DEFINE_integer("batch", 512, "Training examples in the loss.", lower_bound=1)
 _ITERATIONS = flags.DEFINE_integer("iterations", 30, "Power-iteration products a stage.",
                                    lower_bound=2)
@@ -61,10 +63,14 @@ def main(argv):
     raise app.UsageError(f"--at_samples takes integers, got {_AT_SAMPLES.value}.") from None
   if any(samples) and not _RUN_DIR.value:
     raise app.UsageError("--at_samples other than 0 needs --run_dir (the checkpoints).")
+  try:
+    stages = None if _STAGES.value is None else [int(v) for v in _STAGES.value]
+  except ValueError:
+    raise app.UsageError(f"--stages takes integers, got {_STAGES.value}.") from None
   if _RUN_DIR.value:
     _check_run_dir(config, _RUN_DIR.value)
-  records = depth_limits.measure(config, _RUN_DIR.value, samples, batch=_BATCH.value,
-                                 iterations=_ITERATIONS.value)
+  records = depth_limits.measure(config, _RUN_DIR.value, samples, stages=stages,
+                                 batch=_BATCH.value, iterations=_ITERATIONS.value)
   try:
     for r in records:
       _write(r, config)
