@@ -69,10 +69,9 @@ def main(argv):
     raise app.UsageError(f"--stages takes integers, got {_STAGES.value}.") from None
   if _RUN_DIR.value:
     _check_run_dir(config, _RUN_DIR.value)
-  records = depth_limits.measure(config, _RUN_DIR.value, samples, stages=stages,
-                                 batch=_BATCH.value, iterations=_ITERATIONS.value)
   try:
-    for r in records:
+    for r in depth_limits.measure(config, _RUN_DIR.value, samples, stages=stages,
+                                  batch=_BATCH.value, iterations=_ITERATIONS.value):
       _write(r, config)
   except (ValueError, CheckpointError) as e:  # a missing or unreadable checkpoint
     raise app.UsageError(str(e)) from None

@@ -70,10 +70,6 @@ def _weights_at(setup, initial_state, checkpoints: Checkpointer | None, samples:
   checkpoint saved at that many samples."""
   state = setup.runner.to_logical(initial_state)  # checkpoints hold the logical state
   if samples:
-    if checkpoints is None or samples not in checkpoints.all_steps():
-      raise ValueError(f"No checkpoint at {samples} samples"
-                       f"{'' if checkpoints is None else ' in ' + checkpoints.directory}; "
-                       f"saved: {[] if checkpoints is None else checkpoints.all_steps()}.")
     state, _ = checkpoints.restore(samples, state)
   return [st.params for st in state.stages]
 
@@ -99,11 +95,18 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     longest delay; empty but for the stem and the sharpest block), and the schedule's rate after
     ``samples`` with the stability there: ``learning_rate_now, stable_at_delay_now``.
   """
+  at_samples = [int(v) for v in at_samples]
+  checkpoints = (Checkpointer(f"{run_dir}/checkpoints", primary=False) if run_dir else None)
+  saved = checkpoints.all_steps() if checkpoints is not None else []
+  missing = [v for v in at_samples if v and v not in saved]
+  if missing:  # before the build, which takes minutes at depth
+    raise ValueError(f"No checkpoint at {missing[0]} samples"
+                     f"{'' if checkpoints is None else ' in ' + checkpoints.directory}; "
+                     f"saved: {saved}.")
   setup = experiment.build(config)
   model, pipe = setup.model, setup.pipeline
   stages = sampled_stages(model.num_stages) if stages is None else list(stages)
   initial = setup.init(jax.random.PRNGKey(config.seed))
-  checkpoints = (Checkpointer(f"{run_dir}/checkpoints", primary=False) if run_dir else None)
   x, y = _batch(setup, batch, config.seed)
   eta, momentum = float(setup.recipe.learning_rate), float(setup.recipe.momentum)
   schedule = experiment.learning_rate_schedule(config, setup.recipe, len(setup.train_source))
@@ -112,7 +115,7 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     return model.loss(model.apply(params, x), y)[0]
 
   for samples in at_samples:
-    params = _weights_at(setup, initial, checkpoints, int(samples))
+    params = _weights_at(setup, initial, checkpoints, samples)
     values = sharpness.stage_sharpness(loss, params, stages, jax.random.PRNGKey(samples),
                                        iterations)
     eta_now = float(schedule(int(samples) // setup.recipe.batch_size))
