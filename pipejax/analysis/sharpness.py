@@ -106,13 +106,15 @@ def stage_sharpness(loss: Callable[[Sequence[PyTree]], jax.Array], stage_params:
   params = list(stage_params)
   zeros = [jax.tree_util.tree_map(jnp.zeros_like, p) for p in params]
 
+  # The weights are an argument, not constants of the program: XLA would fold every weight of a
+  # deep network into it and compile for minutes.
   @jax.jit
-  def full_hvp(direction):
-    return jax.jvp(jax.grad(loss), (params,), (direction,))[1]
+  def full_hvp(at, direction):
+    return jax.jvp(jax.grad(loss), (at,), (direction,))[1]
 
   result = []
   for i, s in enumerate(stages):
     def block_hvp(v, s=s):
-      return full_hvp(zeros[:s] + [v] + zeros[s + 1:])[s]
+      return full_hvp(params, zeros[:s] + [v] + zeros[s + 1:])[s]
     result.append(top_eigenvalue(block_hvp, params[s], jax.random.fold_in(key, i), iterations))
   return np.asarray(result, np.float64)
