@@ -224,10 +224,15 @@ def _check_figures(study: Study) -> None:
                        f"{' and '.join(CURVE_METRICS)} only; got metric {figure.metric!r}.")
 
 
+def _is_list(value) -> bool:
+  """A sequence of entries, not text or a mapping (whose iteration would give characters or keys)."""
+  return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
+
+
 def _check_sections(study: Study) -> None:
   """Refuses sections that are not :class:`Section` instances with a title and a body."""
   where = f"Study {study.name!r}"
-  if isinstance(study.sections, (str, bytes, Mapping)) or not isinstance(study.sections, Iterable):
+  if not _is_list(study.sections):
     raise StudyError(f"{where}: sections must be a list of Section(title, body); got "
                      f"{study.sections!r}.")
   for section in study.sections:
@@ -245,7 +250,7 @@ def _check_sections(study: Study) -> None:
 def _check_grids(study: Study) -> None:
   """Refuses grids that are not a list of ``{key: values}`` mappings, in one line each."""
   where = f"Study {study.name!r}"
-  if isinstance(study.grids, (str, bytes, Mapping)) or not isinstance(study.grids, Iterable):
+  if not _is_list(study.grids):
     raise StudyError(f"{where}: grids must be a list of mappings, e.g. "
                      f"[{{'method': ('sgd', 'pb'), 'seed': (0, 1)}}]; got {study.grids!r}.")
   for grid in study.grids:
