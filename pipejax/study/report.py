@@ -92,6 +92,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
     return "(no runs recorded yet)"
   rows = ordered(study, table.rows, axis_values(records, table.rows))
   columns = ordered(study, table.columns, axis_values(records, table.columns))
+  if not rows or not columns:  # runs of the selection so far, but none that sets the table's axes
+    return "(no runs recorded yet)"
   if table.kind == "stability":
     lines = [f"| {study.label(table.columns)} | trains at | fails at | limit lies in |",
              "|---|---|---|---|"]

@@ -88,6 +88,17 @@ def test_markdown_tables_and_stability_limit():
   assert study_report.stable_limit(STUDY, records, stability, "sgd") == (8, None)
 
 
+def test_a_table_whose_rows_no_recorded_run_sets_says_so_instead_of_an_empty_header():
+  # A sweep's table over the swept key, while only the runs at the recipe's value are recorded.
+  sweep = Table("lr", rows="reference.lr", columns="method")
+  records = [record("sgd", 4, 0, 0.9), record("pb", 4, 0, 0.8)]
+  assert study_report.markdown_table(STUDY, records, sweep) == "(no runs recorded yet)"
+  records.append({**record("pb", 4, 1, 0.7), "overrides": {"model_kwargs.depth": 4, "method": "pb",
+                                                          "seed": 1, "reference.lr": 0.1}})
+  assert study_report.markdown_table(STUDY, records, sweep).splitlines()[2] == (
+      "| 0.1 | — | 70.00 (1 seed) |")
+
+
 def test_a_point_that_failed_at_a_smaller_swept_value_is_skipped_beyond_it():
   sweep = Study(name="t", config="c.py", grids=[{"model_kwargs.depth": (4, 8, 16),
                                                  "method": ("sgd", "pb"), "seed": (0, 1)}],
