@@ -26,6 +26,18 @@ IN_DIM, NUM_CLASSES = 6, 4  # inputs of IN_DIM features, NUM_CLASSES logits
 WIDTHS = (5, 7, 3)  # uneven on purpose: every stage has its own input and weight shapes
 
 
+def as_from_a_terminal() -> None:
+  """A ``preexec_fn``: SIGINT and SIGHUP at their defaults, as for a command typed in a terminal.
+
+  A suite started in the background (``nohup``, or ``&`` in a script) hands its children both
+  signals ignored, and the trainer and the study rightly keep an ignored signal ignored
+  (``pipejax.cli.honoured``); a test of what such a signal does would then fail for how the suite
+  was started, not for what the code does.
+  """
+  for sig in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_DFL)
+
+
 def dense_model(widths) -> pipejax.Model:
   """One ``Dense(w) + tanh`` stage per width, then a dense head: uneven widths give every stage
   its own input and weight shapes."""

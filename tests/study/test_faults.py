@@ -19,7 +19,7 @@ from pipejax.study import launcher
 from pipejax.study import records as study_records
 from pipejax.study import spec as study_lib
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, as_from_a_terminal
 from tests.study.test_study import FAKE_TRAINER, STUDY_PROCESS, TWO_RUNS, alive, start_study
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
@@ -37,7 +37,7 @@ def _signal_when(command, sig, marker):
   """Starts ``command``, sends ``sig`` once a line holding ``marker`` appears; returns
   (exit code, whole output)."""
   process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=ENV)
+                             env=ENV, preexec_fn=as_from_a_terminal)
   lines = []
   for line in process.stdout:
     lines.append(line)
@@ -81,7 +81,8 @@ def _in_a_terminal_closed_when(command, ready):
   terminal once ``ready(output so far)``; returns the exit code. The kernel then sends SIGHUP, and
   every later write to the terminal fails."""
   pid, terminal = pty.fork()
-  if pid == 0:  # the child: nothing but exec
+  if pid == 0:  # the child: nothing but the signals a terminal's command starts with, and exec
+    as_from_a_terminal()
     os.execve(command[0], command, ENV)
   output, deadline = b"", time.time() + 300
   while not ready(output) and time.time() < deadline:

@@ -22,7 +22,7 @@ from pipejax.study import report as study_report
 from pipejax.study import launcher
 from pipejax.study.spec import Study, Table
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, as_from_a_terminal
 
 
 def record(method, depth, seed, accuracy, status=study_records.FINISHED):
@@ -566,7 +566,8 @@ sys.exit(launcher.main(study, sys.argv[1], parallel=2, command="", trainer=sys.a
 def start_study(workdir, trainer):
   process = subprocess.Popen([sys.executable, "-c", STUDY_PROCESS, str(workdir), *trainer],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                             preexec_fn=as_from_a_terminal)
   pids = [workdir / "runs" / f"method=sgd,seed={s}" / "pid" for s in (0, 1)]
   deadline = time.time() + 60
   while not all(p.exists() and p.read_text() for p in pids):

@@ -19,8 +19,8 @@ from pipejax.train import trainer
 from pipejax.data import DataError
 from pipejax.core.engine import Pipeline
 from pipejax.core.stages import ModelError
-from tests.helpers import (ROOT, config_module, digits_config, leaves_equal, load_config,
-                           make_model, make_stream, sigterm_midway_and_resume)
+from tests.helpers import (ROOT, as_from_a_terminal, config_module, digits_config, leaves_equal,
+                           load_config, make_model, make_stream, sigterm_midway_and_resume)
 
 
 def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
@@ -393,7 +393,8 @@ _PHASES = [("pipejax training:", signal.SIGINT), ("Set-up (", signal.SIGTERM),
 def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line, sig):
   process = subprocess.Popen(_train_command(tmp_path / "run"), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True,
-                             env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"))
+                             env=dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1"),
+                             preexec_fn=as_from_a_terminal)
   seen = []
   for text in process.stdout:
     seen.append(text)
