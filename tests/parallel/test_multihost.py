@@ -403,6 +403,7 @@ def test_a_sigterm_during_set_up_stops_both_processes_with_75(tmp_path, cache):
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_chaos_round_of_two_processes_has_no_failure(tmp_path):
   """scripts/chaos.py's two-process trials, one of each: a mismatched process, a killed one."""
   import random  # pylint: disable=import-outside-toplevel

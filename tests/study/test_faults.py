@@ -328,6 +328,7 @@ def test_a_chaos_round_of_the_lm_in_one_process_ends_exact(tmp_path):
 # models' round (tests/parallel/test_multihost.py) does not cover. Its data-parallel round runs in
 # scripts/chaos.py (--cases=lm_two_process), not here, to keep the suite short.
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_chaos_round_of_the_lm_with_stages_over_two_processes_has_no_failure(tmp_path):
   from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
   outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_STAGES)

@@ -609,6 +609,7 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
   the study, a kill of one trainer, a results line cut short; each rerun must match the
