@@ -111,9 +111,9 @@ def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inboun
   return forward.entry, new, metrics
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _rows(leaf, n: int):
-  return tuple(leaf[i] for i in range(n))
+@jax.jit
+def _row(leaf, i):
+  return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -278,10 +278,11 @@ class StackedPipeline(ScanRunner):
 
   def _unstack(self, state: StackedState) -> PipelineState:
     # Leaf by leaf: one program for the whole state holds S x leaves slices, and XLA's compile
-    # time grows faster than that count (minutes at 128 stages); one small program per leaf
-    # shape (_rows, _spans) compiles in a fraction of a second at any depth. The single stages,
-    # tick and rng are copied so that the logical state never aliases the stacked one, which
-    # run donates.
+    # time grows faster than that count (minutes at 128 stages). A stage's row of a stacked leaf
+    # is one program per leaf shape, its index an argument (_row), so its compile does not grow
+    # with the stack; the rings differ in length from stage to stage, so their cut (_spans) is
+    # one program per leaf with a slice per stage. The single stages, tick and rng are copied so
+    # that the logical state never aliases the stacked one, which run donates.
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
       stack = self._stacks.get(start)
@@ -289,7 +290,7 @@ class StackedPipeline(ScanRunner):
         stages.append(jax.tree.map(jnp.copy, part))
         continue
       n, where = len(stack.lengths), tuple(zip(stack.offsets.tolist(), stack.lengths.tolist()))
-      body = [_rows(leaf, n) for leaf in jax.tree.leaves(_body(part))]
+      body = [[_row(leaf, i) for i in range(n)] for leaf in jax.tree.leaves(_body(part))]
       line = [_spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
       for i in range(n):
         st = jax.tree.unflatten(stack.treedefs[i], [leaf[i] for leaf in body])
