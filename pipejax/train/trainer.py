@@ -234,12 +234,15 @@ class _Run:
     if "weight_discrepancy" in chunk_metrics:
       writer.write("diagnostics", samples, weight_discrepancy=_mean_over_backwards(
           np.asarray(chunk_metrics["weight_discrepancy"]), pipe.delays, first_tick))
+    # A chunk inside the fill has no sample at the loss yet: said so, not a loss of nan that
+    # reads as a divergence.
+    what = (f"loss {np.mean(chunk_metrics['loss'][seen]):.4f}, accuracy "
+            f"{np.mean(chunk_metrics['accuracy'][seen]):.3f}" if seen.any() else
+            "filling the pipeline: no sample has reached the loss yet")
     # Every process computes the same numbers; the others' lines are for --verbosity=1.
     logging.log(logging.INFO if primary else logging.DEBUG,
-                "[%d/%d samples, epoch %.2f] loss %.4f, accuracy %.3f, %.0f samples/s, ETA %s",
-                samples, total_samples, samples / len(self.setup.train_source),
-                float(np.mean(chunk_metrics["loss"][seen])) if seen.any() else float("nan"),
-                float(np.mean(chunk_metrics["accuracy"][seen])) if seen.any() else float("nan"),
+                "[%d/%d samples, epoch %.2f] %s, %.0f samples/s, ETA %s",
+                samples, total_samples, samples / len(self.setup.train_source), what,
                 rate, metrics_lib.format_duration((total_samples - samples) / max(rate, 1e-9)))
 
 

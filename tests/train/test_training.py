@@ -408,6 +408,18 @@ def test_a_signal_in_any_phase_of_set_up_exits_75_with_a_message(tmp_path, line,
   assert "Traceback" not in output and "Fatal Python error" not in output, output[-3000:]
 
 
+def test_a_chunk_inside_the_fill_says_so_instead_of_a_loss_of_nan(tmp_path, caplog):
+  caplog.set_level(logging.INFO)
+  # 2 ticks a chunk: the first chunk ends before any sample reaches the loss (4 stages).
+  trainer.train_and_evaluate(digits_config(ticks_per_chunk=2, epochs=8 / 1437,
+                                           warmup_epochs=2 / 1437, eval_every_samples=8,
+                                           checkpoint_every_samples=8), str(tmp_path / "run"))
+  progress = [r.getMessage() for r in caplog.records if "samples, epoch" in r.getMessage()]
+  assert "filling the pipeline: no sample has reached the loss yet" in progress[0], progress
+  assert re.search(r"\] loss \d+\.\d{4}, accuracy", progress[-1]), progress
+  assert not any("nan" in line for line in progress), progress
+
+
 def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog):
   caplog.set_level(logging.INFO)
   monkeypatch.setattr(interruption, "SETUP_REPORT_EVERY", 0.2)
