@@ -92,8 +92,6 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
     return "(no runs recorded yet)"
   rows = ordered(study, table.rows, axis_values(records, table.rows))
   columns = ordered(study, table.columns, axis_values(records, table.columns))
-  if not rows or not columns:  # runs of the selection so far, but none that sets the table's axes
-    return "(no runs recorded yet)"
   if table.kind == "stability":
     lines = [f"| {study.label(table.columns)} | trains at | fails at | limit lies in |",
              "|---|---|---|---|"]
@@ -108,6 +106,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
     return _cells_table(study, records, table)
   if table.kind == "tuned":
     return _tuned_table(study, records, table)
+  if not rows or not columns:  # runs of the selection so far, but none that sets the table's axes
+    return "(no runs recorded yet)"
   cells = gather_cells(records, table.metric, study.baseline if table.kind == "gap" else None)
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
