@@ -74,6 +74,12 @@ def _weights_at(setup, initial_state, checkpoints: Checkpointer | None, samples:
   return [st.params for st in state.stages]
 
 
+def _norm(tree) -> float:
+  """The Euclidean norm of every weight of a stage together (what a curvature is read beside)."""
+  return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64)))
+                           for a in jax.tree.leaves(tree))))
+
+
 def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,),
             stages: Sequence[int] | None = None, batch: int = 512, iterations: int = 30
             ) -> Iterator[dict]:
@@ -89,8 +95,8 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     iterations: Power-iteration products a stage.
 
   Yields:
-    Records with the keys ``num_stages, samples, stage, delay, sharpness, learning_rate`` (the
-    schedule's peak), ``momentum, lr_sharpness`` (at the peak), ``stable_at_delay`` (per method,
+    Records with the keys ``num_stages, samples, stage, delay, sharpness, weight_norm`` (the
+    stage's weights' Euclidean norm), ``learning_rate`` (the schedule's peak), ``momentum, lr_sharpness`` (at the peak), ``stable_at_delay`` (per method,
     at the peak), ``largest_stable_delay`` (per method, at the peak, up to twice the pipeline's
     longest delay; empty but for the stem and the sharpest block), and the schedule's rate after
     ``samples`` with the stability there: ``learning_rate_now, stable_at_delay_now``.
@@ -125,7 +131,8 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     for i, (s, value) in enumerate(zip(stages, values)):
       delay = int(pipe.delays[s])
       yield {"num_stages": model.num_stages, "samples": int(samples), "stage": s,
-             "delay": delay, "sharpness": float(value), "learning_rate": eta,
+             "delay": delay, "sharpness": float(value), "weight_norm": _norm(params[s]),
+             "learning_rate": eta,
              "momentum": momentum, "lr_sharpness": eta * float(value),
              "stable_at_delay": stable_at(eta * float(value), momentum, delay),
              "largest_stable_delay": (limits_at(eta * float(value), momentum,

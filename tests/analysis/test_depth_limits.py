@@ -62,6 +62,11 @@ def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(t
       a, b = starts[r["stage"]], starts[r["stage"] + 1]
       assert r["sharpness"] == pytest.approx(np.linalg.eigvalsh(dense[a:b, a:b]).max(),
                                              rel=5e-3), (samples, r["stage"])
+      block = np.asarray(flat[a:b], np.float64)
+      assert r["weight_norm"] == pytest.approx(np.linalg.norm(block), rel=1e-6)
+  norms = {(r["samples"], r["stage"]): r["weight_norm"] for r in records}
+  assert all(norms[240, s] == pytest.approx(1.5 * norms[0, s], rel=1e-6)
+             for _, s in norms)  # the checkpoint's weights are the initial ones times 1.5
 
 
 def test_a_point_without_a_checkpoint_is_refused_naming_what_is_saved(tmp_path):
