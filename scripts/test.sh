@@ -14,7 +14,7 @@ rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # built once: the suite is mostly compiling and starting trainer processes, one core at a time.
 # The randomized chaos rounds repeat at random moments what deterministic tests here check at
 # fixed ones (a kill, a stop, a mismatched process); at 4 minutes of CPU they stay out, so that a
-# 2-core CI finishes in 15 minutes. `-m chaos` as an
-# extra argument runs them (the last -m wins), as does scripts/chaos.py at any scale.
+# 2-core CI finishes in 15 minutes. `-m chaos` as an extra argument runs them (the last -m wins),
+# as does scripts/chaos.py at any scale.
 exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=20 \
     -m "not chaos" "$@"
