@@ -44,6 +44,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import optax
 
@@ -141,16 +142,18 @@ class Pipeline(ScanRunner):
     inputs, labels = checks.micro_batch_specs(self.example_inputs, self.example_labels)
     object.__setattr__(self, "example_inputs", inputs)
     object.__setattr__(self, "example_labels", labels)
-    params, stage_inputs = self.model.trace_shapes(jax.random.PRNGKey(0), inputs)
+    params, stage_inputs, forwards = self.model.trace(jax.random.PRNGKey(0), inputs)
     checks.check_floating_params(self.model, params)
     object.__setattr__(self, "_params_shapes", params)
     object.__setattr__(self, "_stage_inputs", stage_inputs)
+    object.__setattr__(self, "_forward_programs", tuple(forwards))
     checks.check_loss(self.model.loss, self._last_stage_output(), labels)
     for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
       object.__setattr__(self, name, program)
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which takes longer than compiling the whole init once.
     object.__setattr__(self, "_jit_init", jax.jit(self._init))
+    object.__setattr__(self, "_init_traces", {})
 
   # ------------------------------------------------------------------ static facts
 
@@ -175,6 +178,11 @@ class Pipeline(ScanRunner):
   def stage_param_shapes(self) -> list[PyTree]:
     """ShapeDtypeStructs of each stage's parameters."""
     return list(self._params_shapes)
+
+  def forward_program(self, s: int) -> jax.extend.core.ClosedJaxpr:
+    """Stage ``s``'s forward as a closed jaxpr of its parameters, input, key and variables,
+    traced when the pipeline was built (:meth:`pipejax.Model.trace`)."""
+    return self._forward_programs[s]
 
   @property
   def stashes_weights(self) -> bool:
@@ -230,8 +238,7 @@ class Pipeline(ScanRunner):
     together under ``vmap``."""
     x_spec = self._stage_inputs[s]
     x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
-    params = self.model.stages[s].init(key, x_zeros)
-    variables = self.model.stages[s].variables(key, x_zeros)
+    params, variables = self.model.stages[s].initial(key, x_zeros)
     forward_out = None
     if s < self.num_stages - 1:
       forward_out = Packet(_filled(self._stage_inputs[s + 1], fill_value),
@@ -240,6 +247,27 @@ class Pipeline(ScanRunner):
     backward_out = None if s == 0 else _filled(x_spec, fill_value)
     return StageState(params, self.method.optimizer(delay).init(params), None, forward_out,
                       backward_out, variables)
+
+  def traced_init_stage(self, s: int) -> tuple[jax.extend.core.ClosedJaxpr | None, StageState]:
+    """Stage ``s``'s :meth:`init_stage` as a program of its key, delay and fill value, and the
+    shapes of the state it makes. The program is None where the method's optimizer cannot start
+    from a traced delay; the shapes are then those at the stage's own delay.
+
+    Traced once per stage and kept: :attr:`state_spec` and the stacked layout's initialization
+    (``pipejax.parallel.stacks``) both read it, and at hundreds of stages the trace is most of
+    what building a pipeline costs.
+    """
+    if s not in self._init_traces:
+      key = jax.eval_shape(jax.random.PRNGKey, 0)
+      fill = jax.ShapeDtypeStruct((), jnp.float32)
+      try:
+        self._init_traces[s] = jax.make_jaxpr(
+            lambda key, delay, fill: self.init_stage(s, key, fill, delay),
+            return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
+      except (TypeError, ValueError):  # a traced delay the method cannot take, among them
+        self._init_traces[s] = None, jax.eval_shape(
+            lambda key, fill: self.init_stage(s, key, fill, self.delays[s]), key, fill)
+    return self._init_traces[s]
 
   def empty_delay_line(self, s: int, st: StageState, slots: int, fill_value) -> DelayLine:
     """``slots`` empty entries of stage ``s``'s delay line, shaped after one stage's state
@@ -450,8 +478,16 @@ class Pipeline(ScanRunner):
 
   @functools.cached_property
   def state_spec(self) -> PipelineState:
-    """The abstract state ``init`` makes (ShapeDtypeStructs)."""
-    return jax.eval_shape(self.init, jax.random.PRNGKey(0))
+    """The abstract state ``init`` makes (ShapeDtypeStructs), from each stage's
+    :meth:`traced_init_stage`."""
+    stages = []
+    for s in range(self.num_stages):
+      _, st = self.traced_init_stage(s)
+      line = jax.eval_shape(
+          lambda st, s=s: self.empty_delay_line(s, st, self.delays[s] + 1, jnp.float32(0)), st)
+      stages.append(st._replace(delay_line=line))
+    return PipelineState(tuple(stages), jax.ShapeDtypeStruct((), jnp.int32),
+                         jax.eval_shape(jax.random.PRNGKey, 0))
 
   def check_state(self, state: PipelineState) -> None:
     """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed."""

@@ -59,7 +59,9 @@ class Stage:
   ``input_shape``, when given, is the per-sample shape (no batch axis) the stage insists on; the
   pipeline checks it when it is built. Without it the stage takes whatever its ``init`` accepts.
   A stage with state (module docstring) also has ``init_variables`` and ``infer``, and its
-  ``apply`` takes the variables as a fourth argument.
+  ``apply`` takes the variables as a fourth argument. ``init_with_variables``, when given, makes
+  both in one call (:meth:`initial`): a flax module's init makes them together, and building a
+  deep pipeline traces every stage's initialization, so one trace where two would do matters.
   """
 
   init: Callable[[jax.Array, PyTree], PyTree]
@@ -68,6 +70,13 @@ class Stage:
   input_shape: tuple[int, ...] | None = None
   init_variables: Callable[[jax.Array, PyTree], Variables | None] | None = None
   infer_with: Callable[[PyTree, PyTree, Variables], PyTree] | None = None
+  init_with_variables: Callable[[jax.Array, PyTree], tuple[PyTree, Variables | None]] | None = None
+
+  def initial(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, Variables | None]:
+    """``(init(rng, x), variables(rng, x))``, from one call where the stage has one."""
+    if self.init_with_variables is not None:
+      return self.init_with_variables(rng, x)
+    return self.init(rng, x), self.variables(rng, x)
 
   def variables(self, rng: jax.Array, x: PyTree) -> Variables | None:
     """The initial variables for input ``x``; None for a stateless stage."""
@@ -118,7 +127,14 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
     return init_all(rng, x).get("params", {})
 
   def init_variables(rng, x):
-    collections = {k: v for k, v in init_all(rng, x).items() if k != "params"}
+    return _as_variables(init_all(rng, x), x)
+
+  def init_with_variables(rng, x):
+    everything = init_all(rng, x)
+    return everything.get("params", {}), _as_variables(everything, x)
+
+  def _as_variables(everything, x):
+    collections = {k: v for k, v in everything.items() if k != "params"}
     if not collections:
       return None
     if "batch_stats" in collections and {a.shape[0] for a in jax.tree.leaves(x)} == {1}:
@@ -146,7 +162,8 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
 
   return Stage(init=init, apply=apply, name=stage_name,
                input_shape=tuple(input_shape) if input_shape is not None else None,
-               init_variables=init_variables, infer_with=infer_with)
+               init_variables=init_variables, infer_with=infer_with,
+               init_with_variables=init_with_variables)
 
 
 def _all_collections(params, variables: Variables) -> dict:
@@ -240,7 +257,14 @@ class Model:
     any computation. A stage that cannot take its predecessor's output is a :class:`ModelError`
     naming both stages and both shapes.
     """
-    params_shapes, input_shapes = [], []
+    params_shapes, input_shapes, _ = self.trace(rng, x)
+    return params_shapes, input_shapes
+
+  def trace(self, rng: jax.Array, x: PyTree) -> tuple[list[PyTree], list[PyTree], list]:
+    """:meth:`trace_shapes`, and each stage's ``forward`` as a closed jaxpr of its parameters,
+    input, key and variables (what ``pipejax.parallel.stacks`` compares to find identical
+    stages, so that building a deep pipeline traces each forward once)."""
+    params_shapes, input_shapes, forwards = [], [], []
     keys = jax.random.split(rng, self.num_stages)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
     for s, stage in enumerate(self.stages):
@@ -252,9 +276,8 @@ class Model:
               f"{source} produces per-sample shape {_fmt(x)} but {self.stage_label(s)} expects "
               f"per-sample shape {stage.input_shape}. Change one of the two stages so they agree.")
       try:
-        p = jax.eval_shape(stage.init, keys[s], x)
-        v = jax.eval_shape(stage.variables, keys[s], x)
-        y, _ = jax.eval_shape(stage.forward, p, x, keys[s], v)
+        p, v = jax.eval_shape(stage.initial, keys[s], x)
+        forward, (y, _) = jax.make_jaxpr(stage.forward, return_shape=True)(p, x, keys[s], v)
       except ModelError:
         raise
       except Exception as e:  # flax/XLA shape errors are long; keep the first line.
@@ -275,8 +298,9 @@ class Model:
             "x.reshape(x.shape[0], -1).")
       params_shapes.append(p)
       input_shapes.append(x)
+      forwards.append(forward)
       x = y
-    return params_shapes, input_shapes
+    return params_shapes, input_shapes, forwards
 
 
 def plain_step(model: Model, tx):

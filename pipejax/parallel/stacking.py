@@ -116,9 +116,16 @@ def _row(leaf, i):
   return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _spans(leaf, spans: tuple):
-  return tuple(leaf[o:o + n] for o, n in spans)
+  """Each ``(offset, length)`` span of a ring buffer's leading axis, as an array of its own.
+
+  Cut on the host: the lengths differ from stage to stage, so on the device it takes a program
+  per length, or one program with a slice per stage whose compile grows faster than the stack
+  (9 s at 128 stages). Each span is copied, so nothing aliases the buffer, which ``run``
+  donates.
+  """
+  host, device = np.asarray(jax.device_get(leaf)), min(leaf.devices(), key=lambda d: d.id)
+  return tuple(jax.device_put(np.array(host[o:o + n]), device) for o, n in spans)
 
 
 def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
@@ -195,7 +202,7 @@ class StackedPipeline(ScanRunner):
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
-      inits = [init_program(pipeline, s, spec) for s in range(start, stop)]
+      inits = [init_program(pipeline, s) for s in range(start, stop)]
       together = None not in inits and len({p.text for p in inits}) == 1
       self._stacks[start] = _Stack(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
@@ -280,9 +287,9 @@ class StackedPipeline(ScanRunner):
     # Leaf by leaf: one program for the whole state holds S x leaves slices, and XLA's compile
     # time grows faster than that count (minutes at 128 stages). A stage's row of a stacked leaf
     # is one program per leaf shape, its index an argument (_row), so its compile does not grow
-    # with the stack; the rings differ in length from stage to stage, so their cut (_spans) is
-    # one program per leaf with a slice per stage. The single stages, tick and rng are copied so
-    # that the logical state never aliases the stacked one, which run donates.
+    # with the stack; the rings differ in length from stage to stage, so they are cut on the host
+    # (_spans). The single stages, tick and rng are copied so that the logical state never
+    # aliases the stacked one, which run donates.
     stages = []
     for (start, _), part in zip(self.runs, state.parts):
       stack = self._stacks.get(start)

@@ -1,9 +1,9 @@
 """Which consecutive stages are identical, so that they can run as one stack.
 
-Two stages are identical when their forward, and the method's weight views and update with the
-delay as an input, written over the flattened leaves of the stage's state, trace to the same
-jaxprs (operations, shapes, dtypes, constants); the backward is the forward's VJP. Their parameter
-trees may differ in names only (``block3`` against ``block4``): a stack keeps its first stage's
+Two stages are identical when their forward (over its parameters' flattened leaves), and the
+method's weight views and update with the delay as an input, written over the flattened leaves of
+the stage's state, trace to the same jaxprs (operations, shapes, dtypes, constants); the backward
+is the forward's VJP. Their parameter trees may differ in names only (``block3`` against ``block4``): a stack keeps its first stage's
 tree structure, and the logical state keeps every stage's own. The first and the last stage never
 stack (they skip the input gradient, and meet the loss). A method whose update cannot take a
 traced delay (an optimizer factory that branches on it in Python) makes no stack: the pipeline
@@ -30,17 +30,13 @@ from pipejax.core.state import PipelineState, StageState
 def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
   """What stage ``s`` computes, as text and constants: equal for identical stages.
 
-  The stage's forward, and the method's weight views and update with the delay as a traced
-  value, each traced over the flattened leaves of the stage's state; the backward is the
-  forward's VJP. None when the method cannot take a traced delay.
+  The stage's forward (traced when the pipeline was built), and the method's weight views and
+  update with the delay as a traced value, traced over the flattened leaves of the stage's
+  state; the backward is the forward's VJP. None when the method cannot take a traced delay.
   """
-  stage, method, st = pipeline.model.stages[s], pipeline.method, spec.stages[s]
+  method, st = pipeline.method, spec.stages[s]
   leaves, treedef = jax.tree.flatten(st._replace(delay_line=None))
   opt_structure = []
-
-  def forward(leaves, x, key):
-    st = jax.tree.unflatten(treedef, leaves)
-    return stage.forward(st.params, x, key, st.variables)
 
   def update(leaves, delay):
     st = jax.tree.unflatten(treedef, leaves)
@@ -52,8 +48,7 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
             method.backward_weights(st.params, st.opt_state, delay), updates, opt_state)
 
   try:
-    traced = (jax.make_jaxpr(forward)(leaves, spec.stages[s - 1].forward_out.x, spec.rng),
-              jax.make_jaxpr(update)(leaves, _TRACED_DELAY))
+    traced = (pipeline.forward_program(s), jax.make_jaxpr(update)(leaves, _TRACED_DELAY))
   except (TypeError, ValueError):  # a traced delay the method cannot take, among them
     return None
   if opt_structure[0] != jax.tree.structure(st.opt_state):
@@ -78,7 +73,7 @@ class InitProgram(NamedTuple):
     return jax.tree.unflatten(self.out_tree, leaves)
 
 
-def init_program(pipeline: Pipeline, s: int, spec: PipelineState) -> InitProgram | None:
+def init_program(pipeline: Pipeline, s: int) -> InitProgram | None:
   """Stage ``s``'s ``init_stage`` traced with its key, delay and fill value as inputs, and the
   constants it folds into its key (flax derives each weight's key from its module's name, so
   ``block3`` and ``block4`` fold in different ones) lifted out as a further input.
@@ -87,11 +82,8 @@ def init_program(pipeline: Pipeline, s: int, spec: PipelineState) -> InitProgram
   salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
   from a traced delay.
   """
-  try:
-    closed, out_shape = jax.make_jaxpr(
-        lambda key, delay, fill: pipeline.init_stage(s, key, fill, delay), return_shape=True)(
-            spec.rng, _TRACED_DELAY, jax.ShapeDtypeStruct((), jnp.float32))
-  except (TypeError, ValueError):
+  closed, out_shape = pipeline.traced_init_stage(s)
+  if closed is None:
     return None
   eqns, salt_vars, salts = [], [], []
   for eqn in closed.jaxpr.eqns:

@@ -404,3 +404,28 @@ def test_delay_line_entries_returns_the_entry_that_writes_the_same_line():
   entry, _ = advance(TickOptions(delay_line_entries=True))
   line = state.stages[0].delay_line.write(state.tick, entry.delay_line)
   jax.tree.map(np.testing.assert_array_equal, line, written.delay_line)
+
+
+def _python_delay_sgd(delay):
+  if delay > 2:  # a Python branch on the delay: the init cannot be traced with a traced delay
+    return optax.sgd(0.05)
+  return optax.sgd(0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", list(methods.METHODS) + ["python_delay"])
+def test_state_spec_is_the_shape_of_what_init_makes(name):
+  """``state_spec`` is put together from each stage's traced init; it must be exactly the abstract
+  value of ``init`` (shapes, dtypes, weak types, structure), traced delay or not."""
+  x, y = make_stream(1, 2)
+  if name == "python_delay":
+    method = methods.pb(_python_delay_sgd)
+  else:
+    optimizer = methods.optimizers_of(name)[0]
+    method = methods.make_method(name, learning_rate=1e-3, optimizer=optimizer,
+                                 num_stages=len(EVEN) + 1)
+  pipe = Pipeline(make_model(EVEN), method, x[0], y[0], track_weight_discrepancy=True)
+  whole = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
+  assert jax.tree.structure(pipe.state_spec) == jax.tree.structure(whole)
+  for got, want in zip(jax.tree.leaves(pipe.state_spec), jax.tree.leaves(whole)):
+    assert (got.shape, got.dtype, got.weak_type) == (want.shape, want.dtype, want.weak_type)
+  assert (pipe.traced_init_stage(1)[0] is None) == (name == "python_delay")

@@ -1,5 +1,6 @@
 """Model.apply, the whole network as one function, against flax and a stage-by-stage loop."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import pipejax
+from pipejax.models import online_norm
 from tests import helpers
 
 
@@ -95,3 +97,19 @@ def test_plain_step_is_one_optax_step_on_the_whole_network():
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
   helpers.assert_trees_close(stepped, expected)
   assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(params))
+
+
+@pytest.mark.parametrize("module", [nn.Dense(3), online_norm.OnlineNorm()],
+                         ids=["stateless", "online_norm"])
+def test_initial_is_init_and_variables_from_one_call(module):
+  """``Stage.initial`` (one flax init) makes the bits of ``init`` and ``variables`` called apart,
+  and a hand-written stage without ``init_with_variables`` gets the same pair from the two."""
+  stage = pipejax.from_flax(module)
+  x, key = jax.random.normal(jax.random.key(1), (1, 3)), jax.random.key(2)
+  params, variables = stage.initial(key, x)
+  chex.assert_trees_all_equal(params, stage.init(key, x))
+  chex.assert_trees_all_equal(variables, stage.variables(key, x))
+  assert (variables is None) == (module.__class__ is nn.Dense)
+  apart = pipejax.Stage(stage.init, stage.apply, init_variables=stage.init_variables,
+                        infer_with=stage.infer_with)
+  chex.assert_trees_all_equal(apart.initial(key, x), (params, variables))

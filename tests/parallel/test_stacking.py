@@ -222,3 +222,19 @@ def test_a_mesh_stacks_each_devices_piece_of_a_group():
   assert sharding.ShardedPipeline(pipe, sharded.mesh).runs is None
   with pytest.raises(MeshError, match="takes a Pipeline, or a StackedPipeline"):
     sharding.ShardedPipeline(sharded, sharded.mesh)
+
+
+def test_the_logical_state_outlives_the_stacked_one():
+  """``to_logical`` cuts the rings on the host into arrays of their own: running on (which
+  donates the stacked state's buffers) leaves the logical state as it was."""
+  x, y = make_stream(12, 1)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.05), x[0], y[0])
+  stacked = StackedPipeline(pipe)
+  state, _ = stacked.run(stacked.init(3), x[:6], y[:6])
+  logical = stacked.to_logical(state)
+  before = jax.tree.map(np.array, logical)
+  stacked.run(state, x[6:], y[6:])
+  assert_same(jax.tree.map(np.asarray, logical), before, exact=True)
+  assert any(np.asarray(st.delay_line.valid).any() for st in logical.stages)
+  per_stage, _ = pipe.run(pipe.init(3), x[:6], y[:6])
+  assert_same(before, jax.tree.map(np.asarray, per_stage), exact=True)
