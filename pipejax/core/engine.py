@@ -59,10 +59,30 @@ PyTree = Any
 
 # How every layout compiles its initial state. An init runs once, and XLA:CPU's optimizing
 # backend spends about 2 s on each weight shape's random generator (threefry); unoptimized, the
-# same program compiles about ten times faster (a ResNet-20's: 24 s against 2 s). The numbers
-# differ from an optimized compile's in the last bit of some weights, so every init program uses
-# these options, and every layout starts from the same bits.
+# same program compiles about ten times faster (a ResNet-20's: 24 s against 3 s). The numbers
+# differ from an optimized compile's in the last bit of some weights, so every layout's init
+# uses these options, and every layout starts from the same bits.
 INIT_COMPILER = {"xla_backend_optimization_level": 0}
+
+
+class InitProgram:
+  """A layout's ``init(rng, fill_value)``: compiled with :data:`INIT_COMPILER` when called on
+  values, once per key shape. Inside another trace (``jax.jit(pipe.init)``, ``eval_shape``) it is
+  the plain jitted function, part of the caller's program and compiled with the caller's
+  options, where the last bit of some weights may differ."""
+
+  def __init__(self, init: Callable):
+    self._jitted = jax.jit(init)
+    self._compiled = {}
+
+  def __call__(self, rng: jax.Array, fill_value: jax.Array):
+    if isinstance(rng, jax.core.Tracer) or isinstance(fill_value, jax.core.Tracer):
+      return self._jitted(rng, fill_value)
+    signature = (rng.shape, str(rng.dtype))
+    if signature not in self._compiled:
+      self._compiled[signature] = self._jitted.lower(rng, fill_value).compile(
+          compiler_options=INIT_COMPILER)
+    return self._compiled[signature](rng, fill_value)
 
 
 def all_finite(tree) -> jax.Array:
@@ -159,7 +179,7 @@ class Pipeline(ScanRunner):
       object.__setattr__(self, name, program)
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which takes longer than compiling the whole init once.
-    object.__setattr__(self, "_jit_init", jax.jit(self._init, compiler_options=INIT_COMPILER))
+    object.__setattr__(self, "_jit_init", InitProgram(self._init))
     object.__setattr__(self, "_init_traces", {})
 
   # ------------------------------------------------------------------ static facts

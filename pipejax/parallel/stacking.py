@@ -214,7 +214,7 @@ class StackedPipeline(ScanRunner):
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
-    self._jit_init = jax.jit(self._init, compiler_options=engine.INIT_COMPILER)
+    self._jit_init = engine.InitProgram(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
 
   @property
