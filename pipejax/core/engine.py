@@ -57,15 +57,15 @@ from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState
 
 PyTree = Any
 
-# How every layout compiles its initial state. An init runs once, and XLA:CPU's optimizing
-# backend spends about 2 s on each weight shape's random generator (threefry); unoptimized, the
-# same program compiles about ten times faster (a ResNet-20's: 24 s against 3 s). The numbers
-# differ from an optimized compile's in the last bit of some weights, so every layout's init
-# uses these options, and every layout starts from the same bits.
+# How every layout compiles its initial state. XLA:CPU's optimizing backend spends seconds on
+# each weight shape's random generator (threefry); unoptimized, the same program compiles several
+# times faster, and an init runs once. The numbers differ from an optimized compile's in the last
+# bit of some weights, so every layout's init uses these options, and every layout starts from
+# the same bits.
 INIT_COMPILER = {"xla_backend_optimization_level": 0}
 
 
-class InitProgram:
+class CompiledInit:
   """A layout's ``init(rng, fill_value)``: compiled with :data:`INIT_COMPILER` when called on
   values, once per key shape. Inside another trace (``jax.jit(pipe.init)``, ``eval_shape``) it is
   the plain jitted function, part of the caller's program and compiled with the caller's
@@ -179,7 +179,7 @@ class Pipeline(ScanRunner):
       object.__setattr__(self, name, program)
     # One compiled program: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which takes longer than compiling the whole init once.
-    object.__setattr__(self, "_jit_init", InitProgram(self._init))
+    object.__setattr__(self, "_jit_init", CompiledInit(self._init))
     object.__setattr__(self, "_init_traces", {})
 
   # ------------------------------------------------------------------ static facts

@@ -120,8 +120,8 @@ def _spans(leaf, spans: tuple):
   """Each ``(offset, length)`` span of a ring buffer's leading axis, as an array of its own.
 
   Cut on the host: the lengths differ from stage to stage, so on the device it takes a program
-  per length, or one program with a slice per stage whose compile grows faster than the stack
-  (9 s at 128 stages). Each span is copied, so nothing aliases the buffer, which ``run``
+  per length, or one program with a slice per stage whose compile grows faster than the stack.
+  Each span is copied, so nothing aliases the buffer, which ``run``
   donates.
   """
   host, device = np.asarray(jax.device_get(leaf)), min(leaf.devices(), key=lambda d: d.id)
@@ -214,7 +214,7 @@ class StackedPipeline(ScanRunner):
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
-    self._jit_init = engine.InitProgram(self._init)
+    self._jit_init = engine.CompiledInit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
 
   @property

@@ -3,11 +3,11 @@
 Two stages are identical when their forward (over its parameters' flattened leaves), and the
 method's weight views and update with the delay as an input, written over the flattened leaves of
 the stage's state, trace to the same jaxprs (operations, shapes, dtypes, constants); the backward
-is the forward's VJP. Their parameter trees may differ in names only (``block3`` against ``block4``): a stack keeps its first stage's
-tree structure, and the logical state keeps every stage's own. The first and the last stage never
-stack (they skip the input gradient, and meet the loss). A method whose update cannot take a
-traced delay (an optimizer factory that branches on it in Python) makes no stack: the pipeline
-then runs stage by stage.
+is the forward's VJP. Their parameter trees may differ in names only (``block3`` against
+``block4``): a stack keeps its first stage's tree structure, and the logical state keeps every
+stage's own. The first and the last stage never stack (they skip the input gradient, and meet the
+loss). A method whose update cannot take a traced delay (an optimizer factory that branches on it
+in Python) makes no stack: the pipeline then runs stage by stage.
 
 A stack also initializes as one program under ``vmap`` (:func:`init_program`): flax derives each
 weight's key by folding a hash of its module's name into the stage's key, so identical blocks
