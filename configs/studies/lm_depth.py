@@ -47,6 +47,17 @@ pb_sc_lwp). At those times the 88 runs take 23 hours two at a time; on a quiet m
 the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
 against 40 for pb at 32 stages alone), about 12 hours.
 
+Where the cells ran. The 32-stage cells run on the 2-core CPU (one trainer at a time, one
+thread). The 8- and 16-stage cells ran on a lent NVIDIA H200 with 16 CPU cores, 12 trainers at a
+time (``--parallel=12``; the launcher then turns off JAX's preallocation of the GPU's memory),
+with ``JAX_DEFAULT_MATMUL_PRECISION=highest`` so that float32 products are float32 as on the
+CPU: 32 runs in about 13 minutes of the machine (two calls), a run 77 to 150 s of training once
+its programs were compiled (600 to 700 sequences/s each) and up to 400 s in the first wave,
+where 12 trainers compiled at once. The two platforms draw a seed's starting weights to
+different last bits (``init_digest`` differs), so a depth's cells stay on one platform: the
+8- and 16-stage cells still to run (the sweep, and four runs of seed 2) need the GPU again,
+``--where=model_kwargs.blocks=6|14``, or that seed's whole group rerun on the CPU.
+
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
 """
 

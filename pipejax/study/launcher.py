@@ -175,6 +175,9 @@ def _trainer_env(parallel: int, workdir: str) -> dict:
     # Several trainings share the cores: one thread each avoids oversubscription.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                         "intra_op_parallelism_threads=1").strip()
+    # Several trainings share one accelerator: JAX's default takes 75% of its memory at start,
+    # which would leave the second trainer too little to start at all.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "runs", ".jax_cache"))
   env["PYTHONUNBUFFERED"] = "1"
   return env

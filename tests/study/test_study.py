@@ -544,6 +544,15 @@ def test_a_full_or_read_only_disk_is_one_paragraph(tmp_path, fake_trainer, monke
   assert len(err.strip().splitlines()) == 1
 
 
+def test_trainers_that_share_an_accelerator_do_not_each_take_most_of_its_memory(tmp_path,
+                                                                               monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  assert launcher._trainer_env(4, str(tmp_path))["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in launcher._trainer_env(1, str(tmp_path))
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # the user's own choice stands
+  assert launcher._trainer_env(4, str(tmp_path))["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
 def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_trainer, capsys):
   with launcher.hold(str(tmp_path)):
     assert run_main(tmp_path, fake_trainer("fail")) == 1
