@@ -53,8 +53,10 @@ time (``--parallel=12``; the launcher then turns off JAX's preallocation of the 
 with ``JAX_DEFAULT_MATMUL_PRECISION=highest`` so that float32 products are float32 as on the
 CPU: 32 runs in about 13 minutes of the machine (two calls), a run 77 to 150 s of training once
 its programs were compiled (600 to 700 sequences/s each) and up to 400 s in the first wave,
-where 12 trainers compiled at once. The two platforms draw a seed's starting weights to
-different last bits (``init_digest`` differs), so a depth's cells stay on one platform: the
+where 12 trainers compiled at once. That machine had jax 0.11.2 (the pinned flax, optax, chex
+and orbax went with the run); this CPU has the pinned 0.10.2. The two drew a seed's starting
+weights to different last bits (``init_digest`` differs; whether the platform or the jax version
+does it is not separated), so a depth's cells stay on one machine: the
 8- and 16-stage cells still to run (the sweep, and four runs of seed 2) need the GPU again,
 ``--where=model_kwargs.blocks=6|14``, or that seed's whole group rerun on the CPU.
 
