@@ -21,7 +21,7 @@ def save(fig, path: str, dpi: int = 110) -> None:
   """Writes ``fig`` to ``path`` atomically and closes it."""
   tmp = f"{path}.tmp{os.path.splitext(path)[1]}"
   try:
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")  # a long axis label is never cut off
+    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")  # so that a long axis label is not cut off
     os.replace(tmp, path)
   finally:
     pyplot().close(fig)

@@ -47,17 +47,18 @@ pb_sc_lwp). At those times the 88 runs take 23 hours two at a time; on a quiet m
 the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
 against 40 for pb at 32 stages alone), about 12 hours.
 
-Where the cells ran. The 32-stage cells run on the 2-core CPU (one trainer at a time, one
-thread). The 8- and 16-stage cells ran on a lent NVIDIA H200 with 16 CPU cores, 12 trainers at a
-time (``--parallel=12``; the launcher then turns off JAX's preallocation of the GPU's memory),
-with ``JAX_DEFAULT_MATMUL_PRECISION=highest`` so that float32 products are float32 as on the
-CPU: 32 runs in about 13 minutes of the machine (two calls), a run 77 to 150 s of training once
-its programs were compiled (600 to 700 sequences/s each) and up to 400 s in the first wave,
-where 12 trainers compiled at once. That machine had jax 0.11.2 (the pinned flax, optax, chex
-and orbax went with the run); this CPU has the pinned 0.10.2. The two drew a seed's starting
-weights to different last bits (``init_digest`` differs; whether the platform or the jax version
-does it is not separated), so a depth's cells stay on one machine: the
-8- and 16-stage cells still to run (the sweep, and four runs of seed 2) need the GPU again,
+Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
+lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
+turns off JAX's preallocation of the GPU's memory), with ``JAX_DEFAULT_MATMUL_PRECISION=highest``
+so that float32 products are float32 as on the CPU: 32 runs in about 13 minutes of the machine (two
+calls). A trainer's steady rate was 89 to 417 sequences/s with 12 sharing the GPU (the one-stage
+baselines slowest); its first chunk took 257 to 286 s in the first wave, where 12 trainers compiled
+at once, and 5 to 26 s after it. That machine had jax 0.11.2 (the pinned flax, optax, chex and
+orbax went with the run); this CPU has the pinned 0.10.2. The two drew a seed's starting weights to
+different last bits: 8 stages, seed 0, ``init_digest`` ``f3a2baff…`` there and ``01b31565…`` here
+at the same commit (a 40-sequence ``scripts/train.py`` run of ``pb``); whether the platform or the
+jax version makes the difference is not separated. So a depth's cells stay on one machine: the 8-
+and 16-stage cells still to run (the sweep, and four runs of seed 2) need the GPU again,
 ``--where=model_kwargs.blocks=6|14``, or that seed's whole group rerun on the CPU.
 
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
