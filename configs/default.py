@@ -11,8 +11,9 @@ schedule over 10 epochs.
 Learning rates: --config.reference.lr is the batch-128 recipe's (0.1); --config.micro_batch.lr is
 the rate that trains at micro-batch 1 (unset: converted from the recipe, 6.4e-6 here). Change the
 first to retune the recipe; set the second only to override the conversion.
-Measured (2-core CPU, no accelerator, nothing else running; this config as is): test accuracy
-89.1% after 10 epochs, 98 s of training (about 6100 samples/s). The README's table compares plain
+Measured (2-core CPU, no accelerator, other work paused; this config as is): test accuracy
+89.4% after 10 epochs, 200 s of training (about 3000 samples/s; about half that time on other
+machines of this kind). The README's table compares plain
 PB and SGD.
 """
 
