@@ -13,8 +13,7 @@ the rate that trains at micro-batch 1 (unset: converted from the recipe, 6.4e-6 
 first to retune the recipe; set the second only to override the conversion.
 Measured (2-core CPU, no accelerator, other work paused; this config as is): test accuracy
 89.4% after 10 epochs, 200 s of training (about 3000 samples/s; about half that time on other
-machines of this kind). The README's table compares plain
-PB and SGD.
+machines of this kind). The README's table compares plain PB and SGD.
 """
 
 from pipejax import config as configlib

@@ -121,8 +121,7 @@ def _spans(leaf, spans: tuple):
 
   Cut on the host: the lengths differ from stage to stage, so on the device it takes a program
   per length, or one program with a slice per stage whose compile grows faster than the stack.
-  Each span is copied, so nothing aliases the buffer, which ``run``
-  donates.
+  Each span is copied, so nothing aliases the buffer, which ``run`` donates.
   """
   host, device = np.asarray(jax.device_get(leaf)), min(leaf.devices(), key=lambda d: d.id)
   return tuple(jax.device_put(np.array(host[o:o + n]), device) for o, n in spans)
