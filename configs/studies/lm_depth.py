@@ -50,16 +50,16 @@ against 40 for pb at 32 stages alone), about 12 hours.
 Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
 lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
 turns off JAX's preallocation of the GPU's memory), with ``JAX_DEFAULT_MATMUL_PRECISION=highest``
-so that float32 products are float32 as on the CPU: 32 runs in about 13 minutes of the machine (two
-calls). A trainer's steady rate was 89 to 417 sequences/s with 12 sharing the GPU (the one-stage
-baselines slowest); its first chunk took 257 to 286 s in the first wave, where 12 trainers compiled
-at once, and 5 to 26 s after it. That machine had jax 0.11.2 (the pinned flax, optax, chex and
-orbax went with the run); this CPU has the pinned 0.10.2. The two drew a seed's starting weights to
-different last bits: 8 stages, seed 0, ``init_digest`` ``f3a2baff…`` there and ``01b31565…`` here
-at the same commit (a 40-sequence ``scripts/train.py`` run of ``pb``); whether the platform or the
-jax version makes the difference is not separated. So a depth's cells stay on one machine: the 8-
-and 16-stage cells still to run (the sweep, and four runs of seed 2) need the GPU again,
-``--where=model_kwargs.blocks=6|14``, or that seed's whole group rerun on the CPU.
+so that float32 products are float32 as on the CPU: 44 runs in three calls of the machine (539,
+253 and 404 s of wall time; the last ran the final 12 at once, the slowest in 356 s). A trainer's
+steady rate was 89 to 417 sequences/s with 12 sharing the GPU (the one-stage baselines slowest);
+its first chunk, where 12 trainers compiled at once, took 100 to 290 s. That machine had jax
+0.11.2 (the pinned flax, optax, chex and orbax went with the run); this CPU has the pinned 0.10.2.
+The GPU draws a seed's starting weights to other last bits than a CPU: 8 stages, seed 0,
+``init_digest`` ``f3a2baff…`` on the H200 and ``01b31565…`` on this CPU and on the H200 machine's
+own CPU under jax 0.11.2 (``JAX_PLATFORMS=cpu``; a 40-sequence ``scripts/train.py`` run of ``pb``
+each), so the platform makes the difference, not the jax version. A depth's cells therefore stay
+on one machine.
 
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
 """
