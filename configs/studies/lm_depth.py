@@ -59,7 +59,11 @@ The GPU draws a seed's starting weights to other last bits than a CPU: 8 stages,
 ``init_digest`` ``f3a2baff…`` on the H200 and ``01b31565…`` on this CPU and on the H200 machine's
 own CPU under jax 0.11.2 (``JAX_PLATFORMS=cpu``; a 40-sequence ``scripts/train.py`` run of ``pb``
 each), so the platform makes the difference, not the jax version. A depth's cells therefore stay
-on one machine.
+on one machine. The code's version matters too: the 32-stage cells run at commit 77d66d7, and
+since 48c404b compiles the initial state unoptimized, the same seed draws other last bits
+(32 stages, seed 1: ``c51d0e37…`` at 77d66d7, ``4434fe54…`` after), so that depth's remaining
+cells run from a worktree at 77d66d7, and the report's starting-weights check would catch a run
+that did not.
 
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
 """
