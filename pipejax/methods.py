@@ -326,7 +326,9 @@ RECOMMENDED = next(name for name, traits in _TRAITS.items() if traits.recommende
 # How reports and figures name the presets.
 DISPLAY_NAMES = {"sgd": "SGD", "sync": "GPipe (sync)", "pb": "PB", "pb_sc": "PB + SC",
                  "pb_lwp": "PB + LWP", "pb_sc_lwp": "PB + SC + LWP", "pipedream": "PipeDream",
-                 "spectrain": "SpecTrain", "pipemare": "PipeMare", "dcasgd": "DC-ASGD"}
+                 "spectrain": "SpecTrain", "pipemare": "PipeMare", "dcasgd": "DC-ASGD",
+                 "pipeoptim": "PipeOptim", "nesterov_asyncpp": "Nesterov AsyncPP",
+                 "pb_muon": "PB + Muon"}
 
 
 def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, momentum: float = 0.9,

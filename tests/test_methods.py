@@ -65,6 +65,10 @@ def test_every_preset_has_an_oracle():
   assert sorted(ORACLES) == sorted(methods.METHODS)
 
 
+def test_every_preset_has_a_name_for_reports():
+  assert set(methods.METHODS) <= set(methods.DISPLAY_NAMES)
+
+
 @pytest.mark.parametrize("name", methods.METHODS)
 def test_preset_matches_naive_oracle(name):
   model = make_model()
