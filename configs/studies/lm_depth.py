@@ -45,7 +45,9 @@ each) while helpers' test suites also loaded the 2 cores (load average 15 to 25)
 stages, sgd), 1,602 s (16, sgd), 2,136 s (32, sgd), 2,375 s (32, pb) and 2,397 s (32,
 pb_sc_lwp). At those times the 90 runs take 23 hours two at a time; on a quiet machine, where
 the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
-against 40 for pb at 32 stages alone), about 12 hours.
+against 40 for pb at 32 stages alone), about 12 hours. Measured later on a quiet machine, two
+trainers at a time: 1,074 to 1,251 s of wall time for a 32-stage run of PB + SC, PipeOptim or
+PipeDream.
 
 Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
 lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
