@@ -43,7 +43,7 @@ this order with ``--where`` (as the study asks: the 32-stage comparison first):
 Cost, measured from the sizing runs' ``wall_seconds`` with two trainers at a time (one thread
 each) while helpers' test suites also loaded the 2 cores (load average 15 to 25): 1,273 s (8
 stages, sgd), 1,602 s (16, sgd), 2,136 s (32, sgd), 2,375 s (32, pb) and 2,397 s (32,
-pb_sc_lwp). At those times the 90 runs take 23 hours two at a time; on a quiet machine, where
+pb_sc_lwp). At those times the grid takes about 23 hours two at a time; on a quiet machine, where
 the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
 against 40 for pb at 32 stages alone), about 12 hours. Measured later on a quiet machine, two
 trainers at a time: 1,074 to 1,251 s of wall time for a 32-stage run of PB + SC, PipeOptim or
@@ -63,9 +63,9 @@ own CPU under jax 0.11.2 (``JAX_PLATFORMS=cpu``; a 40-sequence ``scripts/train.p
 each), so the platform makes the difference, not the jax version. A depth's cells therefore stay
 on one machine. The code's version matters too: the 32-stage cells run at commit 77d66d7, and
 since 48c404b compiles the initial state unoptimized, the same seed draws other last bits
-(32 stages, seed 1: ``c51d0e37…`` at 77d66d7, ``4434fe54…`` after), so that depth's remaining
-cells run from a worktree at 77d66d7, and the report's starting-weights check would catch a run
-that did not.
+(32 stages, seed 1: ``c51d0e37…`` at 77d66d7, ``4434fe54…`` after), so every 32-stage cell ran
+from a worktree at 77d66d7; a rerun at a later commit would start from other weights, which the
+report's starting-weights check flags.
 
 ``:smoke`` runs the 4-stage smoke network on 1500 sequences, three methods, two seeds (CI).
 """
