@@ -150,6 +150,7 @@ class Checkpointer:
     meta["meta_digest"] = _meta_digest(meta)
     if self._placement is not None:
       state = jax.tree.map(to_global, state, self._placement(state))
+    problem = None
     with _LibraryReportsHeld() as held:
       try:
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -160,8 +161,11 @@ class Checkpointer:
         if problem is None:
           raise
         held.drop()  # each of orbax's writer threads logged the full disk with its traceback
-        _quiet_abandoned_writers()
-        raise problem from None
+    if problem is not None:
+      # After the held block has put the hooks back: the abandoned writers go on reporting
+      # after the save has returned, on a loaded machine long after.
+      _quiet_abandoned_writers()
+      raise problem
 
   def restore_meta(self, step: int) -> dict:
     """The meta of ``step`` as saved, its digest checked (a :class:`CheckpointError` if damaged).
