@@ -169,11 +169,12 @@ class Pipeline(ScanRunner):
     inputs, labels = checks.micro_batch_specs(self.example_inputs, self.example_labels)
     object.__setattr__(self, "example_inputs", inputs)
     object.__setattr__(self, "example_labels", labels)
-    params, stage_inputs, forwards = self.model.trace(jax.random.PRNGKey(0), inputs)
-    checks.check_floating_params(self.model, params)
-    object.__setattr__(self, "_params_shapes", params)
-    object.__setattr__(self, "_stage_inputs", stage_inputs)
-    object.__setattr__(self, "_forward_programs", tuple(forwards))
+    traced = self.model.trace(jax.random.PRNGKey(0), inputs)
+    checks.check_floating_params(self.model, traced.params)
+    object.__setattr__(self, "_params_shapes", traced.params)
+    object.__setattr__(self, "_stage_inputs", traced.inputs)
+    object.__setattr__(self, "_forward_programs", tuple(traced.forwards))
+    object.__setattr__(self, "_initial_programs", tuple(traced.initials))
     checks.check_loss(self.model.loss, self._last_stage_output(), labels)
     for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
       object.__setattr__(self, name, program)
@@ -265,7 +266,9 @@ class Pipeline(ScanRunner):
     together under ``vmap``."""
     x_spec = self._stage_inputs[s]
     x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
-    params, variables = self.model.stages[s].initial(key, x_zeros)
+    # The program traced with the model, not the stage's Python again: the same computation,
+    # and at hundreds of stages a second trace of every initialization is seconds of building.
+    params, variables = self._initial_programs[s](key, x_zeros)
     forward_out = None
     if s < self.num_stages - 1:
       forward_out = Packet(_filled(self._stage_inputs[s + 1], fill_value),

@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import optax
 
@@ -257,14 +258,17 @@ class Model:
     any computation. A stage that cannot take its predecessor's output is a :class:`ModelError`
     naming both stages and both shapes.
     """
-    params_shapes, input_shapes, _ = self.trace(rng, x)
-    return params_shapes, input_shapes
+    traced = self.trace(rng, x)
+    return traced.params, traced.inputs
 
-  def trace(self, rng: jax.Array, x: PyTree) -> tuple[list[PyTree], list[PyTree], list]:
-    """:meth:`trace_shapes`, and each stage's ``forward`` as a closed jaxpr of its parameters,
-    input, key and variables (what ``pipejax.parallel.stacks`` compares to find identical
-    stages, so that building a deep pipeline traces each forward once)."""
-    params_shapes, input_shapes, forwards = [], [], []
+  def trace(self, rng: jax.Array, x: PyTree) -> "ModelTrace":
+    """:meth:`trace_shapes`, with each stage's ``initial`` and ``forward`` as programs.
+
+    A deep pipeline is built from these: ``pipejax.parallel.stacks`` compares the forwards to
+    find identical stages, and the engine initializes each stage by running its ``initial``
+    program, so that building traces each stage's initialization and forward once.
+    """
+    params_shapes, input_shapes, forwards, initials = [], [], [], []
     keys = jax.random.split(rng, self.num_stages)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
     for s, stage in enumerate(self.stages):
@@ -276,7 +280,7 @@ class Model:
               f"{source} produces per-sample shape {_fmt(x)} but {self.stage_label(s)} expects "
               f"per-sample shape {stage.input_shape}. Change one of the two stages so they agree.")
       try:
-        p, v = jax.eval_shape(stage.initial, keys[s], x)
+        initial, (p, v) = jax.make_jaxpr(stage.initial, return_shape=True)(keys[s], x)
         forward, (y, _) = jax.make_jaxpr(stage.forward, return_shape=True)(p, x, keys[s], v)
       except ModelError:
         raise
@@ -299,8 +303,29 @@ class Model:
       params_shapes.append(p)
       input_shapes.append(x)
       forwards.append(forward)
+      initials.append(InitialProgram(initial, jax.tree.structure((p, v))))
       x = y
-    return params_shapes, input_shapes, forwards
+    return ModelTrace(params_shapes, input_shapes, forwards, initials)
+
+
+class InitialProgram(NamedTuple):
+  """A stage's ``initial(rng, x)`` as a closed jaxpr of the key and the input's leaves."""
+
+  closed: jax_core.ClosedJaxpr
+  out_tree: Any  # the structure of (params, variables)
+
+  def __call__(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, Variables | None]:
+    leaves = jax_core.jaxpr_as_fun(self.closed)(rng, *jax.tree.leaves(x))
+    return jax.tree.unflatten(self.out_tree, leaves)
+
+
+class ModelTrace(NamedTuple):
+  """What :meth:`Model.trace` finds, one entry per stage."""
+
+  params: list  # ShapeDtypeStruct trees of the parameters
+  inputs: list  # ShapeDtypeStruct trees of the input micro-batch
+  forwards: list  # closed jaxprs of forward(params, x, rng, variables)
+  initials: list  # InitialProgram of initial(rng, x)
 
 
 def plain_step(model: Model, tx):

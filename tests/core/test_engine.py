@@ -429,3 +429,29 @@ def test_state_spec_is_the_shape_of_what_init_makes(name):
   for got, want in zip(jax.tree.leaves(pipe.state_spec), jax.tree.leaves(whole)):
     assert (got.shape, got.dtype, got.weak_type) == (want.shape, want.dtype, want.weak_type)
   assert (pipe.traced_init_stage(1)[0] is None) == (name == "python_delay")
+
+
+def test_building_and_initializing_runs_each_stages_initialization_once():
+  """The engine initializes each stage from the program the model's trace made: a stage's own
+  Python runs once, at the build, and the weights are those of the stage's own init."""
+  x, y = make_stream(1, 2)
+  model = make_model(EVEN)
+  calls = [0] * model.num_stages
+
+  def counted(s, stage):
+    def initial(rng, x):
+      calls[s] += 1
+      return stage.init_with_variables(rng, x)
+    return dataclasses.replace(stage, init_with_variables=initial)
+
+  counted_model = pipejax.Model([counted(s, st) for s, st in enumerate(model.stages)], model.loss)
+  pipe = Pipeline(counted_model, methods.make_method("pb_sc_lwp", learning_rate=0.1), x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(3))
+  StackedPipeline(pipe).init(jax.random.PRNGKey(3))
+  assert calls == [1] * model.num_stages
+  stage_keys, _ = pipe.init_keys(jax.random.PRNGKey(3))
+  for s, stage in enumerate(model.stages):
+    inputs = jnp.zeros(pipe.stage_input_shapes[s].shape, pipe.stage_input_shapes[s].dtype)
+    expected = stage.init(stage_keys[s], inputs)
+    assert jax.tree.structure(state.stages[s].params) == jax.tree.structure(expected)
+    assert_trees_close(state.stages[s].params, expected)
