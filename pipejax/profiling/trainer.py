@@ -18,6 +18,7 @@ import numpy as np
 
 from pipejax import config as configlib
 from pipejax import data as data_lib
+from pipejax.parallel import stacks
 from pipejax.train import divergence, experiment
 from pipejax.profiling.timing import best_times
 
@@ -40,10 +41,22 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   ``setup_s`` is ``experiment.build``, the runner's init and its logical state (which the trainer
   reads for the initial weights' digest): the part of the trainer's set-up that depends on the
   depth (data loading aside, which is the same at every depth).
+
+  Two parts of the build are timed again on the built pipeline, the ones every stage must pass
+  through for identical stages to be found: ``model_trace_s``, each stage's initialization and
+  forward traced (``Model.trace``), and ``find_stacks_s``, the method's update traced per stage
+  and the programs compared (the initial states' traces already kept).
   """
   start = time.perf_counter()
   setup = experiment.build(config)
   build_s = time.perf_counter() - start
+  pipe = setup.pipeline
+  start = time.perf_counter()
+  pipe.model.trace(jax.random.PRNGKey(0), pipe.example_inputs)
+  model_trace_s = time.perf_counter() - start
+  start = time.perf_counter()
+  stacks.find_stacks(pipe)
+  find_stacks_s = time.perf_counter() - start
   runner, b = setup.runner, config.micro_batch_size
   start = time.perf_counter()
   holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(config.seed)))}
@@ -73,7 +86,8 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
     fn()  # both programs compiled and run once on a full pipeline
   seconds = best_times({"benchmark": benchmark_chunk, "trainer": trainer_chunk}, repeats)
   row = {"num_stages": setup.pipeline.num_stages, "method": config.method, "ticks": ticks,
-         "build_s": build_s, "init_s": init_s, "setup_s": build_s + init_s}
+         "build_s": build_s, "init_s": init_s, "setup_s": build_s + init_s,
+         "model_trace_s": model_trace_s, "find_stacks_s": find_stacks_s}
   for name, (wall, cpu) in seconds.items():
     row[f"{name}_samples_per_s"] = ticks * b / wall
     row[f"{name}_samples_per_cpu_s"] = ticks * b / cpu
