@@ -261,7 +261,7 @@ class Model:
     traced = self.trace(rng, x)
     return traced.params, traced.inputs
 
-  def trace(self, rng: jax.Array, x: PyTree) -> "ModelTrace":
+  def trace(self, rng: jax.Array, x: PyTree) -> ModelTrace:
     """:meth:`trace_shapes`, with each stage's ``initial`` and ``forward`` as programs.
 
     A deep pipeline is built from these: ``pipejax.parallel.stacks`` compares the forwards to
