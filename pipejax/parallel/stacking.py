@@ -325,8 +325,11 @@ class StackedPipeline(ScanRunner):
     """One tick of a stack: the engine's steps under vmap, the packed rings between."""
     read = jnp.asarray(stack.offsets) + (tick + 1) % jnp.asarray(stack.lengths)
     write = jnp.asarray(stack.offsets) + tick % jnp.asarray(stack.lengths)
-    read_oldest = lambda entry: jax.tree.map(lambda ring: jnp.take(ring, read, axis=0),
-                                             st.delay_line)
+    # Every index lies in its own stage's span. Indexing's default mode guards each with a
+    # select, which writes the gathered slots out once more: a pass over the stashed weights.
+    read_oldest = lambda entry: jax.tree.map(
+        lambda ring: ring.at[read].get(mode="promise_in_bounds", indices_are_sorted=True,
+                                       unique_indices=True), st.delay_line)
     entry, new, metrics = _stacked_steps(self.pipeline, stack.start, stack.stop, st, inbound,
                                          cotangent, rng, read_oldest, options)
     line = jax.tree.map(
