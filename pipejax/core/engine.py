@@ -288,16 +288,19 @@ class Pipeline(ScanRunner):
     what building a pipeline costs.
     """
     if s not in self._init_traces:
-      key = jax.eval_shape(jax.random.PRNGKey, 0)
-      fill = jax.ShapeDtypeStruct((), jnp.float32)
-      try:
-        self._init_traces[s] = jax.make_jaxpr(
-            lambda key, delay, fill: self.init_stage(s, key, fill, delay),
-            return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
-      except (TypeError, ValueError):  # a traced delay the method cannot take, among them
-        self._init_traces[s] = None, jax.eval_shape(
-            lambda key, fill: self.init_stage(s, key, fill, self.delays[s]), key, fill)
+      self._init_traces[s] = self.trace_init_stage(s)
     return self._init_traces[s]
+
+  def trace_init_stage(self, s: int) -> tuple[jax.extend.core.ClosedJaxpr | None, StageState]:
+    """:meth:`traced_init_stage`, traced anew (not kept)."""
+    key = jax.eval_shape(jax.random.PRNGKey, 0)
+    fill = jax.ShapeDtypeStruct((), jnp.float32)
+    try:
+      return jax.make_jaxpr(lambda key, delay, fill: self.init_stage(s, key, fill, delay),
+                            return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
+    except (TypeError, ValueError):  # a traced delay the method cannot take, among them
+      return None, jax.eval_shape(
+          lambda key, fill: self.init_stage(s, key, fill, self.delays[s]), key, fill)
 
   def empty_delay_line(self, s: int, st: StageState, slots: int, fill_value) -> DelayLine:
     """``slots`` empty entries of stage ``s``'s delay line, shaped after one stage's state

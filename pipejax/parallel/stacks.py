@@ -31,9 +31,20 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
   """What stage ``s`` computes, as text and constants: equal for identical stages.
 
   The stage's forward (traced when the pipeline was built), and the method's weight views and
-  update with the delay as a traced value, traced over the flattened leaves of the stage's
-  state; the backward is the forward's VJP. None when the method cannot take a traced delay.
+  update (:func:`update_program`); the backward is the forward's VJP. None when the method cannot
+  take a traced delay.
   """
+  update = update_program(pipeline, s, spec)
+  if update is None:
+    return None
+  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(spec.stages[s].delay_line)]
+  return _as_text((pipeline.forward_program(s), update)), str(line)
+
+
+def update_program(pipeline: Pipeline, s: int, spec: PipelineState):
+  """The method's weight views and update of stage ``s`` with the delay as a traced value, as a
+  closed jaxpr over the flattened leaves of the stage's state; None when the method cannot take
+  a traced delay, or its update's state is not the state the stage's init makes."""
   method, st = pipeline.method, spec.stages[s]
   leaves, treedef = jax.tree.flatten(st._replace(delay_line=None))
   opt_structure = []
@@ -48,13 +59,12 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
             method.backward_weights(st.params, st.opt_state, delay), updates, opt_state)
 
   try:
-    traced = (pipeline.forward_program(s), jax.make_jaxpr(update)(leaves, _TRACED_DELAY))
+    program = jax.make_jaxpr(update)(leaves, _TRACED_DELAY)
   except (TypeError, ValueError):  # a traced delay the method cannot take, among them
     return None
   if opt_structure[0] != jax.tree.structure(st.opt_state):
-    return None  # the update's state is not the state the stage's init makes
-  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(st.delay_line)]
-  return _as_text(traced), str(line)
+    return None
+  return program
 
 
 class InitProgram(NamedTuple):

@@ -42,10 +42,13 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   reads for the initial weights' digest): the part of the trainer's set-up that depends on the
   depth (data loading aside, which is the same at every depth).
 
-  Two parts of the build are timed again on the built pipeline, the ones every stage must pass
-  through for identical stages to be found: ``model_trace_s``, each stage's initialization and
-  forward traced (``Model.trace``), and ``find_stacks_s``, the method's update traced per stage
-  and the programs compared (the initial states' traces already kept).
+  The build's parts that trace every stage are timed again on the built pipeline:
+  ``model_trace_s``, each stage's initialization and forward (``Model.trace``);
+  ``init_trace_s``, each stage's state initialization with its delay as an input
+  (``Pipeline.trace_init_stage``: the state's shapes, and the stacked init's program);
+  ``update_trace_s``, the method's update of each stage between the first and the last
+  (``stacks.update_program``); and ``find_stacks_s``, those update traces with the programs
+  compared.
   """
   start = time.perf_counter()
   setup = experiment.build(config)
@@ -54,6 +57,15 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   start = time.perf_counter()
   pipe.model.trace(jax.random.PRNGKey(0), pipe.example_inputs)
   model_trace_s = time.perf_counter() - start
+  start = time.perf_counter()
+  for s in range(pipe.num_stages):
+    pipe.trace_init_stage(s)
+  init_trace_s = time.perf_counter() - start
+  spec = pipe.state_spec
+  start = time.perf_counter()
+  for s in range(1, pipe.num_stages - 1):
+    stacks.update_program(pipe, s, spec)
+  update_trace_s = time.perf_counter() - start
   start = time.perf_counter()
   stacks.find_stacks(pipe)
   find_stacks_s = time.perf_counter() - start
@@ -87,7 +99,8 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   seconds = best_times({"benchmark": benchmark_chunk, "trainer": trainer_chunk}, repeats)
   row = {"num_stages": setup.pipeline.num_stages, "method": config.method, "ticks": ticks,
          "build_s": build_s, "init_s": init_s, "setup_s": build_s + init_s,
-         "model_trace_s": model_trace_s, "find_stacks_s": find_stacks_s}
+         "model_trace_s": model_trace_s, "init_trace_s": init_trace_s,
+         "update_trace_s": update_trace_s, "find_stacks_s": find_stacks_s}
   for name, (wall, cpu) in seconds.items():
     row[f"{name}_samples_per_s"] = ticks * b / wall
     row[f"{name}_samples_per_cpu_s"] = ticks * b / cpu
