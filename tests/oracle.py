@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +62,13 @@ class DelayCompensated(Momentum):
 @dataclasses.dataclass
 class Adam:
   """AdamW written out (bias-corrected moments, decoupled decay); Spike Compensation on the
-  bias-corrected first moment when sc: u = b1^D mu_hat + (1 - b1^D) g."""
+  bias-corrected first moment when sc: u = b1^D mu_hat + (1 - b1^D) g.
 
-  lr: float
+  ``lr``: a number, or a function of the step's index from 0 (a schedule): the k-th update
+  (k = 1, 2, ...) takes lr(k - 1), the decay term as well as the Adam step.
+  """
+
+  lr: float | Callable[[int], float]
   b1: float
   b2: float
   delay: int = 0
@@ -84,16 +89,21 @@ class Adam:
     self.nu = [b2 * n + (1 - b2) * gi * gi for n, gi in zip(self.nu, g)]
     a = b1 ** self.delay if self.spike_compensation else 1.0
     first = [a * m / (1 - b1 ** k) + (1 - a) * gi for m, gi in zip(self.mu, g)]
-    return [wi - self.lr * (f / (np.sqrt(n / (1 - b2 ** k)) + self.eps)
-                            + decay_of(wi, self.weight_decay, self.decay_mask))
+    return [wi - self.rate() * (f / (np.sqrt(n / (1 - b2 ** k)) + self.eps)
+                                + decay_of(wi, self.weight_decay, self.decay_mask))
             for wi, f, n in zip(w, first, self.nu)]
+
+  def rate(self):
+    """The learning rate of the last update counted."""
+    return self.lr(self.count - 1) if callable(self.lr) else self.lr
 
   def forward_view(self, w, horizon):
     """PipeOptim's prediction w - lr s m_hat / (sqrt(v_hat) + eps) after the last step."""
     if not self.count:
       return w
     b1, b2, k = self.b1, self.b2, self.count
-    return [wi - self.lr * horizon * (m / (1 - b1 ** k)) / (np.sqrt(n / (1 - b2 ** k)) + self.eps)
+    return [wi - self.rate() * horizon * (m / (1 - b1 ** k)) / (np.sqrt(n / (1 - b2 ** k))
+                                                                + self.eps)
             for wi, m, n in zip(w, self.mu, self.nu)]
 
 

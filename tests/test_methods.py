@@ -3,9 +3,11 @@
 import ast
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import pipejax
@@ -13,7 +15,8 @@ from pipejax import methods
 from pipejax import schedules
 from pipejax.core.engine import Pipeline
 from tests import oracle
-from tests.helpers import assert_trees_close, make_model, make_stream, stage_params
+from tests.helpers import (NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
+                           stage_params)
 
 LR, M = 0.05, 0.9
 ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K
@@ -260,6 +263,65 @@ def test_adamw_decay_mask_spares_biases(name, rule):
   assert_trees_close(stage_params(state), masked, rtol=1e-4, atol=1e-5)
   biases = lambda tree: [b for stage in tree for b in jax.tree.leaves(stage) if b.ndim == 1]
   assert max(np.abs(a - b).max() for a, b in zip(biases(masked), biases(unmasked))) > 1e-3
+
+
+def warmup_cosine(peak, warmup_steps, total_steps):
+  """The trainer's learning-rate schedule (pipejax.train.experiment), written out: from 0 up to
+  ``peak`` linearly over ``warmup_steps``, then half a cosine down to 0 at ``total_steps``."""
+  def rate(k):
+    if k < warmup_steps:
+      return peak * k / warmup_steps
+    done = min(k - warmup_steps, total_steps - warmup_steps) / (total_steps - warmup_steps)
+    return peak * 0.5 * (1 + np.cos(np.pi * done))
+  return rate
+
+
+def test_adam_pb_sc_lwp_with_masked_decay_under_a_schedule_matches_naive_oracle():
+  """The LM study's PB + SC + LWP (configs/studies/lm_depth.py): Adam-form Spike Compensation,
+  AdamW's decoupled decay on the kernels only (decay_mask=True), a warm-up + cosine learning rate
+  that scales the decay as well, and the forward on the applied update's linear prediction.
+
+  Biases start away from zero, so that decaying them, or not decaying the kernels, would move
+  both the weights and the predictions they extrapolate."""
+  biased = nn.initializers.normal(0.5)
+  model = pipejax.Model(
+      [pipejax.from_flax(nn.Sequential([nn.Dense(w, bias_init=biased), nn.tanh]), name=f"dense{w}")
+       for w in WIDTHS] + [pipejax.from_flax(nn.Dense(NUM_CLASSES, bias_init=biased), name="head")])
+  num_stages, ticks = model.num_stages, 4 * model.num_stages
+  schedule = optax.warmup_cosine_decay_schedule(0.0, ADAM_LR, 2, ticks)
+  method = methods.make_method("pb_sc_lwp", learning_rate=schedule, momentum=B1, b2=B2,
+                               optimizer="adam", weight_decay=WD, decay_mask=True)
+  x, y = make_stream(ticks, 2)
+  pipe = Pipeline(model, method, x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(6))
+  init_params = stage_params(state)
+
+  def run_oracle(num_ticks, weight_decay=WD, decay_mask=True):
+    rule = lambda d: oracle.Adam(warmup_cosine(ADAM_LR, 2, ticks), B1, B2, d,
+                                 spike_compensation=True, weight_decay=weight_decay,
+                                 decay_mask=decay_mask)
+    return oracle.run_oracle(model, oracle.OracleMethod(rule, forward="predicted_update"),
+                             init_params, x[:num_ticks], y[:num_ticks])
+
+  expected, expected_metrics = run_oracle(ticks)
+  before_last, _ = run_oracle(ticks - 1)
+  state, metrics = pipe.run(state, x, y)
+  assert_trees_close(stage_params(state), expected, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(metrics["loss"]), [m["loss"] for m in expected_metrics],
+                             rtol=1e-4, atol=1e-5)
+  # Every stage updated at the last tick; its forward now runs on w_T + D_s (w_T - w_{T-1}).
+  for s, st in enumerate(state.stages):
+    delay = 2 * (num_stages - 1 - s)
+    predicted = jax.tree.map(lambda now, then, d=delay: now + d * (now - then), expected[s],
+                             before_last[s])
+    assert_trees_close(method.forward_weights(st.params, st.opt_state, pipe.delays[s]),
+                       predicted, rtol=1e-4, atol=1e-5)
+  # The decay and its mask each move the weights well past the tolerance.
+  for changed in ({"decay_mask": False}, {"weight_decay": 0.0}):
+    other, _ = run_oracle(ticks, **changed)
+    gap = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(other),
+                                                  jax.tree.leaves(expected)))
+    assert gap > 1e-3, changed
 
 
 def test_decay_mask_needs_adam():

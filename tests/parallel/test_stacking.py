@@ -15,6 +15,7 @@ from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
 from pipejax.parallel.stacking import StackedPipeline
 from pipejax.parallel.stacks import find_stacks
+from pipejax.profiling import workloads
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never stack)
@@ -169,6 +170,48 @@ def test_delay_lines_hold_the_formulas_bytes(name):
   assert pipe.stash_bytes() == accounting.stash_bytes(pipe.stage_input_shapes) == activations
   assert (accounting.weight_stash_bytes(pipe.stage_param_shapes) if pipe.stashes_weights
           else 0) == stashed
+
+
+# What docs/benchmarks/delay_lines.json measured for configs/deep_mlp.py's residual MLP:
+# (stashed input bytes, stashed weight bytes for PipeDream) at 128 and 256 stages.
+DEEP_MLP_DELAY_LINES = {128: (9_057_728, 2_249_455_144), 256: (34_895_296, 8_861_382_184)}
+
+
+@pytest.mark.parametrize("num_stages", [128, 256])
+@pytest.mark.parametrize("name", ["pb", "pipedream"])
+def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
+  """configs/deep_mlp.py's residual MLP, stacked, read off the shapes of its init (PipeDream's
+  weight copies at 256 stages are 8.9 GB): the formulas counted by hand from the paper's
+  D_s = 2(S - 1 - s) and the model's layer widths, with no call to the library's accounting."""
+  s_max = num_stages - 1
+  slots = [2 * (s_max - s) + 1 for s in range(num_stages)]
+  # Micro-batch 1 of float32: the stem takes a 28 x 28 x 1 image, every later stage the width-128
+  # residual stream.
+  inputs = [4 * 28 * 28 * 1] + [4 * 128] * s_max
+  # The stem's dense layer 784 -> 128; a block's LayerNorm (scale and bias) and two 128 -> 128
+  # dense layers; the head's LayerNorm and its dense layer 128 -> 10.
+  stem, block, head = 784 * 128 + 128, 2 * 128 + 2 * (128 * 128 + 128), 2 * 128 + 128 * 10 + 10
+  weights = [4 * stem] + [4 * block] * (num_stages - 2) + [4 * head]
+  activations = sum(n * size for n, size in zip(slots, inputs))
+  stashed = sum(n * w for n, w in zip(slots, weights)) if name == "pipedream" else 0
+  measured_inputs, measured_weights = DEEP_MLP_DELAY_LINES[num_stages]
+  assert activations == measured_inputs
+  assert stashed == (measured_weights if name == "pipedream" else 0)
+
+  x, y = np.zeros((1, 28, 28, 1), np.float32), np.zeros((1,), np.int32)
+  method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
+  stacked = StackedPipeline(Pipeline(workloads.depth_model(num_stages), method, x, y))
+  runs = ((0, 1), (1, s_max), (s_max, num_stages))  # the stem, the blocks' stack, the head
+  assert stacked.runs == runs
+  state = jax.eval_shape(lambda: stacked.init(jax.random.PRNGKey(0)))
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+  # A stack's rings lie end to end, so each part's delay line holds its stages' slots together.
+  for part, (start, stop) in zip(state.parts, runs):
+    assert part.delay_line.valid.shape == (sum(slots[start:stop]),)
+    held = zip(slots[start:stop], inputs[start:stop])
+    assert nbytes(part.delay_line.x) == sum(n * size for n, size in held)
+  assert sum(nbytes(part.delay_line.x) for part in state.parts) == activations
+  assert sum(nbytes(part.delay_line.weights) for part in state.parts) == stashed
 
 
 def test_a_logical_or_foreign_state_is_refused():
