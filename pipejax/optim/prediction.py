@@ -271,10 +271,12 @@ class _Prediction(NamedTuple):
     else:
       offset = self.velocity_offset(gradient, state, inner_state)
     if outermost:
-      # The same rounding as the forward pass would see computing params_new + offset itself; a
+      # From the weights before the update, not after: a prediction that read the new weights
+      # would keep the old ones alive past the update whenever the update reads them (coupled
+      # weight decay), and the compiled loop would then copy the new weights every step. A
       # frozen leaf (None update) stays where it is.
       forward = jax.tree.map(
-          lambda p, u, o: p if u is None else (optax.apply_updates(p, u) + o).astype(p.dtype),
+          lambda p, u, o: p if u is None else (p + (u + o)).astype(p.dtype),
           params, updates, offset)
       offset = None
     return updates, WeightPredictionState(
