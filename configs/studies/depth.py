@@ -47,12 +47,31 @@ and a delay D or it is not. On this network each stage's update meets the curvat
 block of the Hessian, λ_s (its top eigenvalue, mean loss over 256 training examples, power
 iteration: `pipejax.analysis.sharpness`), through its own delay D_s = 2(S − 1 − s). Each row
 reads λ_s on sampled stages of one network's weights, `python scripts/depth_limits.py` (its
-docstring gives the command), and sets the quadratic's largest stable delay at the study's peak
-step (η = 6.43e-6 at momentum 0.99918, the batch-128 recipe at micro-batch 1) and the sharpest
-sampled block's λ beside the longest delay a block has at that depth and what the study measured
-there (momentum SGD runs). The stem (stage 0, the longest delay) is shown apart: it sees the
-raw pixels and is the sharpest block at every depth measured. What the comparison finds is in
-docs/study.md, "Where each method breaks"."""
+docstring gives the command): the initial weights, or PB's seed-0 run after that many samples
+(at 256 stages a rerun of PB's diverged run with checkpoints every 250 samples of the warm-up).
+Every method's column uses those weights; the methods that diverged left no checkpoint to read.
+Each column gives the quadratic's largest stable delay on the sharpest sampled block at the
+study's peak step (η = 6.43e-6 at momentum m = 0.99918, the batch-128 recipe at micro-batch 1),
+searched up to twice the pipeline's longest delay ("none ≤ N": every delay up to N is stable),
+beside the longest delay a block has at that depth. The stem (stage 0, the longest delay) is
+shown apart: it sees the raw pixels and is the sharpest sampled stage at the initial weights.
+
+PipeMare's column comes from the same λ records, with no new curvature reading. The quadratic
+models PipeMare at the start of its annealing, PB at ηλ/D, so its stable delays need not be an
+interval and `quadratic.largest_stable_delay` refuses it; `depth_limits.pipemare_limit` gives
+its limit instead. Its largest stable base ηλ is exactly 1 − m = 8.2e-4 at D = 1 and grows with
+D (to π/2 (1 − m)), so a base ηλ below 1 − m is stable at every delay. Every measured ηλ_s is
+below it, the largest (the 32-stage stem at the initial weights, 3.8e-4) by a factor of 2.1. In
+this study PipeMare anneals over the whole epoch, K = 60,000 steps, so after k samples its step
+is η D^−(1 − k/K): PipeMare at base ηλ D^(k/K), which at every reading is at most 0.47 of 1 − m.
+The quadratic therefore predicts no break for PipeMare at any depth or reading.
+
+The measured cells are each method's outcome at that depth, the same on every row of the
+depth: the mean gap to SGD paired by seed (momentum SGD runs) and the runs that diverged. The
+study measures no break point, no delay at which a method starts to fail: only whether each
+depth's runs diverged and, for a run that did, after how many samples and in which stages the
+trainer first saw a non-finite value (its divergence message, kept in the run's record as
+`divergence`). Below the table, each method's verdict at each depth and reading."""
 
 
 def get_study(arg: str | None = None) -> Study:
