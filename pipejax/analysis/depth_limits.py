@@ -4,12 +4,14 @@ The quadratic's stability edge is in units of ``ηλ``; a network has no one ``�
 update sees the curvature of its own block of the Hessian (:mod:`pipejax.analysis.sharpness`)
 through its own delay ``D_s``, so the quadratic makes one prediction a stage: stage ``s`` is
 stable under a method when ``ρ(method, η λ_s, m, D_s) < 1``, and its limit is the largest delay
-still stable at ``η λ_s`` (:func:`pipejax.analysis.quadratic.largest_stable_delay`). A pipeline
-whose stages all pass is predicted to train; the first stage (the longest delay) usually decides.
+still stable at ``η λ_s`` (:func:`pipejax.analysis.quadratic.largest_stable_delay`; PipeMare's,
+whose step shrinks with the delay, :func:`pipemare_limit`). A pipeline whose stages all pass is
+predicted to train; the first stage (the longest delay) usually decides.
 
 :func:`measure` reads the curvature where a study's run was (its initial weights and its
 checkpoints) and writes one record a (weights, stage), with the predictions at the run's peak
 learning rate and momentum. ``scripts/depth_limits.py`` is its command line.
+:func:`report_section` sets the records beside a study's runs, with :func:`verdicts`.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def limits_at(lr_sharpness: float, momentum: float, max_delay: int) -> dict:
 
 
 def limit_bound(num_stages: int) -> int:
-  """How far :func:`measure` looks for a limit: twice the pipeline's longest delay, 2(S − 1)."""
+  """How far :func:`measure` looks for a limit: twice the pipeline's longest delay (the stem's,
+  2(S − 1))."""
   return max(4 * (num_stages - 1), 16)
 
 
@@ -294,8 +297,8 @@ def measured_text(study_records: Sequence[dict], method: str, depth: int) -> str
     gap = statistics.paired(gaps)
     ci = (f" [{_points_text(gap.low)}, {_points_text(gap.high)}]"
           if math.isfinite(gap.low) else "")
-    parts.append(f"{'trained ' + str(len(runs) - len(diverged)) + ' of ' + str(len(runs)) + ', '}"
-                 f"gap to SGD {_points_text(gap.mean)}{ci} points (n = {gap.n})")
+    parts.append(f"trained {len(runs) - len(diverged)} of {len(runs)}, gap to SGD "
+                 f"{_points_text(gap.mean)}{ci} points (n = {gap.n})")
   return "; ".join(parts)
 
 
