@@ -4,25 +4,39 @@ r"""Depth study: each method's accuracy gap to SGD as the pipeline gets deeper (
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
 
 The network is configs/deep_mlp.py's residual MLP on Fashion-MNIST, one weight layer per stage,
-at 4 to 64 stages (delays up to 126), micro-batch 1, one epoch, the batch-128 recipe converted by
+at 4 to 256 stages (delays up to 510), micro-batch 1, one epoch, the batch-128 recipe converted by
 the scaling rules. SGD (the whole network as one stage, the same samples at batch 1, starting from
 the same weights as the pipelined runs of its seed) is the baseline of every gap, paired by depth
-and seed. Three seeds per cell; the runner does every cell's first seed before any second one, so
-restrict a session to cheap depths with ``--where=model_kwargs.depth=8``.
+and seed. Three seeds per cell, five for SGD, PB and PB + SC + LWP at 128 stages; the runner does
+every cell's first seed before any second one, so restrict a session to cheap depths with
+``--where=model_kwargs.depth=8``.
 
-* Every depth: SGD, plain PB and PB + SC + LWP (the paper's claim), then the rivals.
+* Every depth from 4 to 32: SGD, plain PB and PB + SC + LWP (the paper's claim), then the rivals.
 * 64 stages: SGD, PB, PB + SC + LWP, SpecTrain and PipeMare (a 64-stage run costs about twice a
   32-stage one, so not every rival).
-* 128 and 256 stages (delays up to 254, the paper's one layer per stage at ResNet depths): SGD,
-  PB, PB + SC + LWP, PB + SC, SpecTrain and PipeMare, three seeds, and five seeds of SGD, PB and
-  PB + SC + LWP at 128 stages (42 runs). Restrict a session to them with
-  ``--where=model_kwargs.depth=128|256``. Cost: PB at 128 stages, seed 0, took 505 s (set-up
-  38 s, 138 samples/s steady) with two other trainers on the 2 cores (load about 3). With the
-  64-stage runs' ratios to PB (SGD 1.1, PB + SC + LWP 2.6, SpecTrain 1.6, PipeMare 2.0; PB + SC
-  taken as 1.2) the 128-stage cells cost about 5.3 hours and the 256-stage cells, at twice the
-  time a run, about 8 hours: about 13 hours one at a time, 7 two at a time. Not in that
-  estimate: SGD at 256 stages is one program of 256 layers (the one-stage baseline is not
-  stacked), and its chunk was still compiling after 7 minutes under load.
+* 128 and 256 stages (delays up to 254 and 510, the paper's one layer per stage at ResNet
+  depths): SGD, PB, PB + SC + LWP, PB + SC, SpecTrain and PipeMare, three seeds, and five seeds of
+  SGD, PB and PB + SC + LWP at 128 stages (42 runs). Restrict a session to them with
+  ``--where=model_kwargs.depth=128|256``. What they cost, from the records' ``wall_seconds``
+  (a trainer process's wall time, set-up included; range and median over seeds, in seconds) on
+  the 2-core machine, shared with other trainers at a load the records do not give:
+
+  | method | 128 stages | 256 stages |
+  |---|---|---|
+  | SGD | 395–664, 488 (5 runs) | 631–3,007, 833 |
+  | PB | 359–593, 513 (5 runs) | 63–562, 132 (all diverged, by 1,392 samples) |
+  | PB + SC | 481–776, 554 | 65–89, 77 (all diverged, by 1,013 samples) |
+  | PB + SC + LWP | 828–2,173, 1,199 (5 runs) | 606–1,779, 719 |
+  | SpecTrain | 688–1,530, 824 | 1,111–1,823, 1,299 |
+  | PipeMare | 855–1,176, 1,114 | 1,588–2,725, 2,360 |
+
+  In all 19,808 s (5.5 hours) at 128 stages and 19,468 s (5.4 hours) at 256: 10.9 hours summed
+  over runs. Three runs were stopped and resumed, and their ``wall_seconds`` is their last
+  process's only: PB + SC + LWP at 128 stages seed 2 (2,173 s of 3,014 s of training, the
+  record's ``train_seconds``) and at 256 stages seeds 0 and 2 (719 s of 3,605 s, 606 s of
+  1,630 s). The spread within a cell is as wide as 631 to 3,007 s (SGD at 256 stages), and the
+  trainers' steady rates in the records' ``timing`` spread alike (21.5 to 111.5 samples/s there);
+  the records do not give the machine's load.
 * One seed of every method at 8 stages also logs the per-stage weight discrepancy between forward
   and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
   repeat the comparison at 8 stages.
@@ -47,12 +61,31 @@ and a delay D or it is not. On this network each stage's update meets the curvat
 block of the Hessian, λ_s (its top eigenvalue, mean loss over 256 training examples, power
 iteration: `pipejax.analysis.sharpness`), through its own delay D_s = 2(S − 1 − s). Each row
 reads λ_s on sampled stages of one network's weights, `python scripts/depth_limits.py` (its
-docstring gives the command), and sets the quadratic's largest stable delay at the study's peak
-step (η = 6.43e-6 at momentum 0.99918, the batch-128 recipe at micro-batch 1) and the sharpest
-sampled block's λ beside the longest delay a block has at that depth and what the study measured
-there (momentum SGD runs). The stem (stage 0, the longest delay) is shown apart: it sees the
-raw pixels and is the sharpest block at every depth measured. What the comparison finds is in
-docs/study.md, "Where each method breaks"."""
+docstring gives the command): the initial weights, or PB's seed-0 run after that many samples
+(at 256 stages a rerun of PB's diverged run with checkpoints every 250 samples of the warm-up).
+Every method's column uses those weights; the methods that diverged left no checkpoint to read.
+Each column gives the quadratic's largest stable delay on the sharpest sampled block at the
+study's peak step (η = 6.43e-6 at momentum m = 0.99918, the batch-128 recipe at micro-batch 1),
+searched up to twice the pipeline's longest delay ("none ≤ N": every delay up to N is stable),
+beside the longest delay a block has at that depth. The stem (stage 0, the longest delay) is
+shown apart: it sees the raw pixels and is the sharpest sampled stage at the initial weights.
+
+PipeMare's column comes from the same λ records, with no new curvature reading. The quadratic
+models PipeMare at the start of its annealing, PB at ηλ/D, so its stable delays need not be an
+interval and `quadratic.largest_stable_delay` refuses it; `depth_limits.pipemare_limit` gives
+its limit instead. Its largest stable base ηλ is exactly 1 − m = 8.2e-4 at D = 1 and grows with
+D (to π/2 (1 − m)), so a base ηλ below 1 − m is stable at every delay. Every measured ηλ_s is
+below it, the largest (the 32-stage stem at the initial weights, 3.8e-4) by a factor of 2.1. In
+this study PipeMare anneals over the whole epoch, K = 60,000 steps, so after k samples its step
+is η D^−(1 − k/K): PipeMare at base ηλ D^(k/K), which at every reading is at most 0.47 of 1 − m.
+The quadratic therefore predicts no break for PipeMare at any depth or reading.
+
+The measured cells are each method's outcome at that depth, the same on every row of the
+depth: the mean gap to SGD paired by seed (momentum SGD runs) and the runs that diverged. The
+study measures no break point, no delay at which a method starts to fail: only whether each
+depth's runs diverged and, for a run that did, after how many samples and in which stages the
+trainer first saw a non-finite value (its divergence message, kept in the run's record as
+`divergence`). Below the table, each method's verdict at each depth and reading."""
 
 
 def get_study(arg: str | None = None) -> Study:

@@ -4,12 +4,14 @@ The quadratic's stability edge is in units of ``ηλ``; a network has no one ``�
 update sees the curvature of its own block of the Hessian (:mod:`pipejax.analysis.sharpness`)
 through its own delay ``D_s``, so the quadratic makes one prediction a stage: stage ``s`` is
 stable under a method when ``ρ(method, η λ_s, m, D_s) < 1``, and its limit is the largest delay
-still stable at ``η λ_s`` (:func:`pipejax.analysis.quadratic.largest_stable_delay`). A pipeline
-whose stages all pass is predicted to train; the first stage (the longest delay) usually decides.
+still stable at ``η λ_s`` (:func:`pipejax.analysis.quadratic.largest_stable_delay`; PipeMare's,
+whose step shrinks with the delay, :func:`pipemare_limit`). A pipeline whose stages all pass is
+predicted to train; the first stage (the longest delay) usually decides.
 
 :func:`measure` reads the curvature where a study's run was (its initial weights and its
 checkpoints) and writes one record a (weights, stage), with the predictions at the run's peak
 learning rate and momentum. ``scripts/depth_limits.py`` is its command line.
+:func:`report_section` sets the records beside a study's runs, with :func:`verdicts`.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import numpy as np
 
 from pipejax.analysis import quadratic
 from pipejax.analysis import sharpness
+from pipejax.methods import DISPLAY_NAMES
+from pipejax.study import statistics
 from pipejax.train import experiment
 from pipejax.train.checkpoint import Checkpointer
 
-# The methods the quadratic models with a step that does not shrink with the delay; PipeMare is
-# judged at its stage's delay only (its step is η/D at the start of its annealing).
-LIMIT_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain")
-AT_DELAY_METHODS = LIMIT_METHODS + ("pipemare",)
+# The pipelined methods the quadratic models. PipeMare's limit is :func:`pipemare_limit`'s: its
+# step is η/D at the start of its annealing, so its stable delays need not be an interval.
+LIMIT_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
+AT_DELAY_METHODS = LIMIT_METHODS
 
 
 def sampled_stages(num_stages: int) -> list[int]:
@@ -47,14 +51,40 @@ def stable_at(lr_sharpness: float, momentum: float, delay: int) -> dict:
           for m in AT_DELAY_METHODS}
 
 
+def pipemare_limit(lr_sharpness: float, momentum: float, max_delay: int) -> int | None:
+  """PipeMare's largest stable delay at base ``η λ``: the longest ``D ≤ max_delay`` with every
+  delay up to it stable; None when all are, -1 when not even no delay is.
+
+  PipeMare at delay ``D`` is PB at ``η λ / D`` (docs/quadratic.md), so its largest stable base
+  ``η λ`` at ``D`` is ``D`` times PB's. At ``D = 1`` that is exactly ``1 − m`` (the roots of
+  ``z² − (1 + m) z + m + η λ``), at ``D = 0`` heavy ball's ``2 (1 + m)``, and it grows with ``D``
+  (checked on a grid in the tests; ``D`` times PB's edge tends to ``π/2 (1 − m)``). A base ``η λ``
+  below ``1 − m`` is therefore stable at every delay, with no eigensolve; from ``1 − m`` on, the
+  delays are asked in turn from 0, and ``D = 1`` is already unstable.
+  """
+  if lr_sharpness < 1.0 - momentum:
+    return None
+  for delay in range(max_delay + 1):
+    if quadratic.spectral_radius("pipemare", lr_sharpness, momentum, delay) >= 1.0:
+      return delay - 1
+  return None
+
+
 def limits_at(lr_sharpness: float, momentum: float, max_delay: int) -> dict:
   """Per method, the largest stable delay at ``η λ``: None when ``max_delay`` is stable too, -1
   when not even no delay is. Costs ``O(D³)`` eigensolves up to the limit, so :func:`measure`
   asks it only of the stages that decide (the stem and the sharpest block)."""
   if not (math.isfinite(lr_sharpness) and lr_sharpness > 0):
     return {m: None for m in LIMIT_METHODS}
-  return {m: quadratic.largest_stable_delay(m, lr_sharpness, momentum, max_delay)
+  return {m: (pipemare_limit(lr_sharpness, momentum, max_delay) if m == "pipemare" else
+              quadratic.largest_stable_delay(m, lr_sharpness, momentum, max_delay))
           for m in LIMIT_METHODS}
+
+
+def limit_bound(num_stages: int) -> int:
+  """How far :func:`measure` looks for a limit: twice the pipeline's longest delay (the stem's,
+  2(S − 1))."""
+  return max(4 * (num_stages - 1), 16)
 
 
 def _batch(setup, size: int, seed: int):
@@ -128,7 +158,6 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     eta_now = float(schedule(int(samples) // setup.recipe.batch_size))
     blocks = [i for i, s in enumerate(stages) if 0 < s < model.num_stages - 1]
     deciding = {0, max(blocks, key=lambda i: values[i])} if blocks else {0}
-    longest = max(int(d) for d in pipe.delays)
     for i, (s, value) in enumerate(zip(stages, values)):
       delay = int(pipe.delays[s])
       yield {"num_stages": model.num_stages, "samples": int(samples), "stage": s,
@@ -137,7 +166,8 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
              "momentum": momentum, "lr_sharpness": eta * float(value),
              "stable_at_delay": stable_at(eta * float(value), momentum, delay),
              "largest_stable_delay": (limits_at(eta * float(value), momentum,
-                                                max(2 * longest, 16)) if i in deciding else {}),
+                                                limit_bound(model.num_stages))
+                                      if i in deciding else {}),
              "learning_rate_now": eta_now,
              "stable_at_delay_now": stable_at(eta_now * float(value), momentum, delay)}
   if checkpoints is not None:
@@ -153,27 +183,42 @@ def read_records(path: str) -> list[dict]:
     return []
 
 
-def _limit_text(limit) -> str:
-  return "none ≤ 1024" if limit is None else ("unstable at 0" if limit < 0 else str(limit))
+def _limit_text(record: dict, method: str, num_stages: int) -> str:
+  limits = record.get("largest_stable_delay", {})
+  if method not in limits:
+    return "not computed"
+  limit = limits[method]
+  if limit is None:
+    return f"none ≤ {limit_bound(num_stages)}"
+  return "unstable at 0" if limit < 0 else str(limit)
+
+
+def _runs_of(study_records: Sequence[dict], method: str, depth: int) -> dict:
+  """The momentum-SGD runs of ``method`` at ``depth`` that finished or diverged, by seed."""
+  return {r["overrides"].get("seed"): r for r in study_records
+          if r["overrides"].get("method") == method
+          and r["overrides"].get("model_kwargs.depth") == depth
+          and r["overrides"].get("optimizer") is None
+          and r["overrides"].get("diagnostics") is None
+          and r["status"] in ("finished", "diverged")}
+
+
+def _paired_gaps(study_records: Sequence[dict], method: str, depth: int) -> list[float]:
+  """The gap to SGD in points of every seed where both finished."""
+  runs, baseline = _runs_of(study_records, method, depth), _runs_of(study_records, "sgd", depth)
+  return [100 * (r["test_accuracy"] - baseline[seed]["test_accuracy"])
+          for seed, r in runs.items() if r["status"] == "finished"
+          and seed in baseline and baseline[seed]["status"] == "finished"]
 
 
 def _outcomes(study_records: Sequence[dict], method: str, depth: int) -> str:
   """What the study measured for ``method`` at ``depth`` (momentum SGD runs): the mean gap to
   SGD in points over the seeds both finished, with their count, and the diverged runs; '—' when
   none ran."""
-  def runs_of(name):
-    return {r["overrides"].get("seed"): r for r in study_records
-            if r["overrides"].get("method") == name
-            and r["overrides"].get("model_kwargs.depth") == depth
-            and r["overrides"].get("optimizer") is None
-            and r["overrides"].get("diagnostics") is None
-            and r["status"] in ("finished", "diverged")}
-  runs, baseline = runs_of(method), runs_of("sgd")
+  runs = _runs_of(study_records, method, depth)
   if not runs:
     return "—"
-  gaps = [100 * (r["test_accuracy"] - baseline[seed]["test_accuracy"])
-          for seed, r in runs.items() if r["status"] == "finished"
-          and seed in baseline and baseline[seed]["status"] == "finished"]
+  gaps = _paired_gaps(study_records, method, depth)
   diverged = sum(r["status"] == "diverged" for r in runs.values())
   parts = [f"{sum(gaps) / len(gaps):+.1f} pts (n={len(gaps)})".replace("-", "−")] if gaps else []
   if diverged:
@@ -181,31 +226,148 @@ def _outcomes(study_records: Sequence[dict], method: str, depth: int) -> str:
   return ", ".join(parts) or f"trained ({len(runs)}), no SGD pair yet"
 
 
+def _weights_label(depth: int, samples: int, method: str) -> str:
+  return "initial" if samples == 0 else f"{method} after {samples:,}"
+
+
+def _points(limit_records: Sequence[dict]) -> list[tuple]:
+  """Per (depth, samples, whose weights), in order: the stem's record, the blocks' (the head
+  apart) and every sampled stage's; points with no block are left out."""
+  out = []
+  for depth, samples, method in sorted({(r["num_stages"], r["samples"], r["method"])
+                                        for r in limit_records}):
+    rows = [r for r in limit_records
+            if (r["num_stages"], r["samples"], r["method"]) == (depth, samples, method)]
+    blocks = [r for r in rows if 0 < r["stage"] < depth - 1]
+    if blocks:
+      out.append((depth, samples, method, next((r for r in rows if r["stage"] == 0), None),
+                  blocks, rows))
+  return out
+
+
 def report_section(study_records: Sequence[dict], limit_records: Sequence[dict]) -> str:
   """The depth report's comparison: per depth and weights, each method's largest stable delay on
   the sharpest sampled block (the stem apart) against the longest block delay, beside what the
-  study measured."""
+  study measured; then :func:`verdicts`."""
   if not limit_records:
     return ("No curvature measured yet: run `scripts/depth_limits.py` (its docstring) with "
             "`--output=` this study's `limits.jsonl`.")
-  points = sorted({(r["num_stages"], r["samples"], r["method"]) for r in limit_records})
   header = ("| stages | weights | λ stem (delay) | λ blocks, sampled | longest block delay | "
             + " | ".join(f"{m}: limit · measured" for m in LIMIT_METHODS) + " |")
   lines = [header, "|" + "---|" * (5 + len(LIMIT_METHODS))]
-  for depth, samples, method in points:
-    rows = [r for r in limit_records if (r["num_stages"], r["samples"], r["method"]) ==
-            (depth, samples, method)]
-    stem = next((r for r in rows if r["stage"] == 0), None)
-    blocks = [r for r in rows if 0 < r["stage"] < depth - 1]
-    if not blocks:
-      continue
+  for depth, samples, method, stem, blocks, _ in _points(limit_records):
     sharpest = max(blocks, key=lambda r: r["lr_sharpness"])
     longest = max(r["delay"] for r in blocks)
-    weights = "initial" if samples == 0 else f"{method} after {samples:,}"
-    cells = [f"{_limit_text(sharpest['largest_stable_delay'][m])} · {_outcomes(study_records, m, depth)}"
+    cells = [f"{_limit_text(sharpest, m, depth)} · {_outcomes(study_records, m, depth)}"
              for m in LIMIT_METHODS]
     stem_text = f"{stem['sharpness']:.1f} ({stem['delay']})" if stem else "—"
-    lines.append(f"| {depth} | {weights} | {stem_text} | "
+    lines.append(f"| {depth} | {_weights_label(depth, samples, method)} | {stem_text} | "
                  f"{min(r['sharpness'] for r in blocks):.1f}–{sharpest['sharpness']:.1f} | "
                  f"{longest} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n\n" + verdicts(study_records, limit_records)
+
+
+def _points_text(value: float) -> str:
+  return f"{value:+.2f}".replace("-", "−")
+
+
+def measured_text(study_records: Sequence[dict], method: str, depth: int) -> str:
+  """The study's outcome for ``method`` at ``depth`` in words: how many runs diverged, where and
+  when (from the records' ``divergence``, the trainer's own report), and the paired gap to SGD
+  with its 95% CI."""
+  runs = _runs_of(study_records, method, depth)
+  diverged = [r for r in runs.values() if r["status"] == "diverged"]
+  parts = []
+  if diverged:
+    points = [r["divergence"] for r in diverged if r.get("divergence")]
+    text = f"diverged {len(diverged)} of {len(runs)}"
+    if points:
+      samples = sorted(p["samples"] for p in points)
+      stages = sorted({s for p in points for s in p["stages"]})
+      text += (f" (first non-finite value at {samples[0]:,}–{samples[-1]:,} samples"
+               if len(samples) > 1 else f" (first non-finite value at {samples[0]:,} samples")
+      text += ", in stage" + ("s " if len(stages) > 1 else " ") + ", ".join(map(str, stages))
+      text += ")" if len(points) == len(diverged) else \
+          f"; {len(diverged) - len(points)} without a recorded point)"
+    else:
+      text += " (the records name no sample or stage)"
+    parts.append(text)
+  gaps = _paired_gaps(study_records, method, depth)
+  if gaps:
+    gap = statistics.paired(gaps)
+    ci = (f" [{_points_text(gap.low)}, {_points_text(gap.high)}]"
+          if math.isfinite(gap.low) else "")
+    parts.append(f"trained {len(runs) - len(diverged)} of {len(runs)}, gap to SGD "
+                 f"{_points_text(gap.mean)}{ci} points (n = {gap.n})")
+  return "; ".join(parts)
+
+
+def _prediction(method: str, depth: int, stem: dict | None, blocks: list, rows: list
+                ) -> tuple[bool | None, str]:
+  """Whether the quadratic says ``method`` breaks at one point (a sampled stage unstable at its
+  own delay at the peak step; None when no record says), and the limits behind it."""
+  sharpest = max(blocks, key=lambda r: r["lr_sharpness"])
+  longest = max(r["delay"] for r in blocks)
+  text = f"limit {_limit_text(sharpest, method, depth)} on the sharpest block against {longest}"
+  if stem is not None and method in stem.get("largest_stable_delay", {}):
+    text += f", {_limit_text(stem, method, depth)} on the stem against {stem['delay']}"
+  flags = [r["stable_at_delay"][method] for r in rows
+           if method in r.get("stable_at_delay", {})]
+  if not flags:
+    return None, text
+  unstable = [r["stage"] for r in rows if not r.get("stable_at_delay", {}).get(method, True)]
+  if not unstable:
+    return False, text + ": no break (every sampled stage stable at its own delay)"
+  blocks_named = [str(s) for s in unstable if s]
+  named = " and ".join((["the stem"] if 0 in unstable else []) + (
+      [("stages " if len(blocks_named) > 1 else "stage ") + ", ".join(blocks_named)]
+      if blocks_named else []))
+  own = "its own delay" if len(unstable) == 1 else "their own delays"
+  return True, text + f": a break ({named} unstable at {own})"
+
+
+def _agreement(breaks: bool | None, runs: int, diverged: int) -> str:
+  if breaks is None or not runs:
+    return "not judged"
+  if breaks:
+    return ("agrees" if diverged == runs else
+            "disagrees: no run diverged" if not diverged else
+            f"partly: {diverged} of {runs} diverged")
+  return ("agrees: no run diverged" if not diverged else
+          "disagrees: every run diverged" if diverged == runs else
+          f"disagrees for {diverged} of {runs} runs")
+
+
+def verdicts(study_records: Sequence[dict], limit_records: Sequence[dict]) -> str:
+  """Per method and depth, the quadratic's verdict at each point where the curvature was read
+  (the peak step, every sampled stage at its own delay) against the study's outcome there: agrees
+  when it predicts a break and every run diverged, or no break and none did."""
+  points = _points(limit_records)
+  lines = ["Per method, at each depth with curvature records: what the study measured, then at "
+           "each reading of the curvature the quadratic's limits, its prediction and whether the "
+           "outcome agrees. A prediction is a break when a sampled stage is unstable at its own "
+           "delay at the peak step; it agrees when then every run diverged, or when no stage is "
+           "unstable and no run diverged. A reading taken after every run of the method had "
+           "diverged is marked: it comes too late to judge them."]
+  for method in LIMIT_METHODS:
+    depths = sorted({p[0] for p in points if _runs_of(study_records, method, p[0])})
+    if not depths:
+      continue
+    lines += ["", f"- **{DISPLAY_NAMES.get(method, method)}**"]
+    for depth in depths:
+      runs = _runs_of(study_records, method, depth)
+      diverged = [r for r in runs.values() if r["status"] == "diverged"]
+      broke_by = max((r["divergence"]["samples"] for r in diverged if r.get("divergence")),
+                     default=None) if len(diverged) == len(runs) else None
+      readings = []
+      for d, samples, whose, stem, blocks, rows in points:
+        if d != depth:
+          continue
+        breaks, text = _prediction(method, depth, stem, blocks, rows)
+        verdict = (f"too late to judge: every run had diverged by {broke_by:,} samples"
+                   if broke_by is not None and samples > broke_by else
+                   _agreement(breaks, len(runs), len(diverged)))
+        readings.append(f"{_weights_label(depth, samples, whose)}: {text}; {verdict}")
+      lines.append(f"  - {depth} stages, measured: {measured_text(study_records, method, depth)}.")
+      lines += [f"    - {r}." for r in readings]
   return "\n".join(lines)

@@ -221,6 +221,9 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
     record["status"] = DIVERGED if diverged(record) else FINISHED
   elif "diverged" in log_tail.lower():
     record["status"] = DIVERGED
+    point = divergence_point(log_tail)
+    if point:
+      record["divergence"] = point
   else:
     record["status"] = FAILED
     record["error"] = log_tail[-2000:]
@@ -258,6 +261,20 @@ def read_summary(run_dir: str) -> tuple[dict | None, str | None]:
   if not isinstance(summary, dict):
     return None, f"its {path} holds {type(summary).__name__}, not a summary"
   return summary, None
+
+
+_DIVERGED = re.compile(r"Training diverged: (.*?) produced a non-finite value.*?after (\d+) "
+                       r"training samples", re.DOTALL)
+
+
+def divergence_point(log: str) -> dict | None:
+  """Where and when the trainer's last divergence message says a run broke: ``{"samples": n,
+  "stages": [...]}`` (the stages where the first non-finite value appeared), None without one."""
+  found = list(_DIVERGED.finditer(log))
+  if not found:
+    return None
+  where, samples = found[-1].groups()
+  return {"samples": int(samples), "stages": [int(s) for s in re.findall(r"stage (\d+)", where)]}
 
 
 _INIT_DIGEST = re.compile(r"Initial weights: sha256 ([0-9a-f]{64})")

@@ -75,15 +75,41 @@ def test_a_point_without_a_checkpoint_is_refused_naming_what_is_saved(tmp_path):
     list(depth_limits.measure(config, None, at_samples=(80,), batch=8, iterations=2))
 
 
-def _limit_record(stage, sharpness, limits=None):
-  return {"num_stages": 8, "samples": 0, "method": "pb", "stage": stage, "delay": 2 * (7 - stage),
-          "sharpness": sharpness, "lr_sharpness": 1e-3 * sharpness,
-          "largest_stable_delay": limits or {}}
+@pytest.mark.parametrize("momentum", [0.0, 0.9, 0.99, 0.99918])
+def test_pipemares_stable_base_step_is_never_below_its_value_at_one_delay(momentum):
+  # pipemare_limit's shortcut: a base ηλ below 1 − m is stable at every delay.
+  edges = [quadratic.max_stable_lr("pipemare", momentum, d) for d in range(1, 33)]
+  assert edges[0] == pytest.approx(1 - momentum, rel=1e-9)
+  assert min(edges) >= (1 - momentum) * (1 - 1e-9)
 
 
-def _run(method, seed, accuracy, status="finished"):
-  return {"overrides": {"model_kwargs.depth": 8, "method": method, "seed": seed},
-          "status": status, "test_accuracy": accuracy}
+@pytest.mark.parametrize("momentum", [0.9, 0.99918])
+def test_pipemares_limit_is_the_longest_run_of_stable_delays(momentum):
+  def by_scan(x, max_delay):
+    for d in range(max_delay + 1):
+      if quadratic.spectral_radius("pipemare", x, momentum, d) >= 1:
+        return d - 1
+    return None
+  for x in (0.5 * (1 - momentum), 0.999 * (1 - momentum), 1.001 * (1 - momentum),
+            2 * (1 + momentum) + 0.1):
+    assert depth_limits.pipemare_limit(x, momentum, 48) == by_scan(x, 48), x
+  assert depth_limits.pipemare_limit(0.5 * (1 - momentum), momentum, 48) is None
+  assert depth_limits.pipemare_limit(2 * (1 + momentum) + 0.1, momentum, 48) == -1
+
+
+def _limit_record(stage, sharpness, limits=None, stable=None, samples=0):
+  return {"num_stages": 8, "samples": samples, "method": "pb", "stage": stage,
+          "delay": 2 * (7 - stage), "sharpness": sharpness, "lr_sharpness": 1e-3 * sharpness,
+          "largest_stable_delay": limits or {},
+          "stable_at_delay": stable or dict.fromkeys(depth_limits.LIMIT_METHODS, True)}
+
+
+def _run(method, seed, accuracy, status="finished", divergence=None):
+  record = {"overrides": {"model_kwargs.depth": 8, "method": method, "seed": seed},
+            "status": status, "test_accuracy": accuracy}
+  if divergence:
+    record["divergence"] = divergence
+  return record
 
 
 def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():
@@ -93,8 +119,36 @@ def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():
   study = [_run("sgd", 0, 0.80), _run("sgd", 1, 0.90), _run("pb", 0, 0.78), _run("pb", 1, 0.85),
            _run("pb_sc", 0, None, "diverged")]
   text = depth_limits.report_section(study, records)
-  row = text.splitlines()[-1].split(" | ")
+  row = next(line for line in text.splitlines() if line.startswith("| 8 |")).split(" | ")
   assert row[2:5] == ["50.0 (14)", "2.0–4.0", "12"]  # the head (stage 7) is not a block
   assert row[5] == "5 · −3.5 pts (n=2)"  # stage 3's limit; gaps −2 and −5 points, paired by seed
   assert row[6] == "9 · div. 1/1"
   assert "No curvature measured" in depth_limits.report_section(study, [])
+
+
+def test_each_methods_verdict_sets_the_predicted_break_against_the_runs():
+  everything_stable = dict.fromkeys(depth_limits.LIMIT_METHODS, True)
+  limits = dict.fromkeys(depth_limits.LIMIT_METHODS, 20)
+  early = [_limit_record(0, 50.0, {**limits, "pb": 3},
+                         {**everything_stable, "pb": False, "pb_sc": False}),
+           _limit_record(1, 2.0, limits)]
+  late = [_limit_record(0, 1.0, limits, samples=500), _limit_record(1, 2.0, limits, samples=500)]
+  study = [_run("sgd", 0, 0.80), _run("sgd", 1, 0.90),
+           _run("pb", 0, None, "diverged", {"samples": 300, "stages": [0]}),
+           _run("pb", 1, None, "diverged", {"samples": 420, "stages": [0, 1]}),
+           _run("pb_sc", 0, 0.70), _run("pb_sc", 1, 0.86),
+           _run("pipemare", 0, None, "diverged"), _run("pipemare", 1, 0.9)]
+  text = depth_limits.verdicts(study, early + late)
+  sections = {part.split("**")[0]: part for part in text.split("\n- **")[1:]}
+  assert sorted(sections) == ["PB", "PB + SC", "PipeMare"]  # SpecTrain and the others: no runs
+  pb, pb_sc, pipemare = sections["PB"], sections["PB + SC"], sections["PipeMare"]
+  assert "diverged 2 of 2 (first non-finite value at 300–420 samples, in stages 0, 1)" in pb
+  assert "initial: limit 20 on the sharpest block against 12, 3 on the stem against 14: a break " \
+         "(the stem unstable at its own delay); agrees." in pb
+  assert "pb after 500:" in pb and "too late to judge: every run had diverged by 420" in pb
+  assert "gap to SGD −7.00 [" in pb_sc  # −10 and −4 points
+  assert "a break (the stem unstable at its own delay); disagrees: no run diverged" in pb_sc
+  assert "pb after 500: limit 20 on the sharpest block against 12, 20 on the stem against 14: " \
+         "no break" in pb_sc and "agrees: no run diverged" in pb_sc
+  assert "diverged 1 of 2 (the records name no sample or stage)" in pipemare
+  assert "disagrees for 1 of 2 runs" in pipemare

@@ -293,6 +293,22 @@ def test_an_unreadable_summary_is_a_missing_one(tmp_path, content):
   assert stopped["status"] == study_records.FAILED
 
 
+def test_a_diverged_run_records_where_and_when_the_trainer_saw_it_break(tmp_path):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  tail = ("...\nerror: Training diverged: stage 1 ('block1'), stage 2 ('block2') at tick 1392 "
+          "produced a non-finite value (NaN or inf), after 1392 training samples. No checkpoint "
+          "had been written yet, so a rerun starts from the beginning.\n")
+  record = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 1,
+                                         1.0, tail)
+  assert record["status"] == study_records.DIVERGED
+  assert record["divergence"] == {"samples": 1392, "stages": [1, 2]}
+  # A diverged run whose log says no more than that is recorded without a point.
+  bare = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 1,
+                                       1.0, "the loss diverged")
+  assert bare["status"] == study_records.DIVERGED and "divergence" not in bare
+
+
 EMPTY_SUMMARY_TRAINER = FAKE_TRAINER + """
 open(os.path.join(workdir, "summary.json"), "w").close()  # the disk filled while writing it
 """
