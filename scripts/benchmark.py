@@ -137,8 +137,6 @@ def main(argv):
       "xla_flags": os.environ.get("XLA_FLAGS", ""),  # fake devices, threading options
       "jax": jax.__version__,
       "python": platform.python_version(),
-      "model": f"MLP, {workloads.LAYERS} layers of width {workloads.WIDTH}, one layer per stage, "
-               "PB + momentum SGD",
   }
   samples, repeats = _SAMPLES.value, _REPEATS.value
   two_devices = jax.device_count() >= 2
@@ -182,6 +180,24 @@ def main(argv):
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }
+  mlp = f"MLP, {workloads.LAYERS} layers of width {workloads.WIDTH}, one layer per stage"
+  residual = "configs/deep_mlp.py's residual MLP (width 128, LayerNorm), one block per stage"
+  workload = {
+      "throughput": f"{mlp}, PB + momentum SGD, against the plain loop",
+      "methods": f"{mlp}, every method preset",
+      "memory": "the default MLP 784-256-128-10 and ResNet-20 (GroupNorm)",
+      "normalization": "each model of speed.NORMALIZED_MODELS, PB + SC + LWP, per normalizer",
+      "conv": "ResNet-20 per convolution implementation and micro-batch",
+      "sharding": f"{mlp}, PB + momentum SGD, on stage meshes",
+      "compile": "an MLP of one layer per stage at each depth, PB + momentum SGD",
+      "lm": "configs/char_lm.py's byte-level transformer, one block per stage, against the plain "
+            "Adam loop",
+      "depth": f"{residual}, each method preset, stacked and stage by stage",
+      "delay_lines": f"{residual}, each method preset, stacked (shapes only)",
+      "trainer": "configs/deep_mlp.py itself (PB + SC + LWP, weight decay), stacked",
+      "stacked_mesh": f"{residual}, PB + momentum SGD, stacked on a stage mesh",
+  }
+  result["workloads"] = {name: workload[name] for name in sections if name in _ONLY.value}
   for name, measure in sections.items():
     if name in _ONLY.value:
       start = time.perf_counter()
