@@ -28,17 +28,25 @@ PB + SC + LWP at 4.46 bits per byte against Adam's 2.95, while Nesterov AsyncPP 
 when stopped (2.89 against 3.19 nats after 8,000 sequences). At Adam's rate the asynchronous
 methods lose more than a bit per byte, so the sweep goes down to 1e-4 and covers Nesterov AsyncPP
 (the strongest asynchronous method in the sizing runs) beside the baseline at both depths, and
-PB + SC + LWP at 32 stages, so that no method's gap is an artefact of one rate.
+PB + SC + LWP at 32 stages, so that no method's gap is an artefact of one rate. PB + Muon, in
+none of the sizing runs, ended as the grid's best asynchronous method at both depths, so it has a
+sweep of its own: 3e-4, 2e-3 and 4e-3 beside 1e-3 at 32 stages (seed 0), and those four rates at
+8 stages from seed 3 on the CPU (the grid's 8-stage seeds drew their weights on a GPU).
 
-Grid (90 runs). The runner does every cell's first seed before any second one; run the parts in
-this order with ``--where`` (as the study asks: the 32-stage comparison first):
+Grid (97 runs). The runner does every cell's first seed before any second one; run the parts in
+this order with ``--where``:
 
 1. ``--where=model_kwargs.blocks=30,method=sgd|pb|pb_sc_lwp|nesterov_asyncpp,reference.lr=None``:
    32 stages, the paper's comparison and the strongest rival, 5 seeds (20 runs);
-2. ``--where=model_kwargs.blocks=30`` : the 32-stage sweep and the other methods (22 runs);
-3. ``--where=model_kwargs.blocks=6`` : 8 stages, every method × 3 seeds and the sweep (32 runs);
-4. ``--where=model_kwargs.blocks=14``: 16 stages, sgd, pb, pb_sc_lwp, nesterov_asyncpp × 3
-   seeds (12 runs); or run the whole study without ``--where``.
+2. ``--where=model_kwargs.blocks=6,seed=0|1|2`` : 8 stages, every method × 3 seeds and the sweep
+   (32 runs);
+3. the rest, e.g. ``--where=model_kwargs.blocks=30`` (the other 32-stage cells and sweeps, 25
+   runs), ``--where=model_kwargs.blocks=14`` (16 stages, sgd, pb, pb_sc_lwp, nesterov_asyncpp × 3
+   seeds, 12 runs) and ``--where=model_kwargs.blocks=6,seed=3`` (PB + Muon's 8-stage sweep, 4
+   runs); or run the whole study without ``--where``.
+
+As run, the first part came first; the 8- and 16-stage cells then ran on a GPU while the CPU went
+on with the rest of the 32-stage cells, three of which finished before the first 8-stage cell.
 
 Cost, measured from the sizing runs' ``wall_seconds`` with two trainers at a time (one thread
 each) while helpers' test suites also loaded the 2 cores (load average 15 to 25): 1,273 s (8
