@@ -16,6 +16,7 @@ learning rate and momentum. ``scripts/depth_limits.py`` is its command line.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Iterable, Iterator, Sequence
@@ -65,7 +66,8 @@ def pipemare_limit(lr_sharpness: float, momentum: float, max_delay: int) -> int 
   if lr_sharpness < 1.0 - momentum:
     return None
   for delay in range(max_delay + 1):
-    if quadratic.spectral_radius("pipemare", lr_sharpness, momentum, delay) >= 1.0:
+    radius = quadratic.spectral_radius("pipemare", lr_sharpness, momentum, delay)
+    if radius >= 1.0:
       return delay - 1
   return None
 
@@ -76,9 +78,9 @@ def limits_at(lr_sharpness: float, momentum: float, max_delay: int) -> dict:
   asks it only of the stages that decide (the stem and the sharpest block)."""
   if not (math.isfinite(lr_sharpness) and lr_sharpness > 0):
     return {m: None for m in LIMIT_METHODS}
-  return {m: (pipemare_limit(lr_sharpness, momentum, max_delay) if m == "pipemare" else
-              quadratic.largest_stable_delay(m, lr_sharpness, momentum, max_delay))
-          for m in LIMIT_METHODS}
+  rules = {"pipemare": pipemare_limit}  # its stable delays need not be an interval
+  return {m: rules.get(m, functools.partial(quadratic.largest_stable_delay, m))(
+      lr_sharpness, momentum, max_delay) for m in LIMIT_METHODS}
 
 
 def limit_bound(num_stages: int) -> int:

@@ -276,7 +276,7 @@ class _Prediction(NamedTuple):
       # weight decay), and the compiled loop would then copy the new weights every step. A
       # frozen leaf (None update) stays where it is.
       forward = jax.tree.map(
-          lambda p, u, o: p if u is None else (p + (u + o)).astype(p.dtype),
+          lambda p, u, o: p if u is None else ((p + o) + u).astype(p.dtype),
           params, updates, offset)
       offset = None
     return updates, WeightPredictionState(
