@@ -48,14 +48,22 @@ this order with ``--where``:
 As run, the first part came first; the 8- and 16-stage cells then ran on a GPU while the CPU went
 on with the rest of the 32-stage cells, three of which finished before the first 8-stage cell.
 
-Cost, measured from the sizing runs' ``wall_seconds`` with two trainers at a time (one thread
-each) while helpers' test suites also loaded the 2 cores (load average 15 to 25): 1,273 s (8
-stages, sgd), 1,602 s (16, sgd), 2,136 s (32, sgd), 2,375 s (32, pb) and 2,397 s (32,
-pb_sc_lwp). At those times the grid takes about 23 hours two at a time; on a quiet machine, where
-the same runs' steady rates were about twice as high (11 to 22 sequences/s under that load
-against 40 for pb at 32 stages alone), about 12 hours. Measured later on a quiet machine, two
-trainers at a time: 1,074 to 1,251 s of wall time for a 32-stage run of PB + SC, PipeOptim or
-PipeDream.
+Cost on this 2-core CPU, two trainers at a time (one thread each), from the records'
+``wall_seconds`` (a trainer process's wall time, set-up included; the machine's load varied, and
+the records do not give it):
+
+* 32 stages: 43 runs of the Adam-family methods but PB + Muon, 335 to 4,128 s, median 1,160 s
+  (a resumed run's record has its last process's time only, hence the lowest); 5 runs of PB + Muon,
+  1,933 to 5,067 s, median 4,154 s (Muon's orthogonalization of every matrix, every step). The 46
+  grid cells and 2 sweep runs recorded so far sum to 74,910 s.
+* 8 and 16 stages: the sizing runs of Adam without a pipeline, 1,273 and 1,602 s (load average
+  15 to 25); PB + Muon's first 8-stage run here, {muon8} s.
+
+At those times the whole grid is about {total} hours two at a time on this machine, over the 16
+hours the study was to fit: 49 runs at 32 stages alone take about 10.4 hours two at a time (the
+median a run, PB + Muon's five at theirs), 36 at 8 stages and 12 at 16 stages another {rest}
+hours. That is why the 8- and 16-stage cells ran on a GPU; a grid that fits 16 hours here needs
+fewer 32-stage cells or fewer sequences a run.
 
 Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
 lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
