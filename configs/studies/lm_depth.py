@@ -154,6 +154,9 @@ def get_study(arg: str | None = None) -> Study:
              # Adam without a pipeline did best at the sweep's top rate at 32 stages; rates
              # above it look for the baseline's best.
              _at(30, ("sgd",), (0,), **{"reference.lr": (4e-3, 8e-3)}),
+             # PB + SC + LWP did best at the sweep's lowest rate at 32 stages; rates below it
+             # look for its best.
+             _at(30, ("pb_sc_lwp",), (0,), **{"reference.lr": (1e-5, 3e-5)}),
              _at(14, FIVE_SEEDS, (0, 1, 2)),
              _at(6, METHODS, (0, 1, 2)),
              _at(6, SWEEP_METHODS, (0,), **{"reference.lr": SWEEP_RATES}),
