@@ -28,19 +28,20 @@ PB + SC + LWP at 4.46 bits per byte against Adam's 2.95, while Nesterov AsyncPP 
 when stopped (2.89 against 3.19 nats after 8,000 sequences). At Adam's rate the asynchronous
 methods lose more than a bit per byte, so the sweep goes down to 1e-4 and covers Nesterov AsyncPP
 (the strongest asynchronous method in the sizing runs) beside the baseline at both depths, and
-PB + SC + LWP at 32 stages, so that no method's gap is an artefact of one rate. PB + Muon, in
+PB + SC + LWP at 32 stages, so that no method's gap is an artefact of one rate; PB + SC + LWP
+did best at the lowest of those rates, so 3e-5 and 1e-5 follow it there. PB + Muon, in
 none of the sizing runs, ended as the grid's best asynchronous method at both depths, so it has a
 sweep of its own: 3e-4, 2e-3 and 4e-3 beside 1e-3 at 32 stages (seed 0), and those four rates at
 8 stages from seed 3 on the CPU (the grid's 8-stage seeds drew their weights on a GPU).
 
-Grid (97 runs). The runner does every cell's first seed before any second one; run the parts in
+Grid (99 runs). The runner does every cell's first seed before any second one; run the parts in
 this order with ``--where``:
 
 1. ``--where=model_kwargs.blocks=30,method=sgd|pb|pb_sc_lwp|nesterov_asyncpp,reference.lr=None``:
    32 stages, the paper's comparison and the strongest rival, 5 seeds (20 runs);
 2. ``--where=model_kwargs.blocks=6,seed=0|1|2`` : 8 stages, every method × 3 seeds and the sweep
    (32 runs);
-3. the rest, e.g. ``--where=model_kwargs.blocks=30`` (the other 32-stage cells and sweeps, 25
+3. the rest, e.g. ``--where=model_kwargs.blocks=30`` (the other 32-stage cells and sweeps, 27
    runs), ``--where=model_kwargs.blocks=14`` (16 stages, sgd, pb, pb_sc_lwp, nesterov_asyncpp × 3
    seeds, 12 runs) and ``--where=model_kwargs.blocks=6,seed=3`` (PB + Muon's 8-stage sweep, 4
    runs); or run the whole study without ``--where``.
@@ -48,22 +49,33 @@ this order with ``--where``:
 As run, the first part came first; the 8- and 16-stage cells then ran on a GPU while the CPU went
 on with the rest of the 32-stage cells, three of which finished before the first 8-stage cell.
 
-Cost on this 2-core CPU, two trainers at a time (one thread each), from the records'
-``wall_seconds`` (a trainer process's wall time, set-up included; the machine's load varied, and
-the records do not give it):
+Cost on this 2-core CPU, two trainers at a time (one thread each). Each run's time depends on
+the trainer beside it: a PB + Muon run (Muon orthogonalizes every matrix, every step) slows its
+neighbour. Whole runs of each depth (``wall_seconds``, set-up included), measured on 2026-11-27
+with nothing but the two trainers running:
 
-* 32 stages: 43 runs of the Adam-family methods but PB + Muon, 335 to 4,128 s, median 1,160 s
-  (a resumed run's record has its last process's time only, hence the lowest); 5 runs of PB + Muon,
-  1,933 to 5,067 s, median 4,154 s (Muon's orthogonalization of every matrix, every step). The 46
-  grid cells and 2 sweep runs recorded so far sum to 74,910 s.
-* 8 and 16 stages: the sizing runs of Adam without a pipeline, 1,273 and 1,602 s (load average
-  15 to 25); PB + Muon's first 8-stage run here (seed 3, lr 1e-3), 2,792 s.
+=========  ======================================  ============================  ========
+ stages     run                                     beside                        seconds
+=========  ======================================  ============================  ========
+ 8          PB, seed 3 (``scripts/train.py``)       an 8-stage PB + Muon run           856
+ 16         PB, seed 3 (``scripts/train.py``)       the same                         1,131
+ 32         PB + SC + LWP, lr 3e-5                  the same                         1,541
+ 8          PB + Muon, lr 3e-4 and 2e-3             each other                3,277, 3,220
+ 8          PB + Muon, lr 4e-3                      the three runs above             3,690
+=========  ======================================  ============================  ========
 
-At those times the whole grid is about 20 hours two at a time on this machine, over the 16
-hours the study was to fit: 49 runs at 32 stages alone take about 10.4 hours two at a time (the
-median a run, PB + Muon's five at theirs), 36 at 8 stages and 12 at 16 stages another 9.9
-hours. That is why the 8- and 16-stage cells ran on a GPU; a grid that fits 16 hours here needs
-fewer 32-stage cells or fewer sequences a run.
+The earlier records, with the machine's load not recorded: 43 32-stage runs of the methods but
+PB + Muon, median 1,160 s; six 32-stage PB + Muon runs, 1,933 to 5,067 s, median 3,863 s (2,993
+beside an 8-stage PB + Muon run, 4,154 and 4,179 beside each other); the first 8-stage PB + Muon
+run, 2,792 s.
+
+The grid, two at a time, at those times (8 stages: PB's 856 s for every method but PB + Muon;
+16 stages: 1,131 s; 32 stages: 1,160 to 1,541 s; PB + Muon 2,792 to 3,690 s at 8 stages and
+2,993 to 4,179 s at 32): the 99 runs take 17.8 to 22.0 hours. With the sweeps cut to three
+rates beside 1e-3 for the baseline and for PB + Muon at 8 and at 32 stages (80 runs) the grid
+takes 14.7 to 18.1 hours. Neither fits 16 hours here at the slower end; the 13 PB + Muon runs
+alone are 5.2 to 7.1 of the 99 runs' hours. That is why the 8- and 16-stage cells ran on a
+GPU.
 
 Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
 lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
@@ -117,8 +129,9 @@ NOT_SHOWN = """\
   vocabulary. Nothing here says how a sub-word tokenizer, a larger corpus or another language
   would move the gaps.
 * **One recipe.** AdamW at b1 0.9, b2 0.99, with the decay mask and a cosine schedule with 5%
-  warm-up. The sweep tunes the learning rate of the baseline and of the strongest rival at
-  8 and 32 stages, not of every method, and not the betas, the warm-up or the weight decay.
+  warm-up. The sweeps tune the learning rate of the baseline, Nesterov AsyncPP and PB + Muon at
+  8 and 32 stages and of PB + SC + LWP at 32, not of every method, and not the betas, the
+  warm-up or the weight decay.
 * **Micro-batch 1.** One sequence per update, as in fine-grained pipelined backpropagation; the
   gaps at larger micro-batches (fewer, larger steps per delay) are not measured.
 * **Wall-clock speed.** Every run is a simulation of the pipeline on one device; the study
