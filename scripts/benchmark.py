@@ -62,7 +62,12 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   ``--lm_blocks`` = 6, 14, 30 blocks: 8, 16 and 32 stages, at configs/studies/lm_depth.py's widths
   128, 96 and 64, one sequence per micro-batch, b = 1) against the plain loop (the whole model as
   one optax Adam step in ``lax.scan``), their ratio, and the seconds to trace and compile the
-  pipeline's ``run`` (``pipeline_compile_s``). Only when asked.
+  pipeline's ``run`` (``pipeline_compile_s``). The ratio in CPU seconds is measured twice: with
+  every core of this process (``cpu_ratio_pipeline_over_plain``), and, with ``--lm_one_core``
+  (the default), in a process of its own held to one core (``one_core_ratio_pipeline_over_plain``),
+  where the CPU seconds are the programs' work without the time XLA's worker threads spend
+  waiting; ``flops_ratio_plain_over_pipeline`` is XLA's count of both ticks' arithmetic
+  (docs/performance.md, "The transformer LM"). Only when asked.
 
 Passes over the weights (``passes_per_tick``: ``bytes_accessed``, ``copies``, ``operations``)
 are read from each compiled program's HLO: ``pipejax/profiling/hlo.py`` says how. The
@@ -105,6 +110,9 @@ _LM_SEQUENCES = flags.DEFINE_integer("lm_sequences", 256,
                                      "Sequences (micro-batches of b = 1) per timed call of 'lm'.")
 _LM_BLOCKS = flags.DEFINE_list("lm_blocks", ["6", "14", "30"],
                                "Transformer blocks for 'lm' (blocks + 2 stages).")
+_LM_ONE_CORE = flags.DEFINE_boolean("lm_one_core", True,
+                                    "'lm' also measures each depth on one core, in a process of "
+                                    "its own (about doubles its time).")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the JSON here.")
 _DEPTH_STAGES = flags.DEFINE_list("depth_stages", ["8", "32", "128", "256"],
                                   "Stage counts of the residual MLP for 'depth'.")
@@ -133,6 +141,7 @@ def main(argv):
       "backend": jax.default_backend(),
       "device_count": jax.device_count(),
       "cpu_count": os.cpu_count(),
+      "cores_available": len(os.sched_getaffinity(0)),  # what taskset leaves this process
       "load_average_at_start": os.getloadavg(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),  # fake devices, threading options
       "jax": jax.__version__,
@@ -165,7 +174,7 @@ def main(argv):
           "method_passes": meshes.sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
       "compile": lambda: [speed.compile_time(int(s)) for s in _COMPILE_STAGES.value],
       "lm": lambda: speed.lm_speeds(_LM_SEQUENCES.value, repeats,
-                                      [int(n) for n in _LM_BLOCKS.value]),
+                                    [int(n) for n in _LM_BLOCKS.value], _LM_ONE_CORE.value),
       "depth": lambda: [record for s in _DEPTH_STAGES.value
                         for record in speed.depth_records(int(s), _DEPTH_TICKS.value, repeats,
                                                           _DEPTH_UNSTACKED_MAX.value)

@@ -122,13 +122,17 @@ def operations_per_tick(hlo_text: str) -> int:
   return max((count(body) for body in loop_bodies(entry)), default=count(entry))
 
 
+def cost(compiled) -> dict:
+  """XLA's ``cost_analysis`` of a compiled program (of a ``lax.scan``: one iteration's)."""
+  analysis = compiled.cost_analysis()
+  return analysis[0] if isinstance(analysis, list) else analysis
+
+
 def passes(compiled, per_pass_bytes: int) -> dict:
   """Weight-sized passes of a compiled tick: bytes accessed and copied over the weights' bytes,
   and its :func:`operations_per_tick`."""
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
   hlo_text = compiled.as_text()
-  return {"bytes_accessed": cost["bytes accessed"] / per_pass_bytes,
+  return {"bytes_accessed": cost(compiled)["bytes accessed"] / per_pass_bytes,
           "copies": copy_bytes(hlo_text) / per_pass_bytes,
           "operations": operations_per_tick(hlo_text)}
 

@@ -19,7 +19,7 @@ import optax
 from pipejax import methods, models
 from pipejax.core import accounting, stages
 from pipejax.core.engine import Pipeline
-from pipejax.profiling import hlo, workloads
+from pipejax.profiling import hlo, timing, workloads
 from pipejax.profiling.timing import TimedRunner, best_times
 from pipejax.profiling.workloads import RESNET_INPUT, stream
 from pipejax.core.runner import jit as pipeline_jit
@@ -31,7 +31,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
 
   ``runner`` wraps the pipeline (``pipejax.parallel.stacking.StackedPipeline``: its stacked layout).
   Returns the row, the pipeline (or its runner), and its initial weights; with ``compile_time``
-  also the seconds to trace and compile the full pipeline's ``run``.
+  also the full pipeline's compiled ``run``, and the seconds to trace and compile it in the row
+  (``pipeline_compile_s``).
   """
   ticks, b = x.shape[:2]
   pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
@@ -41,7 +42,7 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
   params = [st.params for st in pipe.to_logical(run_pipeline.state).stages]
   if compile_time:
     start = time.perf_counter()
-    pipe.lower(run_pipeline.state, x, y).compile()
+    compiled = pipe.lower(run_pipeline.state, x, y).compile()
     compile_s = time.perf_counter() - start
   plain = {"carry": (jax.tree.map(jnp.copy, params), tx.init(params))}
 
@@ -76,7 +77,8 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
       row[f"cpu_ratio_pipeline_over_{name}"] = (row["pipeline_samples_per_cpu_s"]
                                                 / row[f"{name}_samples_per_cpu_s"])
   if compile_time:
-    return row, pipe, params, compile_s
+    row["pipeline_compile_s"] = compile_s
+    return row, pipe, params, compiled
   return row, pipe, params
 
 
@@ -140,36 +142,62 @@ def method_speeds(names, samples: int, repeats: int) -> list[dict]:
   return rows
 
 
-def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS) -> list[dict]:
+def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS,
+              one_core: bool = True) -> list[dict]:
   """Per depth, tokens/s of the stacked pipeline (PB + Adam) on the transformer LM against the
-  plain Adam loop, side by side, and the seconds to trace and compile the pipeline's ``run``.
+  plain Adam loop, side by side, the seconds to trace and compile the pipeline's ``run``, and
+  the arithmetic of both programs' ticks.
 
   ``blocks`` are the transformer's block counts (``blocks + 2`` stages); each gets the width
-  configs/studies/lm_depth.py gives it (:data:`pipejax.profiling.workloads.LM_WIDTHS`).
+  configs/studies/lm_depth.py gives it (:data:`pipejax.profiling.workloads.LM_WIDTHS`). The
+  ``cpu_ratio`` is measured with every core this process has; with ``one_core`` the comparison
+  runs again in a process of its own on one core (:func:`~pipejax.profiling.timing.on_one_core`),
+  where CPU seconds are the programs' work and nothing else: ``one_core_ratio``. Both ratios
+  are the pipeline's tokens per CPU second over the plain loop's. ``flops_ratio_plain_over_pipeline``
+  (XLA's count of one tick's floating-point operations) is what the work ratio would be if both
+  programs' kernels ran equally fast: the pipeline recomputes each stage's forward in its
+  backward (at the current weights), which the plain loop never does.
   """
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
-  context = workloads.LM_CONTEXT
   rows = []
   for n in blocks:
-    kwargs = workloads.lm_model_kwargs(n)
-    model = models.build("transformer_lm", **kwargs)
-    tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
-    x = jax.device_put(tokens[..., :-1].astype(np.float32))
-    y = jax.device_put(tokens[..., 1:].astype(np.int32))
-    row, runner, _, compile_s = versus_plain(model, optax.adam(3e-4), x, y, repeats,
-                                             runner=stacking.StackedPipeline, compile_time=True)
-    result = {"num_stages": runner.num_stages, "model": f"transformer_lm {kwargs}",
-              "stacked_runs": [list(r) for r in runner.runs],
-              "context": context, "micro_batch_size": 1, "sequences": sequences,
-              "pipeline_compile_s": compile_s}
-    for name in ("pipeline", "plain_scan"):
-      result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * context
-      result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
-    result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
-    result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
-    logging.info("lm: %s", result)
-    rows.append(result)
+    row = lm_row(n, sequences, repeats)
+    if one_core:
+      alone = timing.on_one_core(__name__, "lm_row", blocks=n, sequences=sequences,
+                                 repeats=repeats, count_flops=False)
+      row["one_core_pipeline_tokens_per_s"] = alone["pipeline_tokens_per_cpu_s"]
+      row["one_core_plain_tokens_per_s"] = alone["plain_scan_tokens_per_cpu_s"]
+      row["one_core_ratio_pipeline_over_plain"] = alone["cpu_ratio_pipeline_over_plain"]
+    logging.info("lm: %s", row)
+    rows.append(row)
   return rows
+
+
+def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True) -> dict:
+  """One depth of :func:`lm_speeds`, measured in this process with the cores it has."""
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+  context = workloads.LM_CONTEXT
+  kwargs = workloads.lm_model_kwargs(blocks)
+  model = models.build("transformer_lm", **kwargs)
+  tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
+  x = jax.device_put(tokens[..., :-1].astype(np.float32))
+  y = jax.device_put(tokens[..., 1:].astype(np.int32))
+  tx = optax.adam(3e-4)
+  row, runner, params, compiled = versus_plain(model, tx, x, y, repeats,
+                                               runner=stacking.StackedPipeline, compile_time=True)
+  result = {"num_stages": runner.num_stages, "model": f"transformer_lm {kwargs}",
+            "stacked_runs": [list(r) for r in runner.runs],
+            "context": context, "micro_batch_size": 1, "sequences": sequences,
+            "pipeline_compile_s": row["pipeline_compile_s"]}
+  for name in ("pipeline", "plain_scan"):
+    result[f"{name}_tokens_per_s"] = row[f"{name}_samples_per_s"] * context
+    result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
+  result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
+  result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
+  if count_flops:
+    plain = workloads.plain_scan(model, tx).lower((params, tx.init(params)), (x, y)).compile()
+    result["flops_ratio_plain_over_pipeline"] = (hlo.cost(plain)["flops"]
+                                                 / hlo.cost(compiled)["flops"])
+  return result
 
 
 def tick_time_fit(rows: list[dict], target: float = 0.85) -> dict:

@@ -1,7 +1,12 @@
-"""Timing on a shared machine: interleaved best-of-N calls, and a runner kept warm for them."""
+"""Timing on a shared machine: interleaved best-of-N calls, a runner kept warm for them, and a
+measurement run in a process of its own on one core."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from typing import Callable, Hashable, Mapping
 
@@ -61,3 +66,31 @@ class TimedRunner:
     while not self.runner.every_slot_full(self.state):
       self()
     self()
+
+
+_RESULT_MARK = "ONE_CORE_RESULT "
+
+
+def on_one_core(module: str, function: str, timeout_s: float = 3600, **kwargs):
+  """``module.function(**kwargs)`` in a fresh Python process held to one core; its JSON result.
+
+  On a CPU the CPU seconds of a process with several cores are not its work alone: XLA's runtime
+  runs independent operations on a pool of worker threads, one a core, and the time its threads
+  spend handing work over and waiting for it counts too, in a share that depends on how much of
+  the program can run side by side and on the machine. Held to one core (the pool is sized when
+  the backend starts, hence the new process) the CPU seconds are the program's work. ``kwargs``
+  and the result travel as JSON.
+  """
+  core = min(os.sched_getaffinity(0))
+  code = (f"import json, sys, importlib\n"
+          f"result = getattr(importlib.import_module({module!r}), {function!r})("
+          f"**json.loads(sys.argv[1]))\n"
+          f"print({_RESULT_MARK!r} + json.dumps(result))\n")
+  done = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True,
+                        text=True, timeout=timeout_s, check=False,
+                        preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+  lines = [l for l in done.stdout.splitlines() if l.startswith(_RESULT_MARK)]
+  if done.returncode or not lines:
+    raise RuntimeError(f"{module}.{function} on one core (a child process) failed with exit code "
+                       f"{done.returncode}; the end of its output:\n{done.stderr[-3000:]}")
+  return json.loads(lines[-1][len(_RESULT_MARK):])

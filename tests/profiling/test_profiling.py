@@ -124,3 +124,30 @@ def test_tick_time_fit_recovers_a_known_line():
   assert fit["fixed_us"] == pytest.approx(20.0) and fit["us_per_pass"] == pytest.approx(8.0)
   assert fit["largest_residual_us"] == pytest.approx(0.0, abs=1e-9)
   assert fit["extra_passes_at_target"] == pytest.approx((76 / 0.85 - 20) / 8 - 7)
+
+
+def cores_and_sum(a, b):
+  """What a child of :func:`timing.on_one_core` runs: the cores it may use, and its arguments'
+  sum (so that the kwargs are seen to arrive)."""
+  import os  # pylint: disable=import-outside-toplevel
+  return {"cores": sorted(os.sched_getaffinity(0)), "sum": a + b}
+
+
+def test_on_one_core_runs_the_function_in_a_process_held_to_one_core():
+  result = timing.on_one_core(__name__, "cores_and_sum", a=2, b=3)
+  assert len(result["cores"]) == 1
+  assert result["sum"] == 5
+
+
+def test_on_one_core_says_which_call_failed():
+  with pytest.raises(RuntimeError, match=r"os\.no_such_function on one core"):
+    timing.on_one_core("os", "no_such_function")
+
+
+def test_lm_row_counts_the_recompute_in_the_pipelines_arithmetic():
+  # PB's backward recomputes each stage's forward; the plain loop differentiates the forward it
+  # ran. A transformer's backward costs about twice its forward, so the plain loop does about
+  # 3/4 of the pipeline's arithmetic.
+  row = speed.lm_row(blocks=1, sequences=8, repeats=1)
+  assert 0.7 < row["flops_ratio_plain_over_pipeline"] < 0.9
+  assert row["num_stages"] == 3 and row["pipeline_compile_s"] > 0
