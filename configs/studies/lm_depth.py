@@ -49,10 +49,10 @@ this order with ``--where``:
 As run, the first part came first; the 8- and 16-stage cells then ran on a GPU while the CPU went
 on with the rest of the 32-stage cells, three of which finished before the first 8-stage cell.
 
-Cost on this 2-core CPU, two trainers at a time (one thread each). Each run's time depends on
-the trainer beside it: a PB + Muon run (Muon orthogonalizes every matrix, every step) slows its
-neighbour. Whole runs of each depth (``wall_seconds``, set-up included), measured on 2026-11-27
-with nothing but the two trainers running:
+Cost on this 2-core CPU, two trainers at a time (the launcher turns XLA's intra-op threads
+off). Each run's time depends on the trainer beside it: a PB + Muon run (Muon orthogonalizes
+every matrix, every step) slows its neighbour. Whole runs of each depth (``wall_seconds``,
+set-up included), measured on 2026-11-27 with nothing but the two trainers running:
 
 =========  ======================================  ============================  ========
  stages     run                                     beside                        seconds

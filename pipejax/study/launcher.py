@@ -172,7 +172,8 @@ def _die_with(parent: int):
 def _trainer_env(parallel: int, workdir: str) -> dict:
   env = dict(os.environ)
   if parallel > 1:
-    # Several trainings share the cores: one thread each avoids oversubscription.
+    # Several trainings share the cores: no operation split over threads avoids oversubscription.
+    # XLA's CPU runtime may still run two independent operations on two threads at once.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                         "intra_op_parallelism_threads=1").strip()
     # Several trainings share one accelerator: JAX's default takes 75% of its memory at start,
