@@ -66,8 +66,8 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
   every core of this process (``cpu_ratio_pipeline_over_plain``), and, with ``--lm_one_core``
   (the default), in a process of its own held to one core (``one_core_ratio_pipeline_over_plain``),
   where the CPU seconds are the programs' work without the time XLA's worker threads spend
-  waiting; ``flops_ratio_plain_over_pipeline`` is XLA's count of both ticks' arithmetic
-  (docs/performance.md, "The transformer LM"). Only when asked.
+  waiting (on a CPU backend only); ``flops_ratio_plain_over_pipeline`` is XLA's count of both
+  ticks' arithmetic (docs/performance.md §9). Only when asked.
 
 Passes over the weights (``passes_per_tick``: ``bytes_accessed``, ``copies``, ``operations``)
 are read from each compiled program's HLO: ``pipejax/profiling/hlo.py`` says how. The
@@ -141,7 +141,8 @@ def main(argv):
       "backend": jax.default_backend(),
       "device_count": jax.device_count(),
       "cpu_count": os.cpu_count(),
-      "cores_available": len(os.sched_getaffinity(0)),  # what taskset leaves this process
+      "cores_available": (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count()),  # what taskset leaves this process
       "load_average_at_start": os.getloadavg(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),  # fake devices, threading options
       "jax": jax.__version__,

@@ -150,14 +150,16 @@ def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS,
 
   ``blocks`` are the transformer's block counts (``blocks + 2`` stages); each gets the width
   configs/studies/lm_depth.py gives it (:data:`pipejax.profiling.workloads.LM_WIDTHS`). The
-  ``cpu_ratio`` is measured with every core this process has; with ``one_core`` the comparison
-  runs again in a process of its own on one core (:func:`~pipejax.profiling.timing.on_one_core`),
-  where CPU seconds are the programs' work and nothing else: ``one_core_ratio``. Both ratios
-  are the pipeline's tokens per CPU second over the plain loop's. ``flops_ratio_plain_over_pipeline``
-  (XLA's count of one tick's floating-point operations) is what the work ratio would be if both
-  programs' kernels ran equally fast: the pipeline recomputes each stage's forward in its
-  backward (at the current weights), which the plain loop never does.
+  ``cpu_ratio`` is measured with every core this process has; with ``one_core``, on a CPU
+  backend, the comparison runs again in a process of its own on one core
+  (:func:`~pipejax.profiling.timing.on_one_core`), where CPU seconds are the programs' work and
+  nothing else: ``one_core_ratio``. Both ratios are the pipeline's tokens per CPU second over the
+  plain loop's. ``flops_ratio_plain_over_pipeline`` (XLA's count of one tick's floating-point
+  operations) is what the work ratio would be if both programs' kernels ran equally fast: the
+  pipeline recomputes each stage's forward in its backward (at the current weights), which the
+  plain loop never does.
   """
+  one_core = one_core and jax.default_backend() == "cpu"
   rows = []
   for n in blocks:
     row = lm_row(n, sequences, repeats)

@@ -81,6 +81,11 @@ def on_one_core(module: str, function: str, timeout_s: float = 3600, **kwargs):
   the backend starts, hence the new process) the CPU seconds are the program's work. ``kwargs``
   and the result travel as JSON.
   """
+  if not hasattr(os, "sched_setaffinity"):
+    raise RuntimeError(f"Running {module}.{function} on one core needs a system that can hold a "
+                       f"process to a core (Linux's sched_setaffinity); this one cannot. Measure "
+                       f"without it (scripts/benchmark.py: --lm_one_core=false), or hold the whole "
+                       f"process to one core yourself.")
   core = min(os.sched_getaffinity(0))
   code = (f"import json, sys, importlib\n"
           f"result = getattr(importlib.import_module({module!r}), {function!r})("
