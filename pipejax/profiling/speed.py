@@ -174,11 +174,15 @@ def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS,
   return rows
 
 
-def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True) -> dict:
-  """One depth of :func:`lm_speeds`, measured in this process with the cores it has."""
+def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True,
+           width: int | None = None) -> dict:
+  """One depth of :func:`lm_speeds`, measured in this process with the cores it has; ``width``
+  replaces the study's width for that depth."""
   from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   context = workloads.LM_CONTEXT
   kwargs = workloads.lm_model_kwargs(blocks)
+  if width is not None:
+    kwargs["width"] = width
   model = models.build("transformer_lm", **kwargs)
   tokens = np.random.default_rng(0).integers(0, 256, (sequences, 1, context + 1))
   x = jax.device_put(tokens[..., :-1].astype(np.float32))
