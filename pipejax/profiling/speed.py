@@ -151,13 +151,9 @@ def lm_speeds(sequences: int, repeats: int, blocks=workloads.LM_BLOCKS,
   ``blocks`` are the transformer's block counts (``blocks + 2`` stages); each gets the width
   configs/studies/lm_depth.py gives it (:data:`pipejax.profiling.workloads.LM_WIDTHS`). The
   ``cpu_ratio`` is measured with every core this process has; with ``one_core``, on a CPU
-  backend, the comparison runs again in a process of its own on one core
-  (:func:`~pipejax.profiling.timing.on_one_core`), where CPU seconds are the programs' work and
-  nothing else: ``one_core_ratio``. Both ratios are the pipeline's tokens per CPU second over the
-  plain loop's. ``flops_ratio_plain_over_pipeline`` (XLA's count of one tick's floating-point
-  operations) is what the work ratio would be if both programs' kernels ran equally fast: the
-  pipeline recomputes each stage's forward in its backward (at the current weights), which the
-  plain loop never does.
+  backend, again on one core (:func:`~pipejax.profiling.timing.on_one_core` says why):
+  ``one_core_ratio``. ``flops_ratio_plain_over_pipeline`` is the work ratio if both programs'
+  kernels ran equally fast (the pipeline's backward recomputes each stage's forward).
   """
   one_core = one_core and jax.default_backend() == "cpu"
   rows = []
@@ -199,10 +195,12 @@ def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True,
     result[f"{name}_tokens_per_cpu_s"] = row[f"{name}_samples_per_cpu_s"] * context
   result["ratio_pipeline_over_plain"] = row["ratio_pipeline_over_plain_scan"]
   result["cpu_ratio_pipeline_over_plain"] = row["cpu_ratio_pipeline_over_plain_scan"]
-  if count_flops:
+  if count_flops:  # a compiled scan's cost is its body's: one tick, one step
     plain = workloads.plain_scan(model, tx).lower((params, tx.init(params)), (x, y)).compile()
-    result["flops_ratio_plain_over_pipeline"] = (hlo.cost(plain)["flops"]
-                                                 / hlo.cost(compiled)["flops"])
+    result["pipeline_flops_per_tick"] = hlo.cost(compiled)["flops"]
+    result["plain_flops_per_tick"] = hlo.cost(plain)["flops"]
+    result["flops_ratio_plain_over_pipeline"] = (result["plain_flops_per_tick"]
+                                                 / result["pipeline_flops_per_tick"])
   return result
 
 
