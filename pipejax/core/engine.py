@@ -61,8 +61,9 @@ PyTree = Any
 # each weight shape's random generator (threefry); unoptimized, the same program compiles several
 # times faster, and an init runs once. The numbers differ from an optimized compile's in the last
 # bit of some weights, so every layout's init uses these options, and every layout starts from
-# the same bits.
-INIT_COMPILER = {"xla_backend_optimization_level": 0}
+# the same bits. XLA:CPU's older elemental emitters make the same bits as its MLIR fusion emitters
+# here (tests/core/test_engine.py) and compile the generators 1.4 to 2 times faster.
+INIT_COMPILER = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
 class CompiledInit:

@@ -17,7 +17,7 @@ from pipejax.core import runner as runnerlib
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline, TickOptions
 from pipejax.models import online_norm
-from pipejax.core.state import Packet
+from pipejax.core.state import Packet, raw_key
 from pipejax.parallel.stacking import StackedPipeline
 from tests import oracle
 from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
@@ -375,6 +375,28 @@ def test_init_takes_typed_keys_raw_keys_and_seeds_alike():
   for state in states[1:]:
     jax.tree.map(np.testing.assert_array_equal, state, states[0])
   pipe.run(states[1], x, y)  # a state made from a typed key is this pipeline's own
+
+
+def test_the_init_compilers_emitters_make_the_weights_xla_makes_by_default():
+  # INIT_COMPILER picks XLA:CPU's faster-compiling emitters for the initial state: a choice of
+  # speed only, so it must give the default emitters' bits, over the initializers and the many
+  # weight shapes of a transformer and a residual MLP.
+  from pipejax import models  # pylint: disable=import-outside-toplevel
+  from pipejax.core import engine  # pylint: disable=import-outside-toplevel
+  default = {k: v for k, v in engine.INIT_COMPILER.items() if k != "xla_cpu_use_fusion_emitters"}
+  assert default != engine.INIT_COMPILER
+  cases = ((models.build("transformer_lm", num_classes=256, blocks=2, width=16, heads=2),
+            jnp.zeros((1, 8)), jnp.zeros((1, 8), jnp.int32)),
+           (models.build("residual_mlp", num_classes=NUM_CLASSES, depth=4, width=8),
+            jnp.zeros((1, IN_DIM)), jnp.zeros((1,), jnp.int32)))
+  for model, x, y in cases:
+    pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=LR), x, y)
+    key, fill = raw_key(jax.random.PRNGKey(7)), jnp.float32(0)
+    lowered = jax.jit(pipe._init).lower(key, fill)  # pylint: disable=protected-access
+    ours, xlas = (lowered.compile(compiler_options=options)(key, fill)
+                  for options in (engine.INIT_COMPILER, default))
+    jax.tree.map(np.testing.assert_array_equal, ours, xlas)
+    jax.tree.map(np.testing.assert_array_equal, ours, pipe.init(jax.random.PRNGKey(7)))
 
 
 def test_accounting_names_a_stage_count_that_is_not_an_int():
