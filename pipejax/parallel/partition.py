@@ -91,7 +91,7 @@ def measure_stage_costs(pipeline: Pipeline, state: PipelineState | None = None,
   counts when stages differ in kind (convolutions against dense layers).
   """
   if state is None:
-    state = jax.jit(pipeline.init)(jax.random.PRNGKey(0))
+    state = pipeline.init(jax.random.PRNGKey(0))
   seconds = []
   for s, stage in enumerate(pipeline.model.stages):
     key = jax.random.PRNGKey(s)

@@ -70,7 +70,7 @@ def host(tree):
 @functools.cache
 def initial_state(method_name):
   # NaN in every empty slot: padding and exchanges must never let one reach weights or metrics.
-  init = jax.jit(make_pipeline(method_name).init)
+  init = make_pipeline(method_name).init
   return host(init(jax.random.PRNGKey(42), np.float32(np.nan)))
 
 
@@ -212,7 +212,7 @@ def test_mesh_with_stateful_stages_matches_one_device(eight_devices):
   """Online Norm's variables, live and stashed in the delay lines, live with their stage."""
   pipe = make_pipeline("pb_sc_lwp", stateful=True)
   sharded = ShardedPipeline(pipe, make_mesh(8, 1, eight_devices))
-  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
+  state = host(pipe.init(jax.random.PRNGKey(42), np.float32(np.nan)))
   packed, metrics = sharded.run(sharded.from_logical(state), *make_stream(*STREAM))
   expected_state, expected_metrics = pipe.run(jax.tree.map(np.copy, state), *make_stream(*STREAM))
   actual = sharded.to_logical(packed)
@@ -437,7 +437,7 @@ def stacked_and_mesh(method_name, stage, data=1, stateful=False):
   sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
   assert sharded.pipeline is pipe and sharded.runs == stacked.runs
   x, y = make_stream(2 * pipe.num_stages + 3, MICRO_BATCH)
-  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(42), np.float32(np.nan)))
+  state = host(pipe.init(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
   packed, metrics = sharded.run(sharded.from_logical(state), x, y)
   return (host(stacked.to_logical(expected)), host(expected_metrics), host(sharded.to_logical(packed)),
@@ -464,7 +464,7 @@ def test_mesh_stacked_online_norm_matches_one_device(eight_devices):
   expected, expected_metrics, actual, metrics = stacked_and_mesh("pb", 2, stateful=True)
   assert_bit_equal(actual, expected)
   assert_bit_equal(metrics, expected_metrics)
-  initial = jax.jit(grouped_pipeline("pb", stateful=True).init)(jax.random.PRNGKey(42))
+  initial = grouped_pipeline("pb", stateful=True).init(jax.random.PRNGKey(42))
   assert all(np.abs(a - e).max() > 1e-3 for a, e in zip(  # the stack's statistics moved
       jax.tree.leaves(actual.stages[2].variables), jax.tree.leaves(initial.stages[2].variables)))
 
@@ -482,7 +482,7 @@ def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devi
   sharded = ShardedPipeline(StackedPipeline(pipe), make_mesh(4, 1, eight_devices[:4]),
                             partition=GROUPED_PARTITIONS[4])
   x, y = make_stream(24, MICRO_BATCH)
-  state = host(jax.jit(pipe.init)(jax.random.PRNGKey(7)))
+  state = host(pipe.init(jax.random.PRNGKey(7)))
   whole, _ = pipe.run(jax.tree.map(np.copy, state), x, y)
   half, _ = sharded.run(sharded.from_logical(state), x[:12], y[:12])
   rest, _ = pipe.run(sharded.to_logical(half), x[12:], y[12:])
