@@ -26,4 +26,4 @@ def get_config(arg: str | None = None):
   config.checkpoint_every_samples = 50000
   return configlib.apply_variant(config, arg, tiny={
       "model_kwargs": {"config": (4, "M", 8, "M"), "layers_per_stage": 1},
-      "ticks_per_chunk": 8, "eval_batch_size": 8})
+      "ticks_per_chunk": 64, "eval_batch_size": 8})

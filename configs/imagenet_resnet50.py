@@ -28,6 +28,6 @@ def get_config(arg: str | None = None):
   config.checkpoint_every_samples = 100000
   config.eval_batch_size = 250
   return configlib.apply_variant(config, arg, tiny={
-      "image_size": 32, "ticks_per_chunk": 4, "eval_batch_size": 4,
+      "image_size": 32, "ticks_per_chunk": 64, "eval_batch_size": 4,
       "model_kwargs": {"layers_per_stage": 4, "width": 4, "blocks_per_group": (1, 1, 1, 1),
                        "norm_groups": 2}})
