@@ -237,7 +237,7 @@ def _lm_command(workdir, *extra):
   return [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
           "--config=configs/char_lm.py:smoke", "--config.mesh.stage=2",
           "--config.max_train_examples=100", "--config.max_test_examples=20",
-          "--config.ticks_per_chunk=50", "--config.eval_every_samples=100",
+          "--config.ticks_per_chunk=200", "--config.eval_every_samples=100",
           "--config.checkpoint_every_samples=50", f"--workdir={workdir}", *extra]
 
 
