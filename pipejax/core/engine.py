@@ -62,7 +62,8 @@ PyTree = Any
 # times faster, and an init runs once. The numbers differ from an optimized compile's in the last
 # bit of some weights, so every layout's init uses these options, and every layout starts from
 # the same bits. XLA:CPU's older elemental emitters make the same bits as its MLIR fusion emitters
-# here (tests/core/test_engine.py) and compile the generators 1.4 to 2 times faster.
+# here (tests/core/test_engine.py) and compile the generators 1.1 to 2 times faster. They compile
+# reductions over many leaves several times slower, so no other program uses them.
 INIT_COMPILER = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
