@@ -7,6 +7,9 @@ last 360 examples, 20%, for test), so accuracies are comparable between runs and
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 
 from pipejax.data.source import ArraySource, Normalization
@@ -19,13 +22,36 @@ NORMALIZATION = Normalization(mean=(4.884,), std=(6.017,))
 
 def load_digits() -> tuple[ArraySource, ArraySource]:
   """The fixed train (1437) and test (360) splits; examples are ``(8, 8, 1)`` uint8 in 0..16."""
-  from sklearn import datasets  # pylint: disable=g-import-not-at-top  (slow import, rarely used)
-
-  digits = datasets.load_digits()
-  images = digits.images.astype(np.uint8)[..., None]
-  labels = digits.target.astype(np.int32)
+  images, labels = _images_and_labels()
+  images = images.astype(np.uint8)[..., None]
+  labels = labels.astype(np.int32)
   order = np.random.default_rng(SPLIT_SEED).permutation(len(labels))
   train, test = order[:-NUM_TEST], order[-NUM_TEST:]
   return (ArraySource(images[train], labels[train], 10, "digits:train",
                       normalization=NORMALIZATION),
           ArraySource(images[test], labels[test], 10, "digits:test", normalization=NORMALIZATION))
+
+
+def _images_and_labels() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's ``load_digits()`` images and targets.
+
+  Read straight from the table it ships where it is found: importing scikit-learn takes about
+  1.5 s (scipy.stats), longer than a smoke run on these digits trains. Elsewhere, its loader.
+  """
+  table = bundled_table()
+  if table is None:
+    from sklearn import datasets  # pylint: disable=g-import-not-at-top  (slow import)
+    digits = datasets.load_digits()
+    return digits.images, digits.target
+  return table[:, :-1].reshape(-1, 8, 8), table[:, -1]
+
+
+def bundled_table() -> np.ndarray | None:
+  """The rows of scikit-learn's ``datasets/data/digits.csv.gz`` (64 pixels, then the class),
+  found without importing scikit-learn; None where it is not there."""
+  spec = importlib.util.find_spec("sklearn")
+  for folder in (spec.submodule_search_locations or []) if spec else []:
+    path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
+    if os.path.isfile(path):
+      return np.loadtxt(path, delimiter=",")
+  return None

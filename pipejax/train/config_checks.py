@@ -218,7 +218,7 @@ def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
 # often the run reports and saves, how the devices are laid out (checkpoints hold the logical
 # state). Any other change is refused unless config.allow_changes_on_resume is set.
 FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
-             "keep_checkpoints", "eval_batch_size", "mesh", "stack_stages",
+             "keep_checkpoints", "eval_batch_size", "plot_curves", "mesh", "stack_stages",
              "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values

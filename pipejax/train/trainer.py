@@ -129,7 +129,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
     # Still under the stop request: a SIGTERM while the run writes its last files must not kill
     # it between its final checkpoint and summary.json (the run has finished; it exits 0).
     writer.close()
-    if primary and stopped_by is None:
+    if primary and stopped_by is None and config.plot_curves:
       # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
       metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
                             os.path.join(workdir, "curves.png"),

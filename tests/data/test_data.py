@@ -402,6 +402,22 @@ def test_digits_fixed_split():
   np.testing.assert_array_equal(data.load("digits")[1].images, test.images)
 
 
+def test_digits_read_without_scikit_learn_are_its_loaders_in_its_order(monkeypatch):
+  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  from pipejax.data import digits as digits_lib  # pylint: disable=g-import-not-at-top
+  table = digits_lib.bundled_table()
+  assert table is not None  # the installed scikit-learn keeps the table where we look
+  reference = load_digits()
+  np.testing.assert_array_equal(table[:, :-1], reference.data)
+  np.testing.assert_array_equal(table[:, -1], reference.target)
+  # Where the table is not found, scikit-learn's loader gives the same splits.
+  train, test = data.load("digits")
+  monkeypatch.setattr(digits_lib, "bundled_table", lambda: None)
+  train_again, test_again = data.load("digits")
+  np.testing.assert_array_equal(train_again.images, train.images)
+  np.testing.assert_array_equal(test_again.labels, test.labels)
+
+
 def test_unknown_name_lists_known_ones():
   with pytest.raises(data.DataError, match="Unknown data set 'mnist'") as info:
     data.load("mnist")

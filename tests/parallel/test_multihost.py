@@ -39,7 +39,7 @@ CONFIG = ["--config=configs/default.py:smoke", "--config.mesh.stage=2", "--confi
           "--config.micro_batch_size=2", "--config.max_train_examples=400",
           "--config.max_test_examples=100", "--config.ticks_per_chunk=25",
           "--config.model_kwargs.hidden=(32,16)", "--config.eval_every_samples=400",
-          "--config.checkpoint_every_samples=200"]
+          "--config.checkpoint_every_samples=200", "--config.plot_curves=False"]
 TOTAL = 400
 FIRST_PROGRESS = re.compile(r"\[\d+/400 samples")
 

@@ -30,7 +30,7 @@ def _train_command(workdir, *overrides):
           "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
           f"--workdir={workdir}", "--config.dataset=digits", "--config.max_train_examples=0",
           "--config.max_test_examples=0", "--config.model_kwargs.hidden=(16,12)",
-          "--config.schedule=constant", *overrides]
+          "--config.schedule=constant", "--config.plot_curves=False", *overrides]
 
 
 def _signal_when(command, sig, marker):

@@ -238,7 +238,8 @@ def _lm_command(workdir, *extra):
           "--config=configs/char_lm.py:smoke", "--config.mesh.stage=2",
           "--config.max_train_examples=100", "--config.max_test_examples=20",
           "--config.ticks_per_chunk=200", "--config.eval_every_samples=100",
-          "--config.checkpoint_every_samples=50", f"--workdir={workdir}", *extra]
+          "--config.checkpoint_every_samples=50", "--config.plot_curves=False",
+          f"--workdir={workdir}", *extra]
 
 
 def _lm_env(devices):

@@ -169,7 +169,7 @@ def test_batchnorm_at_micro_batch_one_is_refused(tmp_path):
 
 def test_training_writes_metrics_plots_and_summary(tmp_path):
   workdir = tmp_path / "run"
-  summary = trainer.train_and_evaluate(digits_config(), str(workdir))
+  summary = trainer.train_and_evaluate(digits_config(plot_curves=True), str(workdir))
   assert summary["samples"] == 240 and summary["stopped_by"] is None
   records = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
   assert {r["split"] for r in records} == {"train", "test"}
@@ -177,6 +177,13 @@ def test_training_writes_metrics_plots_and_summary(tmp_path):
   assert (workdir / "curves.png").stat().st_size > 1000
   assert any(name.startswith("events") for name in os.listdir(workdir / "tensorboard"))
   assert json.load(open(workdir / "summary.json"))["test_accuracy"] == summary["test_accuracy"]
+
+
+def test_a_run_without_curves_writes_everything_else(finished):
+  workdir, summary = finished  # digits_config(): plot_curves=False
+  assert not os.path.exists(os.path.join(workdir, "curves.png"))
+  assert json.load(open(os.path.join(workdir, "summary.json")))["samples"] == summary["samples"]
+  assert os.path.getsize(os.path.join(workdir, "metrics.jsonl")) > 0
 
 
 @pytest.mark.parametrize("config_name", ["cifar10_resnet20", "cifar10_vgg", "imagenet_resnet50"])
@@ -216,7 +223,7 @@ def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
        "--config.model_kwargs.hidden=(16,12)", f"--config.epochs={240 / 1437!r}",
        f"--config.warmup_epochs={40 / 1437!r}", "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
        "--config.checkpoint_every_samples=40", "--config.eval_batch_size=128",
-       "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
+       "--config.plot_curves=False", "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Mesh data=1 x stage=2" in result.stderr
   mesh = json.load(open(tmp_path / "mesh" / "summary.json"))
