@@ -96,7 +96,8 @@ def get_study(arg: str | None = None) -> Study:
                # A learning rate no method survives: the report must mark it, not average it.
                {"model_kwargs.depth": (5,), "method": ("pb",), "seed": (0,),
                 "reference.lr": (1e4,)}],
-        fixed={"epochs": 1.0, "eval_every_samples": 100000},
+        # No curves.png per run: the report draws the figure a reader looks at.
+        fixed={"epochs": 1.0, "eval_every_samples": 100000, "plot_curves": False},
         baseline={"method": "sgd"}, margin=0.005,
         tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
                 Table("Gap to SGD (points)", rows="model_kwargs.depth", columns="method",
