@@ -29,6 +29,7 @@ def get_config(arg: str | None = None):
   config.warmup_epochs = 1.0
   config.eval_every_samples = 50000
   config.checkpoint_every_samples = 50000
+  # tiny: the same network code with one block per group (ResNet-8), one conv per stage.
   return configlib.apply_variant(config, arg, tiny={
-      "model_kwargs": {"layers_per_stage": 2, "width": 4},
+      "model_kwargs": {"depth": 8, "layers_per_stage": 1, "width": 4},
       "ticks_per_chunk": 64, "eval_batch_size": 8})

@@ -331,7 +331,8 @@ def test_readme_training_and_plot_commands_run_as_smoke_runs(tmp_path):
       continue
     script, args = as_script_call(tokens)
     values = parse_flags(script, smoke_variant(args, tmp_path) + [
-        "--config.max_train_examples=250", "--config.max_test_examples=100"])
+        "--config.max_train_examples=250", "--config.max_test_examples=100",
+        "--config.plot_curves=False"])  # the plot commands below draw from metrics.jsonl
     summary = trainer.train_and_evaluate(values["config"], values["workdir"])
     assert summary["stopped_by"] is None and 0 <= summary["test_accuracy"] <= 1
   # The README's plot commands, over the runs just made.

@@ -190,7 +190,7 @@ def test_a_run_without_curves_writes_everything_else(finished):
 def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
   tfds = pytest.importorskip("tensorflow_datasets")
   config = load_config(config_name, "tiny")
-  # 24 examples: enough for every stage of the deepest tiny split (10) to take two updates.
+  # 24 examples: enough for every stage of the deepest tiny split (8) to take two updates.
   with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
     summary = trainer.train_and_evaluate(config, str(tmp_path / config_name))
   assert summary["samples"] == 24 and summary["stopped_by"] is None
