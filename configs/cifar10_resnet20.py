@@ -7,8 +7,8 @@ r"""CIFAR-10 ResNet-20 (GroupNorm), one conv per stage (the paper's fine-grained
 Data: tfds 'cifar10' in array_record format. A machine with internet and TensorFlow downloads and
 builds it into --config.data_dir on the first run; elsewhere build it with `tfds build cifar10
 --file_format=array_record --data_dir=DIR` on a machine that can, and copy DIR here
-(pipejax/data/tfds_source.py). Not run here (no data on this machine); the 'tiny' variant is what
-the tests run on tfds mock data. The recipe is
+(pipejax/data/tfds_source.py). Not run here (no data on this machine); the 'tiny' variant (ResNet-8
+of width 4, one conv per stage) is what the tests run on tfds mock data. The recipe is
 He et al.'s (batch 128, lr 0.1, momentum 0.9, weight decay 5e-4) converted to micro-batch 1.
 Kosson et al. report ResNet-20 with PB + SC + LWP at batch 1 matching SGD (about 91-92%). On a GPU
 the run takes hours; on this 2-core CPU it is impractical (the 'smoke' variant runs in < 1 minute).
