@@ -77,7 +77,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.allow_changes_on_resume = False
   config.eval_batch_size = 1000
   # False: no curves.png when the run ends (scripts/plot.py draws it from metrics.jsonl at any
-  # time). Drawing it takes 1 to 2 s of CPU, as long as a whole smoke run's training on digits.
+  # time). Drawing it takes 1 to 2 s of CPU, most of it importing matplotlib.
   config.plot_curves = True
   # Devices: `stage` devices each own a contiguous shard of stages; `data` replicas average
   # gradients. Checkpoints hold the logical state, so a run can resume on another mesh.
