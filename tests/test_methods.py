@@ -73,25 +73,11 @@ def test_every_preset_has_a_name_for_reports():
   assert set(methods.METHODS) <= set(methods.DISPLAY_NAMES)
 
 
-def preset_method(name):
-  """The preset as the oracle comparison builds it, with its tolerance there."""
-  num_stages = make_model().num_stages
+def tolerance(name):
+  """How close the preset stays to its oracle."""
   if "sgd" in methods.optimizers_of(name):
-    return (methods.make_method(name, learning_rate=LR, momentum=M, micro_batches=2,
-                                anneal_steps=ANNEAL, gamma=GAMMA, dc_strength=DC),
-            {"rtol": 1e-5, "atol": 2e-6})
-  # The Adam family: its float32 division by sqrt(v) rounds more.
-  return (methods.make_method(name, num_stages=num_stages, **ADAM_KWARGS),
-          {"rtol": 1e-4, "atol": 1e-5})
-
-
-@functools.cache
-def initial_params():
-  """The weights every preset's pipeline starts from in the oracle comparison (key 7)."""
-  model = make_model()
-  x, y = make_stream(1, 2)
-  pipe = Pipeline(model, methods.make_method("pb", learning_rate=LR), x[0], y[0])
-  return stage_params(pipe.init(jax.random.PRNGKey(7)))
+    return {"rtol": 1e-5, "atol": 2e-6}
+  return {"rtol": 1e-4, "atol": 1e-5}  # the Adam family: float32 division by sqrt(v) rounds more
 
 
 @functools.cache
@@ -100,31 +86,46 @@ def oracle_stream():
 
 
 @functools.cache
+def preset_pipeline(name):
+  """The preset's pipeline as the oracle comparison builds it."""
+  model = make_model()
+  if "sgd" in methods.optimizers_of(name):
+    method = methods.make_method(name, learning_rate=LR, momentum=M, micro_batches=2,
+                                 anneal_steps=ANNEAL, gamma=GAMMA, dc_strength=DC)
+  else:
+    method = methods.make_method(name, num_stages=model.num_stages, **ADAM_KWARGS)
+  x, y = oracle_stream()
+  return Pipeline(model, method, x[0], y[0])
+
+
+@functools.cache
+def initial_params():
+  """The weights every preset's pipeline starts from in the oracle comparison (key 7)."""
+  return stage_params(preset_pipeline("pb").init(jax.random.PRNGKey(7)))
+
+
+@functools.cache
 def oracle_result(name):
   """The naive oracle's (final weights, metrics) for preset ``name`` from :func:`initial_params`
   over :func:`oracle_stream`, and the stream as the preset's pipeline ticks it."""
-  model = make_model()
-  x, y = oracle_stream()
-  pipe = Pipeline(model, preset_method(name)[0], x[0], y[0])
-  x, y, valid = pipe.to_ticks(x, y)
-  expected, metrics = oracle.run_oracle(model, ORACLES[name], initial_params(), x, y, valid)
+  pipe = preset_pipeline(name)
+  x, y, valid = pipe.to_ticks(*oracle_stream())
+  expected, metrics = oracle.run_oracle(pipe.model, ORACLES[name], initial_params(), x, y, valid)
   return expected, metrics, (x, y, valid)
 
 
 @pytest.mark.parametrize("name", methods.METHODS)
 def test_preset_matches_naive_oracle(name):
-  method, tolerance = preset_method(name)
-  x, y = oracle_stream()
-  pipe = Pipeline(make_model(), method, x[0], y[0])
+  pipe = preset_pipeline(name)
   state = pipe.init(jax.random.PRNGKey(7))
   # Every method starts from the same weights at a key: the oracle's, computed once.
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stage_params(state)),
                                                   jax.tree.leaves(initial_params())))
   expected, expected_metrics, ticks = oracle_result(name)
   state, metrics = pipe.run(state, *ticks)
-  assert_trees_close(stage_params(state), expected, **tolerance)
+  assert_trees_close(stage_params(state), expected, **tolerance(name))
   np.testing.assert_allclose(np.asarray(metrics["loss"]), [m["loss"] for m in expected_metrics],
-                             **tolerance)
+                             **tolerance(name))
 
 
 def test_the_oracles_the_presets_match_differ_from_each_other():
@@ -136,8 +137,8 @@ def test_the_oracles_the_presets_match_differ_from_each_other():
   names = sorted(finals)
   for i, a in enumerate(names):
     for b in names[i + 1:]:
-      tolerance = max(preset_method(a)[1]["atol"], preset_method(b)[1]["atol"])
-      assert np.abs(finals[a] - finals[b]).max() > 20 * tolerance, (a, b)
+      atol = max(tolerance(a)["atol"], tolerance(b)["atol"])
+      assert np.abs(finals[a] - finals[b]).max() > 20 * atol, (a, b)
 
 
 @pytest.mark.parametrize("name", sorted(ADAM_ORACLES))
