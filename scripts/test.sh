@@ -12,9 +12,10 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENT
 rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # One worker per core (at most 4), each test file on one worker so that its module fixtures are
 # built once: the suite is mostly compiling and starting trainer processes, one core at a time.
+# The files go out longest first (tests/conftest.py), not in pytest-xdist's most-tests-first order.
 # The randomized chaos rounds repeat at random moments what deterministic tests here check at
 # fixed ones (a kill, a stop, a mismatched process); at 4 minutes of CPU they stay out, so that a
 # 2-core CI finishes in 15 minutes. `-m chaos` as an extra argument runs them (the last -m wins),
 # as does scripts/chaos.py at any scale.
-exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --durations=20 \
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder --durations=20 \
     -m "not chaos" "$@"

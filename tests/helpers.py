@@ -5,6 +5,7 @@ A plain module rather than ``conftest.py``: pytest loads conftest files itself a
 importing from them, and these are functions and constants, not fixtures.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import numpy as np
 
 import pipejax
 from pipejax import config as configlib
+from pipejax.train import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_DIM, NUM_CLASSES = 6, 4  # inputs of IN_DIM features, NUM_CLASSES logits
@@ -40,7 +42,13 @@ def as_from_a_terminal() -> None:
 
 def dense_model(widths) -> pipejax.Model:
   """One ``Dense(w) + tanh`` stage per width, then a dense head: uneven widths give every stage
-  its own input and weight shapes."""
+  its own input and weight shapes. One model per widths, shared by every test that asks for it:
+  a model traces once per input shape (``Model.trace``), for all the pipelines built on it."""
+  return _dense_model(tuple(widths))
+
+
+@functools.cache
+def _dense_model(widths: tuple) -> pipejax.Model:
   stages = [pipejax.from_flax(nn.Sequential([nn.Dense(w), nn.tanh]), name=f"dense{w}")
             for w in widths]
   return pipejax.Model(stages + [pipejax.from_flax(nn.Dense(NUM_CLASSES), name="head")])
@@ -153,6 +161,33 @@ def sigterm_midway_and_resume(tmp_path, overrides):
                            timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "Resumed from" in resumed.stderr
+
+
+def checkpoint_dir(workdir) -> str:
+  return os.path.join(workdir, "checkpoints")
+
+
+def stored_digest(workdir, step) -> str:
+  """The state digest a run's checkpoint ``step`` wrote in its meta."""
+  meta = checkpoint.Checkpointer(checkpoint_dir(workdir)).restore_meta(step)
+  return meta["digests"]["state_digest"]
+
+
+def data_files(step_dir) -> list[str]:
+  """The array data files of a checkpoint step's state, the ones a damage test flips bits in."""
+  return [os.path.join(root, name) for root, _, names in os.walk(os.path.join(step_dir, "state"))
+          for name in names if os.sep + "d" + os.sep in os.path.join(root, name)]
+
+
+def flip_a_bit_in_each_data_file(step_dir) -> None:
+  """One bit in the middle of each data file: orbax reads some of them (OCDBT keeps superseded
+  nodes too), and reads the flipped bit back without complaint."""
+  for path in data_files(step_dir):
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 2)
+      byte = f.read(1)
+      f.seek(-1, os.SEEK_CUR)
+      f.write(bytes([byte[0] ^ 0x10]))
 
 
 def copy_of(finished, tmp_path) -> str:

@@ -207,6 +207,8 @@ class Model:
       if not isinstance(stage, Stage):
         raise ModelError(f"Stage {i} is a {type(stage).__name__}, not a pipejax Stage; wrap flax "
                          "modules with pipejax.from_flax(module).")
+    # Model.trace's results by the abstract signature of its arguments (see there).
+    object.__setattr__(self, "_traces", {})
 
   @property
   def num_stages(self) -> int:
@@ -259,7 +261,7 @@ class Model:
     naming both stages and both shapes.
     """
     traced = self.trace(rng, x)
-    return traced.params, traced.inputs
+    return list(traced.params), list(traced.inputs)
 
   def trace(self, rng: jax.Array, x: PyTree) -> ModelTrace:
     """:meth:`trace_shapes`, with each stage's ``initial`` and ``forward`` as programs.
@@ -267,7 +269,18 @@ class Model:
     A deep pipeline is built from these: ``pipejax.parallel.stacks`` compares the forwards to
     find identical stages, and the engine initializes each stage by running its ``initial``
     program, so that building traces each stage's initialization and forward once.
+
+    The result depends on the shapes and dtypes of ``rng`` and ``x`` alone (the programs take the
+    key and the input as arguments), so a model traces once per such signature: the pipelines of
+    several methods over one model, and a trainer's checks before its pipeline, share it.
     """
+    leaves, structure = jax.tree.flatten((rng, x))
+    signature = (structure, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves))
+    if signature not in self._traces:
+      self._traces[signature] = self._trace(rng, x)
+    return self._traces[signature]
+
+  def _trace(self, rng: jax.Array, x: PyTree) -> ModelTrace:
     params_shapes, input_shapes, forwards, initials = [], [], [], []
     keys = jax.random.split(rng, self.num_stages)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
@@ -305,7 +318,7 @@ class Model:
       forwards.append(forward)
       initials.append(InitialProgram(initial, jax.tree.structure((p, v))))
       x = y
-    return ModelTrace(params_shapes, input_shapes, forwards, initials)
+    return ModelTrace(tuple(params_shapes), tuple(input_shapes), tuple(forwards), tuple(initials))
 
 
 class InitialProgram(NamedTuple):
@@ -322,10 +335,10 @@ class InitialProgram(NamedTuple):
 class ModelTrace(NamedTuple):
   """What :meth:`Model.trace` finds, one entry per stage."""
 
-  params: list  # ShapeDtypeStruct trees of the parameters
-  inputs: list  # ShapeDtypeStruct trees of the input micro-batch
-  forwards: list  # closed jaxprs of forward(params, x, rng, variables)
-  initials: list  # InitialProgram of initial(rng, x)
+  params: tuple  # ShapeDtypeStruct trees of the parameters
+  inputs: tuple  # ShapeDtypeStruct trees of the input micro-batch
+  forwards: tuple  # closed jaxprs of forward(params, x, rng, variables)
+  initials: tuple  # InitialProgram of initial(rng, x)
 
 
 def plain_step(model: Model, tx):

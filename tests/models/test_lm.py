@@ -1,7 +1,9 @@
 """Language models: the transformer's stages, the fortunes byte corpus, and training end to end."""
 
+import logging
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,8 @@ from pipejax.data import text
 from pipejax.core.engine import Pipeline
 from pipejax.optim import adam_family
 from tests import oracle
-from tests.helpers import ROOT, assert_trees_close, load_config, stage_params
+from tests.helpers import (ROOT, assert_trees_close, checkpoint_dir, flip_a_bit_in_each_data_file,
+                           load_config, stage_params, stored_digest)
 
 CORPUS = os.path.isdir(text.DEFAULT_DIR)
 needs_corpus = pytest.mark.skipif(not CORPUS, reason="the fortunes corpus is not installed "
@@ -180,13 +183,39 @@ def test_real_corpus_is_over_a_megabyte_and_splits_one_in_ten():
   assert 0.08 < len(validation.tokens) / (len(train.tokens) + len(validation.tokens)) < 0.12
 
 
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  """configs/char_lm.py:smoke trained to its end: (workdir, summary). Checkpoints at 1000 and
+  1500 sequences."""
+  workdir = str(tmp_path_factory.mktemp("lm") / "run")
+  return workdir, trainer.train_and_evaluate(load_config("char_lm", "smoke"), workdir)
+
+
 @pytest.mark.slow
 @needs_corpus
-def test_char_lm_smoke_trains_and_reports_validation_loss(tmp_path):
-  config = load_config("char_lm", "smoke")
-  summary = trainer.train_and_evaluate(config, str(tmp_path / "lm"))
+def test_char_lm_smoke_trains_and_reports_validation_loss(smoke_run):
+  _, summary = smoke_run
   assert summary["stopped_by"] is None and summary["num_stages"] == 4
   assert summary["test_loss"] < math.log(256) - 1.0  # well below uniform over bytes
+
+
+@pytest.mark.slow
+@needs_corpus
+def test_the_lm_retrains_past_a_damaged_checkpoint_to_the_same_bits(smoke_run, tmp_path, caplog):
+  """The LM's resume: its AdamW states and its position in the byte stream come back from the
+  checkpoint at 1000 sequences, and the last 500 retrain to the bits of the run never damaged."""
+  caplog.set_level(logging.WARNING)
+  finished, summary = smoke_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished, workdir)
+  final_digest = stored_digest(workdir, 1500)
+  flip_a_bit_in_each_data_file(os.path.join(checkpoint_dir(workdir), "1500"))
+  resumed = trainer.train_and_evaluate(load_config("char_lm", "smoke"), workdir)
+  warnings = "\n".join(r.getMessage() for r in caplog.records)
+  assert "Checkpoint step 1500" in warnings and "step 1000" in warnings, warnings
+  assert stored_digest(workdir, 1500) == final_digest
+  assert (resumed["test_loss"], resumed["test_accuracy"]) == (summary["test_loss"],
+                                                              summary["test_accuracy"])
 
 
 def test_pipeoptim_leaves_adamw_updates_alone_and_predicts_from_its_moments():

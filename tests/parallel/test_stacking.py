@@ -1,5 +1,7 @@
 """Stacks of identical stages give the per-stage engine's numbers (docs/design.md §8)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -177,6 +179,10 @@ def test_delay_lines_hold_the_formulas_bytes(name):
 DEEP_MLP_DELAY_LINES = {128: (9_057_728, 2_249_455_144), 256: (34_895_296, 8_861_382_184)}
 
 
+# One model per depth for both methods: it traces its 256 stages once (Model.trace).
+depth_model = functools.cache(workloads.depth_model)
+
+
 @pytest.mark.parametrize("num_stages", [128, 256])
 @pytest.mark.parametrize("name", ["pb", "pipedream"])
 def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
@@ -200,7 +206,7 @@ def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
 
   x, y = np.zeros((1, 28, 28, 1), np.float32), np.zeros((1,), np.int32)
   method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
-  stacked = StackedPipeline(Pipeline(workloads.depth_model(num_stages), method, x, y))
+  stacked = StackedPipeline(Pipeline(depth_model(num_stages), method, x, y))
   runs = ((0, 1), (1, s_max), (s_max, num_stages))  # the stem, the blocks' stack, the head
   assert stacked.runs == runs
   state = jax.eval_shape(lambda: stacked.init(jax.random.PRNGKey(0)))

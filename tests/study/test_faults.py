@@ -330,7 +330,9 @@ def test_a_study_records_a_run_with_an_empty_summary_as_failed_and_retries_it(tm
 # ----------------------------------------------------------------------------- chaos, LM path
 
 
+# tests/models/test_lm.py retrains the LM past a damaged checkpoint at a fixed step.
 @pytest.mark.slow
+@pytest.mark.chaos
 def test_a_chaos_round_of_the_lm_in_one_process_ends_exact(tmp_path):
   """scripts/chaos.py --cases=lm, one trial of each: a kill at a random moment, a damaged newest
   checkpoint; each rerun must match the uninterrupted LM run bit for bit (or name the step)."""

@@ -28,21 +28,8 @@ from pipejax.train import workdir as workdir_lib
 from pipejax.chaos import trainer as chaos_trainer
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
-from tests.helpers import copy_of, ROOT, config_module, digits_config, make_model, make_stream
-
-
-def checkpoint_dir(workdir):
-  return os.path.join(workdir, "checkpoints")
-
-
-def stored_digest(workdir, step):
-  meta = checkpoint.Checkpointer(checkpoint_dir(workdir)).restore_meta(step)
-  return meta["digests"]["state_digest"]
-
-
-def data_files(step_dir):
-  return [os.path.join(root, name) for root, _, names in os.walk(os.path.join(step_dir, "state"))
-          for name in names if os.sep + "d" + os.sep in os.path.join(root, name)]
+from tests.helpers import (copy_of, ROOT, checkpoint_dir, config_module, digits_config,
+                           flip_a_bit_in_each_data_file, make_model, make_stream, stored_digest)
 
 
 @pytest.fixture
@@ -57,14 +44,7 @@ def test_flipped_bit_in_newest_checkpoint_falls_back_to_an_intact_one(finished, 
                                                                       warnings_logged):
   workdir = copy_of(finished, tmp_path)
   final_digest = stored_digest(workdir, 240)
-  # One bit in the middle of each data file: orbax reads some of them (OCDBT keeps superseded
-  # nodes too), and reads the flipped bit back without complaint.
-  for path in data_files(os.path.join(checkpoint_dir(workdir), "240")):
-    with open(path, "r+b") as f:
-      f.seek(os.path.getsize(path) // 2)
-      byte = f.read(1)
-      f.seek(-1, os.SEEK_CUR)
-      f.write(bytes([byte[0] ^ 0x10]))
+  flip_a_bit_in_each_data_file(os.path.join(checkpoint_dir(workdir), "240"))
   summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert "Checkpoint step 240" in warnings_logged() and "step 200" in warnings_logged()
   assert os.path.isdir(os.path.join(checkpoint_dir(workdir) + ".damaged", "240"))
