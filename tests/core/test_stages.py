@@ -113,3 +113,30 @@ def test_initial_is_init_and_variables_from_one_call(module):
   apart = pipejax.Stage(stage.init, stage.apply, init_variables=stage.init_variables,
                         infer_with=stage.infer_with)
   chex.assert_trees_all_equal(apart.initial(key, x), (params, variables))
+
+
+def test_a_model_traces_once_per_input_signature():
+  """Model.trace depends on the shapes and dtypes of the key and the input alone: the pipelines of
+  two methods over one model share its trace, and another micro-batch size traces again."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from pipejax import methods  # pylint: disable=import-outside-toplevel
+  base = helpers.dense_model([5, 3])
+  calls = []
+
+  def counted(stage):
+    def initial(rng, x):
+      calls.append(x.shape)
+      return stage.init_with_variables(rng, x)
+    return dataclasses.replace(stage, init_with_variables=initial)
+
+  model = pipejax.Model([counted(stage) for stage in base.stages], base.loss)
+  x, y = helpers.make_stream(1, 2)
+  pb = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.1), x[0], y[0])
+  traced = len(calls)
+  assert traced == model.num_stages
+  stash = pipejax.Pipeline(model, methods.make_method("pipedream", learning_rate=0.1), x[0], y[0])
+  assert len(calls) == traced  # the second method's build traced no stage again
+  assert stash.stage_input_shapes == pb.stage_input_shapes
+  x3, y3 = helpers.make_stream(1, 3)
+  wider = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.1), x3[0], y3[0])
+  assert len(calls) == 2 * traced and wider.stage_input_shapes[1].shape == (3, 5)
