@@ -192,9 +192,10 @@ class _Run:
     self.start_time = time.perf_counter()
     self.evaluator = evaluation.make_evaluator(
         setup.model, config_checks.eval_batch_size(config, len(setup.test_source)))
-    # The base rate, logged beside the loss.
-    self.learning_rate = experiment.learning_rate_schedule(config, setup.recipe,
-                                                           len(setup.train_source))
+    # The base rate, logged beside the loss: one compiled program, where the schedule's eager
+    # operations would each compile on their first use in a process.
+    self.learning_rate = jax.jit(experiment.learning_rate_schedule(config, setup.recipe,
+                                                                   len(setup.train_source)))
 
   def train_seconds(self) -> float:
     return self.seconds_before + time.perf_counter() - self.start_time
