@@ -440,3 +440,13 @@ def test_ci_runs_exactly_the_readme_test_command():
   assert "bash scripts/test.sh" in readme
   commands = [l.strip() for l in ci.splitlines() if l.strip() and not l.startswith("#")]
   assert commands[-1] == "bash scripts/test.sh"
+
+
+def test_the_suites_longest_first_order_names_files_that_exist():
+  """tests/conftest.py's scheduling hint: a renamed or moved file would fall to the back."""
+  from tests import conftest  # pylint: disable=import-outside-toplevel
+  assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST) >= 10
+  missing = [name for name in conftest.LONGEST_FIRST
+             if not os.path.isfile(os.path.join(ROOT, "tests", name))]
+  assert not missing, f"tests/conftest.py's LONGEST_FIRST names files that are gone: {missing}"
+  assert "--no-loadscope-reorder" in read(os.path.join("scripts", "test.sh"))
