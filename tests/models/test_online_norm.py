@@ -156,36 +156,7 @@ def test_online_norm_statistics_over_a_stream():
 # ----------------------------------------------------------------------------- in a pipeline
 
 
-@pytest.mark.slow
-def test_stateful_training_resumes_bit_exactly_after_sigterm(tmp_path):
-  """normalization='online' through the binary: SIGTERM mid-run, rerun, and compare the whole
-  final state (the Online Norm variables, live and stashed, included) with a run never stopped."""
-  from pipejax.train import checkpoint, experiment  # pylint: disable=g-import-not-at-top
-  from tests.helpers import (  # pylint: disable=g-import-not-at-top
-      digits_config, leaves_equal, sigterm_midway_and_resume)
-  sigterm_midway_and_resume(tmp_path, [
-      "--config.dataset=digits", "--config.max_train_examples=0", "--config.max_test_examples=0",
-      "--config.epochs=1.0", "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
-      "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
-      "--config.model_kwargs.hidden=(16,12)", "--config.model_kwargs.normalization=online"])
-
-  straight_summary = json.load(open(tmp_path / "straight" / "summary.json"))
-  resumed_summary = json.load(open(tmp_path / "killed" / "summary.json"))
-  assert resumed_summary["test_accuracy"] == straight_summary["test_accuracy"]
-  assert resumed_summary["test_loss"] == straight_summary["test_loss"]
-  config = digits_config(epochs=1.0, ticks_per_chunk=50, schedule="constant")
-  config.model_kwargs["normalization"] = "online"
-  like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
-  restored = [checkpoint.Checkpointer(str(tmp_path / run / "checkpoints"))
-              for run in ("straight", "killed")]
-  step = restored[0].latest_step()
-  assert restored[1].latest_step() == step
-  states = [c.restore(step, like)[0] for c in restored]
-  leaves_equal(*states)
-  # The checkpoint holds the variables the run left, not fresh ones.
-  for st, fresh in zip(states[0].stages[:-1], like.stages[:-1]):
-    for a, b in zip(jax.tree.leaves(st.variables), jax.tree.leaves(fresh.variables)):
-      assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+# The SIGTERM resume through the binary runs Online Norm: tests/train/test_training.py.
 
 
 def test_online_norm_in_the_conv_models():

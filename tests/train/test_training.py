@@ -51,12 +51,16 @@ def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_training_resumes_exactly_after_sigterm(tmp_path):
-  """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped."""
+  """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped.
+
+  Two epochs, so the data stream resumes across an epoch's end, and Online Norm in every stage,
+  so the state that must come back holds stage variables (live and stashed) as well as weights,
+  optimizer states and delay lines."""
   sigterm_midway_and_resume(tmp_path, [
       "--config.dataset=digits", "--config.max_train_examples=0", "--config.max_test_examples=0",
       "--config.epochs=2.0", "--config.ticks_per_chunk=50", "--config.eval_every_samples=1000000",
       "--config.checkpoint_every_samples=1000000", "--config.schedule=constant",
-      "--config.model_kwargs.hidden=(16,12)"])
+      "--config.model_kwargs.hidden=(16,12)", "--config.model_kwargs.normalization=online"])
 
   straight_summary = json.load(open(tmp_path / "straight" / "summary.json"))
   resumed_summary = json.load(open(tmp_path / "killed" / "summary.json"))
@@ -64,6 +68,7 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
   assert resumed_summary["test_loss"] == straight_summary["test_loss"]
   # The whole final pipeline state (weights, optimizer states, delay lines) is identical.
   config = digits_config(epochs=2.0, ticks_per_chunk=50, schedule="constant")
+  config.model_kwargs["normalization"] = "online"
   a = checkpoint.Checkpointer(str(tmp_path / "straight" / "checkpoints"))
   b = checkpoint.Checkpointer(str(tmp_path / "killed" / "checkpoints"))
   step = a.latest_step()
@@ -71,7 +76,12 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
   meta_a, meta_b = a.restore_meta(step), b.restore_meta(step)
   assert meta_a["data_position"] == meta_b["data_position"]
   like = _pipeline_for(config).init(jax.random.PRNGKey(0))
-  leaves_equal(a.restore(step, like)[0], b.restore(step, like)[0])
+  straight, resumed = a.restore(step, like)[0], b.restore(step, like)[0]
+  leaves_equal(straight, resumed)
+  # The checkpoint holds the Online Norm variables the run left, not fresh ones.
+  for stage, fresh in zip(resumed.stages[:-1], like.stages[:-1]):
+    for left, initial in zip(jax.tree.leaves(stage.variables), jax.tree.leaves(fresh.variables)):
+      assert np.abs(np.asarray(left) - np.asarray(initial)).max() > 1e-4
   # Metrics were not duplicated by the resume.
   samples = [json.loads(l)["samples"] for l in open(tmp_path / "killed" / "metrics.jsonl")
              if json.loads(l)["split"] == "train"]
