@@ -32,10 +32,13 @@ def tiny_lm(**kwargs):
 
 
 def forward(model, params, tokens):
-  h = jnp.asarray(tokens, jnp.float32)
-  for stage, p in zip(model.stages, params):
-    h = stage.infer(p, h)
-  return h
+  """Every stage in order, as one compiled program: run eagerly, each small operation of the
+  transformer would compile on its own, which costs more than compiling the whole network."""
+  def stages(params, h):
+    for stage, p in zip(model.stages, params):
+      h = stage.infer(p, h)
+    return h
+  return jax.jit(stages)(params, jnp.asarray(tokens, jnp.float32))
 
 
 def init_params(model, tokens, key=0):
