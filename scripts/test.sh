@@ -17,5 +17,5 @@ rm -rf "$JAX_COMPILATION_CACHE_DIR"
 # fixed ones (a kill, a stop, a mismatched process); at 4 minutes of CPU they stay out, so that a
 # 2-core CI finishes in 15 minutes. `-m chaos` as an extra argument runs them (the last -m wins),
 # as does scripts/chaos.py at any scale.
-exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder --durations=20 \
-    -m "not chaos" "$@"
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder \
+    --durations=20 -m "not chaos" "$@"

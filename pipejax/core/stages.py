@@ -271,8 +271,8 @@ class Model:
     program, so that building traces each stage's initialization and forward once.
 
     The result depends on the shapes and dtypes of ``rng`` and ``x`` alone (the programs take the
-    key and the input as arguments), so a model traces once per such signature: the pipelines of
-    several methods over one model, and a trainer's checks before its pipeline, share it.
+    key and the input as arguments), so a model traces once per such signature, for every
+    pipeline and check built on it: the pipelines of several methods over one model share it.
     """
     leaves, structure = jax.tree.flatten((rng, x))
     signature = (structure, tuple((jnp.shape(a), jnp.result_type(a)) for a in leaves))
