@@ -17,7 +17,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 # The project's own bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on CI), every
-# process would otherwise compile pipejax's sources again on import (0.3 s a trainer process).
+# process would otherwise compile pipejax's sources again on import.
 .venv/bin/python -m compileall -q pipejax scripts configs tests >/dev/null
 
 # Debian data packages, where the machine can install them: the package and a file it provides.

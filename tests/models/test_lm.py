@@ -1,5 +1,6 @@
 """Language models: the transformer's stages, the fortunes byte corpus, and training end to end."""
 
+import functools
 import logging
 import math
 import os
@@ -32,13 +33,16 @@ def tiny_lm(**kwargs):
 
 
 def forward(model, params, tokens):
-  """Every stage in order, as one compiled program: run eagerly, each small operation of the
-  transformer would compile on its own, which costs more than compiling the whole network."""
-  def stages(params, h):
-    for stage, p in zip(model.stages, params):
-      h = stage.infer(p, h)
-    return h
-  return jax.jit(stages)(params, jnp.asarray(tokens, jnp.float32))
+  return _forward(model, params, jnp.asarray(tokens, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, params, h):
+  """Every stage in order, as one compiled program per model and shape: run eagerly, each small
+  operation of the transformer would compile on its own, which costs more than the whole."""
+  for stage, p in zip(model.stages, params):
+    h = stage.infer(p, h)
+  return h
 
 
 def init_params(model, tokens, key=0):
