@@ -41,8 +41,8 @@ every cell's first seed before any second one, so restrict a session to cheap de
   and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
   repeat the comparison at 8 stages.
 
-``:smoke`` runs 4- and 6-stage networks on 2000 samples, two methods, two seeds, and one run at a
-learning rate that diverges (CI, about two minutes).
+``:smoke`` runs 4- and 6-stage networks on 500 samples, two methods, two seeds, and one run at a
+learning rate that diverges (CI, about a minute).
 """
 
 import os
@@ -97,7 +97,8 @@ def get_study(arg: str | None = None) -> Study:
                {"model_kwargs.depth": (5,), "method": ("pb",), "seed": (0,),
                 "reference.lr": (1e4,)}],
         # No curves.png per run: the report draws the figure a reader looks at.
-        fixed={"epochs": 1.0, "eval_every_samples": 100000, "plot_curves": False},
+        fixed={"epochs": 1.0, "max_train_examples": 500, "eval_every_samples": 100000,
+               "plot_curves": False},
         baseline={"method": "sgd"}, margin=0.005,
         tables=[Table("Test accuracy (%)", rows="model_kwargs.depth", columns="method"),
                 Table("Gap to SGD (points)", rows="model_kwargs.depth", columns="method",
