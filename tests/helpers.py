@@ -61,7 +61,7 @@ def make_model(widths=WIDTHS) -> pipejax.Model:
 def make_stream(num_ticks, b, seed=0):
   """``num_ticks`` micro-batches of ``b`` random inputs and labels for :func:`dense_model`.
 
-  Drawn by numpy: ``jax.random`` compiles a program for every new shape, about a second each.
+  Drawn by numpy: ``jax.random`` would compile its sampler again for every new shape.
   """
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((num_ticks, b, IN_DIM), dtype=np.float32)
