@@ -447,7 +447,6 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_the_suites_longest_first_order_names_files_that_exist():
   """tests/conftest.py's scheduling hint: a renamed or moved file would fall to the back. Read from
   the file's text: pytest loads conftest files itself, and they are not for importing."""
-  import ast  # pylint: disable=import-outside-toplevel
   (order,) = [ast.literal_eval(node.value)
               for node in ast.parse(read(os.path.join("tests", "conftest.py"))).body
               if isinstance(node, ast.Assign) and node.targets[0].id == "LONGEST_FIRST"]

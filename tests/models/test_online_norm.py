@@ -2,7 +2,6 @@
 a stream, and a normalization='online' run resuming bit-exactly after SIGTERM. (The engine against
 the naive oracle with stateful stages: tests/core/test_engine.py; on a mesh: tests/parallel/test_sharding.py.)"""
 
-import json
 
 import jax
 import jax.numpy as jnp
