@@ -325,7 +325,7 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
     for s in range(num_stages):
       stage = model.stages[s]
       # The test models draw no randomness, so any key will do (the engine folds its own).
-      key = lambda n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), n), s)
+      key = functools.partial(_key, s=s)
       n = t - s  # forwarded this tick
       if 0 <= n < num_ticks and valid[n]:
         x = jnp.asarray(inputs[n]) if s == 0 else outputs[(s - 1, n)]
@@ -334,7 +334,7 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
         stashed[s][n] = x
         if variables[s] is None:
           if s < num_stages - 1:
-            outputs[(s, n)] = stage.apply(as_tree(s, w_f), x, key(n))
+            outputs[(s, n)] = _forward(model, s, key(n), as_tree(s, w_f), x)
         else:
           forward_variables_seen[s][n] = variables[s].forward
           y, forward = jax.jit(stage.apply)(as_tree(s, w_f), x, key(n), variables[s])
@@ -379,6 +379,18 @@ def run_oracle(model, method: OracleMethod, init_params, inputs, labels, valid=N
     return final_params, metrics, variables
   return final_params, metrics
 
+
+
+# The stages' functions are compiled once per process and shape, as the engine's are: run op by
+# op, a stage's forward and its keys cost more than the engine they check.
+@jax.jit
+def _key(n, s):
+  return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), n), s)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(model, s, key, w, x):
+  return model.stages[s].apply(w, x, key)
 
 
 def _apply(stage, key, seen_forward, w, x):

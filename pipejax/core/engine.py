@@ -71,20 +71,41 @@ class CompiledInit:
   """A layout's ``init(rng, fill_value)``: compiled with :data:`INIT_COMPILER` when called on
   values, once per key shape. Inside another trace (``jax.jit(pipe.init)``, ``eval_shape``) it is
   the plain jitted function, part of the caller's program and compiled with the caller's
-  options, where the last bit of some weights may differ."""
+  options, where the last bit of some weights may differ.
 
-  def __init__(self, init: Callable):
+  A layout that gives ``weights`` and ``around`` (``init(rng, fill) = around(weights(rng), rng,
+  fill)``) compiles them apart, and ``shared`` (a dict that lives as long as the model's trace)
+  keeps the compiled ``weights`` for every pipeline over the same model. The weights are most of
+  what an init compiles (a random generator per weight shape) and depend on the model alone: the
+  pipelines of several methods over one model compile them once.
+  """
+
+  def __init__(self, init: Callable, weights: Callable | None = None,
+               around: Callable | None = None, shared: dict | None = None):
     self._jitted = jax.jit(init)
+    self._weights, self._shared = jax.jit(weights) if weights else None, shared
+    # The weights are the around program's own: it may reuse their buffers for the state's.
+    self._around = jax.jit(around, donate_argnums=0) if around else None
     self._compiled = {}
 
   def __call__(self, rng: jax.Array, fill_value: jax.Array):
     if isinstance(rng, jax.core.Tracer) or isinstance(fill_value, jax.core.Tracer):
       return self._jitted(rng, fill_value)
     signature = (rng.shape, str(rng.dtype))
+    if self._weights is None:
+      if signature not in self._compiled:
+        self._compiled[signature] = _compiled_for_init(self._jitted, rng, fill_value)
+      return self._compiled[signature](rng, fill_value)
+    if signature not in self._shared:
+      self._shared[signature] = _compiled_for_init(self._weights, rng)
+    weights = self._shared[signature](rng)
     if signature not in self._compiled:
-      self._compiled[signature] = self._jitted.lower(rng, fill_value).compile(
-          compiler_options=INIT_COMPILER)
-    return self._compiled[signature](rng, fill_value)
+      self._compiled[signature] = _compiled_for_init(self._around, weights, rng, fill_value)
+    return self._compiled[signature](weights, rng, fill_value)
+
+
+def _compiled_for_init(jitted, *args):
+  return jitted.lower(*args).compile(compiler_options=INIT_COMPILER)
 
 
 def all_finite(tree) -> jax.Array:
@@ -112,6 +133,10 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
     forward = optax.tree_utils.tree_where(forward_valid, forward, variables.forward)
     backward = optax.tree_utils.tree_where(backward_valid, backward, variables.backward)
   return Variables(forward, backward)
+
+
+def _zeros(spec: PyTree) -> PyTree:
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec)
 
 
 def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
@@ -180,9 +205,10 @@ class Pipeline(ScanRunner):
     checks.check_loss(self.model.loss, self._last_stage_output(), labels)
     for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
       object.__setattr__(self, name, program)
-    # One compiled program: run op by op, each initializer of each new weight shape compiles a
+    # Compiled programs: run op by op, each initializer of each new weight shape compiles a
     # program of its own, which takes longer than compiling the whole init once.
-    object.__setattr__(self, "_jit_init", CompiledInit(self._init))
+    object.__setattr__(self, "_jit_init", CompiledInit(self._init, self._initial_weights,
+                                                       self._init_around, traced.compiled))
     object.__setattr__(self, "_init_traces", {})
 
   # ------------------------------------------------------------------ static facts
@@ -247,14 +273,27 @@ class Pipeline(ScanRunner):
     return self._jit_init(raw_key(rng), jnp.float32(fill_value))
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
-    stage_keys, run_key = self.init_keys(rng)
-    stages = tuple(self.initial_stage(s, stage_keys[s], fill_value)
+    return self._init_around(self._initial_weights(rng), rng, fill_value)
+
+  def _initial_weights(self, rng: jax.Array) -> tuple:
+    """Each stage's initial ``(params, variables)``: what the model and ``rng`` alone decide."""
+    stage_keys, _ = self.init_keys(rng)
+    return tuple(self._initial_programs[s](stage_keys[s], _zeros(self._stage_inputs[s]))
+                 for s in range(self.num_stages))
+
+  def _init_around(self, weights: tuple, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
+    """The initial state around each stage's initial weights: optimizer states, registers and
+    empty delay lines."""
+    _, run_key = self.init_keys(rng)
+    stages = tuple(self.initial_stage(s, None, fill_value, weights[s])
                    for s in range(self.num_stages))
     return PipelineState(stages, jnp.array(0, jnp.int32), run_key)
 
-  def initial_stage(self, s: int, key: jax.Array, fill_value: jax.Array) -> StageState:
-    """Stage ``s``'s whole initial state: :meth:`init_stage` with its empty delay line."""
-    st = self.init_stage(s, key, fill_value, self.delays[s])
+  def initial_stage(self, s: int, key: jax.Array | None, fill_value: jax.Array,
+                    weights: tuple | None = None) -> StageState:
+    """Stage ``s``'s whole initial state: :meth:`init_stage` with its empty delay line (from
+    ``weights``, its ``(params, variables)``, where given instead of its ``key``)."""
+    st = self.init_stage(s, key, fill_value, self.delays[s], weights)
     return st._replace(delay_line=self.empty_delay_line(s, st, self.delays[s] + 1, fill_value))
 
   def init_keys(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -262,15 +301,18 @@ class Pipeline(ScanRunner):
     param_key, run_key = jax.random.split(rng)
     return jax.random.split(param_key, self.num_stages), run_key
 
-  def init_stage(self, s: int, key: jax.Array, fill_value: jax.Array, delay) -> StageState:
+  def init_stage(self, s: int, key: jax.Array | None, fill_value: jax.Array, delay,
+                 weights: tuple | None = None) -> StageState:
     """Stage ``s``'s initial weights, optimizer state and empty registers, without its delay line
     (:meth:`empty_delay_line`). ``delay`` may be traced, so that identical stages initialize
-    together under ``vmap``."""
+    together under ``vmap``. ``weights``, its ``(params, variables)``, replace ``key`` where
+    given."""
     x_spec = self._stage_inputs[s]
-    x_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x_spec)
-    # The program traced with the model, not the stage's Python again: the same computation,
-    # and at hundreds of stages a second trace of every initialization is seconds of building.
-    params, variables = self._initial_programs[s](key, x_zeros)
+    if weights is None:
+      # The program traced with the model, not the stage's Python again: the same computation,
+      # and at hundreds of stages a second trace of every initialization is seconds of building.
+      weights = self._initial_programs[s](key, _zeros(x_spec))
+    params, variables = weights
     forward_out = None
     if s < self.num_stages - 1:
       forward_out = Packet(_filled(self._stage_inputs[s + 1], fill_value),

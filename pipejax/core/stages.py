@@ -318,7 +318,8 @@ class Model:
       forwards.append(forward)
       initials.append(InitialProgram(initial, jax.tree.structure((p, v))))
       x = y
-    return ModelTrace(tuple(params_shapes), tuple(input_shapes), tuple(forwards), tuple(initials))
+    return ModelTrace(tuple(params_shapes), tuple(input_shapes), tuple(forwards), tuple(initials),
+                      {})
 
 
 class InitialProgram(NamedTuple):
@@ -339,6 +340,9 @@ class ModelTrace(NamedTuple):
   inputs: tuple  # ShapeDtypeStruct trees of the input micro-batch
   forwards: tuple  # closed jaxprs of forward(params, x, rng, variables)
   initials: tuple  # InitialProgram of initial(rng, x)
+  # Programs compiled from the trace, kept with it for every pipeline built on it (the initial
+  # weights: pipejax.core.engine.CompiledInit), by the signature of their arguments.
+  compiled: dict
 
 
 def plain_step(model: Model, tx):

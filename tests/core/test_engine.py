@@ -13,6 +13,7 @@ import pytest
 import pipejax
 from pipejax.core import accounting
 from pipejax import methods
+from pipejax.core import engine
 from pipejax.core import runner as runnerlib
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline, TickOptions
@@ -20,8 +21,8 @@ from pipejax.models import online_norm
 from pipejax.core.state import Packet, raw_key
 from pipejax.parallel.stacking import StackedPipeline
 from tests import oracle
-from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
-                           stage_params)
+from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, leaves_equal,
+                           make_model, make_stream, stage_params)
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical: the stacked layout runs them as one stack
 LAYOUTS = ("per_stage", "stacked")
@@ -450,6 +451,29 @@ def test_state_spec_is_the_shape_of_what_init_makes(name):
   for got, want in zip(jax.tree.leaves(pipe.state_spec), jax.tree.leaves(whole)):
     assert (got.shape, got.dtype, got.weak_type) == (want.shape, want.dtype, want.weak_type)
   assert (pipe.traced_init_stage(1)[0] is None) == (name == "python_delay")
+
+
+def test_pipelines_over_one_model_compile_its_initial_weights_once(monkeypatch):
+  """The initial weights depend on the model alone: the pipelines of three methods over one model
+  compile them once, start from the same bits, and each compiles only the state around them."""
+  compiled = []
+  compile_for_init = engine._compiled_for_init
+  monkeypatch.setattr(engine, "_compiled_for_init",
+                      lambda jitted, *args: compiled.append(len(args)) or
+                      compile_for_init(jitted, *args))
+  x, y = make_stream(1, 2)
+  model = pipejax.Model(list(make_model(EVEN).stages))  # a model no other test has initialized
+  pipes = [Pipeline(model, methods.make_method(name, learning_rate=0.1), x[0], y[0])
+           for name in ("pb", "pipedream", "pb_sc_lwp")]
+  states = [pipe.init(jax.random.PRNGKey(3)) for pipe in pipes]
+  assert compiled == [1, 3, 3, 3]  # the weights' program (of the key), then each state's
+  for state in states[1:]:
+    leaves_equal([st.params for st in state.stages], [st.params for st in states[0].stages])
+  pipes[0].init(jax.random.key(4))  # a typed key, another seed: the same programs
+  assert len(compiled) == 4
+  # Traced whole (inside another program), the same state's shapes.
+  assert (jax.tree.map(jnp.shape, jax.eval_shape(pipes[1].init, jax.random.PRNGKey(3)))
+          == jax.tree.map(jnp.shape, states[1]))
 
 
 def test_building_and_initializing_runs_each_stages_initialization_once():
