@@ -84,8 +84,7 @@ class CompiledInit:
                around: Callable | None = None, shared: dict | None = None):
     self._jitted = jax.jit(init)
     self._weights, self._shared = jax.jit(weights) if weights else None, shared
-    # The weights are the around program's own: it may reuse their buffers for the state's.
-    self._around = jax.jit(around, donate_argnums=0) if around else None
+    self._around = jax.jit(around) if around else None
     self._compiled = {}
 
   def __call__(self, rng: jax.Array, fill_value: jax.Array):
