@@ -10,21 +10,24 @@ when a test runs, never what it checks.
 import os
 
 # The longest files of a `bash scripts/test.sh --durations=0` run on a 2-core CPU, longest first
-# (test seconds there: 317 to 47). The rest follow in collection order.
+# (test seconds there: 218 to 32). The rest follow in collection order.
 LONGEST_FIRST = (
     "parallel/test_sharding.py",
-    "parallel/test_stacking.py",
     "train/test_training.py",
-    "core/test_engine.py",
-    "test_methods.py",
-    "models/test_models.py",
+    "parallel/test_stacking.py",
     "parallel/test_multihost.py",
-    "study/test_faults.py",
-    "study/test_study.py",
+    "core/test_engine.py",
+    "models/test_models.py",
     "test_docs.py",
-    "train/test_reliability_data.py",
+    "study/test_study.py",
     "models/test_lm.py",
+    "test_methods.py",
+    "train/test_reliability_data.py",
+    "study/test_faults.py",
     "train/test_reliability.py",
+    "optim/test_transforms.py",
+    "analysis/test_quadratic.py",
+    "profiling/test_profiling.py",
     "models/test_online_norm.py",
 )
 TESTS = os.path.dirname(os.path.abspath(__file__))
