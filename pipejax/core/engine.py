@@ -277,22 +277,25 @@ class Pipeline(ScanRunner):
   def _initial_weights(self, rng: jax.Array) -> tuple:
     """Each stage's initial ``(params, variables)``: what the model and ``rng`` alone decide."""
     stage_keys, _ = self.init_keys(rng)
-    return tuple(self._initial_programs[s](stage_keys[s], _zeros(self._stage_inputs[s]))
-                 for s in range(self.num_stages))
+    return tuple(self.stage_weights(s, stage_keys[s]) for s in range(self.num_stages))
+
+  def stage_weights(self, s: int, key: jax.Array) -> tuple:
+    """Stage ``s``'s initial ``(params, variables)`` from its key (:meth:`init_keys`)."""
+    # The program traced with the model, not the stage's Python again: the same computation,
+    # and at hundreds of stages a second trace of every initialization is seconds of building.
+    return self._initial_programs[s](key, _zeros(self._stage_inputs[s]))
 
   def _init_around(self, weights: tuple, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
     """The initial state around each stage's initial weights: optimizer states, registers and
     empty delay lines."""
     _, run_key = self.init_keys(rng)
-    stages = tuple(self.initial_stage(s, None, fill_value, weights[s])
-                   for s in range(self.num_stages))
+    stages = tuple(self.initial_stage(s, weights[s], fill_value) for s in range(self.num_stages))
     return PipelineState(stages, jnp.array(0, jnp.int32), run_key)
 
-  def initial_stage(self, s: int, key: jax.Array | None, fill_value: jax.Array,
-                    weights: tuple | None = None) -> StageState:
-    """Stage ``s``'s whole initial state: :meth:`init_stage` with its empty delay line (from
-    ``weights``, its ``(params, variables)``, where given instead of its ``key``)."""
-    st = self.init_stage(s, key, fill_value, self.delays[s], weights)
+  def initial_stage(self, s: int, weights: tuple, fill_value: jax.Array) -> StageState:
+    """Stage ``s``'s whole initial state around its :meth:`stage_weights`: :meth:`init_stage`
+    with its empty delay line."""
+    st = self.init_stage(s, weights, fill_value, self.delays[s])
     return st._replace(delay_line=self.empty_delay_line(s, st, self.delays[s] + 1, fill_value))
 
   def init_keys(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -300,17 +303,11 @@ class Pipeline(ScanRunner):
     param_key, run_key = jax.random.split(rng)
     return jax.random.split(param_key, self.num_stages), run_key
 
-  def init_stage(self, s: int, key: jax.Array | None, fill_value: jax.Array, delay,
-                 weights: tuple | None = None) -> StageState:
-    """Stage ``s``'s initial weights, optimizer state and empty registers, without its delay line
-    (:meth:`empty_delay_line`). ``delay`` may be traced, so that identical stages initialize
-    together under ``vmap``. ``weights``, its ``(params, variables)``, replace ``key`` where
-    given."""
+  def init_stage(self, s: int, weights: tuple, fill_value: jax.Array, delay) -> StageState:
+    """Stage ``s``'s initial state around its :meth:`stage_weights` (optimizer state and empty
+    registers), without its delay line (:meth:`empty_delay_line`). ``delay`` may be traced, so
+    that identical stages initialize together under ``vmap``."""
     x_spec = self._stage_inputs[s]
-    if weights is None:
-      # The program traced with the model, not the stage's Python again: the same computation,
-      # and at hundreds of stages a second trace of every initialization is seconds of building.
-      weights = self._initial_programs[s](key, _zeros(x_spec))
     params, variables = weights
     forward_out = None
     if s < self.num_stages - 1:
@@ -322,9 +319,10 @@ class Pipeline(ScanRunner):
                       backward_out, variables)
 
   def traced_init_stage(self, s: int) -> tuple[jax.extend.core.ClosedJaxpr | None, StageState]:
-    """Stage ``s``'s :meth:`init_stage` as a program of its key, delay and fill value, and the
-    shapes of the state it makes. The program is None where the method's optimizer cannot start
-    from a traced delay; the shapes are then those at the stage's own delay.
+    """Stage ``s``'s :meth:`stage_weights` and :meth:`init_stage` as one program of its key, delay
+    and fill value, and the shapes of the state it makes. The program is None where the method's
+    optimizer cannot start from a traced delay; the shapes are then those at the stage's own
+    delay.
 
     Traced once per stage and kept: :attr:`state_spec` and the stacked layout's initialization
     (``pipejax.parallel.stacks``) both read it, and at hundreds of stages the trace is most of
@@ -339,11 +337,13 @@ class Pipeline(ScanRunner):
     key = jax.eval_shape(jax.random.PRNGKey, 0)
     fill = jax.ShapeDtypeStruct((), jnp.float32)
     try:
-      return jax.make_jaxpr(lambda key, delay, fill: self.init_stage(s, key, fill, delay),
-                            return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
+      return jax.make_jaxpr(
+          lambda key, delay, fill: self.init_stage(s, self.stage_weights(s, key), fill, delay),
+          return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
     except (TypeError, ValueError):  # a traced delay the method cannot take, among them
       return None, jax.eval_shape(
-          lambda key, fill: self.init_stage(s, key, fill, self.delays[s]), key, fill)
+          lambda key, fill: self.init_stage(s, self.stage_weights(s, key), fill, self.delays[s]),
+          key, fill)
 
   def empty_delay_line(self, s: int, st: StageState, slots: int, fill_value) -> DelayLine:
     """``slots`` empty entries of stage ``s``'s delay line, shaped after one stage's state

@@ -242,7 +242,7 @@ class StackedPipeline(ScanRunner):
     for start, stop in self.runs:
       stack = self._stacks.get(start)
       if stack is None:
-        parts.append(pipe.initial_stage(start, keys[start], fill_value))
+        parts.append(pipe.initial_stage(start, pipe.stage_weights(start, keys[start]), fill_value))
       elif stack.init is not None:
         body = stack.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
                               stack.salts)
@@ -250,8 +250,9 @@ class StackedPipeline(ScanRunner):
         parts.append(body._replace(delay_line=pipe.empty_delay_line(
             start, one, int(stack.lengths.sum()), fill_value)))
       else:
-        parts.append(self._stack_stages(stack, [pipe.initial_stage(s, keys[s], fill_value)
-                                               for s in range(start, stop)]))
+        parts.append(self._stack_stages(stack, [
+            pipe.initial_stage(s, pipe.stage_weights(s, keys[s]), fill_value)
+            for s in range(start, stop)]))
     return StackedState(tuple(parts), jnp.array(0, jnp.int32), run_key)
 
   def from_logical(self, logical_state: PipelineState) -> StackedState:
