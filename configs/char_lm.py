@@ -38,7 +38,8 @@ def get_config(arg: str | None = None):
   config.reference.weight_decay = 0.01
   config.epochs = 2 / 3  # 24,104 sequences of 64 bytes
   config.warmup_epochs = 0.05
-  config.pipemare_anneal_epochs = 0.25  # K of Nesterov AsyncPP's learning-rate correction
+  # K of Nesterov AsyncPP's learning-rate correction.
+  config.method_kwargs = {"nesterov_asyncpp": {"anneal_epochs": 0.25}}
   config.ticks_per_chunk = 500
   config.eval_every_samples = 4000
   config.checkpoint_every_samples = 4000

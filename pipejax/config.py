@@ -36,6 +36,12 @@ def base_config() -> ml_collections.ConfigDict:
   config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
 
   config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
+  # Per method, its hyperparameters that no other field sets, by their names in its record
+  # (pipejax.methods.record_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}}, and
+  # for a method with an annealing length, anneal_epochs or anneal_fraction. A run reads the
+  # section of config.method; every section is checked, so a config file can hold the recipes
+  # of several methods (a study switches between them) and a misspelt key is still refused.
+  config.method_kwargs = ml_collections.ConfigDict({})
   config.optimizer = "sgd"  # the base update: 'sgd' (heavy-ball momentum) or 'adam'
   config.micro_batch_size = 1
   config.micro_batches = 1  # M of the synchronous mode (method 'sync')
@@ -122,7 +128,12 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 
 # ----------------------------------------------------------------------------- command line
 
-_MODEL_KWARG = re.compile(r"^--config\.model_kwargs\.([A-Za-z_]\w*)=(.*)$", re.S)
+# Keyword dicts whose keys another part decides (the model's builder, the method's record): the
+# command line may add a key the config file did not list.
+_KWARGS_FIELDS = ("model_kwargs", "method_kwargs")
+# model_kwargs.KEY, and method_kwargs.METHOD.KEY (one section per method).
+_ADDED_KWARG = re.compile(r"^--config\.(model_kwargs|method_kwargs)\.([A-Za-z_][\w.]*)=(.*)$",
+                          re.S)
 _CONFIG_KEY = re.compile(r"^--config\.([\w.]+)=")
 
 
@@ -154,15 +165,15 @@ def parse_flags(argv: list[str]) -> list[str]:
   from absl import flags  # the binaries' dependency, not the config files'
 
   _COMMAND_LINE[:] = argv[1:]
-  model_kwargs, kept = {}, []
+  added, kept = {field: {} for field in _KWARGS_FIELDS}, []
   for arg in argv:
-    match = _MODEL_KWARG.match(arg)
+    match = _ADDED_KWARG.match(arg)
     if match:
-      model_kwargs[match.group(1)] = _literal(match.group(2))
+      added[match.group(1)][match.group(2)] = _literal(match.group(3))
     else:
       kept.append(arg)
   # config_flags finds its override flags by scanning sys.argv itself: hide the added keywords.
-  sys.argv[:] = [a for a in sys.argv if not _MODEL_KWARG.match(a)]
+  sys.argv[:] = [a for a in sys.argv if not _ADDED_KWARG.match(a)]
   config_arg = next((a.split("=", 1)[1] for a in kept if a.startswith("--config=")), None)
   if config_arg:
     # Loaded here first: config_flags would wrap the file's own error (an unknown variant, a
@@ -178,16 +189,24 @@ def parse_flags(argv: list[str]) -> list[str]:
     _exit(f"{str(e).rstrip('.')}. Run with --helpfull for the flags.")
   except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
     _exit(describe_config_error(e, kept))
-  if model_kwargs:
+  for field, kwargs in added.items():
+    if not kwargs:
+      continue
     with config.unlocked():
-      merged = dict(config.model_kwargs) if "model_kwargs" in config else {}
-      for key, value in model_kwargs.items():
-        if isinstance(merged.get(key), str) and value is not None and not isinstance(value, str):
+      merged = config[field].to_dict() if field in config else {}
+      for key, value in kwargs.items():
+        *sections, name = key.split(".")
+        target = merged
+        for section in sections:
+          target = target.setdefault(section, {})
+          if not isinstance(target, dict):
+            _exit(f"--config.{field}.{key}: config.{field}.{section} is not a section.")
+        if isinstance(target.get(name), str) and value is not None and not isinstance(value, str):
           value = str(value)  # e.g. a string-valued keyword given as a number-like word
-        merged[key] = value
-      # A new field, not one typed by the config file's value: the model's builder decides what
-      # a keyword may be, and the trainer's validation says so in one line (depth=8.5).
-      config.model_kwargs = ml_collections.ConfigDict(merged)
+        target[name] = value
+      # A new field, not one typed by the config file's value: the model's builder (the method's
+      # record) decides what a keyword may be, and the trainer's validation says so in one line.
+      config[field] = ml_collections.ConfigDict(merged)
   return rest
 
 

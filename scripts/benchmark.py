@@ -83,7 +83,7 @@ from absl import flags, logging
 import jax
 import numpy as np
 
-from pipejax import cli
+from pipejax import cli, methods
 from pipejax.profiling import memory, meshes, speed, trainer, workloads
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
@@ -93,9 +93,12 @@ OPT_IN = ("normalization", "sharding", "lm", "depth", "delay_lines", "trainer", 
 _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_IN], BENCHMARKS,
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
-_METHODS = flags.DEFINE_list("methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream",
-                                         "spectrain", "pipemare", "dcasgd"],
-                             "Presets for 'methods'.")
+# Every asynchronous preset of momentum SGD.
+ASYNC_SGD_METHODS = [name for name, record in methods.RECORDS.items()
+                     if "sgd" in record.optimizers and not record.traits.delay_free]
+PLAIN_PIPELINE = next(name for name, record in methods.RECORDS.items()
+                      if record.traits.plain_pipeline)
+_METHODS = flags.DEFINE_list("methods", ASYNC_SGD_METHODS, "Presets for 'methods'.")
 _MICRO_BATCH_SIZES = flags.DEFINE_list("micro_batch_sizes", ["1", "32"], "Micro-batch sizes b.")
 _SAMPLES = flags.DEFINE_integer("samples", 8192, "Samples per timed repetition.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (the best is reported).")
@@ -118,8 +121,7 @@ _DEPTH_STAGES = flags.DEFINE_list("depth_stages", ["8", "32", "128", "256"],
                                   "Stage counts of the residual MLP for 'depth'.")
 _DEPTH_TICKS = flags.DEFINE_integer("depth_ticks", 256, "Ticks per timed call of 'depth'.")
 _DEPTH_METHODS = flags.DEFINE_list(
-    "depth_methods", ["pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "pipedream", "spectrain", "pipemare",
-                      "dcasgd"],
+    "depth_methods", ASYNC_SGD_METHODS,
     "Presets 'depth' times stacked at each depth, side by side with pb (none: '').")
 _DELAY_LINE_STAGES = flags.DEFINE_list("delay_line_stages", ["128", "256"],
                                        "Stage counts of the residual MLP for 'delay_lines'.")
@@ -172,7 +174,8 @@ def main(argv):
                                                             layers=layers)
                                   for layers in (4, 16) if two_devices],
           "fake_device_control": meshes.fake_device_speedup(3000, repeats) if two_devices else [],
-          "method_passes": meshes.sharded_method_passes(("pb", "pb_sc_lwp", "pipedream"))},
+          "method_passes": meshes.sharded_method_passes(
+              (PLAIN_PIPELINE, methods.RECOMMENDED, "pipedream"))},
       "compile": lambda: [speed.compile_time(int(s)) for s in _COMPILE_STAGES.value],
       "lm": lambda: speed.lm_speeds(_LM_SEQUENCES.value, repeats,
                                     [int(n) for n in _LM_BLOCKS.value], _LM_ONE_CORE.value),

@@ -1,6 +1,8 @@
 """Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
 import ast
+import dataclasses
+import importlib
 import functools
 import pathlib
 
@@ -65,6 +67,11 @@ ORACLES.update({
 })
 
 
+def taking(name, **kwargs):
+  """The keywords of ``kwargs`` that preset ``name``'s hyperparameters have."""
+  return {key: value for key, value in kwargs.items() if key in methods.record_of(name).fields()}
+
+
 def test_every_preset_has_an_oracle():
   assert sorted(ORACLES) == sorted(methods.METHODS)
 
@@ -90,10 +97,12 @@ def preset_pipeline(name):
   """The preset's pipeline as the oracle comparison builds it."""
   model = make_model()
   if "sgd" in methods.optimizers_of(name):
-    method = methods.make_method(name, learning_rate=LR, momentum=M, micro_batches=2,
-                                 anneal_steps=ANNEAL, gamma=GAMMA, dc_strength=DC)
+    method = methods.make_method(name, **taking(name, learning_rate=LR, momentum=M,
+                                                micro_batches=2, anneal_steps=ANNEAL,
+                                                gamma=GAMMA, dc_strength=DC))
   else:
-    method = methods.make_method(name, num_stages=model.num_stages, **ADAM_KWARGS)
+    method = methods.make_method(name, **taking(name, num_stages=model.num_stages,
+                                                **ADAM_KWARGS))
   x, y = oracle_stream()
   return Pipeline(model, method, x[0], y[0])
 
@@ -198,7 +207,7 @@ def test_sync_takes_a_numpy_integer_group_size():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
-    ({"horizon": -1}, "horizon must be >= 0"),
+    ({"horizon": -1}, "horizon must be an int >= 0"),
     ({"micro_batches": 0}, "micro_batches >= 1"),
     ({"learning_rate": -0.1}, r"learning_rate must be in \[0, inf\); got -0.1"),
     ({"learning_rate": float("nan")}, r"learning_rate must be in \[0, inf\); got nan"),
@@ -209,7 +218,8 @@ def test_sync_takes_a_numpy_integer_group_size():
     ({"anneal_steps": -5}, r"anneal_steps must be in \[0, inf\)"),
 ])
 def test_bad_hyperparameters_are_clear_errors(kwargs, message):
-  name = "sync" if "micro_batches" in kwargs else "pb_lwp"
+  name = ("sync" if "micro_batches" in kwargs
+          else "pipemare" if {"gamma", "anneal_steps"} & set(kwargs) else "pb_lwp")
   with pytest.raises(methods.MethodError, match=message):
     methods.make_method(name, **{"learning_rate": 0.1, **kwargs})
 
@@ -276,8 +286,8 @@ def test_adamw_decay_mask_spares_biases(name, rule):
   """decay_mask=True: AdamW decays the kernels only; the (1-D) biases take no decay."""
   model = make_model()
   x, y = make_stream(3 * model.num_stages + 2, 2)
-  method = methods.make_method(name, weight_decay=WD, decay_mask=True,
-                               num_stages=model.num_stages, **ADAM_KWARGS)
+  method = methods.make_method(name, **taking(name, weight_decay=WD, decay_mask=True,
+                                              num_stages=model.num_stages, **ADAM_KWARGS))
   pipe = Pipeline(model, method, x[0], y[0])
   state = pipe.init(jax.random.PRNGKey(4))
   init_params = stage_params(state)
@@ -366,7 +376,7 @@ def test_nesterov_asyncpp_needs_the_stage_count():
 @pytest.mark.parametrize("name", ["pipeoptim", "nesterov_asyncpp", "pb_muon"])
 def test_adam_family_refuses_momentum_sgd(name):
   with pytest.raises(methods.MethodError, match="defined for the base optimizer\\(s\\) adam"):
-    methods.make_method(name, learning_rate=0.1, num_stages=4)
+    methods.make_method(name, **taking(name, learning_rate=0.1, num_stages=4))
 
 
 @pytest.mark.parametrize("name", methods.METHODS)
@@ -374,7 +384,7 @@ def test_traits_agree_with_the_built_method(name):
   traits = methods.traits_of(name)
   kwargs = ({"learning_rate": LR, "micro_batches": 3} if "sgd" in methods.optimizers_of(name)
             else dict(ADAM_KWARGS, num_stages=4, micro_batches=3))
-  method = methods.make_method(name, **kwargs)
+  method = methods.make_method(name, **taking(name, **kwargs))
   assert traits.micro_batches_per_step(3) == (method.micro_batches_per_step or 1)
   assert traits.accumulates_micro_batches == (method.micro_batches_per_step == 3)
   # Only a method that drains between steps never computes on stale weights.
@@ -388,7 +398,7 @@ def test_traits_name_the_baselines_and_the_recommendation():
   assert having("plain_pipeline") == ["pb"]
   assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
   assert not methods.traits_of(methods.RECOMMENDED).delay_free
-  with pytest.raises(methods.MethodError, match="Unknown method 'gpipe'. Known methods: sgd"):
+  with pytest.raises(methods.MethodError, match="Unknown method 'gpipe'. Known methods: dcasgd"):
     methods.traits_of("gpipe")
 
 
@@ -398,23 +408,30 @@ def test_stage_rates_build_the_one_stage_baseline():
 
 
 def _names_compared(tree: ast.AST):
-  """``(line, compared expression, method name)`` of each comparison with a method's name."""
+  """``(line, what, method name)`` of each comparison with a method's name, and of each tuple,
+  list, set or dict that collects two or more method names (a classification by name)."""
   for node in ast.walk(tree):
-    if not isinstance(node, ast.Compare):
-      continue
-    operands = [node.left, *node.comparators]
-    for operand in operands:
-      for const in ast.walk(operand):
-        if isinstance(const, ast.Constant) and const.value in methods.METHODS:
-          others = " ".join(ast.unparse(o) for o in operands if o is not operand)
-          yield node.lineno, others, const.value
+    if isinstance(node, ast.Compare):
+      operands = [node.left, *node.comparators]
+      for operand in operands:
+        for const in ast.walk(operand):
+          if isinstance(const, ast.Constant) and const.value in methods.METHODS:
+            others = " ".join(ast.unparse(o) for o in operands if o is not operand)
+            yield node.lineno, others, const.value
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+      items = node.keys if isinstance(node, ast.Dict) else node.elts
+      names = [item.value for item in items
+               if isinstance(item, ast.Constant) and item.value in methods.METHODS]
+      if len(names) >= 2:
+        yield node.lineno, f"a {type(node).__name__.lower()} of method names", names[0]
 
 
-def test_no_module_compares_a_method_name():
-  # Callers ask methods.traits_of (or the Method) what a method is; only methods.py names them.
+def test_no_module_names_methods_outside_their_records():
+  # Callers ask methods.record_of (or the Method) what a method is; only the records name them.
   root = pathlib.Path(pipejax.__file__).parent
+  records = pathlib.Path(methods.__file__).parent
   files = [f for f in [*root.rglob("*.py"), *(root.parent / "scripts").glob("*.py")]
-           if f != pathlib.Path(methods.__file__)]
+           if records not in f.parents]
   assert len(files) > 30
   found = []
   for path in files:
@@ -425,3 +442,24 @@ def test_no_module_compares_a_method_name():
         continue  # 'pb' the timetable of pipejax.schedules, not the method
       found.append(f"{path.relative_to(root.parent)}:{line}: {other} vs {name!r}")
   assert not found, "\n".join(found)
+
+
+def test_a_preset_refuses_a_hyperparameter_it_does_not_read():
+  with pytest.raises(methods.MethodError, match="Method 'pb' takes no micro_batches: nothing "
+                     "would read it. Its hyperparameters are learning_rate, momentum"):
+    methods.make_method("pb", learning_rate=0.1, micro_batches=8)
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_each_preset_is_one_module_holding_its_record(name):
+  record = methods.record_of(name)
+  module = importlib.import_module(f"pipejax.methods.{name}")
+  assert module.RECORD is record and record.name == name
+  assert dataclasses.is_dataclass(record.hyperparameters)
+  assert issubclass(record.hyperparameters, methods.Hyperparameters)
+  assert record.display_name == methods.DISPLAY_NAMES[name]
+
+
+def test_the_name_test_catches_a_tuple_and_a_set_of_method_names():
+  tree = ast.parse("A = ('pb', 'pb_sc')\nB = {'sgd', 'pipedream'}\nC = ('pb', 'x')\n")
+  assert [line for line, _, _ in _names_compared(tree)] == [1, 2]

@@ -33,7 +33,7 @@ from pipejax.train.checkpoint import Checkpointer
 
 # The pipelined methods the quadratic models. PipeMare's limit is :func:`pipemare_limit`'s: its
 # step is η/D at the start of its annealing, so its stable delays need not be an interval.
-LIMIT_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
+LIMIT_METHODS = quadratic.PIPELINE_METHODS
 AT_DELAY_METHODS = LIMIT_METHODS
 
 

@@ -58,16 +58,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pipejax import methods as methods_lib
 from pipejax import optim
 
-METHODS = ("sgd", "pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
-PIPELINE_METHODS = ("pb", "pb_sc", "pb_lwp", "pb_sc_lwp", "spectrain", "pipemare")
-REFERENCE = "sgd"  # the unpipelined reference, the one method outside PIPELINE_METHODS
-
-SPIKE_COMPENSATED = ("pb_sc", "pb_sc_lwp")
-UPDATE_FORM_PREDICTION = ("pb_lwp", "pb_sc_lwp")
-NEXT_VELOCITY_PREDICTION = ("spectrain",)  # predicts with the velocity of the step ahead
-RATE_OVER_DELAY = ("pipemare",)  # the rate divided by the delay
+# Every preset whose record gives its form on the quadratic (pipejax.methods.QuadraticForm).
+FORMS = {name: record.quadratic for name, record in methods_lib.RECORDS.items()
+         if record.quadratic is not None}
+METHODS = tuple(FORMS)
+PIPELINE_METHODS = tuple(name for name, form in FORMS.items() if form.delayed)
+# The unpipelined reference, the one method outside PIPELINE_METHODS.
+REFERENCE = next(name for name, form in FORMS.items() if not form.delayed)
 
 # The stability scan covers ηλ from _SCAN_MIN up; the smallest stable limit in the default table
 # (pb at m = 0.999, D = 64) is ~1.6e-5, so 1e-8 leaves three decades of margin.
@@ -117,17 +117,17 @@ def check_arguments(method: str, momentum: float, delay: int) -> None:
 
 def effective_delay(method: str, delay: int) -> int:
   """The delay the method runs with: ``sgd`` is the unpipelined reference at every ``delay``."""
-  return int(delay) if method in PIPELINE_METHODS else 0
+  return int(delay) if FORMS[method].delayed else 0
 
 
 def lr_scale(method: str, delay: int) -> float:
   """Factor on the base ``ηλ``: PipeMare's ``τ^{-1}`` with ``τ = max(D, 1)``, else 1."""
-  return 1.0 / max(delay, 1) if method in RATE_OVER_DELAY else 1.0
+  return 1.0 / max(delay, 1) if FORMS[method].rate_over_delay else 1.0
 
 
 def _update_coefficients(method: str, momentum: float, delay: int) -> tuple[float, float]:
   """Returns ``(c_v, c_g)`` with ``u_t = c_v m v_t + c_g g_t`` (``u = a v_{t+1} + b g``)."""
-  if method in SPIKE_COMPENSATED:
+  if FORMS[method].spike_compensated:
     a, b = optim.spike_coefficients(delay, float(momentum))
     return a, a + b
   return 1.0, 1.0
@@ -153,7 +153,7 @@ def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray,
   t_horizon = d
   m = float(momentum)
   c_v, c_g = _update_coefficients(method, m, d)
-  if method in NEXT_VELOCITY_PREDICTION:
+  if FORMS[method].prediction == "next_velocity":
     # State: w_t … w_{t−D} (indices 0 … D), V_t … V_{t−D} (indices D+1 … 2D+1), V = ηv.
     n = 2 * d + 2
     a0 = np.zeros((n, n))
@@ -172,7 +172,7 @@ def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray,
       a0[v0 + k, v0 + k - 1] = 1.0
     return _frozen(a0), _frozen(a1)
 
-  predicts = method in UPDATE_FORM_PREDICTION
+  predicts = FORMS[method].prediction == "update"
   # State: w_t … w_{t−D} (plus w_{t−D−1} when predicting from the last update), then V_t.
   n_w = d + 2 if predicts else d + 1
   n = n_w + 1
@@ -330,7 +330,7 @@ def largest_stable_delay(method: str, lr_lambda: float, momentum: float,
   """
   check_arguments(method, momentum, max_delay)
   check_lr(lr_lambda)
-  if method in RATE_OVER_DELAY:
+  if FORMS[method].rate_over_delay:
     raise ValueError(f"largest_stable_delay assumes stability falls with the delay, which "
                      f"{method!r}'s step (divided by the delay) does not; ask spectral_radius at "
                      "each delay instead.")

@@ -13,18 +13,29 @@ from typing import Sequence
 
 import numpy as np
 
+from pipejax import methods as methods_lib
 from pipejax import plotting
 from pipejax.analysis import quadratic, quadratic_simulation
 
-_COLORS = {
-    "sgd": "black", "pb": "tab:red", "pb_sc": "tab:blue", "pb_lwp": "tab:green",
-    "pb_sc_lwp": "tab:purple", "spectrain": "tab:olive", "pipemare": "tab:orange",
-}
-_LABELS = {
-    "sgd": "SGD (no delay)", "pb": "PB", "pb_sc": "PB + SC", "pb_lwp": "PB + LWP",
-    "pb_sc_lwp": "PB + SC + LWP", "spectrain": "SpecTrain", "pipemare": "PipeMare (lr/τ)",
-}
-_LINESTYLES = {"spectrain": (0, (4, 3)), "pipemare": "-"}
+
+
+def _color(method: str) -> str:
+  return methods_lib.record_of(method).color
+
+
+def _label(method: str) -> str:
+  """The display name, with what the quadratic makes of it: no delay, or PipeMare's ``η / τ``."""
+  form = quadratic.FORMS[method]
+  name = methods_lib.record_of(method).display_name
+  if not form.delayed:
+    return f"{name} (no delay)"
+  return f"{name} (lr/τ)" if form.rate_over_delay else name
+
+
+def _linestyle(method):
+  # The next-velocity prediction has the update-form prediction's spectrum: dashed over it.
+  return (0, (4, 3)) if quadratic.FORMS[method].prediction == "next_velocity" else "-"
+
 
 # The multi-dimensional runs: (lr, momentum, delay) per panel, on 32 curvatures log-spaced over
 # [1e-3, 1]. The first is stable for every method; at the second, plain PB is past its limit
@@ -81,7 +92,7 @@ def plot_rho_vs_lr(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHOD
       color = cmap(j / max(len(delays) - 1, 1))
       ax.plot(xs, curves[method, delay] - 1.0, color=color, lw=1.6, label=f"D={delay}")
     _style_rho_axes(ax)
-    ax.set_title(_LABELS[method])
+    ax.set_title(_label(method))
   for ax in axes.flat[len(methods):]:
     ax.set_visible(False)
   for ax in axes[-1]:
@@ -111,8 +122,8 @@ def plot_rho_by_delay(path: str, methods: Sequence[str] = quadratic.PIPELINE_MET
   _, fig, axes = _rho_figure(len(delays), cols=2, panel_size=(6.0, 3.6))
   for ax, delay in zip(axes.flat, delays):
     for method in drawn:
-      ax.plot(xs, curves[method, delay] - 1.0, color=_COLORS[method],
-              ls=_LINESTYLES.get(method, "-"), lw=1.6, label=_LABELS[method])
+      ax.plot(xs, curves[method, delay] - 1.0, color=_color(method),
+              ls=_linestyle(method), lw=1.6, label=_label(method))
     _style_rho_axes(ax)
     ax.set_title(f"D = {delay}")
     ax.set_xlabel("ηλ (PipeMare: base ηλ, step ηλ/τ)")
@@ -153,8 +164,8 @@ def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE
   for ax, setting in zip(axes.flat, settings):
     for method in drawn:
       curve = losses[setting, method]
-      ax.plot(np.arange(curve.size), curve, color=_COLORS[method],
-              ls=_LINESTYLES.get(method, "-"), lw=1.5, label=_LABELS[method])
+      ax.plot(np.arange(curve.size), curve, color=_color(method),
+              ls=_linestyle(method), lw=1.5, label=_label(method))
     loss0 = losses[setting, drawn[-1]][0]
     lr, momentum, delay = setting
     ax.set_yscale("log")

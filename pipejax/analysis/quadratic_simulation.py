@@ -42,7 +42,7 @@ class _Recurrence:
     self.lr = lr * quadratic.lr_scale(method, self.delay)
     self.momentum = float(momentum)
     self.sc_a, self.sc_b = (optim.spike_coefficients(self.delay, float(momentum))
-                            if method in quadratic.SPIKE_COMPENSATED else (1.0, 0.0))
+                            if quadratic.FORMS[method].spike_compensated else (1.0, 0.0))
     # weights[-1] is w_t, weights[-1 - k] is w_{t−k}; D + 2 entries cover w_{t−D−1}.
     self.weights = collections.deque(weight_history, maxlen=self.delay + 2)
     # velocities[-1] is v_t (the velocity that produced w_t); spectrain needs v_{t−D}.
@@ -52,10 +52,11 @@ class _Recurrence:
     """The weights the forward pass of step ``t − D`` saw (its gradient arrives now)."""
     d = self.delay
     w_old = self.weights[-1 - d]
-    if self.method in quadratic.UPDATE_FORM_PREDICTION:
+    prediction = quadratic.FORMS[self.method].prediction
+    if prediction == "update":
       # T times the last applied update (spike included under SC).
       return w_old + self.horizon * (w_old - self.weights[-2 - d])
-    if self.method in quadratic.NEXT_VELOCITY_PREDICTION:
+    if prediction == "next_velocity":
       return w_old - self.lr * self.horizon * self.velocities[-1 - d]
     return w_old
 
@@ -64,7 +65,7 @@ class _Recurrence:
     if not gradient_available:
       gradient = 0.0 * gradient
     velocity = self.momentum * self.velocities[-1] + gradient
-    if self.method in quadratic.SPIKE_COMPENSATED:
+    if quadratic.FORMS[self.method].spike_compensated:
       update = self.sc_a * velocity + self.sc_b * gradient
     else:
       update = velocity

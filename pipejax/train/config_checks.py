@@ -22,6 +22,7 @@ import numpy as np
 
 from pipejax.core import accounting
 from pipejax import data as data_lib
+from pipejax import config as configlib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax.train.checkpoint import CheckpointError
@@ -43,18 +44,19 @@ def validate(config) -> None:
                       f"{', '.join(models_lib.names())}.")
   _validate_values(config)
   traits = methods_lib.traits_of(config.method)
-  if config.sgd_stage_rates and (not traits.one_stage or config.optimizer != "sgd"):
+  _refuse_unread_fields(config)
+  _check_method_kwargs(config)
+  if config.sgd_stage_rates and config.optimizer != "sgd":
     raise ConfigError(f"config.sgd_stage_rates={config.sgd_stage_rates!r} gives the layers of "
                       "the one-stage momentum-SGD baseline per-stage rates; it needs "
-                      f"--config.method=sgd and --config.optimizer=sgd (got method "
-                      f"{config.method!r}, optimizer {config.optimizer!r}).")
+                      f"--config.optimizer=sgd (got {config.optimizer!r}).")
   if not 0 <= config.pipemare_anneal_fraction <= 1:
     raise ConfigError(f"config.pipemare_anneal_fraction must be in [0, 1] (a fraction of the "
                       f"run's steps); got {config.pipemare_anneal_fraction!r}.")
   if traits.accumulates_micro_batches and config.ticks_per_chunk % config.micro_batches:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
                       f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
-  if config.schedule == "cosine" and config.warmup_epochs > config.epochs:
+  if config.warmup_epochs > config.epochs:
     raise ConfigError(
         f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
         f"{config.epochs}): the learning rate would never reach its peak and never decay. Set "
@@ -64,6 +66,105 @@ def validate(config) -> None:
                       f"sets: {', '.join(data_lib.NAMES)}.")
   _check_augmentation(config)
   _check_model(config)
+
+
+# Each method hyperparameter the trainer sets itself, and the config field a user sets it with.
+TRAINER_SET = {"learning_rate": "reference.lr (or micro_batch.lr)",
+               "momentum": "reference.momentum (or micro_batch.momentum)",
+               "weight_decay": "reference.weight_decay (or micro_batch.weight_decay)",
+               "optimizer": "optimizer", "b2": "reference.b2", "decay_mask": "decay_mask",
+               "micro_batches": "micro_batches",
+               "anneal_steps": "pipemare_anneal_epochs or pipemare_anneal_fraction",
+               "num_stages": "model_kwargs (the model's number of stages)"}
+
+
+def unread_fields(config) -> list[tuple[str, str]]:
+  """``(field, why)`` for each field set away from its default that this run would not read.
+
+  The one place that decides it: a method's own fields (its record's ``config_fields``) are read
+  only under that method, ``reference.b2`` only by Adam.
+  """
+  defaults = configlib.base_config()
+  record = methods_lib.record_of(config.method)
+  unread = []
+  for other in methods_lib.RECORDS.values():
+    for field in other.config_fields:
+      if field in record.config_fields or any(f == field for f, _ in unread):
+        continue
+      readers = [r.name for r in methods_lib.RECORDS.values() if field in r.config_fields]
+      unread.append((field, f"only method {' and '.join(readers)} read{'s' if len(readers) == 1 else ''} it, "
+                            f"not {config.method!r}"))
+  if config.optimizer != "adam":
+    unread.append(("reference.b2", "only optimizer 'adam' has a second moment"))
+  # None is how a config file says a field does not apply (reference.b2 of an SGD recipe).
+  return [(field, why) for field, why in unread
+          if _field(config, field) not in (None, _field(defaults, field))]
+
+
+def _refuse_unread_fields(config) -> None:
+  unread = unread_fields(config)
+  if unread:
+    field, why = unread[0]
+    default = _field(configlib.base_config(), field)
+    raise ConfigError(f"config.{field}={_field(config, field)!r} would be ignored: {why}. The run "
+                      f"would train exactly as with the default, while config.json and the "
+                      f"HParams recorded your value. Set --config.{field}={default!r} (its "
+                      f"default), or change what makes it unread.")
+
+
+# Keys of a method's config section that the trainer turns into its ``anneal_steps``.
+ANNEALING_KEYS = ("anneal_epochs", "anneal_fraction")
+
+
+def method_section(config, name: str) -> dict:
+  """``config.method_kwargs[name]``: what the config sets for method ``name`` ({} if nothing)."""
+  sections = config.get("method_kwargs", None)
+  section = sections.get(name, None) if sections is not None else None
+  return dict(section) if section is not None else {}
+
+
+def _check_method_kwargs(config) -> None:
+  """``config.method_kwargs``: one section per method, each checked against its record."""
+  sections = config.get("method_kwargs", None)
+  for name in (sections.keys() if sections is not None else ()):
+    if name not in methods_lib.RECORDS:
+      raise ConfigError(f"config.method_kwargs.{name}: there is no method {name!r}. Its keys are "
+                        f"methods' names, each holding that method's hyperparameters, e.g. "
+                        f"--config.method_kwargs.pb_sc_lwp.horizon=4. Known methods: "
+                        f"{', '.join(methods_lib.METHODS)}.")
+    if not hasattr(sections[name], "items"):
+      raise ConfigError(f"config.method_kwargs.{name} must be a section of hyperparameters, e.g. "
+                        f"--config.method_kwargs.{name}.KEY=VALUE; got {sections[name]!r}.")
+    _check_method_section(config, name, method_section(config, name))
+
+
+def _check_method_section(config, name: str, kwargs: dict) -> None:
+  record = methods_lib.record_of(name)
+  annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
+  settable = [f for f in record.fields() if f not in TRAINER_SET] + list(annealing)
+  for key in kwargs:
+    if key in annealing:
+      if not 0 <= kwargs[key] <= (1 if key == "anneal_fraction" else math.inf):
+        raise ConfigError(f"config.method_kwargs.{name}.{key} must be in "
+                          f"{'[0, 1]' if key == 'anneal_fraction' else '[0, inf)'}; got "
+                          f"{kwargs[key]!r}.")
+      continue
+    if key in TRAINER_SET:
+      raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
+                        f"--config.{TRAINER_SET[key]} instead.")
+    if key not in record.fields():
+      raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
+                        f"hyperparameter {key!r}, so nothing would read it. Its settable "
+                        f"hyperparameters are: {', '.join(settable) or 'none'}.")
+  if annealing and set(annealing) <= set(kwargs):
+    raise ConfigError(f"config.method_kwargs.{name} sets both anneal_epochs and anneal_fraction; "
+                      "set one.")
+  hyperparameters = {k: v for k, v in kwargs.items() if k not in annealing}
+  optimizer = config.optimizer if config.optimizer in record.optimizers else record.optimizers[0]
+  try:
+    methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer, **hyperparameters)
+  except methods_lib.MethodError as e:
+    raise ConfigError(f"config.method_kwargs.{name}: {e}") from None
 
 
 def _check_augmentation(config) -> None:
@@ -195,7 +296,7 @@ def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
   tick 2(S-1); a synchronous step takes M micro-batches. A cosine schedule's first update has a
   rate of 0 (its warm-up starts there), so it needs a second one.
   """
-  updates = 2 if config.schedule == "cosine" else 1
+  updates = 2 if config.schedule == "cosine" or config.warmup_epochs > 0 else 1
   m = pipeline.method.micro_batches_per_step
   stages = pipeline.num_stages
   needed = updates * m if m is not None else 2 * (stages - 1) + updates
@@ -209,7 +310,7 @@ def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
       f"This run is too short to train every stage: it trains {run_ticks} micro-batch"
       f"{'es' if run_ticks != 1 else ''} of {b} ({run_ticks * b} samples: config.epochs times "
       f"the training split), but {why}"
-      f"{', and a cosine schedule starts its warm-up at a rate of 0' if updates == 2 else ''}. "
+      f"{', and a warm-up starts at a rate of 0' if updates == 2 else ''}. "
       f"It needs at least {needed * b} training samples ({needed} micro-batches of {b}). Raise "
       "--config.epochs or --config.max_train_examples, or lower --config.micro_batch_size.")
 

@@ -25,7 +25,8 @@ from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax import optim
-from pipejax.train.config_checks import ConfigError, model_kwargs, validate
+from pipejax.train.config_checks import (ANNEALING_KEYS, ConfigError, method_section,
+                                         model_kwargs, validate)
 from pipejax.core.engine import Pipeline
 from pipejax.models import sequential
 from pipejax.core.runner import Runner
@@ -66,7 +67,10 @@ def optimizer_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int,
 
 def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
   if config.schedule == "constant":
-    return optax.constant_schedule(recipe.learning_rate)
+    _, warmup_steps = optimizer_steps(config, recipe, train_size)
+    if warmup_steps == 0:  # optax's warm-up over no steps would stay at its start, 0
+      return optax.constant_schedule(recipe.learning_rate)
+    return optax.schedules.warmup_constant_schedule(0.0, recipe.learning_rate, warmup_steps)
   if config.schedule == "cosine":
     steps, warmup_steps = optimizer_steps(config, recipe, train_size)
     warmup = max(warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
@@ -145,19 +149,10 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                            **model_kwargs(config))
   recipe = resolve_recipe(config)
   learning_rate = learning_rate_schedule(config, recipe, len(train_source))
-  if config.pipemare_anneal_fraction > 0:
-    anneal_steps = max(1, round(config.pipemare_anneal_fraction *
-                                 optimizer_steps(config, recipe, len(train_source))[0]))
-  elif config.pipemare_anneal_epochs == 0:
-    anneal_steps = 0  # no rescheduling: every stage at the base rate from the start
-  else:
-    anneal_steps = max(1, optim.steps_for_samples(
-        int(config.pipemare_anneal_epochs * len(train_source)), b))
+  anneal_steps = annealing_steps(config, recipe, len(train_source))
   method = methods_lib.make_method(
-      config.method, learning_rate=learning_rate, momentum=recipe.momentum,
-      weight_decay=recipe.weight_decay, micro_batches=config.micro_batches,
-      anneal_steps=anneal_steps, optimizer=config.optimizer, b2=recipe.b2,
-      num_stages=model.num_stages, decay_mask=config.get("decay_mask", False))
+      config.method, **method_hyperparameters(config, recipe, learning_rate, anneal_steps,
+                                              model.num_stages))
   if config.sgd_stage_rates and split_model is not None:
     layer_delays = {}
     shapes, _ = split_model.trace_shapes(
@@ -204,6 +199,34 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                  [device["allocated"] for device in sharded.packing.device_memory()])
   return Setup(train_source, test_source, model, recipe, pipe, sharded, stacked,
                initial_weights_from=initial_weights_from)
+
+
+def method_hyperparameters(config, recipe, learning_rate, anneal_steps: int,
+                           num_stages: int) -> dict:
+  """``make_method``'s keywords for ``config.method``: the fields its record takes, from the
+  recipe, the run and the method's section of ``config.method_kwargs``."""
+  known = {"learning_rate": learning_rate, "momentum": recipe.momentum,
+           "weight_decay": recipe.weight_decay, "optimizer": config.optimizer, "b2": recipe.b2,
+           "decay_mask": config.get("decay_mask", False), "micro_batches": config.micro_batches,
+           "anneal_steps": anneal_steps, "num_stages": num_stages}
+  fields = methods_lib.record_of(config.method).fields()
+  section = method_section(config, config.method)
+  return {**{key: value for key, value in known.items() if key in fields},
+          **{key: value for key, value in section.items() if key not in ANNEALING_KEYS}}
+
+
+def annealing_steps(config, recipe, train_size: int) -> int:
+  """The method's annealing length K in steps: its section's anneal_epochs or anneal_fraction,
+  else config.pipemare_anneal_fraction or config.pipemare_anneal_epochs."""
+  section = method_section(config, config.method)
+  fraction = section.get("anneal_fraction", config.pipemare_anneal_fraction
+                         if "anneal_epochs" not in section else 0.0)
+  epochs = section.get("anneal_epochs", config.pipemare_anneal_epochs)
+  if fraction > 0:
+    return max(1, round(fraction * optimizer_steps(config, recipe, train_size)[0]))
+  if epochs == 0:
+    return 0  # no rescheduling: every stage at the base rate from the start
+  return max(1, optim.steps_for_samples(int(epochs * train_size), config.micro_batch_size))
 
 
 def run_ticks(config, train_size: int) -> int:

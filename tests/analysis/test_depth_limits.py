@@ -121,8 +121,8 @@ def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():
   text = depth_limits.report_section(study, records)
   row = next(line for line in text.splitlines() if line.startswith("| 8 |")).split(" | ")
   assert row[2:5] == ["50.0 (14)", "2.0–4.0", "12"]  # the head (stage 7) is not a block
-  assert row[5] == "5 · −3.5 pts (n=2)"  # stage 3's limit; gaps −2 and −5 points, paired by seed
-  assert row[6] == "9 · div. 1/1"
+  assert row[5 + depth_limits.LIMIT_METHODS.index("pb")] == "5 · −3.5 pts (n=2)"  # stage 3's limit; gaps −2 and −5 points, paired by seed
+  assert row[5 + depth_limits.LIMIT_METHODS.index("pb_sc")] == "9 · div. 1/1"
   assert "No curvature measured" in depth_limits.report_section(study, [])
 
 

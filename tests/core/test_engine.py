@@ -21,6 +21,7 @@ from pipejax.models import online_norm
 from pipejax.core.state import Packet, raw_key
 from pipejax.parallel.stacking import StackedPipeline
 from tests import oracle
+from tests import helpers
 from tests.helpers import (IN_DIM, NUM_CLASSES, WIDTHS, assert_trees_close, leaves_equal,
                            make_model, make_stream, stage_params)
 
@@ -443,8 +444,8 @@ def test_state_spec_is_the_shape_of_what_init_makes(name):
     method = methods.pb(_python_delay_sgd)
   else:
     optimizer = methods.optimizers_of(name)[0]
-    method = methods.make_method(name, learning_rate=1e-3, optimizer=optimizer,
-                                 num_stages=len(EVEN) + 1)
+    method = methods.make_method(name, **helpers.taking(
+        name, learning_rate=1e-3, optimizer=optimizer, num_stages=len(EVEN) + 1))
   pipe = Pipeline(make_model(EVEN), method, x[0], y[0], track_weight_discrepancy=True)
   whole = jax.eval_shape(pipe.init, jax.random.PRNGKey(0))
   assert jax.tree.structure(pipe.state_spec) == jax.tree.structure(whole)

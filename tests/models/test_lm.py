@@ -20,6 +20,7 @@ from pipejax.data import text
 from pipejax.core.engine import Pipeline
 from pipejax.optim import adam_family
 from tests import oracle
+from tests import helpers
 from tests.helpers import (ROOT, assert_trees_close, checkpoint_dir, flip_a_bit_in_each_data_file,
                            load_config, stage_params, stored_digest)
 
@@ -281,9 +282,9 @@ def test_lm_through_the_pipeline_matches_the_naive_oracle(name):
   rng = np.random.default_rng(2)
   tokens = rng.integers(0, 256, (3 * model.num_stages + 2, 1, 7))
   x, y = tokens[..., :-1].astype(np.float32), tokens[..., 1:].astype(np.int32)
-  method = methods.make_method(name, learning_rate=0.01, momentum=0.8, b2=0.95,
-                               optimizer="adam", anneal_steps=4, num_stages=model.num_stages,
-                               eps=1e-3)
+  method = methods.make_method(name, **helpers.taking(
+      name, learning_rate=0.01, momentum=0.8, b2=0.95, optimizer="adam", anneal_steps=4,
+      num_stages=model.num_stages, eps=1e-3))
   pipe = Pipeline(model, method, x[0], y[0])
   state = pipe.init(jax.random.PRNGKey(0))
   max_delay = 2 * (model.num_stages - 1)

@@ -18,6 +18,7 @@ from pipejax.core.engine import Pipeline
 from pipejax.parallel.stacking import StackedPipeline
 from pipejax.parallel.stacks import find_stacks
 from pipejax.profiling import workloads
+from tests import helpers
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
 
 EVEN = (5, 5, 5, 5)  # stages 1..3 identical (the first and the last never stack)
@@ -95,10 +96,10 @@ def test_every_preset_gives_the_per_stage_numbers(name):
   """Bit for bit, but where a method's coefficients depend on the delay (m**D in float32 from a
   traced delay, in Python floats from an int one); NaN in every empty slot."""
   optimizer = methods.optimizers_of(name)[0]
-  method = methods.make_method(name, learning_rate=0.05 if optimizer == "sgd" else 1e-3,
-                               momentum=0.9, micro_batches=2, anneal_steps=6, gamma=0.7,
-                               dc_strength=3.0, optimizer=optimizer,
-                               num_stages=dense_model(EVEN).num_stages)
+  method = methods.make_method(name, **helpers.taking(
+      name, learning_rate=0.05 if optimizer == "sgd" else 1e-3, momentum=0.9, micro_batches=2,
+      anneal_steps=6, gamma=0.7, dc_strength=3.0, optimizer=optimizer,
+      num_stages=dense_model(EVEN).num_stages))
   per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
       dense_model(EVEN), method, 2, 3 * len(EVEN) + 6, fill_value=jnp.nan)
   # Coefficients computed from the traced delay: the same numbers to float32 rounding.

@@ -166,7 +166,7 @@ def test_missing_data_says_how_to_install_it(tmp_path):
 
 
 def test_unknown_method_lists_the_known_ones(tmp_path):
-  with pytest.raises(config_checks.ConfigError, match="Known methods: sgd, sync, pb"):
+  with pytest.raises(config_checks.ConfigError, match="Known methods: dcasgd, nesterov_asyncpp, pb"):
     trainer.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
 
 
@@ -288,7 +288,59 @@ def test_a_warm_up_longer_than_the_run_is_refused():
   with pytest.raises(config_checks.ConfigError,
                      match=r"warmup_epochs \(5.0\) is longer than the run"):
     config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
-  config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
+  with pytest.raises(config_checks.ConfigError,
+                     match=r"warmup_epochs \(5.0\) is longer than the run"):
+    config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
+
+
+def test_a_constant_schedule_warms_up_as_configured():
+  recipe = experiment.resolve_recipe(digits_config(schedule="constant", warmup_epochs=0.0))
+  rates = {}
+  for warmup in (0.0, 0.5):
+    config = digits_config(schedule="constant", warmup_epochs=warmup, epochs=1.0)
+    schedule = experiment.learning_rate_schedule(config, recipe, 100)
+    rates[warmup] = [float(schedule(step)) for step in (0, 25, 50, 99)]
+  lr = recipe.learning_rate
+  assert rates[0.0] == pytest.approx([lr] * 4)
+  assert rates[0.5] == pytest.approx([0.0, lr / 2, lr, lr])
+
+
+def test_a_field_the_run_would_not_read_is_refused():
+  """One place decides what a run reads (config_checks.unread_fields): only the synchronous
+  pipeline accumulates micro-batches, only PipeMare and Nesterov AsyncPP anneal, only Adam has
+  b2."""
+  cases = [({"micro_batches": 8, "method": "pb"}, "micro_batches=8 would be ignored: only method "
+            "sync reads it, not 'pb'"),
+           ({"pipemare_anneal_epochs": 0.5, "method": "pb"}, "pipemare_anneal_epochs=0.5 would be "
+            "ignored: only method nesterov_asyncpp and pipemare read it"),
+           ({"reference.b2": 0.9}, "reference.b2=0.9 would be ignored: only optimizer 'adam'")]
+  for overrides, message in cases:
+    config = digits_config()
+    for key, value in overrides.items():
+      section, _, field = key.rpartition(".")
+      (config[section] if section else config)[field] = value
+    with pytest.raises(config_checks.ConfigError, match=re.escape(message)):
+      config_checks.validate(config)
+  config_checks.validate(digits_config(micro_batches=8, method="sync", ticks_per_chunk=80))
+
+
+def test_method_kwargs_reach_the_method_and_a_key_it_lacks_is_refused():
+  config = digits_config(method="pb_sc_lwp")
+  config.method_kwargs = {"pb_sc_lwp": {"horizon": 3}, "pipemare": {"anneal_epochs": 0.5}}
+  config_checks.validate(config)  # a section for another method is checked, not read
+  recipe = experiment.resolve_recipe(config)
+  assert experiment.method_hyperparameters(config, recipe, 0.1, 0, 4)["horizon"] == 3
+  for sections, message in [
+      ({"pb_sc_lwp": {"gamma": 0.5}}, "method 'pb_sc_lwp' has no hyperparameter 'gamma', so "
+       "nothing would read it. Its settable hyperparameters are: eps, horizon"),
+      ({"pb_sc_lwp": {"momentum": 0.5}}, "use --config.reference.momentum (or "),
+      ({"pb_sc_lwp": {"horizon": -2}}, "horizon must be an int >= 0"),
+      ({"pipemare": {"gamma": 1.5}}, "config.method_kwargs.pipemare: make_method: gamma must be "
+       "in [0, 1)"),
+      ({"pb_fast": {"horizon": 1}}, "config.method_kwargs.pb_fast: there is no method 'pb_fast'")]:
+    config.method_kwargs = sections
+    with pytest.raises(config_checks.ConfigError, match=re.escape(message)):
+      config_checks.validate(config)
 
 
 def test_an_empty_workdir_restores_nothing_and_times_the_evaluation_as_its_own_phase(

@@ -1,0 +1,98 @@
+"""Methods as data: one module per preset, each holding its :class:`Record`.
+
+A preset is a module of this package with a ``RECORD``: its name, display name, hyperparameters
+(a dataclass), traits, quadratic form and the function that builds its :class:`Method`. This
+module finds them, so that adding a method is adding one file (CONTRIBUTING.md, "Add a method"),
+and answers every question about a preset by its name: :func:`make_method`, :func:`record_of`,
+:func:`traits_of`. No caller compares a method's name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from pipejax.methods.hyperparameters import Hyperparameters, Predicting
+from pipejax.methods.method import (Method, MethodError, current_weights, pb, per_stage,
+                                    pipedream, sync)
+from pipejax.methods.record import BASE_OPTIMIZERS, QuadraticForm, Record, Traits
+from pipejax.methods.stage_rates import STAGE_RATES, sgd_with_pipemare_rates
+
+
+def _find_records() -> dict[str, Record]:
+  """Every module of this package with a ``RECORD``, by preset name, sorted by name."""
+  found = {}
+  for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+    module = importlib.import_module(f"{__name__}.{info.name}")
+    record = getattr(module, "RECORD", None)
+    if record is None:
+      continue
+    if record.name != info.name or record.name in found:
+      raise ImportError(f"pipejax/methods/{info.name}.py holds the record of "
+                        f"'{record.name}': a preset's module is named after it, once.")
+    found[record.name] = record
+  return found
+
+
+RECORDS: dict[str, Record] = _find_records()
+METHODS = tuple(RECORDS)
+RECOMMENDED = next(name for name, record in RECORDS.items() if record.traits.recommended)
+# How reports and figures name the presets.
+DISPLAY_NAMES = {name: record.display_name for name, record in RECORDS.items()}
+
+
+def record_of(name: str) -> Record:
+  """Preset ``name``'s record, or a :class:`MethodError` that lists the known names."""
+  if name not in RECORDS:
+    raise MethodError(f"Unknown method '{name}'. Known methods: {', '.join(METHODS)}.")
+  return RECORDS[name]
+
+
+def traits_of(name: str) -> Traits:
+  """What preset ``name`` is, from its name alone (see :class:`Traits`)."""
+  return record_of(name).traits
+
+
+def optimizers_of(name: str) -> tuple[str, ...]:
+  """The base optimizers preset ``name`` is defined for (e.g. ``('sgd', 'adam')``)."""
+  return record_of(name).optimizers
+
+
+def hyperparameters_of(name: str, learning_rate, **hyperparameters: Any) -> Hyperparameters:
+  """Preset ``name``'s hyperparameters, checked; a field it does not take is refused by name."""
+  record = record_of(name)
+  fields = record.fields()
+  unknown = sorted(set(hyperparameters) - set(fields))
+  if unknown:
+    raise MethodError(f"Method '{name}' takes no {', '.join(unknown)}: nothing would read "
+                      f"{'them' if len(unknown) > 1 else 'it'}. Its hyperparameters are "
+                      f"{', '.join(fields)}.")
+  h = record.hyperparameters(learning_rate=learning_rate, **hyperparameters)
+  if h.optimizer not in record.optimizers:
+    raise MethodError(f"Method '{name}' is defined for the base optimizer(s) "
+                      f"{', '.join(record.optimizers)}, not '{h.optimizer}'. Use "
+                      f"optimizer='{record.optimizers[0]}' or another method.")
+  return h
+
+
+def make_method(name: str, *, learning_rate, **hyperparameters: Any) -> Method:
+  """The methods of docs/design.md §3 by name.
+
+  Args:
+    name: one of :data:`METHODS`.
+    learning_rate: float or optax schedule (in optimizer steps).
+    **hyperparameters: the fields of the preset's hyperparameters dataclass
+      (``record_of(name).hyperparameters``): every preset takes those of
+      :class:`Hyperparameters` (``momentum``, ``weight_decay``, ``optimizer``, ``b2``, ``eps``,
+      ``decay_mask``); ``sync`` adds ``micro_batches``, the predicting presets ``horizon``,
+      PipeMare ``anneal_steps`` and ``gamma``, DC-ASGD ``dc_strength``, Nesterov AsyncPP
+      ``num_stages`` and ``anneal_steps``. A field the preset does not take is refused.
+  """
+  return record_of(name).build(hyperparameters_of(name, learning_rate, **hyperparameters))
+
+
+__all__ = ["BASE_OPTIMIZERS", "DISPLAY_NAMES", "Hyperparameters", "METHODS", "Method",
+           "MethodError", "Predicting", "QuadraticForm", "RECOMMENDED", "RECORDS", "Record",
+           "STAGE_RATES", "Traits", "current_weights", "hyperparameters_of", "make_method", "pb",
+           "per_stage", "pipedream", "record_of", "sgd_with_pipemare_rates", "sync", "traits_of"]

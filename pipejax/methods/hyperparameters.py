@@ -1,0 +1,154 @@
+"""The hyperparameters every preset shares, and the base updates built from them.
+
+A preset whose method takes more (a prediction horizon, an annealing length) subclasses
+:class:`Hyperparameters` in its own module. Every field is checked when the dataclass is made, so
+a bad value is refused before a pipeline is built, never trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Callable
+
+import optax
+
+from pipejax import optim
+from pipejax.methods.method import MethodError
+from pipejax.methods.record import BASE_OPTIMIZERS
+from pipejax.optim import adam_family
+
+
+def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
+                 high_open: bool = True) -> None:
+  """Refuses a ``value`` that is not a real number in ``[low, high)`` (``[low, high]``).
+
+  A jax array is let through: the transformation that takes it checks it where it is concrete.
+  """
+  if value is None or isinstance(value, (str, bytes, bool)):
+    raise MethodError(f"make_method: {name} must be a number; got {value!r} "
+                      f"({type(value).__name__}).")
+  if not isinstance(value, numbers.Real):
+    return
+  inside = low <= value < high if high_open else low <= value <= high
+  if not inside:
+    interval = f"[{low:g}, {high:g}{')' if high_open else ']'}"
+    raise MethodError(f"make_method: {name} must be in {interval}; got {value!r}.")
+
+
+def check_positive_int(name: str, value, why: str) -> None:
+  """Refuses anything but an int >= 1 (a bool too), saying ``why`` the method needs it."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise MethodError(f"make_method: {name} must be a positive int ({why}); got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+  """What every preset is built from.
+
+  Attributes:
+    learning_rate: float or optax schedule (in optimizer steps).
+    momentum: heavy-ball momentum ``m`` in ``[0, 1)`` (Adam: its first-moment decay b1).
+    weight_decay: coupled L2 weight decay added to the gradient (Adam: decoupled, as AdamW).
+    optimizer: the base update, 'sgd' (heavy-ball momentum) or 'adam'.
+    b2: Adam's second-moment decay.
+    eps: Adam's epsilon.
+    decay_mask: AdamW's weight decay only on matrices and embedding tables, not on biases and
+      norm scales (:func:`pipejax.optim.adam_family.decay_mask`); for optimizer='adam'.
+  """
+
+  learning_rate: Any
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  optimizer: str = "sgd"
+  b2: float = 0.999
+  eps: float = 1e-8
+  decay_mask: bool = False
+
+  def __post_init__(self):
+    self.check()
+
+  def check(self) -> None:
+    """Refuses a value out of range; a subclass adds its own fields' checks after these."""
+    if self.optimizer not in BASE_OPTIMIZERS:
+      raise MethodError(f"Unknown base optimizer '{self.optimizer}'. Known: "
+                        f"{', '.join(BASE_OPTIMIZERS)}.")
+    if not callable(self.learning_rate):
+      check_number("learning_rate", self.learning_rate)
+    check_number("momentum", self.momentum, 0.0, 1.0)
+    check_number("weight_decay", self.weight_decay)
+    check_number("b2", self.b2, 0.0, 1.0)
+    check_number("eps", self.eps)
+    if self.decay_mask and self.optimizer != "adam":
+      raise MethodError("decay_mask=True masks AdamW's decoupled weight decay; it needs "
+                        "optimizer='adam' (momentum SGD's decay is coupled to the gradient).")
+
+  @property
+  def mask(self):
+    """AdamW's decay mask: :func:`pipejax.optim.adam_family.decay_mask` or None (decay all)."""
+    return adam_family.decay_mask if self.decay_mask else None
+
+  def base(self, delay: int) -> optax.GradientTransformation:
+    """The plain update: momentum SGD with coupled decay, or AdamW (first moment ``momentum``)."""
+    del delay
+    if self.optimizer == "adam":
+      return optax.adamw(self.learning_rate, b1=self.momentum, b2=self.b2, eps=self.eps,
+                         weight_decay=self.weight_decay, mask=self.mask)
+    sgd = optax.sgd(self.learning_rate, momentum=self.momentum)
+    return optax.chain(optax.add_decayed_weights(self.weight_decay), sgd) if self.weight_decay \
+        else sgd
+
+  def spike_compensated(self, delay: int) -> optax.GradientTransformation:
+    """The base update under Spike Compensation for ``delay`` (docs/design.md §3)."""
+    if self.optimizer == "adam" and self.decay_mask:
+      return optax.chain(optim.scale_by_adam_sc(delay, self.momentum, self.b2, self.eps),
+                         optax.add_decayed_weights(self.weight_decay, self.mask),
+                         optax.scale_by_learning_rate(self.learning_rate))
+    if self.optimizer == "adam":
+      return optim.adam_sc(self.learning_rate, delay, self.momentum, self.b2, self.eps,
+                           self.weight_decay)
+    return optim.sgd_sc(self.learning_rate, delay, self.momentum, weight_decay=self.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicting(Hyperparameters):
+  """Hyperparameters of a method that runs the forward on predicted weights.
+
+  Attributes:
+    horizon: the prediction horizon T; None predicts each stage's own delay D_s.
+  """
+
+  horizon: int | None = None
+
+  def check(self) -> None:
+    super().check()
+    if self.horizon is not None:
+      if isinstance(self.horizon, bool) or not isinstance(self.horizon, numbers.Integral) or \
+          self.horizon < 0:
+        raise MethodError(f"The prediction horizon must be an int >= 0 (or None for the stage's "
+                          f"delay); got {self.horizon!r}.")
+
+  def horizon_for(self, delay: int) -> int:
+    return delay if self.horizon is None else self.horizon
+
+  def predicting(self, inner: Callable[[Hyperparameters, int], optax.GradientTransformation],
+                 form: str = "update") -> Callable[[int], optax.GradientTransformation]:
+    """``inner`` (e.g. ``Hyperparameters.base``) under Linear Weight Prediction, per delay."""
+    def factory(delay):
+      horizon = self.horizon_for(delay)
+      if form == "update":
+        return optim.linear_weight_prediction(inner(self, delay), horizon, outermost=True)
+      # The velocity forms build inner from the learning rate they predict with: one rate.
+      return optim.linear_weight_prediction(
+          lambda rate: inner(dataclasses.replace(self, learning_rate=rate), delay), horizon,
+          form=form, learning_rate=self.learning_rate,
+          momentum=self.momentum if form == "next_velocity" else None,
+          outermost=True)  # the stage's whole update: the prediction is read, not recomputed
+    return factory
+
+
+def predicted_weights(params, opt_state, delay):
+  """The forward's weights under Linear Weight Prediction (the horizon is in the state)."""
+  del delay
+  return optim.predicted_params(opt_state, params)

@@ -1,0 +1,101 @@
+"""One method's record: what it is called, what it takes, what it is, and how it is built.
+
+Each preset is one module of this package holding one :class:`Record`; ``pipejax.methods`` finds
+them. A caller learns what a method is from its record (its :class:`Traits`, its
+:class:`QuadraticForm`), never by comparing its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from pipejax.methods.method import Method
+
+BASE_OPTIMIZERS = ("sgd", "adam")
+PREDICTION_FORMS = (None, "update", "next_velocity")
+# The training config's fields that set a learning-rate annealing length (pipejax.config).
+ANNEALING_FIELDS = ("pipemare_anneal_epochs", "pipemare_anneal_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+  """What a caller may ask of a preset before its transformations exist.
+
+  A trainer needs some answers (the batch of one step, the model's split) before it has the
+  learning-rate schedule that :func:`pipejax.methods.make_method` builds the transformations from.
+  """
+
+  # One step per ``micro_batches`` micro-batches (the M of its hyperparameters): synchronous.
+  accumulates_micro_batches: bool = False
+  # The reference without a pipeline: the whole network trains as one stage.
+  one_stage: bool = False
+  # No stage ever computes on stale weights, so there is no delay to compensate.
+  delay_free: bool = False
+  # Plain Pipelined Backpropagation, no mitigation of the delay: the other methods' yardstick.
+  plain_pipeline: bool = False
+  # The method to suggest when a delayed method diverges (spike compensation + prediction).
+  recommended: bool = False
+
+  def micro_batches_per_step(self, micro_batches: int) -> int:
+    """The micro-batches one optimizer step sees, given the method's ``micro_batches``."""
+    return micro_batches if self.accumulates_micro_batches else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class QuadraticForm:
+  """The method on the convex quadratic ``L(w) = ½ λ w²`` (:mod:`pipejax.analysis.quadratic`).
+
+  Attributes:
+    delayed: the gradient of step ``t`` comes from the weights of step ``t − D`` (False: the
+      undelayed reference, whatever delay it is asked about).
+    spike_compensated: the update is ``a v + b g`` with the spike coefficients of ``D``.
+    prediction: the forward's weights are extrapolated ``T = D`` steps: ``'update'`` along the
+      last applied update, ``'next_velocity'`` along the next step's velocity (SpecTrain), or
+      None.
+    rate_over_delay: the step is ``η / max(D, 1)`` (PipeMare's rescheduling at its start).
+  """
+
+  delayed: bool = True
+  spike_compensated: bool = False
+  prediction: str | None = None
+  rate_over_delay: bool = False
+
+  def __post_init__(self):
+    if self.prediction not in PREDICTION_FORMS:
+      raise ValueError(f"QuadraticForm.prediction must be one of {PREDICTION_FORMS}; got "
+                       f"{self.prediction!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """A preset: its name and display name, its hyperparameters and how it is built from them.
+
+  Attributes:
+    name: the preset's name (``config.method``, :func:`pipejax.methods.make_method`).
+    display_name: how reports and figures name it.
+    hyperparameters: the dataclass of what it is built from; its fields are the keyword
+      arguments :func:`pipejax.methods.make_method` accepts for it.
+    build: the method from its hyperparameters.
+    traits: what it is, for callers that must know before building it.
+    optimizers: the base updates (``'sgd'``, ``'adam'``) it is defined for.
+    quadratic: its recurrence on the convex quadratic, where it has one.
+    color: its colour in figures.
+    config_fields: the training config's own fields that only this method (and the others that
+      name them) reads, e.g. ``micro_batches`` for the synchronous pipeline; a config that sets
+      one for a method that does not read it is refused.
+  """
+
+  name: str
+  display_name: str
+  hyperparameters: type
+  build: Callable[[Any], Method]
+  traits: Traits = Traits()
+  optimizers: tuple[str, ...] = BASE_OPTIMIZERS
+  quadratic: QuadraticForm | None = None
+  color: str = "tab:gray"
+  config_fields: tuple[str, ...] = ()
+
+  def fields(self) -> tuple[str, ...]:
+    """The hyperparameters' names, ``learning_rate`` first."""
+    return tuple(f.name for f in dataclasses.fields(self.hyperparameters))
