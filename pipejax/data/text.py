@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import hashlib
 import os
+import re
 
 from absl import logging
 import numpy as np
@@ -112,6 +113,10 @@ _TEXT_CONTROLS = b"\t\n\v\f\r\x07\x08\x1b"
 _OTHER_CONTROLS = bytes(c for c in range(32) if c not in _TEXT_CONTROLS) + b"\x7f"
 
 
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark that Windows editors write first
+_SEPARATOR_LINE = re.compile(rb"^%\r?$", re.MULTILINE)
+
+
 def _not_text(raw: bytes) -> str | None:
   """Why ``raw`` is not a text file (a NUL byte, or one byte in ten another control), or None."""
   nul = raw.find(b"\0")
@@ -127,20 +132,28 @@ def read_fortunes(data_dir: str) -> Corpus:
   """Every fortune of the directory ``data_dir``: the one place the corpus is read.
 
   A file's name is its topic. Hidden files (``.DS_Store``, editor swap files) are skipped with a
-  warning, as are directories and other entries that are not files; the ``.dat`` indexes of
-  ``strfile`` are skipped quietly. Symbolic links are followed, and a file whose bytes equal
-  an earlier one's (Debian's ``NAME.u8`` links, or a copy in which they became files) is read
-  once, under the first name in sorted order. Line ends ``\\r\\n`` and ``\\r`` become ``\\n``. A
-  file that is not valid UTF-8 is read as bytes with a warning naming its first bad byte.
+  warning; directories (Debian's ``off/``) and other entries that are not files, and the ``.dat``
+  indexes of ``strfile``, are skipped without one. Symbolic links are followed, and a file whose
+  bytes equal an earlier one's (Debian's ``NAME.u8`` links, or a copy in which they became files)
+  is read once, under the first name in sorted order. Line ends ``\\r\\n`` and ``\\r`` become ``\\n``, and
+  a UTF-8 byte order mark is dropped. A file that is not valid UTF-8 is read as bytes with a
+  warning naming its first bad byte; a file with no ``%`` line, one fortune, with a warning.
 
   Raises:
-    DataError: naming the entry, for a file that cannot be read, a binary file, or a link to
-      nothing; or saying how to install the corpus, for a directory with no fortune files.
+    DataError: naming the entry, for a directory or file that cannot be read, a binary file, or
+      a link to nothing; or saying how to install the corpus, for a directory with no fortune
+      files.
   """
   if not os.path.isdir(data_dir):
-    raise DataError(_missing_message(data_dir, f"no directory {data_dir}"))
+    raise DataError(_missing_message(data_dir, f"{data_dir} is a file, not a directory" if
+                                     os.path.exists(data_dir) else f"no directory {data_dir}"))
+  try:
+    names = sorted(os.listdir(data_dir))
+  except OSError as e:
+    raise DataError(f"The fortunes directory {data_dir} cannot be listed ({e}): make it readable "
+                    "for this user, or point data_dir at another copy of the corpus.") from None
   topics, files, first_with, hidden, skipped = {}, {}, {}, [], []
-  for name in sorted(os.listdir(data_dir)):
+  for name in names:
     path = os.path.join(data_dir, name)
     if name.startswith("."):
       hidden.append(name)
@@ -185,12 +198,15 @@ def read_fortunes(data_dir: str) -> Corpus:
     files[name] = len(raw)
     if not topics[name]:
       logging.warning("Fortune file %s holds no fortune.", path)
+    elif len(topics[name]) == 1 and not _SEPARATOR_LINE.search(raw):
+      logging.warning("Fortune file %s has no line holding only '%%': its %d bytes are one "
+                      "fortune, in one split.", path, len(raw))
   if hidden:
     logging.warning("Skipping the hidden files of %s: %s (fortune files are not hidden).",
                     data_dir, ", ".join(hidden))
-  if skipped:
-    logging.warning("Skipping the entries of %s that are not files: %s.", data_dir,
-                    ", ".join(skipped))
+  if skipped:  # such as Debian's off/ (fortunes-off)
+    logging.info("Skipping the entries of %s that are not files: %s.", data_dir,
+                 ", ".join(skipped))
   if not topics:
     only = f", only hidden files: {', '.join(hidden)}" if hidden else ""
     raise DataError(_missing_message(data_dir, f"no fortune files in {data_dir}{only}"))
@@ -200,7 +216,7 @@ def read_fortunes(data_dir: str) -> Corpus:
 def _fortunes_of(raw: bytes) -> list[bytes]:
   """The fortunes of a file's bytes, each without the newlines at either end; lines holding
   only ``%`` separate them."""
-  text = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+  text = raw.removeprefix(_BOM).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
   if not text.endswith(b"\n"):
     text += b"\n"
   # A file may start with a separator and ends with one (or with its last fortune).

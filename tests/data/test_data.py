@@ -455,10 +455,14 @@ def topics_of(split: bytes) -> set[bytes]:
   return {f.split(b" ")[0] for f in fortunes_of(split)}
 
 
-@pytest.mark.parametrize("newline", ["\r\n", "\r"])
-def test_a_corpus_with_other_line_ends_splits_as_its_unix_copy(tmp_path, newline):
+@pytest.mark.parametrize("newline, bom", [("\r\n", False), ("\r", False), ("\r\n", True)])
+def test_a_corpus_with_other_line_ends_splits_as_its_unix_copy(tmp_path, newline, bom):
   unix = text.split_fortunes(str(fortunes_dir(tmp_path / "unix")))
-  other = text.split_fortunes(str(fortunes_dir(tmp_path / "other", newline=newline)))
+  corpus = fortunes_dir(tmp_path / "other", newline=newline)
+  if bom:  # as Windows editors save UTF-8
+    for name in ("alpha", "beta"):
+      (corpus / name).write_bytes(b"\xef\xbb\xbf" + (corpus / name).read_bytes())
+  other = text.split_fortunes(str(corpus))
   assert b"\r" not in other[0] + other[1]
   assert other == unix
 
@@ -560,6 +564,24 @@ def test_an_unreadable_corpus_file_is_named(tmp_path, monkeypatch):
     text.split_fortunes(str(corpus))
 
 
+def test_a_corpus_directory_that_cannot_be_listed_or_is_a_file_is_named(tmp_path, monkeypatch):
+  corpus = fortunes_dir(tmp_path / "f")
+  with pytest.raises(data.DataError, match=rf"{re.escape(str(corpus / 'alpha'))} is a file, not "
+                     r"a directory"):
+    text.split_fortunes(str(corpus / "alpha"))
+  listdir = os.listdir
+
+  def listdir_as_another_user(path):
+    if os.fspath(path) == str(corpus):
+      raise PermissionError(13, "Permission denied", str(corpus))
+    return listdir(path)
+
+  monkeypatch.setattr(os, "listdir", listdir_as_another_user)
+  with pytest.raises(data.DataError, match=rf"The fortunes directory {re.escape(str(corpus))} "
+                     r"cannot be listed \(.*Permission denied.*\): make it readable"):
+    text.split_fortunes(str(corpus))
+
+
 def test_a_file_that_is_not_utf8_is_read_as_bytes_and_named(tmp_path, caplog):
   corpus = fortunes_dir(tmp_path / "f")
   (corpus / "latin").write_bytes("caf\u00e9 fortune: d\u00e9j\u00e0 vu\n%\n".encode("latin-1"))
@@ -569,11 +591,14 @@ def test_a_file_that_is_not_utf8_is_read_as_bytes_and_named(tmp_path, caplog):
   assert re.search(r"latin is not UTF-8 \(byte 3\)", caplog.text)
 
 
-def test_files_without_separator_lines_are_refused_not_an_empty_split(tmp_path):
+def test_files_without_separator_lines_are_refused_not_an_empty_split(tmp_path, caplog):
   corpus = tmp_path / "books"
   corpus.mkdir()
   for name in ("one", "two", "three"):
     (corpus / name).write_text(f"{name}: " + "a line of a book\n" * 25_000)
+  caplog.set_level(logging.WARNING)
   with pytest.raises(data.DataError, match=r"3 fortunes in .*books leave no validation "
                      r"fortune.*lines holding only '%'"):
     data.load("fortunes", data_dir=str(corpus), context=32)
+  assert re.search(r"books/one has no line holding only '%': its 425005 bytes are one fortune",
+                   caplog.text)

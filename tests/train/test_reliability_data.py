@@ -172,7 +172,8 @@ def test_an_os_error_outside_the_workdir_is_not_called_a_workdir_error(tmp_path,
   with pytest.raises(workdir_lib.StorageError) as info:
     trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   assert re.fullmatch(rf"{re.escape(unreadable)} cannot be used \(.*Permission denied.*\); it "
-                      r"lies outside the workdir .*run, whose files are intact\. .*", str(info.value))
+                      r"lies outside the workdir .*run, whose files are intact\. .*",
+                      str(info.value))
 
 
 # ------------------------------------------------------------------ 3. augmentation
