@@ -25,7 +25,6 @@ import collections
 import dataclasses
 import hashlib
 import os
-import re
 
 from absl import logging
 import numpy as np
@@ -114,7 +113,6 @@ _OTHER_CONTROLS = bytes(c for c in range(32) if c not in _TEXT_CONTROLS) + b"\x7
 
 
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark that Windows editors write first
-_SEPARATOR_LINE = re.compile(rb"^%\r?$", re.MULTILINE)
 
 
 def _not_text(raw: bytes) -> str | None:
@@ -135,9 +133,10 @@ def read_fortunes(data_dir: str) -> Corpus:
   warning; directories (Debian's ``off/``) and other entries that are not files, and the ``.dat``
   indexes of ``strfile``, are skipped without one. Symbolic links are followed, and a file whose
   bytes equal an earlier one's (Debian's ``NAME.u8`` links, or a copy in which they became files)
-  is read once, under the first name in sorted order. Line ends ``\\r\\n`` and ``\\r`` become ``\\n``, and
-  a UTF-8 byte order mark is dropped. A file that is not valid UTF-8 is read as bytes with a
-  warning naming its first bad byte; a file with no ``%`` line, one fortune, with a warning.
+  is read once, under the first name in sorted order. Line ends ``\\r\\n`` and ``\\r`` become
+  ``\\n``, and a UTF-8 byte order mark is dropped. A file that is not valid UTF-8 is read as
+  bytes with a warning naming its first bad byte; a file with no ``%`` line, one fortune, with a
+  warning.
 
   Raises:
     DataError: naming the entry, for a directory or file that cannot be read, a binary file, or
@@ -163,24 +162,12 @@ def read_fortunes(data_dir: str) -> Corpus:
     if os.path.islink(path) and not os.path.exists(path):
       raise DataError(
           f"The fortune file {path} is a symbolic link to {os.readlink(path)}, which does not "
-          f"exist (or is a loop of links): remove the link, or point it at a fortune file, or "
-          f"point data_dir at a complete copy of the corpus.")
+          "exist (or is a loop of links): remove the link, or point it at a fortune file, or "
+          "point data_dir at a complete copy of the corpus.")
     if not os.path.isfile(path):
       skipped.append(name)
       continue
-    try:
-      with open(path, "rb") as f:
-        raw = f.read()
-    except OSError as e:
-      raise DataError(
-          f"The fortune file {path} cannot be read ({e}): make it readable for this user, or "
-          f"move it out of {data_dir}.") from None
-    reason = _not_text(raw)
-    if reason is not None:
-      raise DataError(
-          f"The fortune file {path} is not a text file ({reason}): a fortune file is plain text, "
-          f"its fortunes separated by lines holding only '%'. Move it out of {data_dir} (or "
-          "remove it), or point data_dir at a directory that holds only fortune files.")
+    raw = _read_text(path, data_dir)
     digest = hashlib.sha256(raw).digest()
     if digest in first_with:
       if os.path.realpath(path) != os.path.realpath(first_with[digest]):
@@ -189,18 +176,7 @@ def read_fortunes(data_dir: str) -> Corpus:
                         first_with[digest])
       continue
     first_with[digest] = path
-    try:
-      raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-      logging.warning("Fortune file %s is not UTF-8 (byte %d): it is read as bytes, and a model "
-                      "learns its encoding beside UTF-8.", path, e.start)
-    topics[name] = _fortunes_of(raw)
-    files[name] = len(raw)
-    if not topics[name]:
-      logging.warning("Fortune file %s holds no fortune.", path)
-    elif len(topics[name]) == 1 and not _SEPARATOR_LINE.search(raw):
-      logging.warning("Fortune file %s has no line holding only '%%': its %d bytes are one "
-                      "fortune, in one split.", path, len(raw))
+    topics[name], files[name] = _fortunes_of(raw, path), len(raw)
   if hidden:
     logging.warning("Skipping the hidden files of %s: %s (fortune files are not hidden).",
                     data_dir, ", ".join(hidden))
@@ -213,15 +189,45 @@ def read_fortunes(data_dir: str) -> Corpus:
   return Corpus(topics, files)
 
 
-def _fortunes_of(raw: bytes) -> list[bytes]:
-  """The fortunes of a file's bytes, each without the newlines at either end; lines holding
-  only ``%`` separate them."""
+def _read_text(path: str, data_dir: str) -> bytes:
+  """The bytes of the fortune file ``path``; a :class:`DataError` naming it if it cannot be read
+  or is not text, a warning if it is not UTF-8."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise DataError(
+        f"The fortune file {path} cannot be read ({e}): make it readable for this user, or "
+        f"move it out of {data_dir}.") from None
+  reason = _not_text(raw)
+  if reason is not None:
+    raise DataError(
+        f"The fortune file {path} is not a text file ({reason}): a fortune file is plain text, "
+        f"its fortunes separated by lines holding only '%'. Move it out of {data_dir} (or "
+        "remove it), or point data_dir at a directory that holds only fortune files.")
+  try:
+    raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    logging.warning("Fortune file %s is not UTF-8 (byte %d): it is read as bytes, and a model "
+                    "learns its encoding beside UTF-8.", path, e.start)
+  return raw
+
+
+def _fortunes_of(raw: bytes, path: str) -> list[bytes]:
+  """The fortunes of the bytes of file ``path``, each without the newlines at either end; lines
+  holding only ``%`` separate them."""
   text = raw.removeprefix(_BOM).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
   if not text.endswith(b"\n"):
     text += b"\n"
   # A file may start with a separator and ends with one (or with its last fortune).
   pieces = (b"\n" + text).split(SEPARATOR)
-  return [piece.strip(b"\n") for piece in pieces if piece.strip()]
+  fortunes = [piece.strip(b"\n") for piece in pieces if piece.strip()]
+  if not fortunes:
+    logging.warning("Fortune file %s holds no fortune.", path)
+  elif len(pieces) == 1:
+    logging.warning("Fortune file %s has no line holding only '%%': its %d bytes are one "
+                    "fortune, in one split.", path, len(raw))
+  return fortunes
 
 
 def held_out(fortune: bytes, validation_every: int) -> bool:

@@ -189,6 +189,10 @@ def test_real_corpus_is_over_a_megabyte_and_splits_one_in_ten():
   train, validation = data.load("fortunes", context=128)
   assert len(train.tokens) + len(validation.tokens) > 2_000_000
   assert 0.08 < len(validation.tokens) / (len(train.tokens) + len(validation.tokens)) < 0.12
+  corpus = text.read_fortunes(text.DEFAULT_DIR)
+  held_out = set(text.split_corpus(corpus)[1].split(text.SEPARATOR))
+  for name, fortunes in corpus.topics.items():  # every topic in both splits (pratchett has two)
+    assert held_out & set(fortunes) and set(fortunes) - held_out, name
 
 
 @pytest.fixture(scope="module")
