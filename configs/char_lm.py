@@ -12,8 +12,8 @@ Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` 
 stages (embedding, one block each, final norm + output projection), 8 stages in all.
 Recipe: AdamW (b1 0.9, b2 0.99, lr 1e-3, decoupled decay 0.01 on matrices and embeddings only),
 stated directly at one sequence per step (reference.batch_size = 1, so no scaling rule applies),
-cosine schedule with 5% warm-up over two thirds of an epoch of the training split (24,104 of its
-36,156 sequences). This is the 8-stage recipe of configs/studies/lm_depth.py.
+cosine schedule with 5% warm-up over two thirds of an epoch of the training split (23,924 of its
+35,887 sequences). This is the 8-stage recipe of configs/studies/lm_depth.py.
 The test loss is the validation split's mean next-byte cross-entropy in nats; bits per byte are
 test_loss / ln 2 (docs/lm.md).
 """
@@ -36,7 +36,7 @@ def get_config(arg: str | None = None):
   config.reference.momentum = 0.9
   config.reference.b2 = 0.99
   config.reference.weight_decay = 0.01
-  config.epochs = 2 / 3  # 24,104 sequences of 64 bytes
+  config.epochs = 2 / 3  # 23,924 sequences of 64 bytes
   config.warmup_epochs = 0.05
   # K of Nesterov AsyncPP's learning-rate correction.
   config.method_kwargs = {"nesterov_asyncpp": {"anneal_epochs": 0.25}}

@@ -57,10 +57,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       with interruption.SetupPhases() as phases:
         return _train(config, workdir, primary, phases)
     except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
-      problem = storage_error("Writing to the workdir", os.path.abspath(workdir), e)
+      problem = _storage_problem(workdir, e)
       if problem is None:
         raise
       raise problem from None
+
+
+def _storage_problem(workdir: str, error: OSError) -> StorageError | None:
+  """The one-paragraph error for an ``OSError`` of a run (no space, no permission), else None.
+
+  An error that names a file outside the workdir (a data file, a cache) says so, not that the
+  workdir cannot be written.
+  """
+  root = os.path.abspath(workdir)
+  path = error.filename
+  if isinstance(path, (str, bytes)) and not _within(os.fsdecode(path), root):
+    path = os.fsdecode(path)
+    if storage_error("", path, error) is None:
+      return None
+    return StorageError(
+        f"{path} cannot be used ({workdir_lib.first_line(error)}); it lies outside the workdir "
+        f"{root}, whose files are intact. Give this user access to it (or free space on its "
+        "disk, if that is full) and rerun the same command.")
+  return storage_error("Writing to the workdir", root, error)
+
+
+def _within(path: str, root: str) -> bool:
+  """Whether ``path`` lies in the directory ``root``, as written or with links resolved."""
+  return any(os.path.commonpath([p, r]) == r for p, r in (
+      (os.path.abspath(path), root), (os.path.realpath(path), os.path.realpath(root))))
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,

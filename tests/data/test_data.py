@@ -1,9 +1,12 @@
 """Tests of pipejax.data: readers, registry, chunk streams and their exact resume."""
 
+import builtins
 import gzip
 import json
+import logging
 import os
 import random
+import re
 import struct
 import time
 
@@ -13,6 +16,7 @@ import pytest
 from pipejax import data
 from pipejax.data import augment as augment_lib
 from pipejax.data import fashion_mnist
+from pipejax.data import text
 
 IDX_DIR = fashion_mnist.DEFAULT_DIR
 
@@ -427,3 +431,174 @@ def test_unknown_name_lists_known_ones():
                              "imagenet2012", "mnist1d", "digits", "fortunes"}
   with pytest.raises(data.DataError, match="image_size"):
     data.load("digits", image_size=28)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fortunes corpus: what its directory may hold, and a split that each fortune decides alone.
+
+
+def fortunes_dir(directory, topics=(("alpha", 2000), ("beta", 2000)), newline="\n"):
+  """A fortunes directory of over 1 MB: topic files of numbered fortunes, and their indexes."""
+  directory.mkdir()
+  for name, count in topics:
+    body = "".join(f"{name} fortune {k}:\n{'words ' * 50}\n%\n" for k in range(count))
+    (directory / name).write_bytes(body.replace("\n", newline).encode())
+    (directory / f"{name}.dat").write_bytes(b"\0" * 64)
+  return directory
+
+
+def fortunes_of(split: bytes) -> list[bytes]:
+  return [f for f in split.split(text.SEPARATOR) if f]
+
+
+def topics_of(split: bytes) -> set[bytes]:
+  return {f.split(b" ")[0] for f in fortunes_of(split)}
+
+
+@pytest.mark.parametrize("newline, bom", [("\r\n", False), ("\r", False), ("\r\n", True)])
+def test_a_corpus_with_other_line_ends_splits_as_its_unix_copy(tmp_path, newline, bom):
+  unix = text.split_fortunes(str(fortunes_dir(tmp_path / "unix")))
+  corpus = fortunes_dir(tmp_path / "other", newline=newline)
+  if bom:  # as Windows editors save UTF-8
+    for name in ("alpha", "beta"):
+      (corpus / name).write_bytes(b"\xef\xbb\xbf" + (corpus / name).read_bytes())
+  other = text.split_fortunes(str(corpus))
+  assert b"\r" not in other[0] + other[1]
+  assert other == unix
+
+
+def test_every_topic_with_two_fortunes_of_its_own_is_in_both_splits(tmp_path):
+  small = [(f"small{k:02d}", 2 + k % 3) for k in range(40)]
+  corpus = fortunes_dir(tmp_path / "f", topics=(("alpha", 2000), ("beta", 2000), *small,
+                                                ("single", 1)))
+  train, validation = text.split_fortunes(str(corpus))
+  topics = {name.encode() for name, _ in small} | {b"alpha", b"beta"}
+  assert topics <= topics_of(train) and topics <= topics_of(validation)
+  held_out, trained = fortunes_of(validation), fortunes_of(train)
+  assert len(held_out) + len(trained) == 4000 + sum(count for _, count in small) + 1
+  assert not set(held_out) & set(trained)
+  assert 0.08 < len(held_out) / (len(held_out) + len(trained)) < 0.12
+
+
+def test_the_split_of_a_fortune_is_its_text_s_hash(tmp_path):
+  train, validation = text.split_fortunes(str(fortunes_dir(tmp_path / "f")))
+  held_out, trained = fortunes_of(validation), fortunes_of(train)
+  assert all(text.held_out(f, 10) for f in held_out)  # the big topics need no help
+  assert not any(text.held_out(f, 10) for f in trained)
+  assert len(held_out) == sum(text.held_out(f"alpha fortune {k}:\n{'words ' * 50}".encode(), 10)
+                              + text.held_out(f"beta fortune {k}:\n{'words ' * 50}".encode(), 10)
+                              for k in range(2000))
+  assert text.held_out(b"pipejax", 10) == (
+      int.from_bytes(__import__("hashlib").sha256(b"pipejax").digest(), "big") % 10 == 0)
+
+
+def test_stray_files_leave_the_split_of_the_corpus_alone(tmp_path, caplog):
+  corpus = fortunes_dir(tmp_path / "f")
+  before = text.split_fortunes(str(corpus))
+  (corpus / ".DS_Store").write_bytes(b"\0\0\0\1Bud1" + bytes(range(256)))
+  (corpus / ".notes").write_text("a note, not a fortune\n%\n")
+  (corpus / "empty").write_text("")
+  caplog.set_level(logging.WARNING)
+  assert text.split_fortunes(str(corpus)) == before
+  assert ".DS_Store" in caplog.text and ".notes" in caplog.text
+  assert "empty holds no fortune" in caplog.text
+  # A topic that sorts first brings its own fortunes and moves no other fortune.
+  (corpus / "aardvark").write_text(
+      "".join(f"aardvark fortune {k}: {'more ' * 30}\n%\n" for k in range(300)))
+  train, validation = text.split_fortunes(str(corpus))
+  assert set(fortunes_of(before[1])) <= set(fortunes_of(validation))
+  assert set(fortunes_of(before[0])) <= set(fortunes_of(train))
+  assert b"aardvark" in topics_of(train) and b"aardvark" in topics_of(validation)
+
+
+def test_a_binary_file_in_the_corpus_is_refused_by_name(tmp_path):
+  corpus = fortunes_dir(tmp_path / "f")
+  (corpus / "gamma.gz").write_bytes(gzip.compress(b"gamma fortune\n%\n" * 100))
+  with pytest.raises(data.DataError, match=r"gamma\.gz is not a text file \(a NUL byte at "
+                     r"offset \d+\).*remove it"):
+    text.split_fortunes(str(corpus))
+
+
+def test_a_directory_of_hidden_files_only_says_what_it_skipped(tmp_path):
+  corpus = tmp_path / "f"
+  corpus.mkdir()
+  (corpus / ".DS_Store").write_bytes(b"\0\1")
+  (corpus / ".alpha.swp").write_text("alpha fortune\n%\n")
+  with pytest.raises(data.DataError, match=r"no fortune files in .*f, only hidden files: "
+                     r"\.DS_Store, \.alpha\.swp\): install"):
+    text.split_fortunes(str(corpus))
+
+
+def test_a_corpus_of_symbolic_links_is_read_through_them(tmp_path):
+  original = fortunes_dir(tmp_path / "original")
+  links = tmp_path / "links"
+  links.mkdir()
+  for entry in original.iterdir():
+    os.symlink(entry, links / entry.name)
+  os.symlink(original / "alpha", links / "alpha.u8")  # the same file twice: read once
+  assert text.split_fortunes(str(links)) == text.split_fortunes(str(original))
+  assert text.load_fortunes(links, context=32)[0].files == \
+      text.load_fortunes(original, context=32)[0].files == {"alpha": 644890, "beta": 642890}
+  os.symlink(tmp_path / "nowhere", links / "gamma")
+  with pytest.raises(data.DataError, match=r"gamma is a symbolic link to .*nowhere, which does "
+                     r"not exist.*remove the link"):
+    text.split_fortunes(str(links))
+
+
+def test_an_unreadable_corpus_file_is_named(tmp_path, monkeypatch):
+  corpus = fortunes_dir(tmp_path / "f")
+  locked = str(corpus / "beta")
+  if os.geteuid() == 0:  # root reads every file: an open that fails as it does for other users
+    real_open = builtins.open
+
+    def open_as_another_user(path, *args, **kwargs):
+      if os.fspath(path) == locked:
+        raise PermissionError(13, "Permission denied", locked)
+      return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_as_another_user)
+  else:
+    os.chmod(locked, 0)
+  with pytest.raises(data.DataError, match=rf"The fortune file {re.escape(locked)} cannot be "
+                     r"read \(.*Permission denied.*\): make it readable"):
+    text.split_fortunes(str(corpus))
+
+
+def test_a_corpus_directory_that_cannot_be_listed_or_is_a_file_is_named(tmp_path, monkeypatch):
+  corpus = fortunes_dir(tmp_path / "f")
+  with pytest.raises(data.DataError, match=rf"{re.escape(str(corpus / 'alpha'))} is a file, not "
+                     r"a directory"):
+    text.split_fortunes(str(corpus / "alpha"))
+  listdir = os.listdir
+
+  def listdir_as_another_user(path):
+    if os.fspath(path) == str(corpus):
+      raise PermissionError(13, "Permission denied", str(corpus))
+    return listdir(path)
+
+  monkeypatch.setattr(os, "listdir", listdir_as_another_user)
+  with pytest.raises(data.DataError, match=rf"The fortunes directory {re.escape(str(corpus))} "
+                     r"cannot be listed \(.*Permission denied.*\): make it readable"):
+    text.split_fortunes(str(corpus))
+
+
+def test_a_file_that_is_not_utf8_is_read_as_bytes_and_named(tmp_path, caplog):
+  corpus = fortunes_dir(tmp_path / "f")
+  (corpus / "latin").write_bytes("caf\u00e9 fortune: d\u00e9j\u00e0 vu\n%\n".encode("latin-1"))
+  caplog.set_level(logging.WARNING)
+  train, validation = text.split_fortunes(str(corpus))
+  assert b"caf\xe9 fortune" in train + validation
+  assert re.search(r"latin is not UTF-8 \(byte 3\)", caplog.text)
+
+
+def test_files_without_separator_lines_are_refused_not_an_empty_split(tmp_path, caplog):
+  corpus = tmp_path / "books"
+  corpus.mkdir()
+  for name in ("one", "two", "three"):
+    (corpus / name).write_text(f"{name}: " + "a line of a book\n" * 25_000)
+  caplog.set_level(logging.WARNING)
+  with pytest.raises(data.DataError, match=r"3 fortunes in .*books leave no validation "
+                     r"fortune.*lines holding only '%'"):
+    data.load("fortunes", data_dir=str(corpus), context=32)
+  assert re.search(r"books/one has no line holding only '%': its 425005 bytes are one fortune",
+                   caplog.text)

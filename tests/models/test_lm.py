@@ -113,7 +113,8 @@ def test_split_is_fixed_disjoint_and_covers_every_file(tmp_path):
   assert (train, validation) == text.split_fortunes(str(corpus))
   held_out = [f for f in validation.split(b"\n%\n") if f]
   trained = set(f for f in train.split(b"\n%\n") if f)
-  assert len(held_out) == 400 and len(trained) == 3600  # one in ten of 4000, no .dat, no link
+  assert len(held_out) + len(trained) == 4000  # no .dat, the link read once
+  assert 350 < len(held_out) < 450  # one in ten (by each fortune's hash)
   assert not trained & set(held_out)
   assert {f.split(b" ")[0] for f in held_out} == {b"alpha", b"beta"}
   source = text.TextSource(validation, 16, "v")
@@ -189,6 +190,10 @@ def test_real_corpus_is_over_a_megabyte_and_splits_one_in_ten():
   train, validation = data.load("fortunes", context=128)
   assert len(train.tokens) + len(validation.tokens) > 2_000_000
   assert 0.08 < len(validation.tokens) / (len(train.tokens) + len(validation.tokens)) < 0.12
+  corpus = text.read_fortunes(text.DEFAULT_DIR)
+  held_out = set(text.split_corpus(corpus)[1].split(text.SEPARATOR))
+  for name, fortunes in corpus.topics.items():  # every topic in both splits (pratchett has two)
+    assert held_out & set(fortunes) and set(fortunes) - held_out, name
 
 
 @pytest.fixture(scope="module")

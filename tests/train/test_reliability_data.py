@@ -129,7 +129,9 @@ def test_the_fingerprint_of_a_changed_corpus_names_its_files(tmp_path):
     f.write("one more\n%\n")
   changes = fingerprint_lib.differences(before, fingerprint_lib.fingerprint(
       *text.load_fortunes(corpus, context=32)))
-  assert len(changes) == 2  # both splits
+  # Both new fortunes train (by their hashes), so the validation split is the same.
+  assert not text.held_out(b"gamma fortune", 10) and not text.held_out(b"one more", 10)
+  assert len(changes) == 1 and changes[0].startswith("the training split")
   assert "files added: gamma" in changes[0] and "files changed in size: alpha" in changes[0]
 
 
@@ -147,8 +149,7 @@ def test_a_corpus_copy_whose_links_became_files_splits_as_the_original(tmp_path,
 
 def test_the_validation_split_shares_no_fortune_with_training(tmp_path):
   corpus = write_corpus(tmp_path / "fortunes")
-  # Another file that repeats alpha's fortunes among its own (three first, so that a copy and
-  # its original fall on different places of the one-in-ten count): the same text in two places.
+  # Another file that repeats alpha's fortunes among its own: the same text in two places.
   own = [f"delta fortune {k}: {'other ' * 40}\n%\n" for k in range(500)]
   repeated = "".join(own[:3]) + (corpus / "alpha").read_text() + "".join(own[3:])
   (corpus / "delta").write_text(repeated)
@@ -156,8 +157,23 @@ def test_the_validation_split_shares_no_fortune_with_training(tmp_path):
   held_out = [f for f in validation.split(text.SEPARATOR) if f]
   trained = set(f for f in train.split(text.SEPARATOR) if f)
   assert held_out and not trained & set(held_out)
-  # Each of alpha's fortunes is trained on, as itself or as its copy in delta: none validates.
-  assert {f.split(b" ")[0] for f in held_out} == {b"beta", b"delta"}
+  assert len(held_out) == len(set(held_out))  # a fortune of two files is held out once
+  assert {f.split(b" ")[0] for f in held_out} == {b"alpha", b"beta", b"delta"}
+
+
+def test_an_os_error_outside_the_workdir_is_not_called_a_workdir_error(tmp_path, monkeypatch):
+  unreadable = str(tmp_path / "corpus" / "beta")
+
+  def load(name, **kwargs):
+    del name, kwargs
+    raise PermissionError(13, "Permission denied", unreadable)
+
+  monkeypatch.setattr(data, "load", load)
+  with pytest.raises(workdir_lib.StorageError) as info:
+    trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
+  assert re.fullmatch(rf"{re.escape(unreadable)} cannot be used \(.*Permission denied.*\); it "
+                      r"lies outside the workdir .*run, whose files are intact\. .*",
+                      str(info.value))
 
 
 # ------------------------------------------------------------------ 3. augmentation
