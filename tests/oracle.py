@@ -160,6 +160,40 @@ class NAdam:
             for wi, d in zip(w, self.direction(g))]
 
 
+@dataclasses.dataclass
+class TorchNAdam:
+  """PyTorch's NAdam, decoupled decay: mu_k = b1 (1 - 0.96^(k psi) / 2), p_k = prod mu_i;
+  w <- w (1 - lr wd) - lr ((1 - mu_k) g / (1 - p_k) + mu_{k+1} m / (1 - p_k mu_{k+1}))
+  / (sqrt(v / (1 - b2^k)) + eps)."""
+
+  lr: float
+  b1: float
+  b2: float
+  momentum_decay: float = 0.004
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+
+  def init(self, w):
+    self.m = [np.zeros_like(x) for x in w]
+    self.v = [np.zeros_like(x) for x in w]
+    self.product, self.count = 1.0, 0
+
+  def step(self, w, g):
+    self.count += 1
+    k, b1, b2, psi = self.count, self.b1, self.b2, self.momentum_decay
+    mu, mu_next = (b1 * (1 - 0.5 * 0.96 ** (i * psi)) for i in (k, k + 1))
+    self.product *= mu
+    self.m = [b1 * m + (1 - b1) * gi for m, gi in zip(self.m, g)]
+    self.v = [b2 * v + (1 - b2) * gi * gi for v, gi in zip(self.v, g)]
+    out = []
+    for x, m, v, gi in zip(w, self.m, self.v, g):
+      denominator = np.sqrt(v / (1 - b2 ** k)) + self.eps
+      x = x * (1 - self.lr * self.weight_decay)
+      out.append(x - self.lr * ((1 - mu) / (1 - self.product) * gi
+                                + mu_next / (1 - self.product * mu_next) * m) / denominator)
+    return out
+
+
 def nesterov_moment(m, g, b1, k, delay=0):
   """Dozat's bias-corrected Nesterov moment after step k, spike-compensated ``delay`` steps:
   the moment ``delay + 1`` steps ahead if every gradient until then were ``g``."""

@@ -86,6 +86,11 @@ CASES = {
         dict(learning_rate=LR, delay=3, b1=0.99, b2=0.999, weight_decay=DECAY,
              adaptive_momentum=False, lr_correction=False),
         injected=('b1', 0.5)),
+    'nesterov_asyncpp_released_torch': Case(
+        adam_family.nesterov_asyncpp,
+        dict(learning_rate=LR, delay=3, b1=0.99, b2=0.999, weight_decay=DECAY,
+             adaptive_momentum=False, lr_correction=False, momentum_decay=0.004),
+        injected=('momentum_decay', 0.04)),
 }
 CASE_NAMES = sorted(CASES)
 
@@ -160,7 +165,7 @@ def test_keeps_dtypes(name, dtype):
   # the weights and the state the rule keeps between steps stay in the params' dtype.
   for leaf in jax.tree.leaves(params):
     assert leaf.dtype == dtype
-  kept_state = [] if name == 'nesterov_asyncpp_released' else jax.tree_util.tree_leaves_with_path(
+  kept_state = [] if name.startswith('nesterov_asyncpp') else jax.tree_util.tree_leaves_with_path(
       state.inner_state)  # optax.nadamw's own moment takes the hyperparameters' dtype
   for path, leaf in kept_state:
     if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim:
@@ -424,6 +429,21 @@ def test_nesterov_asyncpp_as_released_is_nadamw_with_a_flat_momentum():
   _assert_close(params, w, rtol=1e-5, atol=1e-6)
 
 
+def test_nesterov_asyncpp_with_torchs_nadam_matches_numpy_with_a_delay():
+  """As released: PyTorch's NAdam (momentum warm-up 0.004), b1 0.99 flat, no rate correction."""
+  opt = adam_family.nesterov_asyncpp(LR, 2, b1=0.99, b2=0.999, weight_decay=DECAY,
+                                     adaptive_momentum=False, lr_correction=False,
+                                     momentum_decay=0.004)
+  rule = oracle.TorchNAdam(LR, 0.99, 0.999, 0.004, weight_decay=DECAY)
+  ours, theirs, _ = _run_delayed(opt, rule, steps=8, delay=2)
+  for a, b in zip(ours, theirs):
+    _assert_close(a, b, rtol=1e-5, atol=1e-6)
+  # Its momentum starts near b1 / 2: the first steps differ from optax's NAdamW at b1.
+  dozat = _run_delayed(optax.nadamw(LR, b1=0.99, b2=0.999, weight_decay=DECAY),
+                       oracle.NAdam(LR, 0.99, 0.999, weight_decay=DECAY), 8, 2)[0]
+  assert not np.allclose(ours[-1][0], dozat[-1][0], rtol=1e-3)
+
+
 @pytest.mark.parametrize('adaptive_momentum, lr_correction', [(True, False), (False, True)])
 def test_nesterov_asyncpp_flags_turn_off_one_correction_each(adaptive_momentum, lr_correction):
   delay, max_delay, anneal = 4, 6, 10
@@ -532,6 +552,10 @@ BAD_INPUTS = {
         lambda: adam_family.nesterov_asyncpp(0.1, 2, anneal_steps=10, adaptive_momentum=False,
                                              lr_correction=False),
         'anneal_steps .10. only sets the rate correction'),
+    'asyncpp momentum decay': (
+        lambda: adam_family.nesterov_asyncpp(0.1, 2, b1=0.99, adaptive_momentum=False,
+                                             lr_correction=False, momentum_decay=-0.004),
+        'momentum_decay must be in'),
     'asyncpp flat b1 1': (
         lambda: adam_family.nesterov_asyncpp(0.1, 2, b1=1.0, adaptive_momentum=False,
                                              lr_correction=False), r'b1 must be in \[0, 1\)'),
