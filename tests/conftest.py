@@ -29,6 +29,7 @@ LONGEST_FIRST = (
     "analysis/test_quadratic.py",
     "profiling/test_profiling.py",
     "models/test_online_norm.py",
+    "optim/test_delayed_updates.py",
 )
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -120,6 +120,8 @@ class NAdam:
   m_hat = b1 m / (1 - b1^(k+1)) + (1 - b1) g / (1 - b1^k), v_hat = v / (1 - b2^k);
   w <- w - lr_k (m_hat / (sqrt(v_hat) + eps) + decay).
   asyncpp: b1 <- b1 + D (0.99 - b1) / (D_max + 1), lr_k = lr / max(D, 1)^(1 - min(k/K, 1)).
+  spike_compensation: Dozat's m_hat D + 1 steps ahead, a = b1^(D+1):
+  m_hat = a m / (1 - b1^(k+D+1)) + (1 - a) g / (1 - b1^(k+D)).
   """
 
   lr: float
@@ -131,6 +133,7 @@ class NAdam:
   eps: float = 1e-8
   weight_decay: float = 0.0
   decay_mask: bool = False
+  spike_compensation: bool = False
 
   def init(self, w):
     if self.anneal_steps is not None:
@@ -145,8 +148,9 @@ class NAdam:
     b1, b2, k = self.b1, self.b2, self.count
     self.mu = [b1 * m + (1 - b1) * gi for m, gi in zip(self.mu, g)]
     self.nu = [b2 * n + (1 - b2) * gi * gi for n, gi in zip(self.nu, g)]
-    return [(b1 * m / (1 - b1 ** (k + 1)) + (1 - b1) * gi / (1 - b1 ** k))
-            / (np.sqrt(n / (1 - b2 ** k)) + self.eps) for m, n, gi in zip(self.mu, self.nu, g)]
+    first = [nesterov_moment(m, gi, b1, k, self.delay if self.spike_compensation else 0)
+             for m, gi in zip(self.mu, g)]
+    return [f / (np.sqrt(n / (1 - b2 ** k)) + self.eps) for f, n in zip(first, self.nu)]
 
   def step(self, w, g):
     lr = self.lr
@@ -154,6 +158,48 @@ class NAdam:
       lr /= max(self.delay, 1) ** (1 - min((self.count + 1) / self.anneal_steps, 1.0))
     return [wi - lr * (d + decay_of(wi, self.weight_decay, self.decay_mask))
             for wi, d in zip(w, self.direction(g))]
+
+
+@dataclasses.dataclass
+class TorchNAdam:
+  """PyTorch's NAdam, decoupled decay: mu_k = b1 (1 - 0.96^(k psi) / 2), p_k = prod mu_i;
+  w <- w (1 - lr wd) - lr ((1 - mu_k) g / (1 - p_k) + mu_{k+1} m / (1 - p_k mu_{k+1}))
+  / (sqrt(v / (1 - b2^k)) + eps)."""
+
+  lr: float
+  b1: float
+  b2: float
+  momentum_decay: float = 0.004
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+
+  def init(self, w):
+    self.m = [np.zeros_like(x) for x in w]
+    self.v = [np.zeros_like(x) for x in w]
+    self.product, self.count = 1.0, 0
+
+  def step(self, w, g):
+    self.count += 1
+    k, b1, b2, psi = self.count, self.b1, self.b2, self.momentum_decay
+    mu, mu_next = (b1 * (1 - 0.5 * 0.96 ** (i * psi)) for i in (k, k + 1))
+    self.product *= mu
+    self.m = [b1 * m + (1 - b1) * gi for m, gi in zip(self.m, g)]
+    self.v = [b2 * v + (1 - b2) * gi * gi for v, gi in zip(self.v, g)]
+    out = []
+    for x, m, v, gi in zip(w, self.m, self.v, g):
+      denominator = np.sqrt(v / (1 - b2 ** k)) + self.eps
+      x = x * (1 - self.lr * self.weight_decay)
+      out.append(x - self.lr * ((1 - mu) / (1 - self.product) * gi
+                                + mu_next / (1 - self.product * mu_next) * m) / denominator)
+    return out
+
+
+def nesterov_moment(m, g, b1, k, delay=0):
+  """Dozat's bias-corrected Nesterov moment after step k, spike-compensated ``delay`` steps:
+  the moment ``delay + 1`` steps ahead if every gradient until then were ``g``."""
+  ahead = delay + 1
+  kept = b1 ** ahead
+  return kept * m / (1 - b1 ** (k + ahead)) + (1 - kept) * g / (1 - b1 ** (k + ahead - 1))
 
 
 def newton_schulz(x, steps=5, coefficients=(3.4445, -4.775, 2.0315), eps=1e-8):
@@ -172,7 +218,8 @@ def newton_schulz(x, steps=5, coefficients=(3.4445, -4.775, 2.0315), eps=1e-8):
 @dataclasses.dataclass
 class Muon:
   """Muon on matrices (Nesterov EMA momentum, Newton-Schulz, RMS matched to Adam's: the update is
-  rescaled by rms sqrt(max(rows, cols))), NAdamW on every other leaf; decoupled decay on both."""
+  rescaled by rms sqrt(max(rows, cols))), NAdamW on every other leaf; decoupled decay on both.
+  spike_compensation: both momenta compensated for ``delay`` as :func:`nesterov_moment` says."""
 
   lr: float
   beta: float
@@ -180,9 +227,13 @@ class Muon:
   weight_decay: float = 0.0
   rms: float = 0.2
   eps: float = 1e-8
+  delay: int = 0
+  spike_compensation: bool = False
 
   def init(self, w):
-    self.adam = NAdam(self.lr, self.beta, self.b2, eps=self.eps, weight_decay=self.weight_decay)
+    self.adam = NAdam(self.lr, self.beta, self.b2, delay=self.delay, eps=self.eps,
+                      weight_decay=self.weight_decay,
+                      spike_compensation=self.spike_compensation)
     self.adam.init(w)
     self.mu = [np.zeros_like(x) for x in w]
     self.count = 0
@@ -197,10 +248,39 @@ class Muon:
       if wi.ndim != 2:
         new_w.append(ai)
         continue
-      m_hat = beta * m / (1 - beta ** (k + 1)) + (1 - beta) * gi / (1 - beta ** k)
+      m_hat = nesterov_moment(m, gi, beta, k, self.delay if self.spike_compensation else 0)
       update = newton_schulz(m_hat, eps=self.eps) * self.rms * np.sqrt(max(wi.shape))
       new_w.append(wi - self.lr * (update + self.weight_decay * wi))
     return new_w
+
+
+@dataclasses.dataclass
+class ErrorFeedback:
+  """Error feedback around ``inner``: with u the inner rule's step, trend <- s trend + (1 - s) u,
+  e' = D trend, w <- w + u + e' - e; the virtual iterate is w - e."""
+
+  inner: object
+  delay: int
+  smoothing: float = 0.0
+
+  def init(self, w):
+    self.inner.init(w)
+    self.error = [np.zeros_like(x) for x in w]
+    self.trend = [np.zeros_like(x) for x in w]
+    self.count = 0
+
+  def step(self, w, g):
+    self.count += 1
+    steps = [n - x for n, x in zip(self.inner.step(w, g), w)]
+    self.trend = [self.smoothing * m + (1 - self.smoothing) * u
+                  for m, u in zip(self.trend, steps)]
+    error = [self.delay * m for m in self.trend]
+    new_w = [x + u + e - old for x, u, e, old in zip(w, steps, error, self.error)]
+    self.error = error
+    return new_w
+
+  def virtual_view(self, w):
+    return [x - e for x, e in zip(w, self.error)]
 
 
 @dataclasses.dataclass

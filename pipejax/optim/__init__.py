@@ -7,6 +7,9 @@ backward pass should use (as optax's ``schedule_free_eval_params`` does).
 
 from pipejax.optim.compensation import delay_compensation
 from pipejax.optim.delay import DelayGradientsState, delay_gradients
+from pipejax.optim.error_feedback import (DelayedErrorFeedbackState, delayed_error_feedback,
+                                          error_feedback_virtual_params)
+from pipejax.optim.muon_sc import ScaleByMuonSCState, muon_sc, scale_by_muon_sc
 from pipejax.optim.pipemare import (DEFAULT_GAMMA, PipeMareState, pipemare,
                                     pipemare_backward_params, pipemare_discrepancy,
                                     pipemare_learning_rate)
@@ -19,21 +22,27 @@ from pipejax.optim.spike import (ScaleByAdamSCState, SpikeCompensationState, ada
 __all__ = [
     'DEFAULT_GAMMA',
     'DelayGradientsState',
+    'DelayedErrorFeedbackState',
     'PipeMareState',
     'Recipe',
     'ScaleByAdamSCState',
+    'ScaleByMuonSCState',
     'SpikeCompensationState',
     'WeightPredictionState',
     'adam_sc',
     'delay_compensation',
     'delay_gradients',
+    'delayed_error_feedback',
+    'error_feedback_virtual_params',
     'linear_weight_prediction',
+    'muon_sc',
     'pipemare',
     'pipemare_backward_params',
     'pipemare_discrepancy',
     'pipemare_learning_rate',
     'predicted_params',
     'scale_by_adam_sc',
+    'scale_by_muon_sc',
     'scale_recipe',
     'sgd_sc',
     'spike_coefficients',

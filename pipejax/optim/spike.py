@@ -242,9 +242,63 @@ def _check_adam(delay: Any, b1: Any, b2: Any, eps: Any, eps_root: Any, owner: st
   _checks.check_range(eps_root, 'eps_root', owner, low=0)
 
 
+def compensated_first_moment(updates: optax.Updates, mu: optax.Updates, b1: Any, count: Any,
+                             delay: Any, nesterov: bool) -> optax.Updates:
+  r"""The bias-corrected EMA first moment, spike-compensated for gradients ``delay`` steps late.
+
+  With :math:`\mu_t` the raw moment after step :math:`t` (``count``) and :math:`g_t` the gradient:
+
+  .. math::
+
+    \text{plain:}\quad \beta^D\,\frac{\mu_t}{1 - \beta^t} + (1 - \beta^D)\,g_t, \qquad
+    \text{Nesterov:}\quad \beta^{D+1}\,\frac{\mu_t}{1 - \beta^{t+D+1}}
+    + (1 - \beta^{D+1})\,\frac{g_t}{1 - \beta^{t+D}}
+
+  At ``D = 0`` they are optax's ``mu_hat`` of ``scale_by_adam`` (and of
+  ``optax.contrib.scale_by_muon``), plain and Nesterov (Dozat's form), exactly: the Nesterov form is
+  the plain one a step ahead, so its compensation is the plain one with ``D + 1``, as for heavy-ball
+  momentum (:func:`spike_compensation`). Both keep the weights of all gradients summing to one for
+  large ``t``; the Nesterov form's bias corrections are those of Dozat's, ``D`` steps later, so that
+  its first step is bounded for any ``D`` (by ``1 + beta / (1 + beta)`` times ``g``, optax's own).
+
+  Args:
+    updates: the gradients :math:`g_t` (``None`` leaves stay ``None``).
+    mu: the raw moment :math:`\mu_t`, already updated with :math:`g_t`.
+    b1: the moment's decay :math:`\beta`.
+    count: :math:`t`, the number of updates including this one.
+    delay: :math:`D`; a Python 0 reproduces optax's arithmetic bit for bit.
+    nesterov: the Nesterov form (a Python bool).
+
+  Returns:
+    The compensated moment, a tree like ``updates``.
+  """
+  if not nesterov:
+    mu_hat = optax.tree_utils.tree_bias_correction(mu, b1, count)
+    if _checks.is_concrete_zero(delay):
+      return mu_hat
+    kept = _checks.at_least_float32(b1)**_checks.at_least_float32(delay)
+    return _checks.map_gradients(
+        lambda g, m: jnp.asarray(kept, m.dtype) * m + jnp.asarray(1 - kept, g.dtype) * g,
+        updates, mu_hat)
+  if _checks.is_concrete_zero(delay):  # The helpers and order of scale_by_adam(nesterov=True).
+    return _checks.map_gradients(
+        lambda g, m: b1 * m + (1 - b1) * g,
+        optax.tree_utils.tree_bias_correction(updates, b1, count),
+        optax.tree_utils.tree_bias_correction(mu, b1, optax.safe_increment(count)))
+  beta = _checks.at_least_float32(b1)
+  ahead = _checks.at_least_float32(delay) + 1  # Nesterov is the plain form one step ahead.
+  kept = beta**ahead
+  t = jnp.asarray(count, jnp.float32)
+  moment_scale = kept / (1 - beta**(t + ahead))
+  gradient_scale = (1 - kept) / (1 - beta**(t + ahead - 1))
+  return _checks.map_gradients(
+      lambda g, m: (jnp.asarray(moment_scale, m.dtype) * m
+                    + jnp.asarray(gradient_scale, g.dtype) * g), updates, mu)
+
+
 def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8,
-                     eps_root: Any = 0.0,
-                     mu_dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+                     eps_root: Any = 0.0, mu_dtype: Any = None,
+                     nesterov: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose first moment is spike-compensated for gradients ``delay`` steps late.
 
   Adam's first moment is the EMA form of momentum; its Spike Compensation (docs/design.md §3) is
@@ -269,8 +323,12 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8
   The second moment is not compensated: it normalises the step size, and a gradient's share of it
   does not depend on when the gradient arrives.
 
-  With ``delay=0`` it is ``optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype)`` exactly. A
-  ``None`` gradient leaf gives a ``None`` update and keeps its moments.
+  **Nesterov** (NAdam, Dozat's form as ``optax.scale_by_adam(nesterov=True)``): the first moment
+  is then :func:`compensated_first_moment`'s Nesterov form, the plain compensation ``D + 1`` steps
+  ahead.
+
+  With ``delay=0`` it is ``optax.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov)``
+  exactly. A ``None`` gradient leaf gives a ``None`` update and keeps its moments.
 
   Args:
     delay: gradient delay ``D >= 0``, a whole number.
@@ -281,6 +339,7 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8
       ``optax.scale_by_adam``: keeps the gradient of the update finite when differentiating
       through it).
     mu_dtype: dtype of the first moment (None: the params' dtype), as in ``optax.scale_by_adam``.
+    nesterov: NAdam's Nesterov first moment (a Python bool).
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`ScaleByAdamSCState`.
@@ -304,6 +363,7 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8
   """
   owner = 'scale_by_adam_sc'
   _check_adam(delay, b1, b2, eps, eps_root, owner)
+  _check_flag(nesterov, 'nesterov', owner)
   mu_dtype = _checks.canonicalize_dtype(mu_dtype, 'mu_dtype', owner)
 
   def init_fn(params):
@@ -318,13 +378,8 @@ def scale_by_adam_sc(delay: Any, b1: Any = 0.9, b2: Any = 0.999, eps: Any = 1e-8
     mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
     nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
     count = optax.safe_increment(state.count)
-    mu_hat = optax.tree_utils.tree_bias_correction(mu, b1, count)
+    mu_hat = compensated_first_moment(updates, mu, b1, count, delay, nesterov)
     nu_hat = optax.tree_utils.tree_bias_correction(nu, b2, count)
-    if not _checks.is_concrete_zero(delay):
-      kept = _checks.at_least_float32(b1)**_checks.at_least_float32(delay)
-      mu_hat = _checks.map_gradients(
-          lambda g, m: jnp.asarray(kept, m.dtype) * m + jnp.asarray(1 - kept, g.dtype) * g,
-          updates, mu_hat)
     adam_updates = _checks.map_gradients(lambda g, m, v: m / (jnp.sqrt(v + eps_root) + eps),
                                          updates, mu_hat, nu_hat)
     return adam_updates, ScaleByAdamSCState(

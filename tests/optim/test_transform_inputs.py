@@ -44,6 +44,10 @@ TRANSFORMS = {
                                                                          outermost=True),
     "adam_weight_prediction": lambda: adam_family.adam_weight_prediction(0.1, 2),
     "nesterov_asyncpp": lambda: adam_family.nesterov_asyncpp(0.1, 2, 4, 10),
+    "nesterov_asyncpp as released": lambda: adam_family.nesterov_asyncpp(
+        0.1, 2, b1=0.99, adaptive_momentum=False, lr_correction=False),
+    "delayed_error_feedback": lambda: optim.delayed_error_feedback(optax.adamw(0.1), 2),
+    "muon_sc": lambda: optim.muon_sc(0.1, 2, weight_decay=0.1, adam_weight_decay=0.1),
 }
 
 WRONG_GRADIENTS = {

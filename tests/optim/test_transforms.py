@@ -1205,13 +1205,13 @@ def test_docstring_examples_run(module_name):
   assert len(with_examples) == inspect.getsource(module).count('Example:')
 
 
-TRANSFORMATIONS = ('adam_sc', 'delay_compensation', 'delay_gradients', 'linear_weight_prediction',
-                   'pipemare', 'pipemare_discrepancy', 'scale_by_adam_sc', 'sgd_sc',
-                   'spike_compensation')
+TRANSFORMATIONS = ('adam_sc', 'delay_compensation', 'delay_gradients', 'delayed_error_feedback',
+                   'linear_weight_prediction', 'muon_sc', 'pipemare', 'pipemare_discrepancy',
+                   'scale_by_adam_sc', 'scale_by_muon_sc', 'sgd_sc', 'spike_compensation')
 
 
-@pytest.mark.parametrize('name', TRANSFORMATIONS + ('predicted_params',
-                                                     'pipemare_backward_params'))
+@pytest.mark.parametrize('name', TRANSFORMATIONS + ('predicted_params', 'pipemare_backward_params',
+                                                     'error_feedback_virtual_params'))
 def test_docstring_examples_train_a_toy_problem(name):
   # A training step as optax's own docstrings show one: init, update, apply_updates.
   examples = [e.source for t in doctest.DocTestFinder().find(getattr(optim, name), name)
