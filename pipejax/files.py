@@ -59,9 +59,11 @@ def write_json(path: str, value: Any, **dump_kwargs) -> None:
   write(path, json.dumps(value, **dump_kwargs))
 
 
-def append(path: str, data: bytes | str) -> None:
-  """Appends ``data`` (a whole line or lines) to ``path`` in one ``write``, then fsync; a write
-  cut short by a full disk is an ``OSError`` (ENOSPC) naming how much was written."""
+def append(path: str, data: bytes | str, sync: bool = True) -> None:
+  """Appends ``data`` (a whole line or lines) to ``path`` in one ``write``, then, with ``sync``,
+  puts it on disk; a write cut short by a full disk is an ``OSError`` (ENOSPC) naming how much
+  was written. A log written line by line without ``sync`` (metrics.jsonl) is put on disk by
+  :func:`sync` at its checkpoints."""
   if isinstance(data, str):
     data = data.encode()
   fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -70,9 +72,15 @@ def append(path: str, data: bytes | str) -> None:
     if written != len(data):
       raise OSError(errno.ENOSPC, f"No space left on device: wrote {written} of {len(data)} "
                     "bytes", path)
-    os.fsync(fd)
+    if sync:
+      os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def sync(path: str) -> None:
+  """Puts what was written to ``path`` on disk."""
+  _sync(path)
 
 
 def _umask() -> int:

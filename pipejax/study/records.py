@@ -51,8 +51,9 @@ def load_results(workdir: str) -> tuple[list[dict], list[str]]:
 
   A run is known by its overrides, whatever the order of their keys (``run_id``), so it has one
   record however often it was recorded. The last record of a run wins, except that a failure
-  never hides a finished, diverged or skipped record of the same run. A line that is not a record (cut short by a kill or a full disk,
-  or edited by hand) is skipped and named; its run, if it had one, is simply run again.
+  never hides a finished, diverged or skipped record of the same run. A line that is not a
+  record (cut short by a kill or a full disk, or edited by hand) is skipped and named; its run,
+  if it had one, is simply run again.
   """
   path = os.path.join(workdir, RESULTS_FILE)
   if not os.path.exists(path):

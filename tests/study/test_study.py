@@ -600,6 +600,45 @@ def test_trainers_that_share_an_accelerator_do_not_each_take_most_of_its_memory(
   assert launcher._trainer_env(4, str(tmp_path))["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
 
 
+def test_trainers_started_together_each_check_their_share_of_the_memory(tmp_path, monkeypatch):
+  """N trainers started at once each pass a check against the whole memory while their sum does
+  not fit; under a study each checks its Nth."""
+  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("PIPEJAX_TRAINERS_AT_ONCE", raising=False)
+  whole, where = config_checks._memory_available()  # pylint: disable=protected-access
+  assert where == "this machine's memory"
+  env = launcher._trainer_env(4, str(tmp_path), at_once=3)  # pylint: disable=protected-access
+  assert env["PIPEJAX_TRAINERS_AT_ONCE"] == "3"
+  monkeypatch.setenv("PIPEJAX_TRAINERS_AT_ONCE", "3")
+  share, where = config_checks._memory_available()  # pylint: disable=protected-access
+  assert share == whole // 3
+  assert where.startswith("its share of this machine's memory (1/3: the study runs 3 trainers")
+  # A study of one run at a time leaves its trainer the whole memory, whatever the environment.
+  alone = launcher._trainer_env(4, str(tmp_path), at_once=1)  # pylint: disable=protected-access
+  assert "PIPEJAX_TRAINERS_AT_ONCE" not in alone
+
+
+def test_more_trainings_at_once_than_cores_is_a_warning(tmp_path, fake_trainer, capsys,
+                                                        monkeypatch):
+  monkeypatch.setattr(launcher, "cpu_cores", lambda: 1)
+  assert launcher.parallel_warning(1) is None
+  assert run_main(tmp_path, fake_trainer("finish")) == 0  # two runs, two at a time, on one core
+  out = capsys.readouterr().out
+  assert "warning: 2 trainings at once (--parallel) on 1 CPU cores: each gets a share of a core" \
+      in out and "Give --parallel=1 or less" in out
+
+
+def test_the_eta_counts_the_last_runs_at_their_own_length():
+  # One run left, running for 10 s of the 100 s a run takes: 90 s, not a quarter of 100 s.
+  assert launcher.eta([100.0], [10.0], 0, 4) == pytest.approx(90.0)
+  # Eight queued runs, four at a time: two rounds.
+  assert launcher.eta([100.0, 100.0], [], 8, 4) == pytest.approx(200.0)
+  # Two slots, one free in 10 s, one free now; three queued: they end at 100, 110 and 200 s.
+  assert launcher.eta([100.0], [90.0], 3, 2) == pytest.approx(200.0)
+  assert launcher.eta([], [5.0], 3, 2) is None  # no run finished: nothing to go by
+  assert launcher.eta([100.0], [], 0, 2) == 0.0
+
+
 def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_trainer, capsys):
   with launcher.hold(str(tmp_path)):
     assert run_main(tmp_path, fake_trainer("fail")) == 1
@@ -668,8 +707,9 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
 @pytest.mark.chaos
 def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
-  the study, a kill of one trainer, a results line cut short; each rerun must match the
-  uninterrupted study."""
+  the study, a kill of one trainer, a results line cut short (each rerun must match the
+  uninterrupted study), and `--report_only` in a loop beside the study (which must end as the
+  uninterrupted one, with a whole report)."""
   chaos = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos.py"),
                           "--cases=study", "--study_trials=1", f"--workdir={tmp_path / 'chaos'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
@@ -677,7 +717,8 @@ def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   counts = chaos.stdout.strip().splitlines()[-1]
   assert counts.startswith("COUNTS ") and "FAIL" not in counts, chaos.stdout[-3000:]
   kinds = [entry.split(":")[0] for entry in counts[len("COUNTS "):].split(", ")]
-  assert sorted(kinds) == ["study cut line", "study kill", "study trainer kill"], counts
+  assert sorted(kinds) == ["study cut line", "study kill", "study report beside",
+                          "study trainer kill"], counts
   assert "rerun: exact" in chaos.stdout
 
 
