@@ -227,7 +227,7 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   records = study_records.read_results(str(workdir))
   assert len(records) == 9
   statuses = {r["run"]: r["status"] for r in records}
-  assert statuses["model_kwargs.depth=5,method=pb,seed=0,reference.lr=10000.0"] == "diverged"
+  assert statuses["method=pb,model_kwargs.depth=5,reference.lr=10000.0,seed=0"] == "diverged"
   point = next(r for r in records if r["status"] == "diverged")["divergence"]
   assert point["samples"] >= 0 and point["stages"] and set(point["stages"]) <= set(range(5))
   assert sum(s == "finished" for s in statuses.values()) == 8
