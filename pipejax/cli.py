@@ -14,6 +14,19 @@ from absl import app
 EXIT_USAGE = 2  # a bad command line, as the shell's own builtins and scripts/train.py use it
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning resumes
 
+# Set by scripts/study.py for its trainers: how many of them it runs at once. Each trainer's
+# memory check then counts on that share of the memory, so that together they fit.
+TRAINERS_AT_ONCE = "PIPEJAX_TRAINERS_AT_ONCE"
+
+
+def trainers_at_once() -> int:
+  """How many trainers a study runs beside this one, this one included (1 outside a study)."""
+  try:
+    return max(1, int(os.environ.get(TRAINERS_AT_ONCE, "1")))
+  except ValueError:
+    return 1
+
+
 # SIGHUP is a closed terminal or SSH session: a stop like the others, never a half-written save.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -1,12 +1,25 @@
-"""What every figure of the project shares: a display-free pyplot and an atomic save.
+"""What every figure of the project shares: a display-free pyplot, text every glyph of which is
+drawn, and an atomic save.
 
-A figure is written to a temporary file beside its destination and renamed over it, so a reader
-(or a kill mid-write) never sees half a PNG.
+A figure is written to a temporary file of its own beside its destination and renamed over it
+(``pipejax.files``), so a reader, a kill mid-write or a second writer of the same figure (a study
+and ``--report_only`` beside it) never sees or leaves half a PNG.
+
+Text a study's labels bring (``'β₁ − 0.9'``, a label in Japanese) is drawn in DejaVu Sans, which
+matplotlib ships; a character DejaVu Sans lacks is drawn in an installed font that has it, and
+where none has it, drawn as '?' and named once in the log, never as an empty box with one of
+matplotlib's warnings for each character and each figure.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import logging
+
+from pipejax import files
+
+MISSING_GLYPH = "?"
+_reported: set[str] = set()  # the characters the log has already named, once per process
 
 
 def pyplot():
@@ -17,13 +30,64 @@ def pyplot():
   return plt
 
 
-def save(fig, path: str, dpi: int = 110) -> None:
-  """Writes ``fig`` to ``path`` atomically and closes it."""
-  tmp = f"{path}.tmp{os.path.splitext(path)[1]}"
+def save(fig, path: str, dpi: int = 110, rect: tuple = (0.0, 0.0, 1.0, 1.0)) -> None:
+  """Makes every text of ``fig`` drawable (:func:`drawable_text`), lays it out within ``rect``
+  (``tight_layout``'s, in figure coordinates), writes it to ``path`` atomically and closes it.
+  The layout comes after the text is made drawable: laying out draws the text."""
   try:
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")  # so that a long axis label is not cut off
-    os.replace(tmp, path)
+    drawable_text(fig)
+    fig.tight_layout(rect=rect)
+    with files.replacing(path, suffix=".png") as tmp:
+      fig.savefig(tmp, dpi=dpi, bbox_inches="tight")  # so that a long axis label is not cut off
   finally:
     pyplot().close(fig)
-    if os.path.exists(tmp):
-      os.remove(tmp)
+
+
+def drawable_text(fig) -> None:
+  """Gives every text of ``fig`` a font for each of its characters: its own font, then an
+  installed font that has the characters it lacks; a character no installed font has becomes
+  :data:`MISSING_GLYPH`, and the log names it once per process."""
+  from matplotlib import font_manager, text as text_lib  # pylint: disable=import-outside-toplevel
+  for artist in fig.findobj(text_lib.Text):
+    content = artist.get_text()
+    if not content or content.isascii():
+      continue
+    own = font_manager.findfont(artist.get_fontproperties(), fallback_to_default=True)
+    missing = {c for c in content if not c.isspace() and ord(c) not in _charmap(own)}
+    if not missing:
+      continue
+    extra = [_font_with(c) for c in sorted(missing)]
+    drawn = {c for c, family in zip(sorted(missing), extra) if family}
+    if drawn:
+      families = list(dict.fromkeys([*artist.get_fontfamily(), *filter(None, extra)]))
+      artist.set_fontfamily(families)
+    lost = missing - drawn
+    if lost:
+      artist.set_text("".join(MISSING_GLYPH if c in lost else c for c in content))
+      new = "".join(sorted(lost - _reported))
+      if new:
+        _reported.update(new)
+        logging.warning("Figures draw %r as %r: no installed font has these characters. Install "
+                        "a font that has them (matplotlib then uses it), or give the study "
+                        "labels without them.", new, MISSING_GLYPH * len(new))
+
+
+@functools.lru_cache(maxsize=None)
+def _charmap(path: str) -> frozenset[int]:
+  """The code points the font file at ``path`` has glyphs for."""
+  from matplotlib import ft2font  # pylint: disable=import-outside-toplevel
+  try:
+    return frozenset(ft2font.FT2Font(path).get_charmap())
+  except (OSError, RuntimeError, ValueError):  # a font file matplotlib cannot read
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def _font_with(character: str) -> str | None:
+  """The family of an installed font that has ``character``, None if none has it. Matplotlib's
+  'Last Resort' font is no such font: its glyph of every character is a box naming the script."""
+  from matplotlib import font_manager  # pylint: disable=import-outside-toplevel
+  for entry in sorted(font_manager.fontManager.ttflist, key=lambda e: e.fname):
+    if not entry.name.startswith("Last Resort") and ord(character) in _charmap(entry.fname):
+      return entry.name
+  return None

@@ -37,7 +37,11 @@ two runs of the depth smoke study) is tried the same way against an uninterrupte
 * a results line cut at a random byte (a full disk's half-written record);
 
 after which one rerun of the same command must exit 0 with every run's status, test accuracy,
-test loss and samples equal to the reference's, and a results.jsonl with no damaged line.
+test loss and samples equal to the reference's, and a results.jsonl with no damaged line; and
+
+* ``--report_only`` run in a loop beside the study, from a random moment on: every report must
+  succeed, and the study must end by itself as the reference did, with a whole report.md and no
+  writer's temporary file left.
 
 Anything else is a failure; the script exits 1 if there is one. It prints one line per trial and
 the counts.

@@ -34,7 +34,9 @@ _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/de
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md, the figures and "
                                "runs/ (the trainers' workdirs) go.")
 _PARALLEL = flags.DEFINE_integer("parallel", None, "Trainings at a time; default: the number of "
-                                 "CPU cores (each training then uses one core).")
+                                 "CPU cores this process may use (each training then uses one "
+                                 "core). More is allowed, with a warning; each training's memory "
+                                 "check then counts on 1/N of the memory.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report from results.jsonl.")
 _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these overrides, e.g. "
                            "--where=model_kwargs.depth=32,method=pb|pb_sc_lwp (one of the values "
@@ -58,7 +60,7 @@ def main(argv):
     sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
-  parallel = _PARALLEL.value or os.cpu_count() or 1
+  parallel = _PARALLEL.value or launcher.cpu_cores()
   if parallel < 1:
     print(f"error: --parallel must be at least 1; got {parallel}.", file=sys.stderr)
     sys.exit(2)

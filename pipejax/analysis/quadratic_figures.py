@@ -102,7 +102,6 @@ def plot_rho_vs_lr(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHOD
   axes.flat[0].legend(loc="upper left", fontsize=8)
   fig.suptitle(f"Spectral radius ρ on ½λw², momentum m = {momentum}: shaded (ρ < 1) is stable, "
                f"heavy ball's best is ρ − 1 = √m − 1 = {math.sqrt(momentum) - 1:.3g}")
-  fig.tight_layout()
   plotting.save(fig, path, dpi=110)
   return path
 
@@ -133,7 +132,6 @@ def plot_rho_by_delay(path: str, methods: Sequence[str] = quadratic.PIPELINE_MET
     ax.set_ylabel("ρ − 1  (symlog; < 0: stable)")
   axes.flat[0].legend(loc="upper left", fontsize=8)
   fig.suptitle(f"Spectral radius per delay, momentum m = {momentum}: shaded (ρ < 1) is stable")
-  fig.tight_layout()
   plotting.save(fig, path, dpi=110)
   return path
 
@@ -177,8 +175,7 @@ def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE
   # One legend below the panels, so that no curve hides behind it.
   handles, labels = axes.flat[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-  fig.tight_layout(rect=(0.0, 0.07, 1.0, 1.0))
-  plotting.save(fig, path, dpi=110)
+  plotting.save(fig, path, dpi=110, rect=(0.0, 0.07, 1.0, 1.0))
   return path
 
 

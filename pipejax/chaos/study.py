@@ -1,4 +1,5 @@
-"""The study launcher: the study killed, one of its trainers killed, its results file cut."""
+"""The study launcher: the study killed, one of its trainers killed, its results file cut, its
+report rewritten by ``--report_only`` beside it."""
 
 import collections
 import glob
@@ -125,6 +126,44 @@ def kill_trainer(case, workdir, env, rng, seconds):
   return f"{signal.Signals(sig).name} to {who} (the study's exit {code})", code
 
 
+def report_problem(workdir):
+  """Why the study's report.md is not a whole report of its records (or a writer's temporary file
+  is left beside it), None when it is."""
+  records, _ = study_records.load_results(workdir)
+  path = os.path.join(workdir, "report.md")
+  text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  if not text.startswith("# Study") or f"\n{len(records)} of " not in text or \
+      not text.endswith("\n"):
+    return f"FAIL: report.md is not a whole report of the {len(records)} records"
+  left = [name for name in os.listdir(workdir) if ".tmp" in name]
+  return f"FAIL: temporary files left: {', '.join(left)}" if left else None
+
+
+def report_beside(case, workdir, env, rng, reference):
+  """Runs the study while ``--report_only`` rewrites its report in a loop beside it, from a random
+  moment on; returns a description and the verdict: the study must end complete and exact by
+  itself, every report of the loop must succeed, and the last report must be whole."""
+  process = subprocess.Popen(case.command(workdir), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  report = [*python("study.py"), f"--study={case.study}", f"--workdir={workdir}",
+            "--report_only"]
+  while process.poll() is None and not os.path.isdir(os.path.join(workdir, "runs")):
+    time.sleep(0.05)
+  time.sleep(rng.uniform(0.0, 2.0))
+  reports, failure = 0, None
+  while process.poll() is None and failure is None:
+    done = subprocess.run(report, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    reports += 1
+    if done.returncode != 0:
+      failure = f"FAIL: --report_only exited {done.returncode}: {done.stderr.strip()[-300:]}"
+  code = process.wait(timeout=900)
+  what = f"{reports} reports beside the study (its exit {code})"
+  verdict = failure or judge_study(workdir, code, process.stderr.read(), reference)
+  if verdict == "exact":
+    verdict = report_problem(workdir) or verdict
+  return what, verdict
+
+
 def cut_results_line(workdir, rng):
   """Cuts results.jsonl inside its last line, as a full disk leaves a record half-written."""
   path = os.path.join(workdir, study_records.RESULTS_FILE)
@@ -179,4 +218,9 @@ def study_trials(case: StudyCase, workdir, trials, rng) -> collections.Counter:
     case_dir = os.path.join(workdir, f"study-cut{trial}")
     shutil.copytree(reference_dir, case_dir)
     rerun("cut line", trial, cut_results_line(case_dir, rng), case_dir)
+
+    case_dir = os.path.join(workdir, f"study-report-beside{trial}")
+    what, verdict = report_beside(case, case_dir, env, rng, reference)
+    outcomes[f"study report beside: {'FAIL' if verdict.startswith('FAIL') else verdict}"] += 1
+    print(f"study report beside {trial}: {what}: {verdict}", flush=True)
   return outcomes

@@ -78,7 +78,6 @@ def draw_grid(grid: Grid, path: str, title: str) -> None:
   ax.set_yticks([s + 0.5 for s in range(num_stages)], [f"stage {s}" for s in range(num_stages)])
   ax.set_xlabel("tick (upper half: forward F<sample>, lower half: backward B<sample>)")
   ax.set_title(title)
-  fig.tight_layout()
   plotting.save(fig, path, dpi=120)
 
 
@@ -117,5 +116,4 @@ def draw_gantt(report: Report, path: str) -> None:
   ax.set_title(f"{report.title}: D = {num_devices}"
                + (f", m = {report.micro_batches}" if uses_m else "")
                + f", bubble rate {report.bubble_rate:.3f}, delays {report.delays}", fontsize=9)
-  fig.tight_layout()
   plotting.save(fig, path, dpi=110)

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from pipejax.study import statistics
-from pipejax.study.spec import Overrides, Study
+from pipejax.study.spec import Overrides, Study, run_id
 from pipejax.study.records import DIVERGED, FINISHED, diverged, is_number, key_of, metric_of
 
 
@@ -61,7 +61,10 @@ def gather_cells(records: Iterable[dict], metric: str = "test_accuracy",
   the same overrides except the baseline's keys (and their values). A seed whose baseline run is
   missing or diverged has no gap.
   """
-  records = [r for r in records if r["status"] in (FINISHED, DIVERGED)]
+  # One value per run, however often it is among the records (the last one counts): a run
+  # counted twice would be two seeds of one.
+  records = list({run_id(r["overrides"]): r for r in records
+                  if r["status"] in (FINISHED, DIVERGED)}.values())
   references = []
   if baseline is not None:
     references = [r for r in records if not is_diverged(r) and is_number(metric_of(r, metric))

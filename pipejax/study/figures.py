@@ -193,7 +193,6 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   ax.legend(fontsize=8, ncol=2, title="mean, 95% CI over seeds" if figure.kind != "staleness"
             else None, title_fontsize=8)
   ax.set_title(figure.title or study.name)
-  fig.tight_layout()
   plotting.save(fig, path)
   return True
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import heapq
 import os
 import re
 import shlex
@@ -169,8 +170,14 @@ def _die_with(parent: int):
   return preexec
 
 
-def _trainer_env(parallel: int, workdir: str) -> dict:
+def _trainer_env(parallel: int, workdir: str, at_once: int = 1) -> dict:
+  """The trainers' environment; ``at_once`` trainers run together, and each one's memory check
+  then counts on 1/``at_once`` of the memory, so that together they fit."""
   env = dict(os.environ)
+  if at_once > 1:
+    env[cli.TRAINERS_AT_ONCE] = str(at_once)
+  else:
+    env.pop(cli.TRAINERS_AT_ONCE, None)
   if parallel > 1:
     # Several trainings share the cores: no operation split over threads avoids oversubscription.
     # XLA's CPU runtime may still run two independent operations on two threads at once.
@@ -288,18 +295,22 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   todo.sort(key=lambda o: o.get("seed", 0))
   print(f"Study '{study.name}': {len(planned)} runs, {len(planned) - len(todo)} already done, "
         f"{len(todo)} to run, {parallel} at a time. Workdir: {workdir}", flush=True)
-  env = _trainer_env(parallel, workdir)
+  at_once = min(parallel, len(todo))
+  warning = parallel_warning(at_once)
+  if warning:
+    print(f"warning: {warning}", flush=True)
+  env = _trainer_env(parallel, workdir, at_once)
   running: dict[str, tuple] = {}  # run id -> (process, overrides, start time, log path)
   durations, failed, started_at, last_status = [], 0, time.time(), 0.0
   signalled: dict[int, int] = {}  # trainer pid -> 1 (sent SIGTERM) or 2 (sent SIGKILL)
 
   def status_line():
     finished = sum(study_records.is_done(done.get(study_lib.run_id(o)), study, o) for o in planned)
-    eta = "?"
-    if durations:
-      eta = format_duration(sum(durations) / len(durations) * (len(planned) - finished) / parallel)
+    now = time.time()
+    left = eta(durations, [now - start for _, _, start, _ in running.values()], len(todo),
+               parallel)
     return (f"[{finished}/{len(planned)} done, {len(running)} running, {failed} failed, "
-            f"ETA {eta}]")
+            f"ETA {'?' if left is None else format_duration(left)}]")
 
   def record(rid, result):
     message = study_records.append_result(workdir, result)
@@ -322,7 +333,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
             record(rid, study_records.skipped_record(study, overrides, failed_at))
             print(f"{status_line()} skipped {rid}: {done[rid]['reason']}", flush=True)
             continue
-          process, log_path = _start_trainer(study, overrides, os.path.join(workdir, "runs", rid),
+          process, log_path = _start_trainer(study, overrides, run_directory(workdir, overrides),
                                              trainer, env, lock)
           running[rid] = (process, overrides, time.time(), log_path)
           trainers_changed()
@@ -360,6 +371,61 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   result = outcome(study, workdir, where)
   _print_outcome(result, workdir)
   return result
+
+
+def eta(durations: Sequence[float], running: Sequence[float], queued: int,
+        parallel: int) -> float | None:
+  """Seconds until the study's last run ends, None before a run has finished.
+
+  Each run is taken to last the mean of the finished runs' wall times (measured while the study
+  ran ``parallel`` at a time, so they include the sharing): a running run ends then (or now, if
+  it is past it; ``running`` holds their seconds so far), and each of the ``queued`` runs starts
+  in the first of the ``parallel`` slots to come free. So the last runs of a study, which run
+  fewer than ``parallel`` at a time, are counted at their own length, not a share of it.
+  """
+  if not durations:
+    return None
+  mean = sum(durations) / len(durations)
+  slots = [max(0.0, mean - elapsed) for elapsed in running]
+  slots += [0.0] * max(0, parallel - len(slots))
+  heapq.heapify(slots)
+  for _ in range(queued):
+    heapq.heappush(slots, heapq.heappop(slots) + mean)
+  return max(slots) if running or queued else 0.0
+
+
+def cpu_cores() -> int:
+  """The CPU cores this process may run on (a container or ``taskset`` may allow fewer than the
+  machine has)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
+
+
+def parallel_warning(at_once: int) -> str | None:
+  """The warning for more trainings at once than this process has CPU cores, else None."""
+  cores = cpu_cores()
+  if at_once <= cores:
+    return None
+  return (f"{at_once} trainings at once (--parallel) on {cores} CPU cores: each gets a share "
+          f"of a core, so the study is no faster than with --parallel={cores}, and it holds "
+          f"{at_once} trainings' memory at once (each trainer checks that its run fits in 1/"
+          f"{at_once} of the memory). Give --parallel={cores} or less, unless the trainings mostly "
+          "wait on an accelerator.")
+
+
+def run_directory(workdir: str, overrides: dict) -> str:
+  """``WORKDIR/runs/RUN_ID``. A run stopped before run ids were the same whatever the order of a
+  grid's keys has its directory under its grid's order: it is renamed, so the run resumes from
+  its checkpoints."""
+  path = os.path.join(workdir, "runs", study_lib.run_id(overrides))
+  old = os.path.join(workdir, "runs", ",".join(
+      f"{k}={study_lib.format_value(v)}" for k, v in overrides.items()).replace(
+          "/", "_").replace(" ", ""))
+  if old != path and os.path.isdir(old) and not os.path.lexists(path):
+    os.rename(old, path)
+  return path
 
 
 def _start_trainer(study: study_lib.Study, overrides: dict, run_dir: str,

@@ -9,14 +9,14 @@ full disk is set aside, and a line that is not a record is skipped and named.
 from __future__ import annotations
 
 import collections
-import errno
 import json
 import math
 import os
 import re
 from typing import Any, Iterable
 
-from pipejax.study.spec import Overrides, Study, run_id
+from pipejax import files
+from pipejax.study.spec import Overrides, Study, key_of, run_id
 
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 SKIPPED = "skipped"  # not run: the same point failed at a smaller value of Study.skip_beyond_failure
@@ -49,9 +49,11 @@ def record_problem(value: Any) -> str | None:
 def load_results(workdir: str) -> tuple[list[dict], list[str]]:
   """The records of ``workdir/results.jsonl``, and a sentence for each line that is not one.
 
-  The last record of a run wins, except that a failure never hides a finished, diverged or
-  skipped record of the same run. A line that is not a record (cut short by a kill or a full disk,
-  or edited by hand) is skipped and named; its run, if it had one, is simply run again.
+  A run is known by its overrides, whatever the order of their keys (``run_id``), so it has one
+  record however often it was recorded. The last record of a run wins, except that a failure
+  never hides a finished, diverged or skipped record of the same run. A line that is not a
+  record (cut short by a kill or a full disk, or edited by hand) is skipped and named; its run,
+  if it had one, is simply run again.
   """
   path = os.path.join(workdir, RESULTS_FILE)
   if not os.path.exists(path):
@@ -74,10 +76,15 @@ def load_results(workdir: str) -> tuple[list[dict], list[str]]:
       problems.append(f"{path} line {number} is skipped: {problem}{cut} "
                       f"({raw[:80].decode(errors='replace')!r}).")
       continue
-    previous = by_run.get(record["run"])
+    # A run is known by its overrides: a record written before run ids were the same whatever
+    # the order of a grid's keys names its run in that order, and is the same run.
+    rid = run_id(record["overrides"])
+    if record["run"] != rid:
+      record = {**record, "run": rid}
+    previous = by_run.get(rid)
     if record["status"] == FAILED and previous is not None and previous["status"] in _DONE:
       continue
-    by_run[record["run"]] = record
+    by_run[rid] = record
   return list(by_run.values()), problems
 
 
@@ -109,40 +116,23 @@ def set_aside_partial_line(workdir: str) -> str | None:
   except (json.JSONDecodeError, UnicodeDecodeError):
     complete = False
   if complete:
-    _append_bytes(path, b"\n")
+    files.append(path, b"\n")
     return None
   number = 1
   while os.path.exists(f"{path}.partial-{number}"):
     number += 1
   aside = f"{path}.partial-{number}"
-  with open(aside, "wb") as f:
-    f.write(tail)
-    f.flush()
-    os.fsync(f.fileno())
+  files.write(aside, tail)
   os.truncate(path, end)
   return (f"{path} ended in a line cut short ({len(tail)} bytes without an end of line, left by a "
           f"kill or a full disk); moved it to {aside}. The run it belonged to runs again.")
-
-
-def _append_bytes(path: str, data: bytes) -> None:
-  """One ``write`` of ``data`` at the end of ``path``, then fsync: a record is all there or cut
-  at its end, never interleaved."""
-  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-  try:
-    written = os.write(fd, data)
-    if written != len(data):
-      raise OSError(errno.ENOSPC, f"No space left on device: wrote {written} of {len(data)} "
-                    "bytes", path)
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def append_result(workdir: str, record: dict) -> str | None:
   """Appends ``record`` as one line of results.jsonl; returns the message of
   :func:`set_aside_partial_line` when a cut line had to be set aside first."""
   message = set_aside_partial_line(workdir)
-  _append_bytes(os.path.join(workdir, RESULTS_FILE), (json.dumps(record) + "\n").encode())
+  files.append(os.path.join(workdir, RESULTS_FILE), json.dumps(record) + "\n")
   return message
 
 
@@ -376,6 +366,3 @@ def _jsonable(value):
   return json.loads(json.dumps(value, default=str))
 
 
-def key_of(overrides: Overrides) -> tuple:
-  """A hashable identity of a set of overrides (values as JSON text: lists are allowed)."""
-  return tuple(sorted((k, json.dumps(v)) for k, v in overrides.items()))

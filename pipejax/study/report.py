@@ -26,7 +26,9 @@ import logging
 import os
 from typing import Sequence
 
+from pipejax import files
 from pipejax.study import statistics
+from pipejax.train import workdir as workdir_lib
 from pipejax.study.spec import Overrides, Section, Study, Table
 from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered,
                                  select, without_seed)
@@ -270,18 +272,34 @@ def write_csv(records: Sequence[dict], path: str) -> None:
   keys = sorted({k for r in records for k in r["overrides"]})
   fields = ["run", *keys, "status", "test_accuracy", "test_loss", "initial_test_loss",
             "num_stages", "samples", "train_seconds", "wall_seconds", "init_digest"]
-  tmp = path + ".tmp"
-  with open(tmp, "w", newline="") as f:
-    writer = csv.writer(f)
-    writer.writerow(fields)
-    for r in records:
-      writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
-                       *(r.get(k, "") for k in fields[len(keys) + 2:])])
-  os.replace(tmp, path)
+  with files.replacing(path) as tmp:
+    with open(tmp, "w", newline="") as f:
+      writer = csv.writer(f)
+      writer.writerow(fields)
+      for r in records:
+        writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
+                         *(r.get(k, "") for k in fields[len(keys) + 2:])])
+
+
+REPORT_LOCK = ".report.lock"
 
 
 def write_report(study: Study, workdir: str, command: str = "") -> str:
-  """Writes results.csv, report.md and the figures into ``workdir``; returns the markdown."""
+  """Writes results.csv, report.md and the figures into ``workdir``; returns the markdown.
+
+  Each file is replaced atomically, and one writer at a time writes the set (it waits for
+  ``WORKDIR/.report.lock``): a study and ``--report_only`` beside it never collide, and the
+  files of one report always come from the same records.
+  """
+  lock = workdir_lib.FileLock(os.path.join(workdir, REPORT_LOCK))
+  try:
+    lock.wait()
+    return _write_report(study, workdir, command)
+  finally:
+    lock.close()
+
+
+def _write_report(study: Study, workdir: str, command: str) -> str:
   records, superseded = paired_records(read_results(workdir))
   write_csv(records, os.path.join(workdir, "results.csv"))
   planned = len(study.runs())
@@ -322,10 +340,7 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
   for section in study.sections:
     parts += ["", f"## {section.title}", "", section_body(section, records, workdir)]
   text = "\n".join(parts) + "\n"
-  tmp = os.path.join(workdir, "report.md.tmp")
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, os.path.join(workdir, "report.md"))
+  files.write(os.path.join(workdir, "report.md"), text)
   return text
 
 

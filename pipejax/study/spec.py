@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import json
 import os
 import traceback
 from collections.abc import Iterable, Mapping
@@ -197,13 +198,14 @@ class Study:
     return ", ".join(self.label(v) for v in self.baseline.values())
 
   def runs(self) -> list[Overrides]:
-    """Every run's grid overrides, in a stable order (grids in order, products in order)."""
+    """Every run's grid overrides, in a stable order (grids in order, products in order), each
+    grid point once (:func:`run_id`)."""
     seen, runs = set(), []
     for grid in self.grids:
       keys = list(grid)
       for values in itertools.product(*(grid[k] for k in keys)):
         run = dict(zip(keys, values))
-        if run_id(run) not in seen:
+        if run_id(run) not in seen:  # one point listed twice, in any order of keys, runs once
           seen.add(run_id(run))
           runs.append(run)
     return runs
@@ -322,9 +324,19 @@ def _broken_file_message(spec: str, path: str, error: Exception) -> str:
 # ----------------------------------------------------------------------------- a run's identity and flags
 
 
+def key_of(overrides: Overrides) -> tuple:
+  """The identity of a set of overrides, whatever the order of its keys: its ``(key, value as
+  JSON text)`` pairs, sorted. A tuple and the list results.jsonl gives back are one value."""
+  return tuple(sorted((k, json.dumps(v, sort_keys=True, default=str))
+                      for k, v in overrides.items()))
+
+
 def run_id(overrides: Overrides) -> str:
-  """A file-name-safe id of a run, e.g. 'method=pb,model_kwargs.depth=32,seed=0'."""
-  parts = [f"{k}={format_value(v)}" for k, v in overrides.items()]
+  """A run's identity as a file-name-safe name, e.g. 'method=pb,model_kwargs.depth=32,seed=0':
+  its overrides in the order of their keys, so that one grid point has one id whichever order a
+  grid lists its keys in. The launcher names runs, their directories and their records by it,
+  and the report counts runs by it (``pipejax.study.records.load_results``)."""
+  parts = [f"{k}={format_value(overrides[k])}" for k in sorted(overrides)]
   return ",".join(parts).replace("/", "_").replace(" ", "")
 
 

@@ -20,6 +20,8 @@ from absl import logging
 import jax
 import numpy as np
 
+from pipejax import cli
+from pipejax import files
 from pipejax.core import accounting
 from pipejax import data as data_lib
 from pipejax import config as configlib
@@ -435,9 +437,9 @@ def record_changes(config, workdir: str, meta: dict, samples: int, data: dict | 
                     "config.allow_changes_on_resume): %s.", samples, _describe_changes(recipe))
   logging.info("Resuming at %d samples with changed settings: %s.", samples,
                _describe_changes(changes))
-  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
-    f.write(json.dumps({"samples": samples, "time": time.time(),
-                        "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+  files.append(os.path.join(workdir, CHANGES_FILE), json.dumps(
+      {"samples": samples, "time": time.time(),
+       "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
 
 
 def _record_data_change(workdir: str, meta: dict, samples: int, data: dict | None) -> None:
@@ -446,8 +448,8 @@ def _record_data_change(workdir: str, meta: dict, samples: int, data: dict | Non
     return
   logging.warning("Resuming at %d samples on changed data (allowed by "
                   "config.allow_changes_on_resume): %s.", samples, "; ".join(changes))
-  with open(os.path.join(workdir, CHANGES_FILE), "a") as f:
-    f.write(json.dumps({"samples": samples, "time": time.time(), "data": changes}) + "\n")
+  files.append(os.path.join(workdir, CHANGES_FILE),
+               json.dumps({"samples": samples, "time": time.time(), "data": changes}) + "\n")
 
 
 # The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).
@@ -466,12 +468,20 @@ def chunk_bytes(setup, ticks: int) -> int:
 
 
 def _memory_available() -> tuple[int, str]:
-  """The memory a chunk and the state compete for: the first device's, or the host's on CPU."""
+  """The memory a chunk and the state compete for: the first device's, or the host's on CPU;
+  under a study that runs N trainers at once (``cli.TRAINERS_AT_ONCE``), an Nth of it, since
+  each trainer checks only its own run."""
   device = jax.local_devices()[0]
   stats = device.memory_stats() if device.platform != "cpu" else None
   if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+    total, where = int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
+  else:
+    total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+  shared = cli.trainers_at_once()
+  if shared == 1:
+    return total, where
+  return total // shared, (f"its share of {where} (1/{shared}: the study runs {shared} trainers "
+                           "at once; a lower --parallel gives each more)")
 
 
 def state_bytes(setup) -> int:

@@ -7,6 +7,7 @@ import math
 import os
 from typing import Iterable, Sequence
 
+from pipejax import files
 from pipejax import plotting
 
 METRICS_FILE = "metrics.jsonl"
@@ -61,7 +62,6 @@ class MetricsWriter:
     elif os.path.exists(self.path):
       self._rewrite([])
     self._kept = {(r.get("split"), r.get("samples")) for r in kept}
-    self._file = open(self.path, "a")
     from tensorboardX import SummaryWriter  # imported here: only the trainer needs it
     tensorboard_dir = os.path.join(workdir, "tensorboard")
     if os.path.isdir(tensorboard_dir):
@@ -74,11 +74,7 @@ class MetricsWriter:
     self._tensorboard.flush()
 
   def _rewrite(self, records):
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.path)
+    files.write(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
   def has_record(self, split: str, samples: int) -> bool:
     """Whether a ``split`` record at ``samples`` was kept from before a resume."""
@@ -88,8 +84,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     record = {"split": split, "samples": int(samples), **{k: _plain(v) for k, v in scalars.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    files.append(self.path, json.dumps(record) + "\n", sync=False)
     self._add_scalars(record)
 
   def _add_scalars(self, record: dict) -> None:
@@ -123,12 +118,15 @@ class MetricsWriter:
   def flush(self) -> None:
     """Puts every record written so far on disk (TensorBoard buffers its events)."""
     if self.enabled:
+      if os.path.exists(self.path):
+        files.sync(self.path)
       self._tensorboard.flush()
 
   def close(self) -> None:
     if not self.enabled:
       return
-    self._file.close()
+    if os.path.exists(self.path):
+      files.sync(self.path)
     self._tensorboard.close()
 
 
@@ -237,5 +235,4 @@ def plot_runs(runs: dict[str, Sequence[dict]], path: str, title: str | None = No
   axes[0][-1].legend(fontsize=8)
   if title:
     fig.suptitle(title)
-  fig.tight_layout()
   plotting.save(fig, path, dpi=110)

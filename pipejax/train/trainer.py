@@ -19,6 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from pipejax import files
 from pipejax.train import config_checks
 from pipejax import data as data_lib
 from pipejax.train import divergence
@@ -50,7 +51,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
   with workdir_lib.claim(workdir, lock=primary):
-    finished = _finished_without_checkpoints(config, workdir)
+    finished = _earlier_run_without_checkpoints(config, workdir)
     if finished is not None:
       return finished
     try:
@@ -162,8 +163,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
     checkpointer.close()
     summary = _summary(config, workdir, run, total_samples, stopped_by, test_result, init_digest)
     if primary:
-      with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+      files.write_json(os.path.join(workdir, "summary.json"), summary, indent=2)
   return summary
 
 
@@ -192,8 +192,8 @@ def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, tot
   """Writes the run's config.json and logs what it trains."""
   pipe, recipe, train_source = setup.pipeline, setup.recipe, setup.train_source
   if primary:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(config_checks.to_plain(config), f, indent=2, default=str)
+    files.write_json(os.path.join(workdir, "config.json"), config_checks.to_plain(config),
+                     indent=2, default=str)
   logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
                init_digest)
   logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
@@ -355,43 +355,70 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
   return None
 
 
-def _finished_without_checkpoints(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
-  """The summary of a run that finished in ``workdir`` and whose checkpoints were deleted since.
+def _earlier_run_without_checkpoints(config: ml_collections.ConfigDict, workdir: str
+                                     ) -> dict | None:
+  """Decides, before anything is written, over a workdir without checkpoints that holds the
+  results of an earlier run: a summary.json in whatever state (a finished run's, a stopped run's,
+  left empty by a kill or a full disk), or metrics.jsonl records of training (past the initial
+  evaluation, which any run makes again), with or without a summary.
 
-  Its results are still a finished run's: rerun with its settings, it is reported again; with
-  other settings (or settings that cannot be read back) it is refused before anything is written,
-  since a fresh start would replace its summary, metrics and curves. None when the workdir holds
-  checkpoints (the resume decides) or no finished run.
+  Rerun with the earlier run's settings, a finished run (a whole summary) is reported again, and
+  any other one trains again from the start, which writes the same records. With other settings,
+  or settings that cannot be read back, it is refused: a fresh start would truncate metrics.jsonl,
+  the record of truth, and replace config.json, the summary and the curves. None when the workdir
+  holds checkpoints (the resume decides), holds no earlier run, or the run trains again.
   """
   directory = os.path.join(workdir, "checkpoints")
   if os.path.lexists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
     return None
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = None
   try:
-    with open(os.path.join(workdir, "summary.json")) as f:
+    with open(summary_path) as f:
       summary = json.load(f)
-  except (OSError, ValueError):
+  except (OSError, ValueError):  # missing, or left empty or cut short by a kill or a full disk
+    pass
+  records = metrics_lib.read_records(workdir)
+  trained = any(isinstance(r.get("samples"), int) and r["samples"] > 0 for r in records)
+  if not (trained or os.path.exists(summary_path)):
     return None
-  if not isinstance(summary, dict) or summary.get("stopped_by") is not None or \
-      summary.get("test_accuracy") is None:
-    return None
+  config_path = os.path.join(workdir, "config.json")
   try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      trained = json.load(f)
-    changes = config_checks.recipe_changes(config, trained)
+    with open(config_path) as f:
+      changes = config_checks.recipe_changes(config, json.load(f))
   except (OSError, ValueError, AttributeError) as e:
     changes = f"its config.json cannot be read ({workdir_lib.first_line(e)})"
+  finished = (isinstance(summary, dict) and summary.get("stopped_by") is None
+              and summary.get("test_accuracy") is not None)
   if not changes:
+    if not finished:
+      logging.info("The workdir holds an earlier run of these settings without checkpoints; "
+                   "training again from the start (it writes the same records).")
+      return None
     logging.info("This run finished before (%s samples) and its checkpoints have been deleted; "
                  "reporting its summary, nothing is retrained or re-evaluated.",
                  summary.get("samples"))
     return summary
   raise ConfigError(
-      f"The workdir {os.path.abspath(workdir)} holds the results of a finished run (method "
-      f"{summary.get('method')!r}, {summary.get('samples')} samples, test accuracy "
-      f"{summary['test_accuracy']}) whose checkpoints were deleted, trained with other "
-      f"settings than this run: {changes}. Training here would overwrite its summary, metrics "
-      "and curves. Choose another --workdir for the new settings, or move that run's files "
-      "away first.")
+      f"The workdir {os.path.abspath(workdir)} holds the results of "
+      f"{_describe_earlier_run(summary, records, finished)} but no checkpoints, trained with "
+      f"other settings than this run: {changes}. Training here would overwrite "
+      "its summary, metrics and curves. Choose another --workdir for the new settings, or move "
+      "that run's files away first.")
+
+
+def _describe_earlier_run(summary, records: list[dict], finished: bool) -> str:
+  """'a finished run (method 'pb', 240 samples, test accuracy 0.9)', 'a run stopped by SIGTERM
+  (...)', or 'an earlier run (its metrics reach 160 samples; no readable summary.json)'."""
+  if isinstance(summary, dict) and (finished or summary.get("stopped_by")):
+    what = "a finished run" if finished else f"a run stopped by {summary['stopped_by']}"
+    accuracy = f", test accuracy {summary['test_accuracy']}" if finished else ""
+    return (f"{what} (method {summary.get('method')!r}, {summary.get('samples')} "
+            f"samples{accuracy})")
+  reach = max((r.get("samples", 0) for r in records if isinstance(r.get("samples"), int)),
+              default=None)
+  metrics = f"its metrics reach {reach} samples" if reach is not None else "no metrics"
+  return f"an earlier run ({metrics}; no readable summary.json)"
 
 
 def _run_facts(workdir: str) -> dict:

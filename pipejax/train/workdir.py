@@ -18,6 +18,8 @@ import fcntl
 import os
 import socket
 
+from pipejax import files
+
 LOCK_FILE = ".lock"
 
 
@@ -61,8 +63,7 @@ def check_writable(workdir: str) -> None:
   probe = os.path.join(workdir, f".write-test-{os.getpid()}")
   try:
     os.makedirs(workdir, exist_ok=True)
-    with open(probe, "w") as f:
-      f.write("pipejax")
+    files.write(probe, "pipejax")  # as the run writes: a file of its own, renamed
     os.remove(probe)
   except OSError as e:
     problem = storage_error("Preparing the workdir", os.path.abspath(workdir), e)
@@ -109,6 +110,10 @@ class FileLock:
     except BlockingIOError:
       return False
     return True
+
+  def wait(self) -> None:
+    """Takes the lock, waiting for its holder to release it."""
+    fcntl.flock(self.fd, fcntl.LOCK_EX)
 
   def holder(self) -> str:
     """What the holder wrote with :meth:`describe`."""

@@ -327,6 +327,58 @@ def test_a_study_records_a_run_with_an_empty_summary_as_failed_and_retries_it(tm
   assert [r["status"] for r in records] == [study_records.FAILED] * 2
 
 
+# ----------------------------------------------------------------------------- concurrent use
+
+REPORTED_STUDY = """
+from pipejax.study import Figure, Study, Table
+def get_study(arg):
+  return Study(name="beside", config="c.py", baseline={"method": "sgd"},
+               grids=[{"method": ("sgd", "pb"), "model_kwargs.depth": (4,), "seed": (0, 1)}],
+               tables=[Table("runs", "", "", kind="cells")],
+               figures=[Figure("f.png", x="model_kwargs.depth", series="method"),
+                        Figure("g.png", x="model_kwargs.depth", series="method", kind="gap")])
+"""
+
+# `--report_only` in a tight loop, as scripts/study.py runs it, until the stop file exists.
+REPORT_LOOP = """
+import os, sys
+from pipejax.study import launcher, spec
+study, (workdir, stop) = spec.load_study(sys.argv[1]), sys.argv[2:]
+sys.stdout = open(os.devnull, "w")  # each report's markdown
+reports = 0
+while not (reports and os.path.exists(stop)):
+  code = launcher.main(study, workdir, parallel=1, command="", report_only=True)
+  if code:
+    sys.exit(f"--report_only exited {code}")
+  reports += 1
+sys.stderr.write(f"{reports} reports")
+"""
+
+
+def test_report_only_beside_a_running_study_leaves_it_running_and_its_report_whole(
+    tmp_path, fake_trainer, capsys):
+  """A study and `--report_only` in a loop beside it, on one workdir: the study ends with every
+  run done, every report of the loop is written, and the report is the study's last, whole."""
+  study_file = _study_file(tmp_path, REPORTED_STUDY)
+  workdir, stop = tmp_path / "study", tmp_path / "stop"
+  (workdir / "runs").mkdir(parents=True)
+  loop = subprocess.Popen([sys.executable, "-c", REPORT_LOOP, study_file, str(workdir), str(stop)],
+                          stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+  deadline = time.time() + 60
+  while not (workdir / "report.md").exists():  # the loop writes reports before the study starts
+    assert time.time() < deadline and loop.poll() is None, loop.communicate()[1][-2000:]
+    time.sleep(0.05)
+  code = launcher.main(study_lib.load_study(study_file), str(workdir), parallel=2, command="",
+                       trainer=fake_trainer("finish"))
+  stop.touch()
+  err = loop.communicate(timeout=120)[1]
+  assert code == launcher.EXIT_COMPLETE, capsys.readouterr()
+  assert loop.returncode == 0 and err.endswith("reports"), err[-2000:]
+  assert "4 of 4 runs recorded: 4 finished" in (workdir / "report.md").read_text()
+  assert {"f.png", "g.png", "report.md", "results.csv"} <= set(os.listdir(workdir))
+  assert not [name for name in os.listdir(workdir) if ".tmp" in name]  # no writer's left over
+
+
 # ----------------------------------------------------------------------------- chaos, LM path
 
 

@@ -47,6 +47,51 @@ def test_grids_are_the_union_of_products_without_duplicates():
                                      "--config.epochs=2.0", "--config.model_kwargs.hidden=(64,)"]
 
 
+def test_a_grid_point_listed_twice_in_another_order_is_one_run_everywhere():
+  """One identity for a run (its run id, whatever the order of its keys): the grid runs it once,
+  results.jsonl keeps one record of it, and a cell counts it once, never as two seeds."""
+  study = Study(name="t", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)},
+                                                {"seed": (0,), "method": ("sgd", "pb")}])
+  assert study.runs() == [{"method": "sgd", "seed": 0}, {"seed": 0, "method": "pb"}]
+  assert study_lib.run_id({"seed": 0, "method": "pb"}) == "method=pb,seed=0"
+  # Records of one run written under both orders (as a workdir of an older study holds them).
+  first = record("sgd", 8, 0, 0.80)
+  again = dict(first, run="seed=0,method=sgd,model_kwargs.depth=8", test_accuracy=0.81,
+               overrides={"seed": 0, "method": "sgd", "model_kwargs.depth": 8})
+  (cell,) = study_cells.gather_cells([first, again]).values()
+  assert cell.values == [0.81] and cell.seeds == [0]
+  assert study_report.format_cell(cell) == "81.00 (1 seed)"
+
+
+def test_a_study_with_a_point_listed_twice_runs_it_once_and_reports_one_seed(tmp_path,
+                                                                              fake_trainer,
+                                                                              capsys):
+  study = Study(name="t", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)},
+                                                {"seed": (0,), "method": ("sgd",)}],
+                baseline={"method": "sgd"}, tables=[Table("acc", "", "", kind="cells")])
+  assert run_main(tmp_path, fake_trainer("finish"), study=study) == 0
+  assert "1 runs, 0 already done, 1 to run" in capsys.readouterr().out
+  assert os.listdir(tmp_path / "runs") == ["method=sgd,seed=0"]
+  # An older workdir's second record of the run, under the other order of its keys.
+  (done,) = study_records.read_results(str(tmp_path))
+  study_records.append_result(str(tmp_path), dict(done, run="seed=0,method=sgd",
+                                                  overrides={"seed": 0, "method": "sgd"}))
+  assert len(study_records.read_results(str(tmp_path))) == 1
+  assert run_main(tmp_path, fake_trainer("fail"), study=study, report_only=True) == 0
+  report = (tmp_path / "report.md").read_text()
+  assert "1 of 1 runs recorded: 1 finished" in report and "| 50.00 (1 seed) |" in report
+
+
+def test_a_run_stopped_under_its_grid_order_resumes_in_its_own_directory(tmp_path):
+  old = tmp_path / "runs" / "seed=0,method=pb"
+  old.mkdir(parents=True)
+  (old / "config.json").write_text("{}")
+  path = launcher.run_directory(str(tmp_path), {"seed": 0, "method": "pb"})
+  assert path == str(tmp_path / "runs" / "method=pb,seed=0")
+  assert os.listdir(tmp_path / "runs") == ["method=pb,seed=0"]
+  assert os.path.exists(os.path.join(path, "config.json"))
+
+
 def test_cells_average_over_seeds_and_never_average_diverged_runs():
   records = [record("pb", 8, 0, 0.80), record("pb", 8, 1, 0.84),
              record("pb", 8, 2, None, status=study_records.DIVERGED)]
@@ -182,7 +227,7 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   records = study_records.read_results(str(workdir))
   assert len(records) == 9
   statuses = {r["run"]: r["status"] for r in records}
-  assert statuses["model_kwargs.depth=5,method=pb,seed=0,reference.lr=10000.0"] == "diverged"
+  assert statuses["method=pb,model_kwargs.depth=5,reference.lr=10000.0,seed=0"] == "diverged"
   point = next(r for r in records if r["status"] == "diverged")["divergence"]
   assert point["samples"] >= 0 and point["stages"] and set(point["stages"]) <= set(range(5))
   assert sum(s == "finished" for s in statuses.values()) == 8
@@ -530,7 +575,7 @@ def test_a_trainer_stopped_by_someone_else_leaves_a_non_zero_exit_naming_the_run
 def test_a_full_or_read_only_disk_is_one_paragraph(tmp_path, fake_trainer, monkeypatch, capsys):
   def full(path, data):
     raise OSError(errno.ENOSPC, "No space left on device", path)
-  monkeypatch.setattr(study_records, "_append_bytes", full)
+  monkeypatch.setattr(study_records.files, "append", full)
   assert run_main(tmp_path, fake_trainer("finish")) == 1
   err = capsys.readouterr().err
   assert err.startswith("error: Running the study failed: the disk holding")
@@ -553,6 +598,45 @@ def test_trainers_that_share_an_accelerator_do_not_each_take_most_of_its_memory(
   assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in launcher._trainer_env(1, str(tmp_path))
   monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # the user's own choice stands
   assert launcher._trainer_env(4, str(tmp_path))["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
+def test_trainers_started_together_each_check_their_share_of_the_memory(tmp_path, monkeypatch):
+  """N trainers started at once each pass a check against the whole memory while their sum does
+  not fit; under a study each checks its Nth."""
+  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("PIPEJAX_TRAINERS_AT_ONCE", raising=False)
+  whole, where = config_checks._memory_available()  # pylint: disable=protected-access
+  assert where == "this machine's memory"
+  env = launcher._trainer_env(4, str(tmp_path), at_once=3)  # pylint: disable=protected-access
+  assert env["PIPEJAX_TRAINERS_AT_ONCE"] == "3"
+  monkeypatch.setenv("PIPEJAX_TRAINERS_AT_ONCE", "3")
+  share, where = config_checks._memory_available()  # pylint: disable=protected-access
+  assert share == whole // 3
+  assert where.startswith("its share of this machine's memory (1/3: the study runs 3 trainers")
+  # A study of one run at a time leaves its trainer the whole memory, whatever the environment.
+  alone = launcher._trainer_env(4, str(tmp_path), at_once=1)  # pylint: disable=protected-access
+  assert "PIPEJAX_TRAINERS_AT_ONCE" not in alone
+
+
+def test_more_trainings_at_once_than_cores_is_a_warning(tmp_path, fake_trainer, capsys,
+                                                        monkeypatch):
+  monkeypatch.setattr(launcher, "cpu_cores", lambda: 1)
+  assert launcher.parallel_warning(1) is None
+  assert run_main(tmp_path, fake_trainer("finish")) == 0  # two runs, two at a time, on one core
+  out = capsys.readouterr().out
+  assert "warning: 2 trainings at once (--parallel) on 1 CPU cores: each gets a share of a core" \
+      in out and "Give --parallel=1 or less" in out
+
+
+def test_the_eta_counts_the_last_runs_at_their_own_length():
+  # One run left, running for 10 s of the 100 s a run takes: 90 s, not a quarter of 100 s.
+  assert launcher.eta([100.0], [10.0], 0, 4) == pytest.approx(90.0)
+  # Eight queued runs, four at a time: two rounds.
+  assert launcher.eta([100.0, 100.0], [], 8, 4) == pytest.approx(200.0)
+  # Two slots, one free in 10 s, one free now; three queued: they end at 100, 110 and 200 s.
+  assert launcher.eta([100.0], [90.0], 3, 2) == pytest.approx(200.0)
+  assert launcher.eta([], [5.0], 3, 2) is None  # no run finished: nothing to go by
+  assert launcher.eta([100.0], [], 0, 2) == 0.0
 
 
 def test_a_second_study_on_a_workdir_is_refused_naming_the_first(tmp_path, fake_trainer, capsys):
@@ -623,8 +707,9 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
 @pytest.mark.chaos
 def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
-  the study, a kill of one trainer, a results line cut short; each rerun must match the
-  uninterrupted study."""
+  the study, a kill of one trainer, a results line cut short (each rerun must match the
+  uninterrupted study), and `--report_only` in a loop beside the study (which must end as the
+  uninterrupted one, with a whole report)."""
   chaos = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos.py"),
                           "--cases=study", "--study_trials=1", f"--workdir={tmp_path / 'chaos'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
@@ -632,7 +717,8 @@ def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
   counts = chaos.stdout.strip().splitlines()[-1]
   assert counts.startswith("COUNTS ") and "FAIL" not in counts, chaos.stdout[-3000:]
   kinds = [entry.split(":")[0] for entry in counts[len("COUNTS "):].split(", ")]
-  assert sorted(kinds) == ["study cut line", "study kill", "study trainer kill"], counts
+  assert sorted(kinds) == ["study cut line", "study kill", "study report beside",
+                          "study trainer kill"], counts
   assert "rerun: exact" in chaos.stdout
 
 
@@ -863,3 +949,64 @@ def test_a_section_that_is_not_one_is_refused_in_one_line():
     with pytest.raises(study_lib.StudyError, match=message) as error:
       dataclasses.replace(STUDY, sections=sections)
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------- reports written side by side; labels
+
+
+def test_a_report_written_while_another_is_being_written_never_collides(tmp_path, monkeypatch):
+  """A second writer (``--report_only`` beside the study) starts while the first is between
+  drawing its figure and renaming it: both finish, each with its own temporary files."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from matplotlib import figure as figure_lib  # pylint: disable=import-outside-toplevel
+  _write_records(tmp_path)
+  study = _sectioned_study()
+  real_savefig, second, errors = figure_lib.Figure.savefig, [], []
+
+  def write_beside():
+    try:
+      study_report.write_report(study, str(tmp_path))
+    except Exception as e:  # noqa: BLE001 - the test reports it below
+      errors.append(e)
+
+  def savefig_with_a_second_writer(self, *args, **kwargs):
+    real_savefig(self, *args, **kwargs)
+    if not second:  # the first writer's figure is drawn but not renamed yet
+      second.append(threading.Thread(target=write_beside))
+      second[0].start()
+      second[0].join(timeout=2)  # a second writer that waits for the first stays waiting
+
+  monkeypatch.setattr(figure_lib.Figure, "savefig", savefig_with_a_second_writer)
+  text = study_report.write_report(study, str(tmp_path))
+  second[0].join(timeout=60)
+  assert not errors and not second[0].is_alive()
+  assert (tmp_path / "report.md").read_text() == text
+  assert sorted(os.listdir(tmp_path)) == [".report.lock", "f.png", "report.md", "results.csv",
+                                          "results.jsonl"]
+
+
+def test_labels_of_any_script_draw_without_glyph_warnings(tmp_path, caplog):
+  """'β₁ − 0.9' is drawn as it is (DejaVu Sans has it); characters no installed font has are
+  drawn as '?' and named once in the log, never as empty boxes with a warning each."""
+  import warnings  # pylint: disable=import-outside-toplevel
+  from pipejax import plotting  # pylint: disable=import-outside-toplevel
+  _write_records(tmp_path)
+  study = dataclasses.replace(_sectioned_study(), labels={"pb": "β₁ − 0.9", "sgd": "学習率"})
+  drawn = []
+  real_save = plotting.save
+
+  def save_and_keep(fig, path, **kwargs):
+    real_save(fig, path, **kwargs)
+    drawn.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+
+  with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+    warnings.simplefilter("always")
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(study_figures.plotting, "save", save_and_keep)
+      for _ in range(2):
+        study_report.write_report(study, str(tmp_path))
+  assert [str(w.message) for w in caught] == []
+  cjk = all(plotting._font_with(c) for c in "学習率")  # pylint: disable=protected-access
+  assert drawn[:2] == ["学習率" if cjk else "???", "β₁ − 0.9"]
+  named = [r for r in caplog.records if "no installed font has" in r.getMessage()]
+  assert len(named) == (0 if cjk else 1)

@@ -221,6 +221,53 @@ def test_other_settings_over_a_finished_run_without_checkpoints_are_refused(fini
   assert snapshot(workdir) == before
 
 
+def _empty_summary(workdir):
+  open(os.path.join(workdir, "summary.json"), "w").close()  # what a kill mid-write left
+
+
+def _no_summary(workdir):
+  os.remove(os.path.join(workdir, "summary.json"))
+
+
+def _stopped_summary(workdir):  # a run stopped by SIGTERM (exit 75) at 160 samples
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  summary.update(stopped_by="SIGTERM", samples=160, test_accuracy=None, test_loss=None)
+  json.dump(summary, open(os.path.join(workdir, "summary.json"), "w"))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_empty_summary, r"an earlier run \(its metrics reach 240 samples; no readable summary"),
+    (_no_summary, r"an earlier run \(its metrics reach 240 samples; no readable summary"),
+    (_stopped_summary, r"a run stopped by SIGTERM \(method 'pb_sc_lwp', 160 samples\)")],
+    ids=["summary left empty", "summary missing", "stopped run"])
+def test_other_settings_over_any_earlier_run_without_checkpoints_are_refused(finished, tmp_path,
+                                                                             damage, named):
+  """Not only a whole summary of a finished run: metrics.jsonl, the record of truth, is never
+  truncated by a run of other settings."""
+  workdir = copy_of(finished, tmp_path)
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  damage(workdir)
+  before = snapshot(workdir)
+  with pytest.raises(config_checks.ConfigError,
+                     match=f"holds the results of {named}.* but no checkpoints.*seed 0 -> 1.*"
+                     "overwrite its summary, metrics and curves"):
+    trainer.train_and_evaluate(digits_config(seed=1), workdir)
+  assert snapshot(workdir) == before
+
+
+@pytest.mark.slow  # trains the run again (about 30 s on 2 cores)
+def test_its_own_settings_over_an_earlier_run_without_checkpoints_train_it_again(finished,
+                                                                                tmp_path):
+  workdir = copy_of(finished, tmp_path)
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  _empty_summary(workdir)
+  metrics = open(os.path.join(workdir, "metrics.jsonl")).read()
+  summary = trainer.train_and_evaluate(digits_config(), workdir)
+  assert summary["test_accuracy"] == finished[1]["test_accuracy"]
+  assert summary["init_digest"] == finished[1]["init_digest"]
+  assert open(os.path.join(workdir, "metrics.jsonl")).read().count("\n") == metrics.count("\n")
+
+
 # ------------------------------------------------------------------ 5. a pipeline never filled
 
 def test_a_run_too_short_to_fill_its_pipeline_is_refused_before_training(tmp_path):
