@@ -7,7 +7,8 @@ best synchronous baseline, and why the paper's compensation fails where it does.
 
 The network is configs/studies/lm_depth.py's 32-stage transformer (30 blocks of width 64, 4
 heads, one block per stage, delays up to 62), on the same data and schedule: micro-batch 1,
-24,104 sequences of 64 bytes, AdamW with the decay mask and decay 0.01, cosine with warm-up.
+23,924 sequences of 64 bytes (two thirds of an epoch), AdamW with the decay mask and decay
+0.01, cosine with warm-up.
 Validation loss is reported in bits per byte.
 
 The study runs in phases, each a ``--where`` part of the grid chosen from the records of the one
