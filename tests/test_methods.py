@@ -64,7 +64,16 @@ ORACLES.update({
     "nesterov_asyncpp": oracle.OracleMethod(
         lambda d: oracle.NAdam(ADAM_LR, B1, B2, d, MAX_DELAY, ANNEAL), backward="stashed"),
     "pb_muon": oracle.OracleMethod(lambda d: oracle.Muon(ADAM_LR, B1, B2)),
+    "muon": oracle.OracleMethod(lambda d: oracle.Accumulate(oracle.Muon(ADAM_LR, B1, B2), 1)),
+    "pb_muon_sc_lwp": oracle.OracleMethod(
+        lambda d: oracle.Muon(ADAM_LR, B1, B2, delay=d, spike_compensation=True),
+        forward="predicted_update"),
+    "nesterov_asyncpp_released": oracle.OracleMethod(
+        lambda d: oracle.TorchNAdam(ADAM_LR, B1, B2, 0.004), backward="stashed"),
 })
+# On momentum SGD, error feedback around the heavy ball.
+ORACLES["pb_error_feedback"] = oracle.OracleMethod(
+    lambda d: oracle.ErrorFeedback(oracle.Momentum(LR, M), d))
 
 
 def taking(name, **kwargs):
