@@ -1,0 +1,75 @@
+r"""MLP regime study: does a momentum memory long against the delay restore PB + SC + LWP's parity
+with SGD at 128 and 256 stages?
+
+    python scripts/study.py --study=configs/studies/mlp_regime.py --workdir=docs/studies/mlp_regime \
+        --parallel=2
+    python scripts/study.py --study=configs/studies/mlp_regime.py:smoke --workdir=/tmp/mlp_smoke
+
+The depth study (configs/studies/depth.py) trains configs/deep_mlp.py's residual MLP from the
+batch-128 recipe converted to micro-batch 1 (momentum 0.9^(1/128) = 0.99918): PB + SC + LWP held
+level with SGD up to 64 stages, where the longest delay times the momentum's decay,
+D_max·(1 − m), is at most 0.10, and fell behind at 128 (0.21) and 256 stages (0.42). Here the
+same network and epoch start from reference batches B = 512 and 2048 with the paper's scaling rule
+(``reference.batch_size`` = B: m₁ = 0.9^(1/B), the rate η₁ = η_B (1/B)(1 − m₁)/(1 − 0.9), the decay
+unchanged), with η_B = 0.1·B/128 (0.4 and 1.6), so that the per-sample step η₁/(1 − m₁) is the
+batch-128 recipe's and only the momentum's memory grows: D_max·(1 − m₁) is 0.052 and 0.013 at 128
+stages, 0.105 and 0.026 at 256.
+
+Grid: 128 and 256 stages × B ∈ {512, 2048} × SGD, PB and PB + SC + LWP × 3 seeds (36 runs), and
+SGD tuned at each depth and B at half and twice the rate, seed 0 (8 runs). The baseline of every
+gap is SGD at the same depth, B, rate and seed; the 'tuned' tables set PB + SC + LWP at the
+recipe's rate against SGD at its best of the three.
+
+Cost: the depth study's 128- and 256-stage runs took 359 to 3,007 s each on this 2-core CPU, two
+trainers at a time (its results.jsonl, ``wall_seconds``): the 44 runs take about 6 to 9 hours
+there with ``--parallel=2``.
+
+``:smoke`` runs 4-stage networks on 500 samples from B = 512, SGD and PB, one seed (CI).
+"""
+
+from pipejax.study import Study, Table
+
+DEPTHS = (128, 256)
+BATCHES = (512, 2048)
+METHODS = ("sgd", "pb", "pb_sc_lwp")
+SEEDS = (0, 1, 2)
+RECIPE_LR = 0.1  # the batch-128 recipe's rate (configs/deep_mlp.py)
+
+
+def rate_at(batch: int) -> float:
+  """η_B = 0.1·B/128: the rate that keeps the batch-128 recipe's per-sample step at batch B."""
+  return RECIPE_LR * batch / 128
+
+
+def get_study(arg: str | None = None) -> Study:
+  if arg == "smoke":
+    return Study(
+        name="mlp regime (smoke)", config="configs/deep_mlp.py:smoke",
+        grids=[{"model_kwargs.depth": (4,), "reference.batch_size": (512,),
+                "reference.lr": (rate_at(512),), "method": ("sgd", "pb"), "seed": (0,)}],
+        fixed={"max_train_examples": 500, "eval_every_samples": 100000, "plot_curves": False},
+        baseline={"method": "sgd"}, margin=0.005,
+        tables=[Table("Gap to SGD (points)", rows="reference.batch_size", columns="method",
+                      kind="gap")])
+  if arg:
+    raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
+  grids = [{"model_kwargs.depth": (depth,), "reference.batch_size": (batch,),
+            "reference.lr": (rate_at(batch),), "method": METHODS, "seed": SEEDS}
+           for depth in DEPTHS for batch in BATCHES]
+  grids += [{"model_kwargs.depth": (depth,), "reference.batch_size": (batch,),
+             "reference.lr": (rate_at(batch) / 2, rate_at(batch) * 2), "method": ("sgd",),
+             "seed": (0,)} for depth in DEPTHS for batch in BATCHES]
+  return Study(
+      name="mlp regime", config="configs/deep_mlp.py", grids=grids,
+      baseline={"method": "sgd"}, margin=0.005,
+      labels={"reference.batch_size": "reference batch B"},
+      tables=[Table(f"Test accuracy (%) at {depth} stages", rows="reference.batch_size",
+                    columns="method", where=(("model_kwargs.depth", depth),))
+              for depth in DEPTHS] +
+             [Table(f"Gap to SGD at {depth} stages, paired by seed (points)",
+                    rows="reference.batch_size", columns="method", kind="gap",
+                    where=(("model_kwargs.depth", depth),)) for depth in DEPTHS] +
+             [Table(f"SGD tuned over the rate at {depth} stages, B = {batch} (points)",
+                    rows="reference.lr", columns="method", kind="tuned",
+                    where=(("model_kwargs.depth", depth), ("reference.batch_size", batch)))
+              for depth in DEPTHS for batch in BATCHES])
