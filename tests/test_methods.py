@@ -469,6 +469,13 @@ def test_each_preset_is_one_module_holding_its_record(name):
   assert record.display_name == methods.DISPLAY_NAMES[name]
 
 
+def test_the_builders_keep_their_names_beside_the_preset_modules():
+  assert methods.pb is pipejax.methods.method.pb and callable(methods.pb)
+  assert methods.pipedream.__module__ == "pipejax.methods.method"
+  assert methods.sync.__module__ == "pipejax.methods.method"
+  assert methods.pb(optax.sgd(0.1)).name == "pb"
+
+
 def test_the_name_test_catches_a_tuple_and_a_set_of_method_names():
   tree = ast.parse("A = ('pb', 'pb_sc')\nB = {'sgd', 'pipedream'}\nC = ('pb', 'x')\n")
   assert [line for line, _, _ in _names_compared(tree)] == [1, 2]

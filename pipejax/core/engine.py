@@ -325,7 +325,7 @@ class Pipeline(ScanRunner):
     delay.
 
     Traced once per stage and kept: :attr:`state_spec` and the stacked layout's initialization
-    (``pipejax.parallel.stacks``) both read it, and at hundreds of stages the trace is most of
+    (``pipejax.parallel.stacking``) both read it, and at hundreds of stages the trace is most of
     what building a pipeline costs.
     """
     if s not in self._init_traces:

@@ -266,7 +266,7 @@ class Model:
   def trace(self, rng: jax.Array, x: PyTree) -> ModelTrace:
     """:meth:`trace_shapes`, with each stage's ``initial`` and ``forward`` as programs.
 
-    A deep pipeline is built from these: ``pipejax.parallel.stacks`` compares the forwards to
+    A deep pipeline is built from these: ``pipejax.parallel.stacking`` compares the forwards to
     find identical stages, and the engine initializes each stage by running its ``initial``
     program, so that building traces each stage's initialization and forward once.
 

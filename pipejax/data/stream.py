@@ -18,8 +18,8 @@ position is therefore the whole state: two ints, saved in the checkpoint by
 used before or after.
 
 Several processes (hosts) split one stream without talking to each other: every process keeps the
-same stream, advances it by the whole chunk, and reads only the *slots* of each micro-batch its own
-devices consume (``next_chunk(ticks, slots=...)``). Slot ``j`` of tick ``t`` of a chunk starting at
+same stream, advances it by the whole chunk, and reads only the *rows* of each micro-batch its own
+devices consume (``next_chunk(ticks, rows=...)``). Row ``j`` of tick ``t`` of a chunk starting at
 position ``p`` is the example at position ``p + t * b + j``, whichever process reads it. The
 micro-batches are therefore the same for any number of processes, and the saved position (the
 global one, equal on every process) resumes on any other number.
@@ -165,27 +165,27 @@ class DataStream:
         self._index_in_epoch = 0
     return np.concatenate(epochs), np.concatenate(positions), np.concatenate(indices)
 
-  def next_chunk(self, num_ticks: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
+  def next_chunk(self, num_ticks: int, rows=None) -> tuple[np.ndarray, np.ndarray]:
     """The next ``num_ticks`` micro-batches, crossing epoch boundaries seamlessly.
 
     Args:
       num_ticks: micro-batches to hand out (the stream advances by ``num_ticks * batch_size``).
-      slots: the places in each micro-batch to read (sorted, in ``[0, batch_size)``), for a
-        process that feeds only part of every micro-batch; default all of them. The other slots'
+      rows: the rows of each micro-batch to read (sorted, in ``[0, batch_size)``), for a
+        process that feeds only part of every micro-batch; default all of them. The other rows'
         examples are skipped, not loaded.
 
     Returns:
-      ``inputs`` of shape ``(num_ticks, len(slots), *example_shape)``, normalised float32, and
-      ``labels`` of shape ``(num_ticks, len(slots), *label_shape)``, int32 (``len(slots)`` is
+      ``inputs`` of shape ``(num_ticks, len(rows), *example_shape)``, normalised float32, and
+      ``labels`` of shape ``(num_ticks, len(rows), *label_shape)``, int32 (``len(rows)`` is
       ``batch_size`` by default; ``label_shape`` is the source's, ``()`` for classes).
     """
     if num_ticks < 1:
       raise DataError(f"num_ticks must be at least 1, got {num_ticks}.")
-    chosen = np.arange(self.batch_size) if slots is None else np.asarray(slots, np.int64)
+    chosen = np.arange(self.batch_size) if rows is None else np.asarray(rows, np.int64)
     if chosen.ndim != 1 or not len(chosen) or np.any(np.diff(chosen) <= 0) or \
         chosen[0] < 0 or chosen[-1] >= self.batch_size:
-      raise DataError(f"slots must be increasing places in a micro-batch of {self.batch_size}, "
-                      f"i.e. in [0, {self.batch_size}); got {slots!r}.")
+      raise DataError(f"rows must be increasing rows of a micro-batch of {self.batch_size}, "
+                      f"i.e. in [0, {self.batch_size}); got {rows!r}.")
     epochs, positions, indices = (a.reshape(num_ticks, self.batch_size)[:, chosen].reshape(-1)
                                   for a in self._advance(num_ticks * self.batch_size))
     if self.augment is None:

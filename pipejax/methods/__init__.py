@@ -36,6 +36,9 @@ def _find_records() -> dict[str, Record]:
 
 
 RECORDS: dict[str, Record] = _find_records()
+# Importing the preset modules bound their names (``pb``, ``pipedream``, ``sync``) on this package:
+# the names stay the builders of :mod:`pipejax.methods.method`, as documented.
+from pipejax.methods.method import pb, pipedream, sync  # pylint: disable=wrong-import-position,g-import-not-at-top
 METHODS = tuple(RECORDS)
 RECOMMENDED = next(name for name, record in RECORDS.items() if record.traits.recommended)
 # How reports and figures name the presets.

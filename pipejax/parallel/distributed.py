@@ -380,8 +380,8 @@ class HostFeed:
 
   A micro-batch enters the pipeline only at the device on stage-axis position 0 of each data
   replica (the devices further along receive activations, and the labels travel with them).
-  Replica ``r`` takes slots ``[r * b / data, (r + 1) * b / data)`` of every micro-batch of ``b``.
-  This process therefore reads exactly the slots of the replicas whose first stage it holds, and
+  Replica ``r`` takes rows ``[r * b / data, (r + 1) * b / data)`` of every micro-batch of ``b``.
+  This process therefore reads exactly the rows of the replicas whose first stage it holds, and
   nothing on a process that holds no first stage (a stage-only mesh across hosts reads on the
   process of stage 0 alone). The other devices receive zeros, which they never read.
 
@@ -397,8 +397,8 @@ class HostFeed:
     first_stage = _stage_axis_devices(self.mesh, 0)
     me = jax.process_index()
     self.replicas = [r for r, device in enumerate(first_stage) if device.process_index == me]
-    # Slots of each replica this process reads, in the order of next_chunk's columns.
-    self.slots = [s for r in self.replicas for s in range(r * per_replica, (r + 1) * per_replica)]
+    # Rows of each replica this process reads, in the order of next_chunk's columns.
+    self.rows = [s for r in self.replicas for s in range(r * per_replica, (r + 1) * per_replica)]
     self._replica_of = {device: r for r, device in enumerate(first_stage)}
     self._per_replica = per_replica
 
@@ -406,12 +406,12 @@ class HostFeed:
     """``(inputs, labels, valid)`` of the next ``num_ticks`` micro-batches, laid out on the mesh.
 
     Every process must call it with its own copy of the same stream (same seed and position); each
-    reads only :attr:`slots`, but all advance by whole micro-batches. The method's schedule
+    reads only :attr:`rows`, but all advance by whole micro-batches. The method's schedule
     (``Runner.to_ticks``) is applied, so the arrays are ready for ``ShardedPipeline.run``.
     """
     pipe = self.sharded.pipeline
-    if self.slots:
-      x, y = stream.next_chunk(num_ticks, self.slots)
+    if self.rows:
+      x, y = stream.next_chunk(num_ticks, self.rows)
     else:  # this process holds no first stage: skip the chunk without loading it
       stream.skip(num_ticks)
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
@@ -423,7 +423,7 @@ class HostFeed:
                                          lambda index: valid[index]))
 
   def _global(self, local: np.ndarray) -> jax.Array:
-    """The ``(ticks, b, ...)`` global array of which this process holds the columns :attr:`slots`."""
+    """The ``(ticks, b, ...)`` global array of which this process holds the columns :attr:`rows`."""
     ticks, b = local.shape[0], self.sharded.pipeline.micro_batch_size
     shape = (ticks, b) + local.shape[2:]
     by_replica = NamedSharding(self.mesh, P(None, DATA))
@@ -455,9 +455,9 @@ def trainer_parts(sharded) -> tuple[HostFeed, Any]:
         f"--config.mesh.stage and --config.mesh.data so that stage * data = {jax.device_count()}, "
         "the devices of all processes together.")
   feed = HostFeed(sharded)
-  logging.info("Process %d of %d loads slots %s of every micro-batch of %d (the first stage of "
+  logging.info("Process %d of %d loads rows %s of every micro-batch of %d (the first stage of "
                "data replica(s) %s is on its devices).", jax.process_index(), jax.process_count(),
-               feed.slots, sharded.pipeline.micro_batch_size, feed.replicas)
+               feed.rows, sharded.pipeline.micro_batch_size, feed.replicas)
   return feed, functools.partial(checkpoint_shardings, sharded)
 
 

@@ -98,7 +98,7 @@ def _placement(spec_tree, role_tree, data: int, base: dict,
   """Assigns each leaf of ``spec_tree`` a buffer and an offset in it.
 
   With ``slot_prefix`` None ("flat"), leaves follow one another in one buffer per (family, dtype),
-  starting at ``base[key]``. Otherwise ("slots") each leaf gets a buffer of its own at offset 0:
+  starting at ``base[key]``. Otherwise ("per_leaf") each leaf gets a buffer of its own at offset 0:
   the i-th largest leaf of each (family, dtype) goes to buffer ``f"{slot_prefix}{i}"``, so across
   puts large leaves in buffers with large ones and the padding stays small. Delay lines go to
   buffers of their own, ``f"ring{i}"``, so that a mesh tick can write the one slot it changes
@@ -224,7 +224,7 @@ class PackedState(NamedTuple):
 
   ``shared[name]`` has global shape ``(stage, n)`` (sharded over ``stage``, replicated over
   ``data``); ``local[name]`` has global shape ``(data, stage, n)``. Names are the dtype
-  (``'float32'``) in the flat packing, dtype and slot (``'float32/body3'``) in the slots packing.
+  (``'float32'``) in the flat packing, dtype and slot (``'float32/body3'``) in the per-leaf packing.
   ``tick`` and ``rng`` are replicated. Use :meth:`ShardedPipeline.to_logical` for the logical state.
   """
 
@@ -249,14 +249,14 @@ class Packing:
   abstract_state: PipelineState  # ShapeDtypeStructs of the logical state
   partition: tuple[tuple[int, int], ...]
   num_replicas: int
-  policy: str  # "slots" (a buffer per leaf) or "flat" (a buffer per dtype)
+  policy: str  # "per_leaf" (a buffer per leaf) or "flat" (a buffer per dtype)
   body_placements: tuple[_Placement, ...]
   packet_placements: tuple[_Placement, ...]
   cotangent_placements: tuple[_Placement, ...]
   packet_region: dict[BufferKey, tuple[int, int]]
   cotangent_region: dict[BufferKey, tuple[int, int]]
   buffer_sizes: dict[BufferKey, int]
-  # Delay-line buffers (slots policy) and the width of the window a tick writes into each: the
+  # Delay-line buffers (per-leaf policy) and the width of the window a tick writes into each: the
   # largest slot any shard keeps there. A shard with smaller slots rewrites the elements after
   # its slot as they were; the buffer is padded so that a window never runs past its end.
   ring_widths: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
@@ -264,7 +264,7 @@ class Packing:
   @classmethod
   def plan(cls, abstract_state: PipelineState, partition: Sequence[tuple[int, int]],
            num_replicas: int, policy: str = "auto") -> Packing:
-    """The packing of ``policy``: ``'slots'``, ``'flat'`` or ``'auto'`` (slots unless their
+    """The packing of ``policy``: ``'per_leaf'``, ``'flat'`` or ``'auto'`` (per-leaf unless their
     padding costs over 25% more memory than flat's)."""
     shards = [abstract_state.stages[a:z] for a, z in partition]
     parts = [split_shard(g) for g in shards]
@@ -306,8 +306,8 @@ class Packing:
     # Buffers of their own let XLA update weights and delay lines in place (one flat buffer per
     # dtype makes it copy the whole buffer every tick), but pair leaves of different sizes across
     # shards; fall back to flat when that padding would cost over a quarter more memory.
-    slots, flat = plan_of("slots"), plan_of("flat")
-    return flat if slots.allocated_bytes() > 1.25 * flat.allocated_bytes() else slots
+    per_leaf, flat = plan_of("per_leaf"), plan_of("flat")
+    return flat if per_leaf.allocated_bytes() > 1.25 * flat.allocated_bytes() else per_leaf
 
   @staticmethod
   def region_bytes(sizes: dict[BufferKey, int | tuple[int, int]]) -> int:

@@ -66,7 +66,7 @@ class ShardedPipeline(Runner):
       Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
     costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
       :func:`pipejax.parallel.partition.measure_stage_costs`).
-    packing_policy: how a shard's state is packed: ``'slots'`` (each state leaf in a buffer of its
+    packing_policy: how a shard's state is packed: ``'per_leaf'`` (each state leaf in a buffer of its
       own, padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
       buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
       Results are identical; slots are faster because XLA updates them in place.
@@ -78,15 +78,15 @@ class ShardedPipeline(Runner):
 
   def __init__(self, pipeline: Pipeline, mesh: Mesh, partition=None, costs=None,
                packing_policy: str = "auto"):
-    if packing_policy not in ("auto", "flat", "slots"):
-      raise MeshError("packing_policy must be 'auto', 'flat' or 'slots'; got "
+    if packing_policy not in ("auto", "flat", "per_leaf"):
+      raise MeshError("packing_policy must be 'auto', 'flat' or 'per_leaf'; got "
                       f"{packing_policy!r}.")
     runner = pipeline
     # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
-    pipeline, self.runs = stacking.pipeline_and_runs(runner)
+    pipeline, self.part_spans = stacking.pipeline_and_spans(runner)
     # Where stages are stacked, the initial state is made stacked: that program does not grow
     # with depth, and it makes the per-stage init's bits.
-    self._stacked = runner if self.runs is not None else None
+    self._stacked = runner if self.part_spans is not None else None
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_shards = self.mesh.shape[STAGE]
@@ -249,9 +249,9 @@ class ShardedPipeline(Runner):
     carry_shapes = self.packing.carry_shapes()
     buffers = {k: v.reshape(carry_shapes.get(k, v.shape[-1:])) for k, v in buffers.items()}
     rings = {k: buffers.pop(k) for k in self.packing.ring_widths}
-    branches = [functools.partial(self._advance_group, d, every_slot_full=every_slot_full)
+    branches = [functools.partial(self._advance_shard, d, every_slot_full=every_slot_full)
                 for d in range(self.num_shards)]
-    group_index = jax.lax.axis_index(STAGE)
+    shard_index = jax.lax.axis_index(STAGE)
 
     def one_tick(buffers, rings, tick, tick_batch):
       """The state after one tick (a new set of buffers, the delay lines written in place), and
@@ -261,7 +261,7 @@ class ShardedPipeline(Runner):
       if self.num_shards == 1:
         buffers, windows, finite, last = branches[0](*operands)
       else:
-        buffers, windows, finite, last = jax.lax.switch(group_index, branches, *operands)
+        buffers, windows, finite, last = jax.lax.switch(shard_index, branches, *operands)
       return buffers, packing.write_windows(rings, windows), (finite, last)
 
     if self.num_shards == 1:
@@ -292,7 +292,7 @@ class ShardedPipeline(Runner):
     return (jax.lax.ppermute(cut(self.packing.packet_region), STAGE, forward),
             jax.lax.ppermute(cut(self.packing.cotangent_region), STAGE, backward))
 
-  def _advance_group(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
+  def _advance_shard(self, d: int, buffers, packet_msg, cotangent_msg, tick_batch: Batch, tick,
                      rng, every_slot_full: bool = False):
     """lax.switch branch d: unpack shard d at static offsets, advance it one tick, pack it back."""
     plan = self.packing
@@ -314,8 +314,8 @@ class ShardedPipeline(Runner):
     options = TickOptions(
         reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
         every_slot_full=every_slot_full, delay_line_entries=bool(ring_widths))
-    advance = (self.pipeline.advance_stages if self.runs is None
-               else functools.partial(stacking.advance_stages, self.pipeline, self.runs))
+    advance = (self.pipeline.advance_stages if self.part_spans is None
+               else functools.partial(stacking.advance_stages, self.pipeline, self.part_spans))
     shard, stage_metrics = advance(start, shard, inbound, cotangent, tick, rng, options)
     body, packet, cotangent_out = packing.split_shard(shard)
     windows = packing.ring_windows(buffers, body_placement, body, tick, ring_widths)

@@ -11,8 +11,18 @@ views and update rules take the delay as a value (``pipejax.optim`` accepts trac
 hyperparameters), so Spike Compensation's coefficients, the prediction horizons and PipeMare's
 rates become per-stage arrays without any change to the methods.
 
-**Which stages stack**: :func:`pipejax.parallel.stacks.find_stacks`; a stack initializes under
-one ``vmap`` too (:func:`pipejax.parallel.stacks.init_program`).
+**Which stages stack** (:func:`find_stacks`): two stages are identical when their forward (over
+its parameters' flattened leaves), and the method's weight views and update with the delay as an
+input, written over the flattened leaves of the stage's state, trace to the same jaxprs
+(operations, shapes, dtypes, constants); the backward is the forward's VJP. Their parameter trees
+may differ in names only (``block3`` against ``block4``): a stack keeps its first stage's tree
+structure, and the logical state keeps every stage's own. The first and the last stage never stack
+(they skip the input gradient, and meet the loss). A method whose update cannot take a traced
+delay (an optimizer factory that branches on it in Python) makes no stack: the pipeline then runs
+stage by stage. A stack also initializes as one program under ``vmap`` (:func:`init_program`):
+flax derives each weight's key by folding a hash of its module's name into the stage's key, so
+identical blocks trace to initializations that differ in those constants only, which are lifted
+out into an input.
 
 **Delay lines** (docs/design.md §6.1). Stage ``s`` of a stack holds ``L_s = D_s + 1`` slots, and
 ``L_s`` differs from stage to stage. The stack keeps one buffer per leaf with all its stages'
@@ -34,6 +44,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,10 +52,122 @@ from pipejax.core import accounting, checks, engine
 from pipejax.core.engine import Pipeline, TickOptions
 from pipejax.parallel.mesh import MeshError
 from pipejax.core.runner import ScanRunner
-from pipejax.parallel.stacks import InitProgram, find_stacks, init_program
 from pipejax.core.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
+
+
+# ----------------------------------------------------------------------------- which stages stack
+
+def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
+  """What stage ``s`` computes, as text and constants: equal for identical stages.
+
+  The stage's forward (traced when the pipeline was built), and the method's weight views and
+  update (:func:`update_program`); the backward is the forward's VJP. None when the method cannot
+  take a traced delay.
+  """
+  update = update_program(pipeline, s, spec)
+  if update is None:
+    return None
+  line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(spec.stages[s].delay_line)]
+  return _as_text((pipeline.forward_program(s), update)), str(line)
+
+
+def update_program(pipeline: Pipeline, s: int, spec: PipelineState):
+  """The method's weight views and update of stage ``s`` with the delay as a traced value, as a
+  closed jaxpr over the flattened leaves of the stage's state; None when the method cannot take
+  a traced delay, or its update's state is not the state the stage's init makes."""
+  method, st = pipeline.method, spec.stages[s]
+  leaves, treedef = jax.tree.flatten(st._replace(delay_line=None))
+  opt_structure = []
+
+  def update(leaves, delay):
+    st = jax.tree.unflatten(treedef, leaves)
+    extra = {"gradient_params": st.params} if method.pass_gradient_weights else {}
+    updates, opt_state = method.optimizer(delay).update(st.params, st.opt_state, st.params,
+                                                        **extra)
+    opt_structure.append(jax.tree.structure(opt_state))
+    return (method.forward_weights(st.params, st.opt_state, delay),
+            method.backward_weights(st.params, st.opt_state, delay), updates, opt_state)
+
+  try:
+    program = jax.make_jaxpr(update)(leaves, _TRACED_DELAY)
+  except (TypeError, ValueError):  # a traced delay the method cannot take, among them
+    return None
+  if opt_structure[0] != jax.tree.structure(st.opt_state):
+    return None
+  return program
+
+
+class InitProgram(NamedTuple):
+  """One stage's initialization as a program of its key, delay, fill value and salts."""
+
+  closed: jax_core.ClosedJaxpr  # the salts lifted out of it into inputs
+  salts: np.ndarray  # (k,) uint32: the constants this stage folds into its key
+  out_tree: Any  # the StageState structure it returns
+  text: tuple  # equal for stages that run one program (names of weights may differ)
+
+  def run(self, keys: jax.Array, delays, fill_value: jax.Array, salts: np.ndarray) -> StageState:
+    """The stacked initial states of the stages whose keys, delays and salts are given."""
+    program = jax_core.jaxpr_as_fun(self.closed)
+    leaves = jax.vmap(lambda key, delay, salts: program(key, delay, fill_value, *salts))(
+        keys, jnp.asarray(delays, jnp.int32), jnp.asarray(salts))
+    return jax.tree.unflatten(self.out_tree, leaves)
+
+
+def init_program(pipeline: Pipeline, s: int) -> InitProgram | None:
+  """Stage ``s``'s ``init_stage`` traced with its key, delay and fill value as inputs, and the
+  constants it folds into its key (flax derives each weight's key from its module's name, so
+  ``block3`` and ``block4`` fold in different ones) lifted out as a further input.
+
+  Stages whose programs are then equal initialize under one ``vmap`` over their keys, delays and
+  salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
+  from a traced delay.
+  """
+  closed, out_shape = pipeline.traced_init_stage(s)
+  if closed is None:
+    return None
+  eqns, salt_vars, salts = [], [], []
+  for eqn in closed.jaxpr.eqns:
+    if eqn.primitive.name == "random_fold_in" and isinstance(eqn.invars[1], jax_core.Literal):
+      salt_vars.append(jax_core.Var(eqn.invars[1].aval))
+      salts.append(eqn.invars[1].val)
+      eqn = eqn.replace(invars=[eqn.invars[0], salt_vars[-1]])
+    eqns.append(eqn)
+  debug, names = closed.jaxpr.debug_info, tuple(f"salt{i}" for i in range(len(salts)))
+  lifted = jax_core.ClosedJaxpr(
+      closed.jaxpr.replace(invars=closed.jaxpr.invars + salt_vars, eqns=eqns,
+                           debug_info=debug._replace(arg_names=debug.arg_names + names)),
+      closed.consts)
+  return InitProgram(lifted, np.asarray(salts, np.uint32), jax.tree.structure(out_shape),
+                      _as_text((lifted,)))
+
+
+_TRACED_DELAY = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def _as_text(traced) -> tuple:
+  """Closed jaxprs as comparable text: the programs, and their constants' shapes and bytes."""
+  consts = tuple((np.shape(c), str(np.result_type(c)), np.asarray(c).tobytes())
+                 for closed in traced for c in closed.consts)
+  return tuple(str(closed.jaxpr) for closed in traced), consts
+
+
+def find_stacks(pipeline: Pipeline) -> list[tuple[int, int]]:
+  """The pipeline's parts as contiguous ``(start, stop)`` spans; a span of two or more stages is
+  a stack of identical stages (module docstring), every other run a single stage."""
+  num, spec = pipeline.num_stages, pipeline.state_spec
+  signatures = [None] + [_signature(pipeline, s, spec) for s in range(1, num - 1)] + [None]
+  spans, start = [], 0
+  for s in range(1, num + 1):
+    same = (s < num and signatures[s] is not None and signatures[s] == signatures[start])
+    if not same:
+      spans.append((start, s))
+      start = s
+  return spans
+
+
+# ----------------------------------------------------------------------------- the stacked tick
 
 
 class StackedState(NamedTuple):
@@ -127,28 +250,28 @@ def _spans(leaf, spans: tuple):
   return tuple(jax.device_put(np.array(host[o:o + n]), device) for o, n in spans)
 
 
-def pieces(runs, first: int, stop: int) -> list[tuple[int, int, bool]]:
-  """The runs cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
+def pieces(spans, first: int, stop: int) -> list[tuple[int, int, bool]]:
+  """The part spans cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
   ``(start, stop, stacked)``: ``stacked`` when the run is a stack, however short its piece."""
-  cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in runs]
+  cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in spans]
   return [(a, z, stacked) for a, z, stacked in cut if a < z]
 
 
-def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, ...],
+def advance_stages(pipe: Pipeline, part_spans, first: int, stages: tuple[StageState, ...],
                    inbound: Packet, cotangent: PyTree, tick, rng,
                    options: TickOptions = TickOptions()):
   """:meth:`Pipeline.advance_stages <pipejax.core.engine.Pipeline.advance_stages>` (the same
   arguments, state and results) with each piece of a run of identical stages advanced stacked.
 
   This is a mesh device's tick (``pipejax.parallel.sharding``): its stages stay in their per-stage
-  layout, and its piece of each stack in ``runs`` (:func:`find_stacks`) is stacked for the tick,
+  layout, and its piece of each stack in ``part_spans`` (:func:`find_stacks`) is stacked for the tick,
   run under ``vmap`` and cut back into stages. A piece of one stage runs stacked too, so that
   its delay is a traced value as in :class:`StackedPipeline`: the numbers are that runner's bit
   for bit. Each stage keeps its own delay line: the stacked step reads every stage's oldest
   entry from it and returns the entries for the caller to write, as the per-stage engine does.
   """
   new_stages, stage_metrics = [], []
-  for a, z, stacked in pieces(runs, first, first + len(stages)):
+  for a, z, stacked in pieces(part_spans, first, first + len(stages)):
     own = stages[a - first:z - first]
     piece_in = inbound if a == first else stages[a - first - 1].forward_out
     piece_cotangent = cotangent if z == first + len(stages) else stages[z - first].backward_out
@@ -179,7 +302,7 @@ def advance_stages(pipe: Pipeline, runs, first: int, stages: tuple[StageState, .
 
 
 class StackedPipeline(ScanRunner):
-  """A :class:`~pipejax.core.engine.Pipeline` whose runs of identical stages tick as stacks.
+  """A :class:`~pipejax.core.engine.Pipeline` whose spans of identical stages tick as stacks.
 
   The same numbers as ``pipeline`` (tests/parallel/test_stacking.py), in fewer operations per
   tick and a compile time that does not grow with the length of a run. The logical state
@@ -188,16 +311,17 @@ class StackedPipeline(ScanRunner):
 
   Args:
     pipeline: the single-device pipeline.
-    runs: contiguous ``(start, stop)`` runs covering every stage; default
+    part_spans: contiguous ``(start, stop)`` spans covering every stage, one per part (a stage or
+      a stack); default
       :func:`find_stacks`. A run of two or more stages is a stack: its stages must be identical.
   """
 
-  def __init__(self, pipeline: Pipeline, runs=None):
+  def __init__(self, pipeline: Pipeline, part_spans=None):
     self.pipeline = pipeline
-    self.runs = tuple(find_stacks(pipeline) if runs is None else runs)
+    self.part_spans = tuple(find_stacks(pipeline) if part_spans is None else part_spans)
     spec = pipeline.state_spec
     self._stacks = {}
-    for start, stop in self.runs:
+    for start, stop in self.part_spans:
       if stop - start < 2:
         continue
       lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
@@ -209,7 +333,7 @@ class StackedPipeline(ScanRunner):
           np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths,
           inits[0] if together else None,
           np.stack([p.salts for p in inits]) if together else None)
-    self._stack_index = {k for k, (start, _) in enumerate(self.runs) if start in self._stacks}
+    self._stack_index = {k for k, (start, _) in enumerate(self.part_spans) if start in self._stacks}
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
@@ -239,7 +363,7 @@ class StackedPipeline(ScanRunner):
     pipe = self.pipeline
     keys, run_key = pipe.init_keys(rng)
     parts = []
-    for start, stop in self.runs:
+    for start, stop in self.part_spans:
       stack = self._stacks.get(start)
       if stack is None:
         parts.append(pipe.initial_stage(start, pipe.stage_weights(start, keys[start]), fill_value))
@@ -265,7 +389,7 @@ class StackedPipeline(ScanRunner):
 
   def _stack(self, logical: PipelineState) -> StackedState:
     parts = []
-    for start, stop in self.runs:
+    for start, stop in self.part_spans:
       stages = logical.stages[start:stop]
       stack = self._stacks.get(start)
       if stack is None:
@@ -291,7 +415,7 @@ class StackedPipeline(ScanRunner):
     # (_spans). The single stages, tick and rng are copied so that the logical state never
     # aliases the stacked one, which run donates.
     stages = []
-    for (start, _), part in zip(self.runs, state.parts):
+    for (start, _), part in zip(self.part_spans, state.parts):
       stack = self._stacks.get(start)
       if stack is None:
         stages.append(jax.tree.map(jnp.copy, part))
@@ -308,7 +432,7 @@ class StackedPipeline(ScanRunner):
   def check_state(self, state: StackedState) -> None:
     if isinstance(state, PipelineState):
       raise checks.PipelineError(
-          "This is a logical PipelineState; a StackedPipeline runs the stacked state of its "
+          "This is a logical PipelineState; a StackedPipeline ticks the stacked state of its "
           "init(), or stacked.from_logical(state) of a logical one.")
     checks.check_state(state, self._state_spec, self.num_stages)
 
@@ -346,7 +470,7 @@ class StackedPipeline(ScanRunner):
                           else jax.tree.map(lambda a: a[0], parts[k].backward_out))
     options = TickOptions(every_slot_full=every_slot_full)
     new_parts, stage_metrics = [], []
-    for k, ((start, _), st) in enumerate(zip(self.runs, parts)):
+    for k, ((start, _), st) in enumerate(zip(self.part_spans, parts)):
       inbound = (Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
                  if k == 0 else last_of(k - 1))
       cotangent = first_of(k + 1) if k + 1 < len(parts) else None
@@ -362,11 +486,11 @@ class StackedPipeline(ScanRunner):
             engine.tick_metrics(stage_metrics))
 
 
-def pipeline_and_runs(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
-  """What a mesh runs for ``runner``: its single-device pipeline, and the runs whose pieces each
+def pipeline_and_spans(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
+  """What a mesh ticks for ``runner``: its single-device pipeline, and the part spans whose pieces each
   device stacks (:func:`advance_stages`), None when it runs stage by stage."""
   if isinstance(runner, StackedPipeline):
-    return runner.pipeline, (runner.runs if runner.stacked else None)
+    return runner.pipeline, (runner.part_spans if runner.stacked else None)
   if isinstance(runner, Pipeline):
     return runner, None
   raise MeshError(f"ShardedPipeline takes a Pipeline, or a StackedPipeline to stack each "

@@ -187,7 +187,7 @@ def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True,
   row, runner, params, compiled = versus_plain(model, tx, x, y, repeats,
                                                runner=stacking.StackedPipeline, compile_time=True)
   result = {"num_stages": runner.num_stages, "model": f"transformer_lm {kwargs}",
-            "stacked_runs": [list(r) for r in runner.runs],
+            "stacked_runs": [list(r) for r in runner.part_spans],
             "context": context, "micro_batch_size": 1, "sequences": sequences,
             "pipeline_compile_s": row["pipeline_compile_s"]}
   for name in ("pipeline", "plain_scan"):

@@ -18,7 +18,7 @@ import numpy as np
 
 from pipejax import config as configlib
 from pipejax import data as data_lib
-from pipejax.parallel import stacks
+from pipejax.parallel import stacking
 from pipejax.train import divergence, experiment
 from pipejax.profiling.timing import best_times
 
@@ -47,7 +47,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   ``init_trace_s``, each stage's state initialization with its delay as an input
   (``Pipeline.trace_init_stage``: the state's shapes, and the stacked init's program);
   ``update_trace_s``, the method's update of each stage between the first and the last
-  (``stacks.update_program``); and ``find_stacks_s``, those update traces with the programs
+  (``stacking.update_program``); and ``find_stacks_s``, those update traces with the programs
   compared.
   """
   start = time.perf_counter()
@@ -64,10 +64,10 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   spec = pipe.state_spec
   start = time.perf_counter()
   for s in range(1, pipe.num_stages - 1):
-    stacks.update_program(pipe, s, spec)
+    stacking.update_program(pipe, s, spec)
   update_trace_s = time.perf_counter() - start
   start = time.perf_counter()
-  stacks.find_stacks(pipe)
+  stacking.find_stacks(pipe)
   find_stacks_s = time.perf_counter() - start
   runner, b = setup.runner, config.micro_batch_size
   start = time.perf_counter()

@@ -173,7 +173,8 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   if config.stack_stages:
     from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
     stacked = stacking.StackedPipeline(pipe)
-    logging.info("Stages as runs (start, stop), those of two or more stacked: %s.", stacked.runs)
+    logging.info("Parts as (start, stop) spans of stages, those of two or more stacked: %s.",
+                 stacked.part_spans)
     stacked = stacked if stacked.stacked else None
   sharded = None
   if config.mesh.stage * config.mesh.data > 1:

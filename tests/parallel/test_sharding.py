@@ -188,7 +188,7 @@ def test_param_counts_and_measured_costs_drive_the_partition():
 
 
 # Every mesh size and every kind of weights (current, predicted, stashed) at least once; one case
-# packs with the 'flat' packing instead of the default 'slots'. PB on two devices also runs in the
+# packs with the 'flat' packing instead of the default 'per_leaf'. PB on two devices also runs in the
 # tick-and-drain and the stacked-pieces tests below. The full cross product adds compilations and
 # nothing the layout code does not already see here.
 @pytest.mark.parametrize("method_name, stage, packing_policy", [
@@ -199,7 +199,7 @@ def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, p
   sharded = ShardedPipeline(pipe, mesh, partition=PARTITIONS[stage],
                             packing_policy=packing_policy)
   assert sharded.num_shards == stage < pipe.num_stages
-  assert sharded.packing_policy == ("flat" if packing_policy == "flat" else "slots")
+  assert sharded.packing_policy == ("flat" if packing_policy == "flat" else "per_leaf")
   packed, metrics = sharded.run(sharded.from_logical(initial_state(method_name)),
                                 *make_stream(*STREAM))
   expected_state, expected_metrics = single_device_run(method_name)
@@ -298,7 +298,7 @@ def test_mesh_loop_copies_no_weights(eight_devices, method_name):
   assert max(sizes, default=0) < width * width, sorted(sizes)[-8:]
 
 
-@pytest.mark.parametrize("packing_policy", ["flat", "slots"])
+@pytest.mark.parametrize("packing_policy", ["flat", "per_leaf"])
 def test_mesh_pack_unpack_round_trip_and_buffer_placement(eight_devices, packing_policy):
   pipe = make_pipeline("pipedream")
   sharded = ShardedPipeline(pipe, make_mesh(4, 2, eight_devices),
@@ -405,7 +405,7 @@ def test_mesh_errors_say_how_to_fix_them(eight_devices):
   wrong_axes = jax.sharding.Mesh(np.array(eight_devices[:2]), ("pipe",))
   with pytest.raises(MeshError, match=r"must have a 'stage' axis.*\('pipe',\)"):
     ShardedPipeline(make_pipeline("pb"), wrong_axes)
-  with pytest.raises(MeshError, match="packing_policy must be 'auto', 'flat' or 'slots'"):
+  with pytest.raises(MeshError, match="packing_policy must be 'auto', 'flat' or 'per_leaf'"):
     ShardedPipeline(make_pipeline("pb"), make_mesh(2, 1, eight_devices[:2]),
                     packing_policy="packed")
   assert issubclass(MeshError, PipelineError) and issubclass(MeshError, ValueError)
@@ -435,10 +435,10 @@ def stacked_and_mesh(method_name, stage, data=1, stateful=False):
   """The single-device StackedPipeline's run and the mesh's (stacked pieces) from one state."""
   pipe = grouped_pipeline(method_name, stateful)
   stacked = StackedPipeline(pipe)
-  assert stacked.runs == ((0, 1), (1, 5), (5, 6))
+  assert stacked.part_spans == ((0, 1), (1, 5), (5, 6))
   mesh = make_mesh(stage, data, jax.devices()[:stage * data])
   sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
-  assert sharded.pipeline is pipe and sharded.runs == stacked.runs
+  assert sharded.pipeline is pipe and sharded.part_spans == stacked.part_spans
   x, y = make_stream(2 * pipe.num_stages + 4, MICRO_BATCH)  # even, as NUM_TICKS
   state = host(pipe.init(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
@@ -503,10 +503,10 @@ def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices
   config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}
   config.mesh.stage = DEVICES  # the trainer's mesh takes every device
   setup = experiment.build(config)
-  assert isinstance(setup.runner, ShardedPipeline) and setup.runner.runs == ((0, 1), (1, 7),
+  assert isinstance(setup.runner, ShardedPipeline) and setup.runner.part_spans == ((0, 1), (1, 7),
                                                                              (7, 8))
   config.stack_stages = False
-  assert experiment.build(config).runner.runs is None
+  assert experiment.build(config).runner.part_spans is None
 
 
 # ----------------------------------------------------------------------------- other processes

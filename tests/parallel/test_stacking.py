@@ -16,7 +16,7 @@ from pipejax.parallel import stacking
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
 from pipejax.parallel.stacking import StackedPipeline
-from pipejax.parallel.stacks import find_stacks
+from pipejax.parallel.stacking import find_stacks
 from pipejax.profiling import workloads
 from tests import helpers
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
@@ -209,7 +209,7 @@ def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
   method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
   stacked = StackedPipeline(Pipeline(depth_model(num_stages), method, x, y))
   runs = ((0, 1), (1, s_max), (s_max, num_stages))  # the stem, the blocks' stack, the head
-  assert stacked.runs == runs
+  assert stacked.part_spans == runs
   state = jax.eval_shape(lambda: stacked.init(jax.random.PRNGKey(0)))
   nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
   # A stack's rings lie end to end, so each part's delay line holds its stages' slots together.
@@ -240,7 +240,7 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
   setup = experiment.build(config)
-  assert isinstance(setup.runner, StackedPipeline) and setup.runner.runs == ((0, 1), (1, 4),
+  assert isinstance(setup.runner, StackedPipeline) and setup.runner.part_spans == ((0, 1), (1, 4),
                                                                              (4, 5))
   state = setup.init(jax.random.PRNGKey(0))
   assert_same(jax.tree.map(np.asarray, setup.runner.to_logical(state)),
@@ -264,12 +264,12 @@ def test_a_mesh_stacks_each_devices_piece_of_a_group():
                   y[0])
   stacked = StackedPipeline(pipe)
   sharded = sharding.ShardedPipeline(stacked, make_mesh(1, 1, jax.devices()[:1]))
-  assert sharded.runs == stacked.runs and sharded.pipeline is pipe
+  assert sharded.part_spans == stacked.part_spans and sharded.pipeline is pipe
   expected, _ = stacked.run(stacked.init(1), x, y)
   actual, _ = sharded.run(sharded.init(1), x, y)
   assert_same(jax.tree.map(np.asarray, sharded.to_logical(actual)),
               jax.tree.map(np.asarray, stacked.to_logical(expected)), exact=True)
-  assert sharding.ShardedPipeline(pipe, sharded.mesh).runs is None
+  assert sharding.ShardedPipeline(pipe, sharded.mesh).part_spans is None
   with pytest.raises(MeshError, match="takes a Pipeline, or a StackedPipeline"):
     sharding.ShardedPipeline(sharded, sharded.mesh)
 
