@@ -114,8 +114,8 @@ def test_nothing_cites_the_developers_brief():
 
 
 def test_the_module_map_names_every_module_of_the_package():
-  text = read("docs/design.md")
-  start = text.index("### 11.2 The module map")
+  text = read("docs/architecture.md")
+  start = text.index("## 2. The module map")
   named = set(re.findall(r"`([\w.]+)`", text[start:text.index("\n## ", start)]))
   modules = set()
   for path in glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True):
@@ -125,7 +125,7 @@ def test_the_module_map_names_every_module_of_the_package():
   from pipejax import methods  # pylint: disable=import-outside-toplevel
   presets = {f"methods.{name}" for name in methods.METHODS}  # the row `methods.NAME` names them
   missing = sorted(modules - named - presets)
-  assert not missing, f"docs/design.md §11.2 does not name {missing}: give each its one job"
+  assert not missing, f"docs/architecture.md §2 does not name {missing}: give each its one job"
 
 
 # ----------------------------------------------------------------------------- commands
