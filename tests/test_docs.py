@@ -438,6 +438,14 @@ def test_docstring_examples_run(module_name):
   assert result.attempted > 0 and result.failed == 0
 
 
+def test_readme_is_an_entry_page_not_a_logbook():
+  # What it is, the two commands, one example, one table of results, where to go next.
+  lines = read("README.md").splitlines()
+  assert len(lines) <= 150, f"README.md has {len(lines)} lines: move reference into docs/"
+  assert len(python_blocks("README.md")) == 1
+  assert sum(1 for line in lines if line.startswith("|---")) == 1
+
+
 def test_ci_runs_exactly_the_readme_test_command():
   readme = read("README.md")
   ci = read(os.path.join(".ci", "run"))
