@@ -7,6 +7,9 @@ r"""Benchmarks of the pipeline engine, measured side by side in one run; prints 
     python scripts/benchmark.py --only=normalization   # about 10 minutes: 10 compiled pipelines
     python scripts/benchmark.py --only=lm              # the transformer LM at 8, 16, 32 stages
 
+A JSON kept as ``docs/benchmarks/NAME.json`` (``--output``) is a record:
+``python scripts/benchmark_report.py`` renders every such record into docs/benchmarks/README.md.
+
 * ``throughput``: ``Pipeline.run`` (Pipelined Backpropagation, one layer per stage) against a plain
   optax training loop in ``lax.scan`` on the same MLP (8 layers of width 256), samples per second at
   each micro-batch size, and their ratio. The pipeline's backward recomputes each stage's forward

@@ -114,8 +114,8 @@ def test_nothing_cites_the_developers_brief():
 
 
 def test_the_module_map_names_every_module_of_the_package():
-  text = read("docs/design.md")
-  start = text.index("### 11.2 The module map")
+  text = read("docs/architecture.md")
+  start = text.index("## 2. The module map")
   named = set(re.findall(r"`([\w.]+)`", text[start:text.index("\n## ", start)]))
   modules = set()
   for path in glob.glob(os.path.join(ROOT, "pipejax", "**", "*.py"), recursive=True):
@@ -125,7 +125,7 @@ def test_the_module_map_names_every_module_of_the_package():
   from pipejax import methods  # pylint: disable=import-outside-toplevel
   presets = {f"methods.{name}" for name in methods.METHODS}  # the row `methods.NAME` names them
   missing = sorted(modules - named - presets)
-  assert not missing, f"docs/design.md §11.2 does not name {missing}: give each its one job"
+  assert not missing, f"docs/architecture.md §2 does not name {missing}: give each its one job"
 
 
 # ----------------------------------------------------------------------------- commands
@@ -385,7 +385,7 @@ def python_blocks(path):
 
 def test_readme_python_examples_run():
   blocks = python_blocks("README.md")
-  assert len(blocks) >= 2
+  assert blocks
   for block in blocks:
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
@@ -436,6 +436,14 @@ def test_docstring_examples_run(module_name):
   result = doctest.testmod(importlib.import_module(module_name),
                            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_readme_is_an_entry_page_not_a_logbook():
+  # What it is, the two commands, one example, one table of results, where to go next.
+  lines = read("README.md").splitlines()
+  assert len(lines) <= 150, f"README.md has {len(lines)} lines: move reference into docs/"
+  assert len(python_blocks("README.md")) == 1
+  assert sum(1 for line in lines if line.startswith("|---")) == 1
 
 
 def test_ci_runs_exactly_the_readme_test_command():

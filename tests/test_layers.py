@@ -1,4 +1,4 @@
-"""The package's layers (docs/design.md §11.3): no import goes up a layer or round a circle.
+"""The package's layers (docs/architecture.md §3): no import goes up a layer or round a circle.
 
 Every import of every module of ``pipejax/`` is read with ``ast``: those at the top, inside
 functions and under ``TYPE_CHECKING`` alike, since each of them ties the two modules together.
@@ -54,10 +54,10 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layers() -> list[tuple[str, ...]]:
-  """The units of each layer, lowest first, as docs/design.md §11.3 lists them."""
-  with open(os.path.join(ROOT, "docs", "design.md")) as f:
+  """The units of each layer, lowest first, as docs/architecture.md §3 lists them."""
+  with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
     text = f.read()
-  start = text.index("### 11.3 The layers")
+  start = text.index("## 3. The layers")
   rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text[start:text.index("\n## ", start)], re.M)
   assert [int(number) for number, _ in rows] == list(range(1, len(rows) + 1))
   return [tuple(re.findall(r"`([\w.]+)`", units)) for _, units in rows]
@@ -73,7 +73,7 @@ def test_the_layers_name_every_unit_of_the_package_once():
   units = [unit for layer in layers() for unit in layer]
   assert len(units) == len(set(units)), f"a unit is in two layers: {units}"
   missing = {unit_of(module) for module in module_names()} - set(units)
-  assert not missing, f"docs/design.md §11.3 gives no layer to {sorted(missing)}"
+  assert not missing, f"docs/architecture.md §3 gives no layer to {sorted(missing)}"
 
 
 def test_no_module_imports_a_higher_layer_or_a_neighbour_of_its_own():
@@ -84,7 +84,7 @@ def test_no_module_imports_a_higher_layer_or_a_neighbour_of_its_own():
       own, other = unit_of(module), unit_of(target)
       if own != other and rank[other] >= rank[own]:
         wrong.append(f"{module} (layer {rank[own] + 1}) imports {target} (layer {rank[other] + 1})")
-  assert not wrong, "imports against the layers of docs/design.md §11.3:\n" + "\n".join(wrong)
+  assert not wrong, "imports against the layers of docs/architecture.md §3:\n" + "\n".join(wrong)
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:

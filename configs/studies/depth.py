@@ -17,26 +17,10 @@ every cell's first seed before any second one, so restrict a session to cheap de
 * 128 and 256 stages (delays up to 254 and 510, the paper's one layer per stage at ResNet
   depths): SGD, PB, PB + SC + LWP, PB + SC, SpecTrain and PipeMare, three seeds, and five seeds of
   SGD, PB and PB + SC + LWP at 128 stages (42 runs). Restrict a session to them with
-  ``--where=model_kwargs.depth=128|256``. What they cost, from the records' ``wall_seconds``
-  (a trainer process's wall time, set-up included; range and median over seeds, in seconds) on
-  the 2-core machine, shared with other trainers at a load the records do not give:
-
-  | method | 128 stages | 256 stages |
-  |---|---|---|
-  | SGD | 395–664, 488 (5 runs) | 631–3,007, 833 |
-  | PB | 359–593, 513 (5 runs) | 63–562, 132 (all diverged, by 1,392 samples) |
-  | PB + SC | 481–776, 554 | 65–89, 77 (all diverged, by 1,013 samples) |
-  | PB + SC + LWP | 828–2,173, 1,199 (5 runs) | 606–1,779, 719 |
-  | SpecTrain | 688–1,530, 824 | 1,111–1,823, 1,299 |
-  | PipeMare | 855–1,176, 1,114 | 1,588–2,725, 2,360 |
-
-  In all 19,808 s (5.5 hours) at 128 stages and 19,468 s (5.4 hours) at 256: 10.9 hours summed
-  over runs. Three runs were stopped and resumed, and their ``wall_seconds`` is their last
-  process's only: PB + SC + LWP at 128 stages seed 2 (2,173 s of 3,014 s of training, the
-  record's ``train_seconds``) and at 256 stages seeds 0 and 2 (719 s of 3,605 s, 606 s of
-  1,630 s). The spread within a cell is as wide as 631 to 3,007 s (SGD at 256 stages), and the
-  trainers' steady rates in the records' ``timing`` spread alike (21.5 to 111.5 samples/s there);
-  the records do not give the machine's load.
+  ``--where=model_kwargs.depth=128|256``. On the 2-core reference CPU, shared with other
+  trainers, one of these runs took 1 to 50 minutes (the diverged ones least) and the 42 about
+  11 hours summed over runs; each record's ``wall_seconds`` in docs/studies/depth/results.jsonl
+  gives its own.
 * One seed of every method at 8 stages also logs the per-stage weight discrepancy between forward
   and backward (config.diagnostics); Adam rows (optimizer='adam', the batch-128 recipe lr 1e-3)
   repeat the comparison at 8 stages.

@@ -46,45 +46,16 @@ this order with ``--where``:
    seeds, 12 runs) and ``--where=model_kwargs.blocks=6,seed=3`` (PB + Muon's 8-stage sweep, 4
    runs); or run the whole study without ``--where``.
 
-As run, the first part came first; the 8- and 16-stage cells then ran on a GPU while the CPU went
-on with the rest of the 32-stage cells, three of which finished before the first 8-stage cell.
+Cost: on the 2-core reference CPU, two trainers at a time, a 32-stage run took 6 to 85 minutes
+(PB + Muon the slowest, and the slowest neighbour), so the whole grid there is about a day; the
+8- and 16-stage cells ran on a GPU instead. Each record's ``wall_seconds`` in
+docs/studies/lm_depth/results.jsonl gives its own, and ``machine`` where it ran.
 
-Cost on this 2-core CPU, two trainers at a time (the launcher turns XLA's intra-op threads
-off). Each run's time depends on the trainer beside it: a PB + Muon run (Muon orthogonalizes
-every matrix, every step) slows its neighbour. Whole runs of each depth (``wall_seconds``,
-set-up included), measured on 2026-11-27 with nothing but the two trainers running:
-
-=========  ======================================  ============================  ========
- stages     run                                     beside                        seconds
-=========  ======================================  ============================  ========
- 8          PB, seed 3 (``scripts/train.py``)       an 8-stage PB + Muon run           856
- 16         PB, seed 3 (``scripts/train.py``)       the same                         1,131
- 32         PB + SC + LWP, lr 3e-5                  the same                         1,541
- 8          PB + Muon, lr 3e-4 and 2e-3             each other                3,277, 3,220
- 8          PB + Muon, lr 4e-3                      the three runs above             3,690
-=========  ======================================  ============================  ========
-
-The earlier records, with the machine's load not recorded: 43 32-stage runs of the methods but
-PB + Muon, median 1,160 s; six 32-stage PB + Muon runs, 1,933 to 5,067 s, median 3,863 s (2,993
-beside an 8-stage PB + Muon run, 4,154 and 4,179 beside each other); the first 8-stage PB + Muon
-run, 2,792 s.
-
-The grid, two at a time, at those times (8 stages: PB's 856 s for every method but PB + Muon;
-16 stages: 1,131 s; 32 stages: 1,160 to 1,541 s; PB + Muon 2,792 to 3,690 s at 8 stages and
-2,993 to 4,179 s at 32): the 99 runs take 17.8 to 22.0 hours. With the sweeps cut to three
-rates beside 1e-3 for the baseline and for PB + Muon at 8 and at 32 stages (80 runs) the grid
-takes 14.7 to 18.1 hours. Neither fits 16 hours here at the slower end; the 13 PB + Muon runs
-alone are 5.2 to 7.1 of the 99 runs' hours. That is why the 8- and 16-stage cells ran on a
-GPU.
-
-Where the cells ran. The 32-stage cells run on the 2-core CPU. The 8- and 16-stage cells ran on a
+Where the cells ran. The 32-stage cells ran on the 2-core CPU. The 8- and 16-stage cells ran on a
 lent NVIDIA H200 with 16 CPU cores, 12 trainers at a time (``--parallel=12``; the launcher then
 turns off JAX's preallocation of the GPU's memory), with ``JAX_DEFAULT_MATMUL_PRECISION=highest``
-so that float32 products are float32 as on the CPU: 44 runs in three calls of the machine (539,
-253 and 404 s of wall time; the last ran the final 12 at once, the slowest in 356 s). A trainer's
-steady rate was 89 to 417 sequences/s with 12 sharing the GPU (the one-stage baselines slowest);
-its first chunk, where 12 trainers compiled at once, took 100 to 290 s. That machine had jax
-0.11.2 (the pinned flax, optax, chex and orbax went with the run); this CPU has the pinned 0.10.2.
+so that float32 products are float32 as on the CPU. That machine had jax 0.11.2 (the pinned flax,
+optax, chex and orbax went with the run); this CPU has the pinned 0.10.2.
 The GPU draws a seed's starting weights to other last bits than a CPU: 8 stages, seed 0,
 ``init_digest`` ``f3a2baff…`` on the H200 and ``01b31565…`` on this CPU and on the H200 machine's
 own CPU under jax 0.11.2 (``JAX_PLATFORMS=cpu``; a 40-sequence ``scripts/train.py`` run of ``pb``

@@ -11,5 +11,6 @@
   method, normalizer, depth and model, compile times, and the line through tick times and passes;
 * :mod:`~pipejax.profiling.memory`: a compiled chunk's memory against the pipeline's formula;
 * :mod:`~pipejax.profiling.meshes`: ``ShardedPipeline`` on stage meshes, and the fake-device
-  control.
+  control;
+* :mod:`~pipejax.profiling.report`: the recorded JSON files as one generated markdown report.
 """
