@@ -166,13 +166,17 @@ class ScanRunner(Runner):
     """
     self.check_state(state)
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    if checks.traced((state, batch)):  # inside the caller's jit, vmap or grad: its program's part
+      return self._tick(state, batch)
     return self._jit_tick(state, batch)
 
   def run(self, state, inputs, labels, valid=None):
     """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
 
-    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
-    stacked along T.
+    The state is donated: do not use the ``state`` passed in afterwards, nor any part of it kept
+    from before the call (the message of an attempt says so). Metrics come back stacked along T.
+    Inside ``jax.jit``, ``jax.vmap``, ``jax.grad`` or ``jax.checkpoint`` it is traced into the
+    caller's program, which donates nothing.
 
     Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
     real: PB after its fill), a second compiled version runs without the per-stage guard against
@@ -182,6 +186,11 @@ class ScanRunner(Runner):
     """
     self.check_state(state)
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    if checks.traced((state, batch)):
+      # Inside the caller's jit, vmap or grad: the guarded program, traced into the caller's
+      # (which donates nothing and compiles with the caller's options); whether every slot is
+      # full is not known there.
+      return self._run(state, batch)
     if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
       return self._jit_run_full(state, batch)
     return self._jit_run(state, batch)

@@ -17,7 +17,6 @@ import os
 import time
 
 from absl import logging
-import jax
 import numpy as np
 
 from pipejax.core import accounting
@@ -366,11 +365,7 @@ def chunk_bytes(setup, ticks: int) -> int:
 
 def _memory_available() -> tuple[int, str]:
   """The memory a chunk and the state compete for: the first device's, or the host's on CPU."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform != "cpu" else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+  return accounting.memory_available()
 
 
 def state_bytes(setup) -> int:
@@ -381,8 +376,7 @@ def state_bytes(setup) -> int:
   return accounting.tree_bytes(setup.pipeline.state_spec)
 
 
-def _gib(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+_gib = accounting.gib
 
 
 def check_memory(config, setup, chunk_ticks: int) -> None:
