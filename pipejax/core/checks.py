@@ -41,6 +41,15 @@ def traced(tree: PyTree) -> bool:
   return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree))
 
 
+def check_on_host(what: str, tree: PyTree) -> None:
+  """Refuses traced arguments to a call that reads their values on the host."""
+  if traced(tree):
+    raise PipelineError(
+        f"{what} reads the values of its arguments on the host, so it cannot run inside "
+        "jax.jit, jax.vmap, jax.grad or another JAX transform (its arguments are traced here). "
+        "Call it outside the transform.")
+
+
 def refuse_traced(runner: str, tree: PyTree) -> None:
   """Refuses a call of a runner that cannot become part of another JAX transform's program."""
   if traced(tree):

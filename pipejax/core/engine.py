@@ -529,6 +529,7 @@ class Pipeline(ScanRunner):
 
   def every_slot_full(self, state: PipelineState) -> bool:
     """See :meth:`pipejax.core.runner.Runner.every_slot_full`."""
+    checks.check_on_host("every_slot_full", state)
     checks.check_not_donated(state)
     return slots_full(state.stages)
 

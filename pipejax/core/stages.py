@@ -206,7 +206,16 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
   return Stage(init=init, apply=apply, name=stage_name,
                input_shape=tuple(input_shape) if input_shape is not None else None,
                init_variables=init_variables, infer_with=infer_with,
-               init_with_variables=init_with_variables, infer_differs=eval_kwargs != train_kwargs)
+               init_with_variables=init_with_variables,
+               infer_differs=_differ(train_kwargs, eval_kwargs))
+
+
+def _differ(train_kwargs: dict, eval_kwargs: dict) -> bool:
+  """Whether the two sets may call the module differently. By identity: values may be arrays (an
+  attention mask), whose ``==`` is elementwise; equal values that are not the same object only
+  cost a trace of the stage's evaluation."""
+  return train_kwargs.keys() != eval_kwargs.keys() or any(
+      train_kwargs[k] is not eval_kwargs[k] for k in train_kwargs)
 
 
 def _call_kwargs(kwargs, what: str, stage_name: str) -> dict[str, Any]:

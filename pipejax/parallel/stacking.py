@@ -316,6 +316,8 @@ class StackedPipeline(ScanRunner):
     checks.check_state(state, self._state_spec, self.num_stages)
 
   def every_slot_full(self, state: StackedState) -> bool:
+    checks.check_on_host("every_slot_full", state)
+    checks.check_not_donated(state)
     return slots_full(state.parts)
 
   def held_stash_bytes(self, state: StackedState) -> int:

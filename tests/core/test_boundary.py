@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pipejax
 from pipejax import methods
@@ -158,3 +159,32 @@ def test_the_memory_check_of_init_is_the_trainers(monkeypatch):
   assert config_checks._memory_available() == (needed - 1, "a small device's memory")
   monkeypatch.setattr(accounting, "memory_available", lambda: (needed, "a small device's memory"))
   pipe.init(KEY)  # exactly fits
+
+
+def test_the_calls_that_read_on_the_host_say_so_inside_a_transform_in_one_line():
+  pipe, x, y = _pipeline()
+  with pytest.raises(PipelineError, match="to_ticks lays a stream out on the host.*outside the "
+                     "transform") as error:
+    jax.jit(pipe.to_ticks)(x, y)
+  assert "\n" not in str(error.value)
+  for runner in (pipe, StackedPipeline(pipe)):
+    with pytest.raises(PipelineError, match="every_slot_full reads .* on the host.*Call it "
+                       "outside the transform"):
+      jax.jit(runner.every_slot_full)(runner.init(KEY))
+
+
+def test_run_under_shard_map_is_one_run_per_device():
+  pipe, x, y = _pipeline()
+  mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
+  keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)])
+  states = jax.device_put(jax.vmap(pipe.init)(keys), NamedSharding(mesh, P("replica")))
+
+  def one_pipeline_per_device(state):
+    state, metrics = pipe.run(jax.tree.map(lambda a: a[0], state), x, y)
+    return jax.tree.map(lambda a: a[None], (state, metrics))
+
+  _, metrics = jax.jit(jax.shard_map(one_pipeline_per_device, mesh=mesh, in_specs=P("replica"),
+                                     out_specs=P("replica")))(states)
+  for i, key in enumerate(keys):
+    _, alone = pipe.run(pipe.init(key), x, y)
+    np.testing.assert_allclose(np.asarray(metrics["loss"])[i], alone["loss"], rtol=1e-6)

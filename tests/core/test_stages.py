@@ -236,3 +236,30 @@ def test_flax_dropout_drops_in_training_with_the_stages_key_and_not_in_evaluatio
                      r"'deterministic': True"):
     pipejax.Pipeline(pipejax.Model([always] + list(model.stages[1:])),
                      methods.make_method("pb", learning_rate=0.0), x[0], y[0])
+
+
+def test_flax_attention_takes_its_mask_as_a_call_argument_of_each_pass():
+  from pipejax import methods  # pylint: disable=import-outside-toplevel
+  length, width = 4, 8
+  attention = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.5)
+  # Two equal masks, not one object: arrays in the two sets are compared without their ``==``.
+  stage = pipejax.from_flax(
+      attention, name="attention",
+      train_kwargs={"mask": nn.make_causal_mask(jnp.ones((1, length))), "deterministic": False},
+      eval_kwargs={"mask": nn.make_causal_mask(jnp.ones((1, length))), "deterministic": True})
+  model = pipejax.Model([stage, pipejax.from_flax(nn.Dense(3), name="head")])
+  x = np.random.default_rng(0).standard_normal((2, length, width)).astype(np.float32)
+  pipe = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.05), x,
+                          np.zeros((2, length), np.int32))
+  params = jax.tree.map(np.array, [st.params for st in pipe.init(jax.random.key(0)).stages])
+  # Evaluated at another batch size: causal (a later position does not change an earlier one's
+  # output) and without dropout.
+  batch = np.random.default_rng(1).standard_normal((5, length, width)).astype(np.float32)
+  changed = batch.copy()
+  changed[:, -1] += 1.0
+  out, out_changed = (model.apply(params, b, variables=[None, None]) for b in (batch, changed))
+  np.testing.assert_allclose(out[:, :-1], out_changed[:, :-1], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(out[:, -1], out_changed[:, -1])
+  expected = attention.apply({"params": params[0]}, batch, mask=nn.make_causal_mask(
+      jnp.ones((1, length))), deterministic=True)
+  np.testing.assert_allclose(stage.infer(params[0], batch), expected, rtol=1e-6)
