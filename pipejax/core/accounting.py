@@ -1,8 +1,10 @@
-"""Delays, delay-line sizes, stashed bytes and utilization of each mode (docs/design.md §2)."""
+"""Delays, delay-line sizes, stashed bytes and utilization of each mode (docs/design.md §2), and
+the memory a state competes for."""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import jax
@@ -32,6 +34,21 @@ def stash_slots(num_stages: int) -> list[int]:
 def tree_bytes(tree: PyTree) -> int:
   """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
   return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def memory_available() -> tuple[int, str]:
+  """The memory a pipeline's state competes for, and where it is: the first local device's, or
+  the host's on CPU (the trainer's memory check and ``init``'s alike)."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def gib(n: int) -> str:
+  """Bytes for a message: GiB from 1 GiB up, MiB below."""
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def stash_bytes(stage_input_shapes: Sequence[PyTree]) -> int:

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipejax.core import accounting
 from pipejax.methods import Method
-from pipejax.core.stages import Model
+from pipejax.core.stages import DONATED_MESSAGE, Model, donated
 
 PyTree = Any
 
@@ -24,10 +25,39 @@ class PipelineError(ValueError):
   """Bad input at the pipeline's boundary; the message says what is wrong and how to fix it."""
 
 
-DONATED_STATE_MESSAGE = (
-    "The state passed in was donated to an earlier run() call, which freed its buffers. Use the "
-    "state that call returned (state, metrics = pipe.run(state, ...)), or keep a copy "
-    "(jax.tree.map(jnp.copy, state)) before running if you need the old one.")
+DONATED_STATE_MESSAGE = DONATED_MESSAGE
+
+
+def check_not_donated(tree: PyTree) -> None:
+  """Refuses a tree any of whose arrays an earlier run() donated, before JAX reads a freed
+  buffer."""
+  if donated(tree):
+    raise PipelineError(DONATED_MESSAGE)
+
+
+def traced(tree: PyTree) -> bool:
+  """Whether a leaf of ``tree`` is traced: the call runs inside the caller's ``jax.jit``,
+  ``jax.vmap``, ``jax.grad`` or another transform, and becomes part of its program."""
+  return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree))
+
+
+def check_on_host(what: str, tree: PyTree) -> None:
+  """Refuses traced arguments to a call that reads their values on the host."""
+  if traced(tree):
+    raise PipelineError(
+        f"{what} reads the values of its arguments on the host, so it cannot run inside "
+        "jax.jit, jax.vmap, jax.grad or another JAX transform (its arguments are traced here). "
+        "Call it outside the transform.")
+
+
+def refuse_traced(runner: str, tree: PyTree) -> None:
+  """Refuses a call of a runner that cannot become part of another JAX transform's program."""
+  if traced(tree):
+    raise PipelineError(
+        f"{runner}.run and tick cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "
+        "transform (its arguments are traced here): they are compiled programs over a device "
+        "mesh already. Call them outside the transform, or transform a Pipeline or "
+        "StackedPipeline on one device, whose run and tick become part of the caller's program.")
 
 
 def spec(tree) -> PyTree:
@@ -117,8 +147,7 @@ def check_state(state, want, num_stages: int) -> None:
   only: no device work.
   """
   leaves = jax.tree.leaves(state)
-  if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
-    raise PipelineError(DONATED_STATE_MESSAGE)
+  check_not_donated(leaves)
   if jax.tree.structure(state) != jax.tree.structure(want) or any(
       np.shape(a) != w.shape or jnp.result_type(a) != w.dtype
       for a, w in zip(leaves, jax.tree.leaves(want))):
@@ -127,6 +156,20 @@ def check_state(state, want, num_stages: int) -> None:
         f"from what this pipeline's init() makes ({num_stages} stages of this model and "
         "method). Create the state with this pipeline's init(), or restore a checkpoint "
         "written by the same model and method.")
+
+
+def check_state_fits(state_bytes: int, num_stages: int) -> None:
+  """Refuses, before anything is allocated, a state larger than the device's memory (the memory
+  the trainer checks against too: :func:`pipejax.core.accounting.memory_available`)."""
+  available, where = accounting.memory_available()
+  if state_bytes > available:
+    raise PipelineError(
+        f"init() would allocate a state of about {accounting.gib(state_bytes)} (weights, "
+        f"optimizer states and the delay lines of {num_stages} stages, which grow with the "
+        f"square of the stage count), more than {where} ({accounting.gib(available)}). Use "
+        "fewer stages, narrower layers or a smaller micro-batch (every runner, a "
+        "ShardedPipeline too, makes the whole state on one device first). Its shapes are "
+        "pipe.state_spec, and jax.eval_shape(pipe.init, key) traces init without allocating.")
 
 
 def stream_length(inputs, labels) -> int:
@@ -205,9 +248,12 @@ def check_class_labels(labels, valid, num_classes: int | None) -> None:
 
   ``num_classes`` is None when the loss is the user's own (it defines what its labels are). The
   range is checked on host arrays (what a data loader gives); labels already on a device are
-  checked only for a stream, once per call, so a tick never waits for a device transfer.
+  checked only for a stream, once per call, so a tick never waits for a device transfer. Traced
+  labels (inside the caller's ``jax.jit``) have no values to check.
   """
   if num_classes is None:
+    return
+  if traced(valid):  # inside the caller's transform: which labels count is not known here
     return
   for leaf in jax.tree.leaves(labels):
     if not jnp.issubdtype(leaf.dtype, jnp.integer):
@@ -215,7 +261,7 @@ def check_class_labels(labels, valid, num_classes: int | None) -> None:
           f"The labels are {jnp.dtype(leaf.dtype).name}, but the softmax cross-entropy takes "
           "integer class indices (floats would be truncated). Build the pipeline with integer "
           "example labels and feed labels.astype(np.int32).")
-    if isinstance(leaf, jax.Array) and np.ndim(valid) == 0:
+    if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, jax.Array) and np.ndim(valid) == 0:
       continue
     values = np.asarray(leaf)
     if np.ndim(valid):

@@ -268,7 +268,10 @@ class Pipeline(ScanRunner):
     Empty slots hold ``fill_value`` (floating leaves; integer leaves hold 0) and are flagged
     invalid. Tests fill them with NaN to prove that nothing empty ever reaches weights or metrics.
     Every runner starts from this one compiled program, so every layout starts from the same bits.
+    A state larger than the device's memory is refused before anything is allocated.
     """
+    if not checks.traced((rng, fill_value)):
+      checks.check_state_fits(accounting.tree_bytes(self.state_spec), self.num_stages)
     return self._jit_init(raw_key(rng), jnp.float32(fill_value))
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
@@ -526,6 +529,8 @@ class Pipeline(ScanRunner):
 
   def every_slot_full(self, state: PipelineState) -> bool:
     """See :meth:`pipejax.core.runner.Runner.every_slot_full`."""
+    checks.check_on_host("every_slot_full", state)
+    checks.check_not_donated(state)
     return slots_full(state.stages)
 
   # ------------------------------------------------------------------ layout
@@ -536,9 +541,11 @@ class Pipeline(ScanRunner):
 
   def to_logical(self, state: PipelineState) -> PipelineState:
     """The state itself: on one device the layout is the logical one."""
+    checks.check_not_donated(state)
     return state
 
   def from_logical(self, logical_state: PipelineState) -> PipelineState:
+    checks.check_not_donated(logical_state)
     return logical_state
 
   # ------------------------------------------------------------- boundary (pipejax.core.checks)

@@ -106,6 +106,12 @@ class Runner(Protocol):
     micro-batches followed by 2(S-1) empty ticks (fill and drain): returns (inputs, labels, valid)
     per tick.
     """
+    if checks.traced((inputs, labels)):
+      raise checks.PipelineError(
+          "to_ticks lays a stream out on the host, with numpy, so it cannot run inside jax.jit, "
+          "jax.vmap, jax.grad or another JAX transform. Call it on the data outside the "
+          "transform, and pass the (inputs, labels, valid) it returns to run, which may run "
+          "inside one.")
     count = checks.stream_length(inputs, labels)
     m = self.pipeline.method.micro_batches_per_step
     if m is None:
@@ -121,6 +127,22 @@ class Runner(Protocol):
 
     valid = spread(np.ones((count,), bool))
     return jax.tree.map(spread, inputs), jax.tree.map(spread, labels), valid
+
+
+def _varying_like(batch: Batch, state) -> Batch:
+  """``batch`` varying over the mesh axes the state varies over, inside the caller's
+  ``shard_map``: what the tick writes from the batch into the state (the labels and flags a
+  packet carries) must have the state's type, or ``lax.scan`` refuses its carry."""
+  def vma(a):  # the aval's varying manual axes: `.mat.varying` in this JAX, `.vma` before
+    aval = jax.typeof(a)
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", None) or
+                     getattr(aval, "vma", None) or ())
+  axes = frozenset().union(*map(vma, jax.tree.leaves(state)))
+  if not axes:
+    return batch
+  return jax.tree.map(
+      lambda a: jax.lax.pcast(a, tuple(sorted(axes - vma(a))), to="varying")
+      if axes - vma(a) else a, batch)
 
 
 def jit(fn, **kwargs):
@@ -166,13 +188,17 @@ class ScanRunner(Runner):
     """
     self.check_state(state)
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    if checks.traced((state, batch)):  # inside the caller's jit, vmap or grad: its program's part
+      return self._tick(state, _varying_like(batch, state))
     return self._jit_tick(state, batch)
 
   def run(self, state, inputs, labels, valid=None):
     """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
 
-    The state is donated: do not use the ``state`` passed in afterwards. Metrics come back
-    stacked along T.
+    The state is donated: do not use the ``state`` passed in afterwards, nor any part of it kept
+    from before the call (the message of an attempt says so). Metrics come back stacked along T.
+    Inside ``jax.jit``, ``jax.vmap``, ``jax.grad`` or ``jax.checkpoint`` it is traced into the
+    caller's program, which donates nothing.
 
     Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
     real: PB after its fill), a second compiled version runs without the per-stage guard against
@@ -182,6 +208,11 @@ class ScanRunner(Runner):
     """
     self.check_state(state)
     batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    if checks.traced((state, batch)):
+      # Inside the caller's jit, vmap or grad: the guarded program, traced into the caller's
+      # (which donates nothing and compiles with the caller's options); whether every slot is
+      # full is not known there.
+      return self._run(state, _varying_like(batch, state))
     if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
       return self._jit_run_full(state, batch)
     return self._jit_run(state, batch)

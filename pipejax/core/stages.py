@@ -53,6 +53,22 @@ class ModelError(ValueError):
   """A model or its stages do not fit together; the message says how to fix it."""
 
 
+# A runner's run() donates the state it is given (XLA reuses its buffers for the new state), so
+# every array of it is freed, also one a caller kept a reference to.
+DONATED_MESSAGE = (
+    "An array passed in was donated to an earlier run() call, which freed its buffers: run() "
+    "consumes the state it is given, and with it every part of that state kept from before the "
+    "call (e.g. params = state.stages[0].params). Use the state that call returned (state, "
+    "metrics = pipe.run(state, ...)) and take its parts after the call, or keep a copy "
+    "(jax.tree.map(jnp.copy, state)) before running if you need the old one.")
+
+
+def donated(tree: PyTree) -> bool:
+  """Whether an array of ``tree`` was freed by a donation (traced values never are)."""
+  return any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+             for a in jax.tree.leaves(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """One pipeline stage: pure ``init(rng, x) -> params`` and ``apply(params, x, rng) -> y``.
@@ -63,6 +79,9 @@ class Stage:
   ``apply`` takes the variables as a fourth argument. ``init_with_variables``, when given, makes
   both in one call (:meth:`initial`): a flax module's init makes them together, and building a
   deep pipeline traces every stage's initialization, so one trace where two would do matters.
+  ``infer_differs`` says that ``infer_with`` computes other than ``apply`` without randomness
+  for a stateless stage too (:func:`from_flax`'s ``eval_kwargs``); without it such a stage
+  evaluates with ``apply(params, x, None)``.
   """
 
   init: Callable[[jax.Array, PyTree], PyTree]
@@ -72,6 +91,7 @@ class Stage:
   init_variables: Callable[[jax.Array, PyTree], Variables | None] | None = None
   infer_with: Callable[[PyTree, PyTree, Variables], PyTree] | None = None
   init_with_variables: Callable[[jax.Array, PyTree], tuple[PyTree, Variables | None]] | None = None
+  infer_differs: bool = False
 
   def initial(self, rng: jax.Array, x: PyTree) -> tuple[PyTree, Variables | None]:
     """``(init(rng, x), variables(rng, x))``, from one call where the stage has one."""
@@ -91,23 +111,33 @@ class Stage:
     return self.apply(params, x, rng, variables)
 
   def infer(self, params: PyTree, x: PyTree, variables: Variables | None = None) -> PyTree:
-    """Evaluation: the output with the variables read-only (None for a stateless stage)."""
-    if variables is None:
+    """Evaluation: the output with the variables read-only (None for a stateless stage), without
+    randomness."""
+    if self.infer_with is None or variables is None and not self.infer_differs:
       return self.apply(params, x, None)
     return self.infer_with(params, x, variables)
 
 
 def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | None = None,
-              **apply_kwargs) -> Stage:
+              train_kwargs: dict[str, Any] | None = None,
+              eval_kwargs: dict[str, Any] | None = None, **unknown) -> Stage:
   """Makes a :class:`Stage` from a flax linen module (one line per stage).
 
-  ``apply_kwargs`` are passed to every call (e.g. ``train=True``). A module that keeps mutable
-  collections (running statistics) becomes a stage with state: the collection named
-  :data:`BACKWARD_COLLECTION` holds its backward variables, every other one its forward variables
-  (module docstring). In evaluation (:meth:`Stage.infer`) the collections are passed immutable, so
-  the module must then read its statistics without updating them (as
-  :class:`pipejax.models.online_norm.OnlineNorm` does; flax's BatchNorm needs
-  ``use_running_average=True`` for that).
+  The module's call arguments come in two sets, as flax modules take them:
+
+  * ``train_kwargs`` for training: ``init``, the forward and the backward's recompute, with the
+    stage's ``'dropout'`` key. E.g. ``{'use_running_average': False}`` for a
+    ``nn.BatchNorm(use_running_average=None)``, ``{'deterministic': False}`` for a
+    ``nn.Dropout(rate)``, ``{'train': True}`` for a module of your own;
+  * ``eval_kwargs`` for evaluation (:meth:`Stage.infer`), without randomness and with the
+    collections passed immutable: ``{'use_running_average': True}``,
+    ``{'deterministic': True}``, ``{'train': False}``.
+
+  A module that keeps mutable collections (running statistics) becomes a stage with state: the
+  collection named :data:`BACKWARD_COLLECTION` holds its backward variables, every other one its
+  forward variables (module docstring), which its training call must update: building a
+  pipeline refuses a stage whose forward variables its training forward leaves unchanged, and
+  one that cannot evaluate, naming the argument to give.
   """
   from flax import linen as nn  # pylint: disable=import-outside-toplevel  # only here
   if isinstance(module, type) and issubclass(module, nn.Module):
@@ -117,12 +147,23 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
     raise ModelError(f"from_flax takes a flax linen module (e.g. nn.Dense(10)); got "
                      f"{type(module).__name__}. Wrap a plain function as pipejax.Stage(init, "
                      "forward).")
+  stage_name = name or type(module).__name__
+  train_kwargs = _call_kwargs(train_kwargs, "train_kwargs", stage_name)
+  eval_kwargs = _call_kwargs(eval_kwargs, "eval_kwargs", stage_name)
+  if unknown:
+    given = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
+    raise ModelError(
+        f"from_flax('{stage_name}') takes the module's call arguments in two sets, "
+        "train_kwargs for training (init, forward and recompute) and eval_kwargs for "
+        f"evaluation; got {given} on its own, which would serve both (a BatchNorm's statistics "
+        "would then never move, or evaluation would try to update them). Pass e.g. "
+        f"from_flax(module, train_kwargs={dict(unknown)!r}, eval_kwargs={{...}}) with the "
+        "values for inference.")
   if isinstance(input_shape, int):
     input_shape = (input_shape,)
-  stage_name = name or type(module).__name__
 
   def init_all(rng, x):
-    return module.init({"params": rng, "dropout": rng}, x, **apply_kwargs)
+    return module.init({"params": rng, "dropout": rng}, x, **train_kwargs)
 
   def init(rng, x):
     return init_all(rng, x).get("params", {})
@@ -153,18 +194,37 @@ def from_flax(module, *, name: str | None = None, input_shape: Sequence[int] | N
 
   def apply(params, x, rng, variables=None):
     if variables is None:
-      return module.apply({"params": params}, x, rngs=rngs_for(rng), **apply_kwargs)
+      return module.apply({"params": params}, x, rngs=rngs_for(rng), **train_kwargs)
     y, forward = module.apply(_all_collections(params, variables), x, rngs=rngs_for(rng),
-                              mutable=list(variables.forward), **apply_kwargs)
+                              mutable=list(variables.forward), **train_kwargs)
     return y, {k: forward[k] for k in variables.forward}
 
   def infer_with(params, x, variables):
-    return module.apply(_all_collections(params, variables), x, **apply_kwargs)
+    collections = {"params": params} if variables is None else _all_collections(params, variables)
+    return module.apply(collections, x, **eval_kwargs)
 
   return Stage(init=init, apply=apply, name=stage_name,
                input_shape=tuple(input_shape) if input_shape is not None else None,
                init_variables=init_variables, infer_with=infer_with,
-               init_with_variables=init_with_variables)
+               init_with_variables=init_with_variables,
+               infer_differs=_differ(train_kwargs, eval_kwargs))
+
+
+def _differ(train_kwargs: dict, eval_kwargs: dict) -> bool:
+  """Whether the two sets may call the module differently. By identity: values may be arrays (an
+  attention mask), whose ``==`` is elementwise; equal values that are not the same object only
+  cost a trace of the stage's evaluation."""
+  return train_kwargs.keys() != eval_kwargs.keys() or any(
+      train_kwargs[k] is not eval_kwargs[k] for k in train_kwargs)
+
+
+def _call_kwargs(kwargs, what: str, stage_name: str) -> dict[str, Any]:
+  if kwargs is None:
+    return {}
+  if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+    raise ModelError(f"from_flax('{stage_name}'): {what} must be a dict of the module's keyword "
+                     f"arguments, e.g. {{'train': True}}; got {kwargs!r}.")
+  return dict(kwargs)
 
 
 def _all_collections(params, variables: Variables) -> dict:
@@ -225,29 +285,31 @@ class Model:
       params: one params tree per stage.
       x: a batch of inputs.
       rng: None for no randomness; else stage ``s`` draws from ``jax.random.fold_in(rng, s)``.
-      variables: one :class:`Variables` (or None) per stage of a model with state; the stages
-        then evaluate with them read-only (:meth:`Stage.infer`), which draws no randomness.
+      variables: one :class:`Variables` (or None, for a stateless stage) per stage: given, the
+        stages evaluate (:meth:`Stage.infer`: the variables read-only, :func:`from_flax`'s
+        ``eval_kwargs``, no randomness); without them they run their training ``apply``.
 
     Returns:
       The last stage's output (what ``loss`` takes).
 
     Raises:
-      ModelError: ``params`` or ``variables`` is not one entry per stage, or ``rng`` is given
-        together with variables.
+      ModelError: ``params`` or ``variables`` is not one entry per stage, ``rng`` is given
+        together with variables, or an array of them was donated to a runner's ``run()``.
     """
+    if donated((params, variables)):
+      raise ModelError(DONATED_MESSAGE)
     if len(params) != self.num_stages:
       raise ModelError(f"Model.apply takes one params tree per stage: {len(params)} for "
                        f"{self.num_stages} stages.")
-    if variables is None:
-      variables = [None] * self.num_stages
-    elif len(variables) != self.num_stages:
+    if variables is not None and len(variables) != self.num_stages:
       raise ModelError(f"Model.apply takes one Variables (or None) per stage: {len(variables)} "
                        f"for {self.num_stages} stages.")
-    elif rng is not None and any(v is not None for v in variables):
+    if rng is not None and any(v is not None for v in variables or ()):
       raise ModelError("Model.apply evaluates stages with variables read-only, without "
                        "randomness; pass rng=None with variables.")
-    for s, (stage, p, v) in enumerate(zip(self.stages, params, variables)):
-      if v is not None:
+    evaluate = variables is not None and rng is None
+    for s, (stage, p, v) in enumerate(zip(self.stages, params, variables or [None] * len(params))):
+      if evaluate:
         x = stage.infer(p, x, v)
       else:
         x = stage.apply(p, x, None if rng is None else jax.random.fold_in(rng, s))
@@ -313,6 +375,8 @@ class Model:
             f"{changed[0]}: every output of a stage must keep the leading micro-batch axis "
             f"({batch}), one row per sample. Reshape within each sample, e.g. "
             "x.reshape(x.shape[0], -1).")
+      _check_variables_move(self.stage_label(s), forward, (p, x, keys[s]), v)
+      _check_evaluates(self.stage_label(s), stage, forward, (p, x, keys[s]), v, y)
       params_shapes.append(p)
       input_shapes.append(x)
       forwards.append(forward)
@@ -320,6 +384,59 @@ class Model:
       x = y
     return ModelTrace(tuple(params_shapes), tuple(input_shapes), tuple(forwards), tuple(initials),
                       {})
+
+
+def _check_variables_move(label: str, forward: jax_core.ClosedJaxpr, before: tuple,
+                          variables: Variables | None) -> None:
+  """Refuses forward variables that the traced training forward returns as it took them: they
+  would keep their initial values for ever (``before``: the forward's arguments before them)."""
+  if variables is None or not jax.tree.leaves(variables.forward):
+    return
+  paths = jax.tree_util.tree_leaves_with_path(variables.forward)
+  start = len(jax.tree.leaves(before))
+  taken = forward.jaxpr.invars[start:start + len(paths)]
+  returned = forward.jaxpr.outvars[len(forward.jaxpr.outvars) - len(paths):]
+  frozen = [jax.tree_util.keystr(path) for (path, _), a, b in zip(paths, taken, returned)
+            if a is b]
+  if frozen:
+    raise ModelError(
+        f"{label} keeps forward variables that its training forward returns unchanged "
+        f"({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}), so they would keep "
+        "their initial values for ever (a BatchNorm's running mean 0 and variance 1) and "
+        "evaluation would read those. Update them in training: flax's BatchNorm needs "
+        "use_running_average=False there and True in evaluation, e.g. "
+        "from_flax(nn.BatchNorm(use_running_average=None), train_kwargs={'use_running_average': "
+        "False}, eval_kwargs={'use_running_average': True}). A value that never changes "
+        "belongs in the stage's closure, not in its variables.")
+
+
+def _check_evaluates(label: str, stage: Stage, forward: jax_core.ClosedJaxpr, before: tuple,
+                     variables: Variables | None, trained) -> None:
+  """Traces the stage's evaluation (:meth:`Stage.infer`) where it is not its training forward
+  without randomness, and refuses one that fails or gives another shape than training."""
+  key = forward.jaxpr.invars[len(jax.tree.leaves(before[:2]))]
+  draws = any(key is a for eqn in forward.jaxpr.eqns for a in eqn.invars)
+  if variables is None and not stage.infer_differs and not draws:
+    return
+  params, x, _ = before
+  try:
+    evaluated = jax.eval_shape(stage.infer, params, x, variables)
+  except ModelError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # flax's errors are long
+    first_line = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else \
+        type(e).__name__
+    raise ModelError(
+        f"{label} cannot evaluate: {first_line}. Evaluation (Stage.infer: Model.apply with "
+        "variables, the trainer's test) reads the variables without updating them and draws "
+        "no randomness; give from_flax the module's arguments for it as eval_kwargs, e.g. "
+        "{'use_running_average': True} for a BatchNorm, {'deterministic': True} for a Dropout, "
+        "{'train': False} for a module of your own (and the training ones as "
+        "train_kwargs).") from None
+  if _fmt(evaluated) != _fmt(trained):
+    raise ModelError(f"{label} evaluates to {_fmt(evaluated)} but trains to {_fmt(trained)}; "
+                     "the next stage takes one shape. Make its eval_kwargs give the training "
+                     "output's shape.")
 
 
 class InitialProgram(NamedTuple):

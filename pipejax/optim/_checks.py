@@ -94,8 +94,20 @@ def check_range(value: Any, name: str, owner: str, *, low: float | None = None,
 def check_count(value: Any, name: str, owner: str) -> None:
   """Raises unless ``value`` is a whole number ``>= 0`` (a delay in steps; 2.0 counts as 2).
 
-  A traced scalar is accepted unchecked.
+  An array (concrete or traced) must have an integer dtype: a floating one may already have been
+  rounded, as ``optax.inject_hyperparams`` casts a float hyperparameter to the params' dtype and
+  bfloat16 holds 301 as 300. A traced integer scalar is accepted unchecked.
   """
+  scalar(value, name, owner)  # the type checks first: None, text, bools, arrays of many values
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and not jnp.issubdtype(
+      value.dtype, jnp.integer):
+    got = 'a traced' if isinstance(value, jax.core.Tracer) else f'{value.item()!r} as a'
+    raise ValueError(f'{owner}: {name} is a number of steps and must be a Python int or an '
+                     f'array of an integer dtype; got {got} {value.dtype} array, which may '
+                     f'have been rounded (bfloat16 holds 301 as 300, and '
+                     "optax.inject_hyperparams casts a float hyperparameter to the params' "
+                     f'dtype). Pass {name} as a Python int, which inject_hyperparams keeps as it '
+                     'is.')
   check_range(value, name, owner, low=0)
   number = scalar(value, name, owner)
   if number is not None and number != int(number):

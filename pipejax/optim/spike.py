@@ -58,6 +58,7 @@ def spike_coefficients(delay: Any, momentum: Any) -> tuple[Any, Any]:
     (0.25, 1.5)
   """
   _check_delay_and_momentum(delay, momentum, 'spike_coefficients')
+  delay = _checks.at_least_float32(delay)  # an int array, checked: float32 as m is
   a = momentum**delay
   if _checks.is_concrete_number(momentum):
     return a, (1 - a) / (1 - momentum)
@@ -151,7 +152,7 @@ def spike_compensation(delay: Any, momentum: Any, nesterov: bool = False,
           lambda g, v: g + jnp.asarray(momentum, v.dtype) * v, updates, trace)
                      if nesterov else trace)
     else:
-      a, b = spike_coefficients(_checks.at_least_float32(delay) + (1 if nesterov else 0),
+      a, b = spike_coefficients(delay + (1 if nesterov else 0),
                                 _checks.at_least_float32(momentum))
       compensated = _checks.map_gradients(
           lambda g, v: jnp.asarray(a, v.dtype) * v + jnp.asarray(b, g.dtype) * g, updates, trace)

@@ -172,8 +172,7 @@ class ShardedLayout:
     if not isinstance(packed, PackedState):
       raise PipelineError(f"Expected the PackedState of sharded.init() or sharded.from_logical(); "
                           f"got {type(packed).__name__}.")
-    if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(packed)):
-      raise PipelineError(checks.DONATED_STATE_MESSAGE)
+    checks.check_not_donated(packed)
     names = {family: {packing.buffer_name(k) for k in self.packing.buffer_sizes if k[0] == family}
              for family in (SHARED, LOCAL)}
     fits = set(packed.shared) == names[SHARED] and set(packed.local) == names[LOCAL] and all(

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
 from pipejax.parallel import packing, stacking
+from pipejax.core import checks
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline, TickOptions
 from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
@@ -172,6 +173,7 @@ class ShardedPipeline(Runner):
 
     In a multi-process run every process must call it (it gathers the other processes' parts).
     """
+    self.check_state(packed)
     return self._mesh_layout.to_logical(packed)
 
   # ------------------------------------------------------------------ running
@@ -184,6 +186,7 @@ class ShardedPipeline(Runner):
     every device (readable in every process): ``loss`` and the loss's metrics averaged over the
     data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
     """
+    checks.refuse_traced("ShardedPipeline", (packed, inputs, labels, valid))
     self.check_state(packed)
     if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
       # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
@@ -207,6 +210,7 @@ class ShardedPipeline(Runner):
 
   def tick(self, packed: PackedState, inputs, labels, valid=True):
     """One tick (``run`` with T = 1); metrics without the time axis."""
+    checks.refuse_traced("ShardedPipeline", (packed, inputs, labels, valid))
     add_time = lambda tree: jax.tree.map(lambda a: np.asarray(a)[None], tree)
     packed, metrics = self.run(packed, add_time(inputs), add_time(labels),
                                np.asarray(valid, bool)[None])

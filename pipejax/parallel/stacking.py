@@ -355,8 +355,11 @@ class StackedPipeline(ScanRunner):
     """The pipeline's initial state (the same numbers), in the stacked layout.
 
     A stack whose stages initialize alike initializes under one ``vmap`` over its stages' keys,
-    so this program, like the tick, does not grow with the length of a stack.
+    so this program, like the tick, does not grow with the length of a stack. A state larger
+    than the device's memory is refused before anything is allocated.
     """
+    if not checks.traced((rng, fill_value)):
+      checks.check_state_fits(accounting.tree_bytes(self._state_spec), self.num_stages)
     return self._jit_init(raw_key(rng), jnp.float32(fill_value))
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> StackedState:
@@ -437,6 +440,8 @@ class StackedPipeline(ScanRunner):
     checks.check_state(state, self._state_spec, self.num_stages)
 
   def every_slot_full(self, state: StackedState) -> bool:
+    checks.check_on_host("every_slot_full", state)
+    checks.check_not_donated(state)
     return slots_full(state.parts)
 
   def held_stash_bytes(self, state: StackedState) -> int:

@@ -17,7 +17,6 @@ import os
 import time
 
 from absl import logging
-import jax
 import numpy as np
 
 from pipejax import cli
@@ -471,12 +470,7 @@ def _memory_available() -> tuple[int, str]:
   """The memory a chunk and the state compete for: the first device's, or the host's on CPU;
   under a study that runs N trainers at once (``cli.TRAINERS_AT_ONCE``), an Nth of it, since
   each trainer checks only its own run."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform != "cpu" else None
-  if stats and stats.get("bytes_limit"):
-    total, where = int(stats["bytes_limit"]), f"{device.device_kind}'s memory"
-  else:
-    total, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+  total, where = accounting.memory_available()
   shared = cli.trainers_at_once()
   if shared == 1:
     return total, where
@@ -492,8 +486,7 @@ def state_bytes(setup) -> int:
   return accounting.tree_bytes(setup.pipeline.state_spec)
 
 
-def _gib(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+_gib = accounting.gib
 
 
 def check_memory(config, setup, chunk_ticks: int) -> None:

@@ -314,7 +314,9 @@ def test_an_integer_parameter_is_named_with_its_stage():
 
 
 def test_batchnorm_stage_is_refused_at_micro_batch_one_only():
-  stage = pipejax.from_flax(nn.BatchNorm(use_running_average=False), name="bn")
+  stage = pipejax.from_flax(nn.BatchNorm(use_running_average=None), name="bn",
+                            train_kwargs={"use_running_average": False},
+                            eval_kwargs={"use_running_average": True})
   model = pipejax.Model([stage, pipejax.from_flax(nn.Dense(4))])
   x, y = make_stream(1, 1)
   with pytest.raises(pipejax.ModelError, match="batch_stats.*micro-batch size 1.*OnlineNorm"):

@@ -140,3 +140,126 @@ def test_a_model_traces_once_per_input_signature():
   x3, y3 = helpers.make_stream(1, 3)
   wider = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.1), x3[0], y3[0])
   assert len(calls) == 2 * traced and wider.stage_input_shapes[1].shape == (3, 5)
+
+
+BATCH_NORM = dict(train_kwargs={"use_running_average": False},
+                  eval_kwargs={"use_running_average": True})
+
+
+def _batch_norm_pipeline(use_running_average=None, **kwargs):
+  """Flax's BatchNorm as stage 0 (its input is the micro-batch itself), then a dense head."""
+  from pipejax import methods  # pylint: disable=import-outside-toplevel
+  norm = pipejax.from_flax(nn.BatchNorm(use_running_average, momentum=0.5), name="bn", **kwargs)
+  model = pipejax.Model([norm, pipejax.from_flax(nn.Dense(helpers.NUM_CLASSES), name="head")])
+  x, y = helpers.make_stream(5, 3)
+  return pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.05), x[0], y[0]), x, y
+
+
+def test_flax_batchnorm_trains_its_running_statistics_and_evaluates_with_them():
+  pipe, x, y = _batch_norm_pipeline(**BATCH_NORM)
+  state, _ = pipe.run(pipe.init(jax.random.key(0)), x, y)
+  # Stage 0 forwarded micro-batch t at tick t: the running statistics are flax's moving
+  # averages of the five batch means and (biased) variances, from mean 0 and variance 1.
+  mean, var = np.zeros(helpers.IN_DIM), np.ones(helpers.IN_DIM)
+  for batch in x.astype(np.float64):
+    mean, var = 0.5 * mean + 0.5 * batch.mean(0), 0.5 * var + 0.5 * batch.var(0)
+  stats = state.stages[0].variables.forward["batch_stats"]
+  np.testing.assert_allclose(stats["mean"], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(stats["var"], var, rtol=1e-5, atol=1e-6)
+  # Evaluation reads them, and changes nothing.
+  params = [st.params for st in state.stages]
+  variables = [st.variables for st in state.stages]
+  out = pipe.model.apply(params, x[0], variables=variables)
+  scale, bias = params[0]["scale"], params[0]["bias"]
+  normalized = (x[0] - mean) / np.sqrt(var + 1e-5) * scale + bias
+  expected = normalized @ params[1]["kernel"] + params[1]["bias"]
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(state.stages[0].variables.forward["batch_stats"]["mean"],
+                                stats["mean"])
+
+
+def test_flax_batchnorm_frozen_in_training_or_unable_to_evaluate_is_refused_when_built():
+  frozen = dict(train_kwargs={"use_running_average": True},
+                eval_kwargs={"use_running_average": True})
+  with pytest.raises(pipejax.ModelError, match=r"stage 0 \('bn'\) keeps forward variables that "
+                     r"its training forward returns unchanged \(\['batch_stats'\]\['mean'\]"):
+    _batch_norm_pipeline(**frozen)
+  # The other route: statistics updated in training, and by evaluation too, where they are
+  # read-only.
+  with pytest.raises(pipejax.ModelError, match=r"stage 0 \('bn'\) cannot evaluate: .*immutable"
+                     r".*eval_kwargs.*'use_running_average': True") as error:
+    _batch_norm_pipeline(use_running_average=False)
+  assert "\n" not in str(error.value)
+
+
+def test_from_flax_refuses_one_set_of_call_arguments_for_both_passes():
+  with pytest.raises(pipejax.ModelError, match=r"train_kwargs for training .* eval_kwargs for "
+                     r"evaluation; got use_running_average=False on its own.*train_kwargs="
+                     r"\{'use_running_average': False\}"):
+    pipejax.from_flax(nn.BatchNorm(), use_running_average=False)
+  with pytest.raises(pipejax.ModelError, match="eval_kwargs must be a dict"):
+    pipejax.from_flax(nn.BatchNorm(), eval_kwargs=["use_running_average"])
+
+
+class _DenseDropout(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    return nn.Dropout(0.5)(nn.Dense(5)(x), deterministic=deterministic)
+
+
+def test_flax_dropout_drops_in_training_with_the_stages_key_and_not_in_evaluation():
+  from pipejax import methods  # pylint: disable=import-outside-toplevel
+  dropout = pipejax.from_flax(_DenseDropout(), name="drop",
+                              train_kwargs={"deterministic": False},
+                              eval_kwargs={"deterministic": True})
+  model = pipejax.Model([dropout, pipejax.from_flax(nn.Dense(helpers.NUM_CLASSES))])
+  x, y = helpers.make_stream(4, 3)
+  pipe = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.0), x[0], y[0])
+  state = pipe.init(jax.random.key(0))
+  params = jax.tree.map(np.array, [st.params for st in state.stages])  # run() donates the state
+  trained = dropout.apply(params[0], x[0], jax.random.key(1))
+  assert 0 < np.mean(np.asarray(trained) == 0) < 1  # some units dropped in training
+  plain = x[0] @ params[0]["Dense_0"]["kernel"] + params[0]["Dense_0"]["bias"]
+  np.testing.assert_allclose(dropout.infer(params[0], x[0]), plain, rtol=1e-6)
+  evaluated = model.apply(params, x[0], variables=[None, None])
+  np.testing.assert_allclose(
+      evaluated, plain @ params[1]["kernel"] + params[1]["bias"], rtol=1e-5, atol=1e-6)
+  # In the pipeline the dropout draws from the stage's key: the losses differ from evaluation's.
+  _, metrics = pipe.run(state, x, y)
+  valid = np.asarray(metrics["valid"])
+  losses = [float(model.loss(model.apply(params, x[t], variables=[None, None]), y[t])[0])
+            for t in np.asarray(metrics["sample"])[valid]]
+  assert not np.allclose(np.asarray(metrics["loss"])[valid], losses)
+  # A dropout that needs a key in evaluation too is refused when the pipeline is built.
+  always = pipejax.from_flax(nn.Dropout(0.5, deterministic=False), name="always")
+  with pytest.raises(pipejax.ModelError, match=r"stage 0 \('always'\) cannot evaluate: .*"
+                     r"'deterministic': True"):
+    pipejax.Pipeline(pipejax.Model([always] + list(model.stages[1:])),
+                     methods.make_method("pb", learning_rate=0.0), x[0], y[0])
+
+
+def test_flax_attention_takes_its_mask_as_a_call_argument_of_each_pass():
+  from pipejax import methods  # pylint: disable=import-outside-toplevel
+  length, width = 4, 8
+  attention = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.5)
+  # Two equal masks, not one object: arrays in the two sets are compared without their ``==``.
+  stage = pipejax.from_flax(
+      attention, name="attention",
+      train_kwargs={"mask": nn.make_causal_mask(jnp.ones((1, length))), "deterministic": False},
+      eval_kwargs={"mask": nn.make_causal_mask(jnp.ones((1, length))), "deterministic": True})
+  model = pipejax.Model([stage, pipejax.from_flax(nn.Dense(3), name="head")])
+  x = np.random.default_rng(0).standard_normal((2, length, width)).astype(np.float32)
+  pipe = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.05), x,
+                          np.zeros((2, length), np.int32))
+  params = jax.tree.map(np.array, [st.params for st in pipe.init(jax.random.key(0)).stages])
+  # Evaluated at another batch size: causal (a later position does not change an earlier one's
+  # output) and without dropout.
+  batch = np.random.default_rng(1).standard_normal((5, length, width)).astype(np.float32)
+  changed = batch.copy()
+  changed[:, -1] += 1.0
+  out, out_changed = (model.apply(params, b, variables=[None, None]) for b in (batch, changed))
+  np.testing.assert_allclose(out[:, :-1], out_changed[:, :-1], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(out[:, -1], out_changed[:, -1])
+  expected = attention.apply({"params": params[0]}, batch, mask=nn.make_causal_mask(
+      jnp.ones((1, length))), deterministic=True)
+  np.testing.assert_allclose(stage.infer(params[0], batch), expected, rtol=1e-6)

@@ -165,3 +165,36 @@ TRANSFORMS_WITH_DECAY = {
     "sgd_sc with weight decay": lambda: optim.sgd_sc(0.1, 2, 0.9, weight_decay=0.1),
 }
 
+
+
+# Every factory that takes a delay, with good values for its other arguments.
+DELAY_FACTORIES = {
+    "sgd_sc": lambda delay: optim.sgd_sc(0.1, delay, 0.9),
+    "spike_compensation": lambda delay: optim.spike_compensation(delay, 0.9),
+    "scale_by_adam_sc": lambda delay: optim.scale_by_adam_sc(delay),
+    "adam_sc": lambda delay: optim.adam_sc(0.1, delay),
+    "nesterov_asyncpp": lambda delay: adam_family.nesterov_asyncpp(0.1, delay, max_delay=400,
+                                                                   anneal_steps=10),
+    "pipemare": lambda delay: optim.pipemare(0.1, delay, 0.9, 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DELAY_FACTORIES))
+def test_a_delay_in_a_floating_array_is_refused_since_its_dtype_may_have_rounded_it(name):
+  factory = DELAY_FACTORIES[name]
+  bfloat16 = jnp.zeros(3, jnp.bfloat16)
+  # inject_hyperparams casts a float delay to the params' dtype: 301.0 arrives as bfloat16 300.
+  injected = optax.inject_hyperparams(lambda delay: factory(delay))(delay=301.0)
+  with pytest.raises(ValueError, match=rf"{name}\w*: delay .*integer dtype.*bfloat16") as error:
+    injected.init(bfloat16)
+  assert "\n" not in str(error.value) and "Python int" in str(error.value)
+  for delay in (jnp.float32(3.0), np.float32(3.0) * np.ones(())):  # a float array, even whole
+    with pytest.raises(ValueError, match=rf"{name}\w*: delay .*integer dtype"):
+      factory(delay)
+  with pytest.raises(ValueError, match=rf"{name}\w*: delay .*integer dtype"):  # traced, under jit
+    jax.jit(lambda delay: factory(delay).init(PARAMS))(jnp.float32(3.0))
+  # A whole Python number, and an int under inject_hyperparams (which keeps ints as they are).
+  state = optax.inject_hyperparams(lambda delay: factory(delay))(delay=301).init(bfloat16)
+  assert int(state.hyperparams["delay"]) == 301
+  for delay in (301, 301.0, np.int32(301), jnp.int32(301)):
+    factory(delay).init(PARAMS)
