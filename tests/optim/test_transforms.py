@@ -1205,9 +1205,10 @@ def test_docstring_examples_run(module_name):
   assert len(with_examples) == inspect.getsource(module).count('Example:')
 
 
-TRANSFORMATIONS = ('adam_sc', 'delay_compensation', 'delay_gradients', 'delayed_error_feedback',
-                   'linear_weight_prediction', 'muon_sc', 'pipemare', 'pipemare_discrepancy',
-                   'scale_by_adam_sc', 'scale_by_muon_sc', 'sgd_sc', 'spike_compensation')
+TRANSFORMATIONS = ('adam_sc', 'adam_weight_prediction', 'delay_compensation', 'delay_gradients',
+                   'delayed_error_feedback', 'linear_weight_prediction', 'muon_sc',
+                   'nesterov_asyncpp', 'pipemare', 'pipemare_discrepancy', 'scale_by_adam_sc',
+                   'scale_by_muon_sc', 'scale_by_torch_nadam', 'sgd_sc', 'spike_compensation')
 
 
 @pytest.mark.parametrize('name', TRANSFORMATIONS + ('predicted_params', 'pipemare_backward_params',
