@@ -47,6 +47,10 @@ def test_pipemare_discrepancy_tracks_the_applied_updates():
                                params - delay * delta, rtol=1e-5, atol=1e-6)
 
 
+def test_pipemare_backward_params_says_it_belongs_in_a_pipeline():
+  assert 'Only meaningful inside a pipeline' in pipemare_backward_params.__doc__
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input.
 

@@ -264,10 +264,10 @@ class LibraryTest(chex.TestCase):
       return jnp.where(t == t0, 1.0, 0.0) * impulse
 
     undelayed = trajectory(optax.sgd(lr, momentum=momentum, nesterov=True), gradient, start,
-                            steps)
+                           steps)
     compensated = trajectory(optax.chain(delay_gradients(delay),
-                                          sgd_sc(lr, delay, momentum, nesterov=True)),
-                              gradient, start, steps)
+                                         sgd_sc(lr, delay, momentum, nesterov=True)),
+                             gradient, start, steps)
     arrival = t0 + delay
     chex.assert_trees_all_close(compensated[arrival + 1:], undelayed[arrival + 1:], rtol=1e-6,
                                 atol=1e-6)

@@ -22,8 +22,8 @@ from absl.testing import parameterized
 
 from pipejax import optim
 from pipejax.optim import (adam_sc, delay_gradients, linear_weight_prediction, pipemare,
-                           pipemare_backward_params, pipemare_discrepancy, predicted_params,
-                           scale_by_adam_sc, sgd_sc, spike_compensation)
+                           pipemare_discrepancy, predicted_params, scale_by_adam_sc, sgd_sc,
+                           spike_compensation)
 from tests.optim.common import (PARAMS, GRADS, tree, assert_trees_close, trees_differ,
                                 current_weights, trajectory, frozen)
 
@@ -220,7 +220,7 @@ def test_converges(name, problem_name):
   opt = case.optimizer(case.settings[problem_name])
   gradient = jax.grad(problem.loss)
   history = trajectory(opt, lambda t, w: gradient(w), jnp.array(problem.start), problem.steps,
-                        view=case.view)
+                       view=case.view)
   distance = float(jnp.linalg.norm(history[-1] - jnp.array(problem.optimum)))
   assert distance < problem.tolerance, (
       f'{name} ended {distance:.3g} from the optimum of {problem_name}')
@@ -257,7 +257,7 @@ def test_inject_hyperparams(name):
   assert len(traces) == 1  # Changing a hyperparameter's value does not retrace.
   if case.injected is not None:
     assert trees_differ((changed_updates, changed_state.inner_state),
-                         (updates, state.inner_state)), f'changing {case.injected} had no effect'
+                        (updates, state.inner_state)), f'changing {case.injected} had no effect'
 
 
 @pytest.mark.parametrize('injected', [False, True], ids=['plain', 'injected'])
@@ -376,10 +376,6 @@ def test_every_transformation_is_in_the_list_above():
   returns_one = [name for name in optim.__all__ if inspect.isfunction(getattr(optim, name)) and
                  'GradientTransformation' in str(inspect.signature(getattr(optim, name)))]
   assert sorted(returns_one) == sorted(TRANSFORMATIONS)
-
-
-def test_pipemare_backward_params_says_it_belongs_in_a_pipeline():
-  assert 'Only meaningful inside a pipeline' in pipemare_backward_params.__doc__
 
 
 def test_public_api_is_reexported():
