@@ -14,10 +14,30 @@ What a user needs is a name of this package:
 * the config's fields: :mod:`pipejax.config` (what every config file imports).
 
 Every name is imported when first used, so that ``pipejax.config`` and the study files load
-without JAX.
+without JAX. The same names are imported under ``TYPE_CHECKING`` below, for the readers that never
+run this file: type checkers, IDEs and the API reference (``scripts/api_docs.py``).
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from pipejax import config as config
+  from pipejax import data as data
+  from pipejax import models as models
+  from pipejax import optim as optim
+  from pipejax.core.checks import PipelineError as PipelineError
+  from pipejax.core.engine import Pipeline as Pipeline
+  from pipejax.core.stages import Model as Model
+  from pipejax.core.stages import ModelError as ModelError
+  from pipejax.core.stages import Stage as Stage
+  from pipejax.core.stages import from_flax as from_flax
+  from pipejax.core.stages import softmax_cross_entropy as softmax_cross_entropy
+  from pipejax.methods import Method as Method
+  from pipejax.methods import make_method as make_method
+  from pipejax.parallel.mesh import make_mesh as make_mesh
+  from pipejax.parallel.sharding import ShardedPipeline as ShardedPipeline
+  from pipejax.parallel.stacking import StackedPipeline as StackedPipeline
 
 _NAMES = {
     "Pipeline": "pipejax.core.engine",
@@ -36,10 +56,13 @@ __all__ = sorted(_NAMES) + list(_NAMESPACES)
 
 def __getattr__(name):
   if name in _NAMES:
-    return getattr(importlib.import_module(_NAMES[name]), name)
-  if name in _NAMESPACES:
-    return importlib.import_module(f"pipejax.{name}")
-  raise AttributeError(f"module 'pipejax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+  elif name in _NAMESPACES:
+    value = importlib.import_module(f"pipejax.{name}")
+  else:
+    raise AttributeError(f"module 'pipejax' has no attribute {name!r}")
+  globals()[name] = value  # found directly next time, and by readers of the module's __dict__
+  return value
 
 
 def __dir__():

@@ -51,9 +51,10 @@ _LOADERS: dict[str, tuple[Callable, int | None]] = {
     "fortunes": (_fortunes, None),
 }
 NAMES = tuple(_LOADERS)
+"""The names :func:`load` takes, one per data set."""
 TFDS_NAMES = ("fashion_mnist", "cifar10", "cifar100", "imagenet2012")
-# The data sets whose training split has a standard augmentation (its ``default_augment``).
 AUGMENTED_NAMES = ("cifar10", "cifar100", "imagenet2012")
+"""The data sets whose training split has a standard augmentation (its ``default_augment``)."""
 
 
 def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: int | None = None,

@@ -36,13 +36,16 @@ def _find_records() -> dict[str, Record]:
 
 
 RECORDS: dict[str, Record] = _find_records()
+"""Every preset's :class:`Record`, by its name, sorted by name."""
 # Importing the preset modules bound their names (``pb``, ``pipedream``, ``sync``) on this package:
 # the names stay the builders of :mod:`pipejax.methods.method`, as documented.
-from pipejax.methods.method import pb, pipedream, sync  # pylint: disable=wrong-import-position,g-import-not-at-top
+from pipejax.methods.method import pb, pipedream, sync  # pylint: disable=wrong-import-position
 METHODS = tuple(RECORDS)
+"""Every preset's name, sorted."""
 RECOMMENDED = next(name for name, record in RECORDS.items() if record.traits.recommended)
-# How reports and figures name the presets.
+"""The name of the preset whose traits mark it as the recommended one."""
 DISPLAY_NAMES = {name: record.display_name for name, record in RECORDS.items()}
+"""How reports and figures name the presets, by name."""
 
 
 def record_of(name: str) -> Record:

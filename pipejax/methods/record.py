@@ -13,6 +13,7 @@ from typing import Any, Callable
 from pipejax.methods.method import Method
 
 BASE_OPTIMIZERS = ("sgd", "adam")
+"""The base optimizers a preset can be built on (its record's ``optimizers`` name some of them)."""
 PREDICTION_FORMS = (None, "update", "next_velocity")
 # The training config's fields that set a learning-rate annealing length (pipejax.config).
 ANNEALING_FIELDS = ("pipemare_anneal_epochs", "pipemare_anneal_fraction")

@@ -46,6 +46,6 @@ def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, mome
   return dataclasses.replace(method_lib.sync(lambda delay: tx, micro_batches=1), name="sgd")
 
 
-# The per-layer rate rules the one-stage baseline can take (config.sgd_stage_rates), by the
-# method whose rates they copy.
 STAGE_RATES = {"pipemare": sgd_with_pipemare_rates}
+"""The per-layer rate rules the one-stage baseline can take (``config.sgd_stage_rates``), by the
+method whose rates they copy."""

@@ -7,7 +7,6 @@ from typing import Sequence
 from pipejax.models import blocks, layers, sequential
 from pipejax.core.stages import LossFn, Model, ModelError, softmax_cross_entropy
 
-# 'M' marks a 2x2 max pooling after the preceding conv layer (part of that layer's stage).
 VGG_CONFIGS = {
     "vgg11": (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
     "vgg13": (64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
@@ -16,6 +15,8 @@ VGG_CONFIGS = {
     "vgg19": (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
               512, 512, 512, 512, "M"),
 }
+"""Each VGG net's conv layers by name: a number is a 3x3 conv layer's output channels, and 'M' a
+2x2 max pooling after the preceding conv layer (part of that layer's stage)."""
 _CONV_NORMALIZATIONS = (None, "group", "layer", "online")
 
 

@@ -5,6 +5,10 @@ works under ``optax.inject_hyperparams``; helpers beside them derive the weights
 backward pass should use (as optax's ``schedule_free_eval_params`` does).
 """
 
+from pipejax.optim.adam_family import (AdamPredictionState, ScaleByTorchNAdamState,
+                                       adam_predicted_params, adam_weight_prediction,
+                                       asyncpp_learning_rate, asyncpp_momentum, decay_mask,
+                                       nesterov_asyncpp, scale_by_torch_nadam)
 from pipejax.optim.compensation import delay_compensation
 from pipejax.optim.delay import DelayGradientsState, delay_gradients
 from pipejax.optim.error_feedback import (DelayedErrorFeedbackState, delayed_error_feedback,
@@ -20,6 +24,7 @@ from pipejax.optim.spike import (ScaleByAdamSCState, SpikeCompensationState, ada
                                  scale_by_adam_sc, spike_coefficients, spike_compensation)
 
 __all__ = [
+    'AdamPredictionState',
     'DEFAULT_GAMMA',
     'DelayGradientsState',
     'DelayedErrorFeedbackState',
@@ -27,15 +32,22 @@ __all__ = [
     'Recipe',
     'ScaleByAdamSCState',
     'ScaleByMuonSCState',
+    'ScaleByTorchNAdamState',
     'SpikeCompensationState',
     'WeightPredictionState',
+    'adam_predicted_params',
     'adam_sc',
+    'adam_weight_prediction',
+    'asyncpp_learning_rate',
+    'asyncpp_momentum',
+    'decay_mask',
     'delay_compensation',
     'delay_gradients',
     'delayed_error_feedback',
     'error_feedback_virtual_params',
     'linear_weight_prediction',
     'muon_sc',
+    'nesterov_asyncpp',
     'pipemare',
     'pipemare_backward_params',
     'pipemare_discrepancy',
@@ -43,6 +55,7 @@ __all__ = [
     'predicted_params',
     'scale_by_adam_sc',
     'scale_by_muon_sc',
+    'scale_by_torch_nadam',
     'scale_recipe',
     'sgd_sc',
     'spike_coefficients',

@@ -20,6 +20,7 @@ from pipejax.optim import _checks
 # Not taken from the PipeMare paper: its full text was not available where this was written, and
 # the value it uses could not be checked. See pipemare_discrepancy for the reasoning.
 DEFAULT_GAMMA = 0.9
+"""The default decay ``gamma`` of :func:`pipemare_discrepancy`'s running average of updates."""
 
 
 class PipeMareState(NamedTuple):

@@ -401,14 +401,3 @@ def test_a_sigterm_during_set_up_stops_both_processes_with_75(tmp_path, cache):
   for code, log in results:
     assert code == 75, log[-3000:]
     assert "STOPPED by" in log and "FINAL" not in log and "Traceback" not in log, log[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.chaos
-def test_a_chaos_round_of_two_processes_has_no_failure(tmp_path):
-  """scripts/chaos.py's two-process trials, one of each: a mismatched process, a killed one."""
-  import random  # pylint: disable=import-outside-toplevel
-  from pipejax.chaos import two_process  # pylint: disable=import-outside-toplevel
-  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), trials=1)
-  assert outcomes == {"two processes, mismatch: refused": 1,
-                      "two processes, kill one: exact": 1}, outcomes

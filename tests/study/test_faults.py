@@ -1,11 +1,9 @@
 """Faults at the edges a user reaches: signals of a closed terminal, study files and flags that
-cannot be used, a trainer's damaged files under a study, and the chaos trials of the language
-model."""
+cannot be used, and a trainer's damaged files under a study."""
 
 import json
 import os
 import pty
-import random
 import re
 import select
 import signal
@@ -377,33 +375,6 @@ def test_report_only_beside_a_running_study_leaves_it_running_and_its_report_who
   assert "4 of 4 runs recorded: 4 finished" in (workdir / "report.md").read_text()
   assert {"f.png", "g.png", "report.md", "results.csv"} <= set(os.listdir(workdir))
   assert not [name for name in os.listdir(workdir) if ".tmp" in name]  # no writer's left over
-
-
-# ----------------------------------------------------------------------------- chaos, LM path
-
-
-# tests/models/test_lm.py retrains the LM past a damaged checkpoint at a fixed step.
-@pytest.mark.slow
-@pytest.mark.chaos
-def test_a_chaos_round_of_the_lm_in_one_process_ends_exact(tmp_path):
-  """scripts/chaos.py --cases=lm, one trial of each: a kill at a random moment, a damaged newest
-  checkpoint; each rerun must match the uninterrupted LM run bit for bit (or name the step)."""
-  from pipejax.chaos import lm, trainer  # pylint: disable=import-outside-toplevel
-  outcomes = trainer.trainer_trials(str(tmp_path), 1, random.Random(0), lm.LM)
-  assert sorted(k.split(":")[0] for k in outcomes) == ["lm corruption", "lm kill"], outcomes
-  assert not any(k.endswith("FAIL") for k in outcomes), outcomes
-
-
-# The LM's two-process round splits its stages over the processes (mesh.stage=2): what the image
-# models' round (tests/parallel/test_multihost.py) does not cover. Its data-parallel round runs in
-# scripts/chaos.py (--cases=lm_two_process), not here, to keep the suite short.
-@pytest.mark.slow
-@pytest.mark.chaos
-def test_a_chaos_round_of_the_lm_with_stages_over_two_processes_has_no_failure(tmp_path):
-  from pipejax.chaos import lm, two_process  # pylint: disable=import-outside-toplevel
-  outcomes = two_process.two_process_round(str(tmp_path), random.Random(0), 1, lm.LM_STAGES)
-  assert outcomes == {"two processes, lm stages, mismatch: refused": 1,
-                      "two processes, lm stages, kill one: exact": 1}, outcomes
 
 
 # ----------------------------------------------------------------------------- docs/reliability.md

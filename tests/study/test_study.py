@@ -703,25 +703,6 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
   assert "SIGTERM: stopping" in out and "Not done (2, stopped before the end)" in out
 
 
-@pytest.mark.slow
-@pytest.mark.chaos
-def test_a_chaos_round_of_the_study_launcher_ends_complete_and_exact(tmp_path):
-  """scripts/chaos.py's study cases, once each, on two runs of the depth smoke study: a kill of
-  the study, a kill of one trainer, a results line cut short (each rerun must match the
-  uninterrupted study), and `--report_only` in a loop beside the study (which must end as the
-  uninterrupted one, with a whole report)."""
-  chaos = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chaos.py"),
-                          "--cases=study", "--study_trials=1", f"--workdir={tmp_path / 'chaos'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1500)
-  assert chaos.returncode == 0, chaos.stdout[-3000:] + chaos.stderr[-3000:]
-  counts = chaos.stdout.strip().splitlines()[-1]
-  assert counts.startswith("COUNTS ") and "FAIL" not in counts, chaos.stdout[-3000:]
-  kinds = [entry.split(":")[0] for entry in counts[len("COUNTS "):].split(", ")]
-  assert sorted(kinds) == ["study cut line", "study kill", "study report beside",
-                          "study trainer kill"], counts
-  assert "rerun: exact" in chaos.stdout
-
-
 def test_reports_leave_out_runs_made_before_starting_weights_were_matched():
   old = {k: v for k, v in record("pb", 8, 0, 0.7).items() if k != "init_digest"}
   new = record("pb", 4, 0, 0.8)
