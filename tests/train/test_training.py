@@ -19,6 +19,7 @@ from pipejax.train import trainer
 from pipejax.data import DataError
 from pipejax.core.engine import Pipeline
 from pipejax.core.stages import ModelError
+from pipejax.parallel.mesh import MeshError
 from tests.helpers import (ROOT, as_from_a_terminal, config_module, digits_config, leaves_equal,
                            load_config, make_model, make_stream, sigterm_midway_and_resume)
 
@@ -155,8 +156,11 @@ def test_incompatible_checkpoint_names_the_differing_settings(tmp_path):
   trainer.train_and_evaluate(digits_config(), workdir)
   other = digits_config()
   other.model_kwargs = {"hidden": (20, 12), "layers_per_stage": 1}
-  with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs"):
+  with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs") as raised:
     trainer.train_and_evaluate(other, workdir)
+  # Python literals, not the YAML that ml_collections prints for a section.
+  assert ("model_kwargs={'hidden': (16, 12), 'layers_per_stage': 1}; this run: "
+          "model_kwargs={'hidden': (20, 12), 'layers_per_stage': 1})") in str(raised.value)
 
 
 def test_missing_data_says_how_to_install_it(tmp_path):
@@ -415,11 +419,15 @@ def test_model_keywords_of_the_wrong_type_are_named(kwargs, message):
     ({"model": "residual_mlp", "model_kwargs": {"depth": 1}}, ModelError, "depth >= 3"),
     ({"model": "residual_mlp", "model_kwargs": {"depth": 2}}, ModelError, "depth >= 3"),
     ({"model_kwargs": {"hiden": (16,)}}, ModelError, "Did you mean 'hidden' for 'hiden'"),
+    # Refused only once the data's size, the devices or the model's shapes are known.
+    ({"epochs": 1 / 1437, "warmup_epochs": 0.0}, config_checks.ConfigError,
+     "too short to train every stage"),
+    ({"mesh.stage": 16}, MeshError, "needs 16 devices"),
+    ({"model_kwargs": {"hidden": (16.0, 12)}}, config_checks.ConfigError,
+     re.escape("config.model_kwargs.hidden must be a tuple of integers")),
 ])
 def test_config_errors_never_create_the_workdir(tmp_path, change, error, message):
-  config = digits_config()
-  for key, value in change.items():
-    config[key] = value
+  config = digits_config(**change)
   with pytest.raises(error, match=message):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
