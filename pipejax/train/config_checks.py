@@ -102,6 +102,9 @@ def unread_fields(config) -> list[tuple[str, str]]:
                             f"not {config.method!r}"))
   if config.optimizer != "adam":
     unread.append(("reference.b2", "only optimizer 'adam' has a second moment"))
+  if _field(config, "mesh.stage") == 1:
+    why = "only a mesh of several stage devices (mesh.stage > 1) splits the stages among them"
+    unread += [("mesh.partition", why), ("mesh.balance", why)]
   # None is how a config file says a field does not apply (reference.b2 of an SGD recipe).
   return [(field, why) for field, why in unread
           if _field(config, field) not in (None, _field(defaults, field))]

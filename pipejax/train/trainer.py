@@ -49,6 +49,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   returns early with ``summary['stopped_by']`` set, after saving a checkpoint. A finished workdir is reported again, not retrained or re-evaluated.
   """
   config_checks.validate(config)
+  workdir_lib.check_usable(workdir)  # creates nothing: claim() below makes and locks it
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
   try:

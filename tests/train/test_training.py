@@ -328,6 +328,27 @@ def test_a_field_the_run_would_not_read_is_refused():
   config_checks.validate(digits_config(micro_batches=8, method="sync", ticks_per_chunk=80))
 
 
+@pytest.mark.parametrize("key, value", [("mesh.partition", ((0, 3),)),
+                                        ("mesh.balance", "measured")])
+def test_a_mesh_field_without_stage_devices_to_split_over_is_refused(key, value):
+  """On one stage device the sharded runner is never built (mesh.stage = mesh.data = 1) or has
+  nothing to split: a partition or a balance would be recorded and ignored."""
+  with pytest.raises(config_checks.ConfigError,
+                     match=re.escape(f"config.{key}={value!r} would be ignored: only a mesh of "
+                                     "several stage devices")):
+    config_checks.validate(digits_config(**{key: value}))
+  config_checks.validate(digits_config(**{key: value, "mesh.stage": 2}))
+
+
+def test_an_option_the_data_set_does_not_take_is_one_paragraph(tmp_path):
+  config = digits_config()
+  config.data_kwargs = {"contxt": 32}
+  with pytest.raises(DataError, match=r"^Data set 'digits' takes no option 'contxt' \(.*"
+                     r"config\.data_kwargs\)"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
 def test_method_kwargs_reach_the_method_and_a_key_it_lacks_is_refused():
   config = digits_config(method="pb_sc_lwp")
   config.method_kwargs = {"pb_sc_lwp": {"horizon": 3}, "pipemare": {"anneal_epochs": 0.5}}
