@@ -26,11 +26,12 @@ def _widened(tree):
 def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """``inner`` run in float32 on the parameters of fewer bits (bfloat16, float16).
 
-  Such parameters, their gradients and any extra arguments of theirs reach ``inner`` in float32, so that its
-  state (momentum traces, moments, predictions) is kept in float32; its updates return in the
-  parameters' dtype. The state has ``inner``'s own structure, so that helpers which read it
-  (:func:`pipejax.optim.predicted_params`) find what they look for. Leaves of 32 bits or more
-  pass through untouched: on float32 parameters the result is bit-identical to ``inner``'s.
+  Such parameters, their gradients and any extra arguments of theirs reach ``inner`` in
+  float32, so that its state (momentum traces, moments, predictions) is kept in float32; its
+  updates return in the parameters' dtype. The state has ``inner``'s own structure, so that
+  helpers which read it (:func:`pipejax.optim.predicted_params`) find what they look for. Leaves
+  of 32 bits or more pass through untouched: on float32 parameters the result is bit-identical
+  to ``inner``'s.
 
   Args:
     inner: any optax transformation.

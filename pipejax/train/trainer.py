@@ -42,11 +42,13 @@ from pipejax.train.workdir import StorageError, storage_error
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
 
-  The config is validated, the data loaded and the model built (abstractly), and the run checked
-  against them (its length, the devices, the memory); only then is the workdir checked writable
-  and locked (one run at a time), so that a refused config leaves no directory behind. Returns
+  The config is validated and the workdir checked usable (creating nothing), the data loaded and
+  the model built (abstractly), and the run checked against them (its length, the devices, the
+  memory); only then is the workdir made, probed and locked (one run at a time), so that a
+  refused config leaves no directory behind. Returns
   the final summary (also written to ``workdir/summary.json``); a run stopped by SIGTERM/SIGINT
-  returns early with ``summary['stopped_by']`` set, after saving a checkpoint. A finished workdir is reported again, not retrained or re-evaluated.
+  returns early with ``summary['stopped_by']`` set, after saving a checkpoint. A finished workdir
+  is reported again, not retrained or re-evaluated.
   """
   config_checks.validate(config)
   workdir_lib.check_usable(workdir)  # creates nothing: claim() below makes and locks it
