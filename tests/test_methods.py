@@ -19,7 +19,7 @@ from pipejax import schedules
 from pipejax.core.engine import Pipeline
 from tests import oracle
 from tests.helpers import (NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
-                           stage_params)
+                           leaves_equal, stage_params)
 
 LR, M = 0.05, 0.9
 ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K
@@ -504,3 +504,26 @@ def test_bfloat16_weights_keep_a_float32_momentum_that_does_not_stall(name):
   # The weights the passes use keep the weights' dtype.
   for view in (method.forward_weights, method.backward_weights):
     assert view(params, state, 1)["w"].dtype == jnp.bfloat16
+
+
+def test_float32_weights_get_each_presets_own_updates_bit_for_bit():
+  """make_method's float32 state changes nothing on float32 weights: the preset's record, built
+  without it, gives the same bits."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (3, 2))}
+  grads = [{"w": jax.random.normal(jax.random.PRNGKey(k), (3, 2))} for k in range(1, 4)]
+  for name in methods.METHODS:
+    kwargs = dict(learning_rate=0.1, momentum=0.9, optimizer=methods.record_of(name).optimizers[0],
+                  **taking(name, num_stages=4))
+    wrapped = methods.make_method(name, **kwargs)
+    learning_rate = kwargs.pop("learning_rate")
+    bare = methods.record_of(name).build(methods.hyperparameters_of(name, learning_rate, **kwargs))
+    results = []
+    for method in (wrapped, bare):
+      optimizer, p = method.optimizer(2), params
+      state = optimizer.init(p)
+      for g in grads:
+        extra = {"gradient_params": p} if method.pass_gradient_weights else {}
+        updates, state = optimizer.update(g, state, p, **extra)
+        p = optax.apply_updates(p, updates)
+      results.append((p, method.forward_weights(p, state, 2)))
+    leaves_equal(results[0], results[1])
