@@ -31,6 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.max_train_examples = 0  # 0: all; else the first N (quick runs)
   config.max_test_examples = 0
   config.augment = False  # the data set's standard train-time augmentation
+  # The data set's own keywords (pipejax.data.load), e.g. {"context": 64} for a character corpus.
+  config.data_kwargs = ml_collections.ConfigDict({})
 
   config.model = "mlp"  # a name of pipejax.models.build
   config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
@@ -45,6 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.optimizer = "sgd"  # the base update: 'sgd' (heavy-ball momentum) or 'adam'
   config.micro_batch_size = 1
   config.micro_batches = 1  # M of the synchronous mode (method 'sync')
+  # Weight decay on the kernels only (leaves of 2+ axes), not on biases and norm scales.
+  config.decay_mask = False
 
   # Two sets of optimizer settings, so that a number is never read at the wrong batch size:
   # reference.* is the recipe as it would run with ordinary mini-batches (batch 128, lr 0.1: the
@@ -128,12 +132,70 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 
 # ----------------------------------------------------------------------------- command line
 
-# Keyword dicts whose keys another part decides (the model's builder, the method's record): the
-# command line may add a key the config file did not list.
-_KWARGS_FIELDS = ("model_kwargs", "method_kwargs")
-# model_kwargs.KEY, and method_kwargs.METHOD.KEY (one section per method).
-_ADDED_KWARG = re.compile(r"^--config\.(model_kwargs|method_kwargs)\.([A-Za-z_][\w.]*)=(.*)$",
-                          re.S)
+# Keyword dicts whose keys another part decides (the model's builder, the data set's loader, the
+# method's record), not base_config: the command line may add a key the config file did not list.
+FREE_FORM_FIELDS = ("model_kwargs", "data_kwargs", "method_kwargs")
+_KWARGS_FIELDS = FREE_FORM_FIELDS
+
+
+def unknown_fields(config) -> list[str]:
+  """The dotted names of ``config``'s fields that :func:`base_config` does not have.
+
+  Nothing reads such a field: ``config.learning_rate = 0.5`` (meant: ``reference.lr``) would
+  train at the default rate. The keys inside :data:`FREE_FORM_FIELDS` are their readers' to check.
+  """
+  known = set(_flatten(base_config()))
+  unknown = []
+
+  def walk(section, prefix):
+    for key, value in section.items():
+      name = prefix + key
+      if name not in known:
+        unknown.append(name)
+      elif name not in FREE_FORM_FIELDS and isinstance(value, (ml_collections.ConfigDict, dict)):
+        walk(value, name + ".")
+
+  walk(config, "")
+  return unknown
+
+
+# Other names of the optimizer's fields: make_method's and optax's keywords, and common
+# abbreviations.
+_SYNONYMS = {"learning_rate": "lr", "wd": "weight_decay", "b1": "momentum", "beta1": "momentum",
+             "beta2": "b2", "batch": "batch_size"}
+
+
+def closest_fields(key: str, known: list[str]) -> list[str]:
+  """The known fields a misspelt ``key`` most likely meant: those of the same last name or one
+  of its synonyms (``lr`` and ``learning_rate``: ``reference.lr`` and ``micro_batch.lr``), else
+  the closest spelling."""
+  last = key.rpartition(".")[2]
+  return [k for k in known if k.rpartition(".")[2] in (last, _SYNONYMS.get(last))] or \
+      difflib.get_close_matches(key, known, n=1)
+
+
+def unknown_field_message(key: str, where: str, known: list[str] | None = None,
+                          flag: bool = False) -> str:
+  """The one paragraph for a field ``key`` that ``where`` sets and no part of a run reads.
+
+  Args:
+    key: the field's dotted name.
+    where: what set it (``"configs/x.py"``, ``"the command line"``).
+    known: the fields it may have meant; base_config's by default.
+    flag: name the fields as command-line flags (``--config.KEY``), else as ``config.KEY``.
+  """
+  known = _flatten(base_config()) if known is None else known
+  name = (lambda k: f"--config.{k}") if flag else (lambda k: f"config.{k}")
+  close = closest_fields(key, known)
+  hint = f" Did you mean {' or '.join(name(k) for k in close)}?" if close else ""
+  return (f"{name(key)} is not a field of {where}: nothing would read it, and the run would "
+          f"train as if it were not set.{hint} The fields are listed in pipejax/config.py "
+          "(base_config).")
+
+
+# model_kwargs.KEY, data_kwargs.KEY, and method_kwargs.METHOD.KEY (one section per method).
+_ADDED_KWARG = re.compile(
+    r"^--config\.(model_kwargs|data_kwargs|method_kwargs)\.([A-Za-z_][\w.]*)=(.*)$", re.S)
 _CONFIG_KEY = re.compile(r"^--config\.([\w.]+)=")
 
 
@@ -244,12 +306,7 @@ def describe_config_error(error: Exception, argv: list[str]) -> str:
     if known is not None:
       for key in overrides:
         if key not in known:
-          # Same last name first (`lr`: reference.lr or micro_batch.lr), then the closest spelling.
-          close = [k for k in known if k.rpartition(".")[2] == key.rpartition(".")[2]] or \
-              difflib.get_close_matches(key, known, n=1)
-          hint = f" Did you mean {' or '.join(f'--config.{k}' for k in close)}?" if close else ""
-          return (f"--config.{key} is not a field of {path}.{hint} The fields are listed in "
-                  "pipejax/config.py (base_config) and the config file.")
+          return unknown_field_message(key, path, known, flag=True)
   first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   return (f"The config {config_arg!r} or one of its --config.* overrides could not be applied: "
           f"{first_line}")
@@ -270,8 +327,9 @@ def load_config(config_arg: str) -> ml_collections.ConfigDict:
     The config file's config, before any ``--config.*`` override.
 
   Raises:
-    ConfigFileError: the file does not exist, or loading it raised (an unknown argument, a syntax
-      error); one paragraph, the trainer's own message.
+    ConfigFileError: the file does not exist, loading it raised or exited (an unknown argument,
+      a syntax error, ``sys.exit``), it returned no ``ConfigDict``, or it sets a field that
+      :func:`base_config` does not have; one paragraph, the trainer's own message.
   """
   path, _, arg = config_arg.partition(":")
   if not os.path.isfile(path):
@@ -280,11 +338,27 @@ def load_config(config_arg: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location("pipejax_config_file", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(arg or None)
-  except Exception as e:  # noqa: BLE001 - whatever the file raises, say it in one line
+    config = module.get_config(arg or None)
+  except KeyboardInterrupt:
+    raise
+  # A SystemExit too: a file that calls sys.exit(0) would otherwise end the trainer with 0, the
+  # code of a finished run, having run nothing.
+  except BaseException as e:  # noqa: BLE001 - whatever the file raises, say it in one line
     detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
     kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+    if isinstance(e, SystemExit):
+      kind, detail = "it called sys.exit", f"({e.code!r}) while loading"
     raise ConfigFileError(f"The config {config_arg!r} could not be loaded: {kind}{detail}") from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigFileError(
+        f"The config {config_arg!r} could not be loaded: its get_config returned "
+        f"{type(config).__name__}, not an ml_collections.ConfigDict. Build it on "
+        "pipejax.config.base_config() (config = base_config(); config.FIELD = VALUE; return "
+        "config), which gives every field its default and type.")
+  unknown = unknown_fields(config)
+  if unknown:
+    raise ConfigFileError(unknown_field_message(unknown[0], path))
+  return config
 
 
 def _missing_file_message(path: str) -> str:

@@ -19,7 +19,7 @@ from pipejax import schedules
 from pipejax.core.engine import Pipeline
 from tests import oracle
 from tests.helpers import (NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
-                           stage_params)
+                           leaves_equal, stage_params)
 
 LR, M = 0.05, 0.9
 ANNEAL, GAMMA = 6, 0.7  # short annealing so the oracle run crosses k = K
@@ -479,3 +479,67 @@ def test_the_builders_keep_their_names_beside_the_preset_modules():
 def test_the_name_test_catches_a_tuple_and_a_set_of_method_names():
   tree = ast.parse("A = ('pb', 'pb_sc')\nB = {'sgd', 'pipedream'}\nC = ('pb', 'x')\n")
   assert [line for line, _, _ in _names_compared(tree)] == [1, 2]
+
+
+# m = 0.99918 is heavy-ball momentum 0.9 at batch 128 scaled to batch 1 (docs/design.md §4).
+_BATCH_ONE_MOMENTUM = 0.99918
+
+
+def _after_unit_gradients(name, dtype, steps=2000):
+  """A preset's method, weights, state and last update after ``steps`` unit gradients on 2x2
+  weights of ``dtype`` (learning rate 1e-6: the weights stay near 1), with its first base
+  optimizer (Adam's first moment, b1 = m, stalls in bfloat16 as a momentum trace does)."""
+  # Nesterov AsyncPP takes b1 <= 0.99, where a bfloat16 first moment stalls near 0.9 of its value.
+  momentum = 0.99 if name == "nesterov_asyncpp" else _BATCH_ONE_MOMENTUM
+  method = methods.make_method(name, learning_rate=1e-6, momentum=momentum,
+                               optimizer=methods.record_of(name).optimizers[0],
+                               **taking(name, num_stages=4))
+  optimizer = method.optimizer(1)
+  params = {"w": jnp.ones((2, 2), dtype)}
+  grads = {"w": jnp.ones((2, 2), dtype)}
+
+  def step(carry, _):
+    params, state = carry
+    extra = {"gradient_params": params} if method.pass_gradient_weights else {}
+    updates, state = optimizer.update(grads, state, params, **extra)
+    return (optax.apply_updates(params, updates), state), updates
+
+  (params, state), updates = jax.jit(lambda p: jax.lax.scan(
+      step, (p, optimizer.init(p)), None, length=steps))(params)
+  return method, params, state, jax.tree.map(lambda u: u[-1], updates)
+
+
+@pytest.mark.parametrize("name", methods.METHODS)
+def test_bfloat16_weights_keep_a_float32_momentum_that_does_not_stall(name):
+  """In bfloat16, 0.99918 * 256 + 1 rounds to 256: a trace kept in the weights' dtype stalls
+  there instead of reaching about 983 after 2000 unit gradients (1200 at its limit)."""
+  *_, reference = _after_unit_gradients(name, jnp.float32)
+  method, params, state, update = _after_unit_gradients(name, jnp.bfloat16)
+  assert update["w"].dtype == params["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(update["w"], np.float32), reference["w"], rtol=0.02)
+  # The weights the passes use keep the weights' dtype.
+  for view in (method.forward_weights, method.backward_weights):
+    assert view(params, state, 1)["w"].dtype == jnp.bfloat16
+
+
+def test_float32_weights_get_each_presets_own_updates_bit_for_bit():
+  """make_method's float32 state changes nothing on float32 weights: the preset's record, built
+  without it, gives the same bits."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (3, 2))}
+  grads = [{"w": jax.random.normal(jax.random.PRNGKey(k), (3, 2))} for k in range(1, 4)]
+  for name in methods.METHODS:
+    kwargs = dict(learning_rate=0.1, momentum=0.9, optimizer=methods.record_of(name).optimizers[0],
+                  **taking(name, num_stages=4))
+    wrapped = methods.make_method(name, **kwargs)
+    learning_rate = kwargs.pop("learning_rate")
+    bare = methods.record_of(name).build(methods.hyperparameters_of(name, learning_rate, **kwargs))
+    results = []
+    for method in (wrapped, bare):
+      optimizer, p = method.optimizer(2), params
+      state = optimizer.init(p)
+      for g in grads:
+        extra = {"gradient_params": p} if method.pass_gradient_weights else {}
+        updates, state = optimizer.update(g, state, p, **extra)
+        p = optax.apply_updates(p, updates)
+      results.append((p, method.forward_weights(p, state, 2)))
+    leaves_equal(results[0], results[1])

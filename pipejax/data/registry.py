@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 from pipejax.data.errors import DataError
@@ -90,4 +91,17 @@ def load(name: str, *, data_dir: str | os.PathLike | None = None, image_size: in
   if image_size is not None and image_size != native_size:
     raise DataError(f"Data set '{name}' has a fixed example size; image_size={image_size} only "
                     "applies to imagenet2012 (leave it unset).")
-  return loader(data_dir, **kw)
+  return _call(name, loader, data_dir, kw)
+
+
+def _call(name: str, loader: Callable, data_dir, kw: dict) -> tuple[Source, Source]:
+  """``loader(data_dir, **kw)``, with an option the data set does not take said in one line."""
+  try:
+    return loader(data_dir, **kw)
+  except TypeError as e:
+    match = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+    if match is None or match.group(1) not in kw:
+      raise
+    raise DataError(f"Data set '{name}' takes no option {match.group(1)!r} (a keyword of load; "
+                    "in a training config, a key of config.data_kwargs). load's docstring lists "
+                    "each data set's options.") from None

@@ -17,6 +17,7 @@ from pipejax.optim.muon_sc import ScaleByMuonSCState, muon_sc, scale_by_muon_sc
 from pipejax.optim.pipemare import (DEFAULT_GAMMA, PipeMareState, pipemare,
                                     pipemare_backward_params, pipemare_discrepancy,
                                     pipemare_learning_rate)
+from pipejax.optim.precision import float32_state
 from pipejax.optim.prediction import (WeightPredictionState, linear_weight_prediction,
                                       predicted_params)
 from pipejax.optim.scaling import Recipe, scale_recipe, steps_for_samples
@@ -44,6 +45,7 @@ __all__ = [
     'delay_compensation',
     'delay_gradients',
     'delayed_error_feedback',
+    'float32_state',
     'error_feedback_virtual_params',
     'linear_weight_prediction',
     'muon_sc',

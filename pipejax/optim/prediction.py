@@ -354,7 +354,7 @@ def predicted_params(opt_state: optax.OptState, params: optax.Params) -> optax.P
   def predict(param, index, cover):
     state = states[index]
     if state.forward_params is not None:  # outermost: made at update time
-      return cover
+      return cover.astype(param.dtype)  # made in float32 under float32_state
     if state.previous_params is None:
       return (param + cover).astype(param.dtype)
     return _extrapolate(param, state.horizon, cover)

@@ -18,6 +18,7 @@ import time
 
 from absl import logging
 import numpy as np
+import yaml
 
 from pipejax import cli
 from pipejax import files
@@ -37,6 +38,9 @@ class ConfigError(ValueError):
 
 def validate(config) -> None:
   """Checks every field of the config before anything is created, loaded or compiled."""
+  unknown = configlib.unknown_fields(config)
+  if unknown:  # the check a config file's loading makes, for a config built in code
+    raise ConfigError(configlib.unknown_field_message(unknown[0], "the training config"))
   if config.method not in methods_lib.METHODS:
     raise ConfigError(f"config.method={config.method!r} is not a known method. Known methods: "
                       f"{', '.join(methods_lib.METHODS)}.")
@@ -97,6 +101,9 @@ def unread_fields(config) -> list[tuple[str, str]]:
                             f"not {config.method!r}"))
   if config.optimizer != "adam":
     unread.append(("reference.b2", "only optimizer 'adam' has a second moment"))
+  if _field(config, "mesh.stage") == 1:
+    why = "only a mesh of several stage devices (mesh.stage > 1) splits the stages among them"
+    unread += [("mesh.partition", why), ("mesh.balance", why)]
   # None is how a config file says a field does not apply (reference.b2 of an SGD recipe).
   return [(field, why) for field, why in unread
           if _field(config, field) not in (None, _field(defaults, field))]
@@ -229,8 +236,13 @@ def _same_kind(default, value) -> str | None:
     return None if is_int(value) or isinstance(value, float) else "a number"
   if isinstance(default, str) and not isinstance(value, (str, tuple, list)):
     return "a string"
-  if isinstance(default, (tuple, list)) and not isinstance(value, (tuple, list)):
-    return "a tuple, e.g. (256, 128)"
+  if isinstance(default, (tuple, list)):
+    if not isinstance(value, (tuple, list)):
+      return "a tuple, e.g. (256, 128)"
+    # A default of integers (widths, counts) wants integers: a float width would fail only when
+    # the stages are traced, as stages that do not chain.
+    if all(is_int(d) for d in default) and not all(is_int(v) for v in value):
+      return "a tuple of integers, e.g. (256, 128)"
   return None
 
 
@@ -376,6 +388,19 @@ def recipe_changes(config, trained_config: dict) -> str:
   return _describe_changes(changes)
 
 
+def _shown(value) -> str:
+  """A fingerprint's value as a Python literal. A section (model_kwargs) is held in the
+  fingerprint as the YAML text ml_collections prints for it (``hidden: !!python/tuple ...``)."""
+  if isinstance(value, str) and "\n" in value:
+    try:
+      decoded = yaml.load(value, Loader=yaml.FullLoader)  # FullLoader: tuples, nothing runs
+    except yaml.YAMLError:
+      return repr(value)
+    if isinstance(decoded, dict):
+      return repr(decoded)
+  return repr(value)
+
+
 def check_resumable(config, checkpointer, step: int, meta: dict, data: dict | None = None
                     ) -> None:
   """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe or,
@@ -386,9 +411,9 @@ def check_resumable(config, checkpointer, step: int, meta: dict, data: dict | No
   if differing:
     raise CheckpointError(
         f"Checkpoint step {step} in {checkpointer.directory} was written with a different "
-        f"{', '.join(differing)} ({', '.join(f'{k}={saved.get(k)!r}' for k in differing)}; "
-        f"this run: {', '.join(f'{k}={wanted[k]!r}' for k in differing)}). Resume with the same "
-        "settings, or use a new --workdir for the new ones.")
+        f"{', '.join(differing)} ({', '.join(f'{k}={_shown(saved.get(k))}' for k in differing)}; "
+        f"this run: {', '.join(f'{k}={_shown(wanted[k])}' for k in differing)}). Resume with the "
+        "same settings, or use a new --workdir for the new ones.")
   changes = {k: v for k, v in _changed_settings(config, meta).items() if not _is_free(k)}
   if changes and not config.get("allow_changes_on_resume", False):
     workdir = os.path.dirname(checkpointer.directory)

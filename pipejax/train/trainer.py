@@ -42,26 +42,37 @@ from pipejax.train.workdir import StorageError, storage_error
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
 
-  The config is validated, then the workdir is checked writable and locked (one run at a time),
-  before anything is built. Returns the final summary (also written to ``workdir/summary.json``);
-  a run stopped by SIGTERM/SIGINT returns early with ``summary['stopped_by']`` set, after saving a
-  checkpoint. A finished workdir is reported again, not retrained or re-evaluated.
+  The config is validated and the workdir checked usable (creating nothing), the data loaded and
+  the model built (abstractly), and the run checked against them (its length, the devices, the
+  memory); only then is the workdir made, probed and locked (one run at a time), so that a
+  refused config leaves no directory behind. Returns
+  the final summary (also written to ``workdir/summary.json``); a run stopped by SIGTERM/SIGINT
+  returns early with ``summary['stopped_by']`` set, after saving a checkpoint. A finished workdir
+  is reported again, not retrained or re-evaluated.
   """
   config_checks.validate(config)
+  workdir_lib.check_usable(workdir)  # creates nothing: claim() below makes and locks it
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
-  with workdir_lib.claim(workdir, lock=primary):
-    finished = _earlier_run_without_checkpoints(config, workdir)
-    if finished is not None:
-      return finished
-    try:
-      with interruption.SetupPhases() as phases:
-        return _train(config, workdir, primary, phases)
-    except OSError as e:  # metrics, plots, summary: a disk that filled up or turned read-only
-      problem = _storage_problem(workdir, e)
-      if problem is None:
-        raise
-      raise problem from None
+  try:
+    with interruption.SetupPhases() as phases:
+      # Every check of the config, those that need the data's size or the devices too, before
+      # the workdir is claimed: a refused run leaves no directory behind (a mistyped --workdir).
+      phases.enter("loading the data and building the model")
+      setup = experiment.build(config)
+      total_ticks = experiment.run_ticks(config, len(setup.train_source))
+      config_checks.check_pipeline_fills(config, setup.pipeline, total_ticks)
+      config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
+      with workdir_lib.claim(workdir, lock=primary):
+        finished = _earlier_run_without_checkpoints(config, workdir)
+        if finished is not None:
+          return finished
+        return _train(config, workdir, primary, phases, setup, total_ticks)
+  except OSError as e:  # data, metrics, plots, summary: a disk that filled up or turned read-only
+    problem = _storage_problem(workdir, e)
+    if problem is None:
+      raise
+    raise problem from None
 
 
 def _storage_problem(workdir: str, error: OSError) -> StorageError | None:
@@ -90,22 +101,17 @@ def _within(path: str, root: str) -> bool:
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
-           phases: interruption.SetupPhases) -> dict:
-  phases.enter("loading the data and building the model")
-  setup = experiment.build(config)
+           phases: interruption.SetupPhases, setup: experiment.Setup, total_ticks: int) -> dict:
   pipe, runner = setup.pipeline, setup.runner
   b = config.micro_batch_size
   augment = setup.train_source.default_augment if config.augment else None
   stream = data_lib.DataStream(setup.train_source, b, config.seed, augment=augment)
 
-  total_ticks = experiment.run_ticks(config, len(setup.train_source))
   data_fingerprint = data_lib.fingerprint.fingerprint(setup.train_source, setup.test_source)
   if jax.process_count() > 1:
     from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
     distributed.agree_on_data(data_fingerprint)
   total_samples = total_ticks * b
-  config_checks.check_pipeline_fills(config, pipe, total_ticks)
-  config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
 
   feed = placement = None
   if jax.process_count() > 1:  # each process feeds and saves its own devices' part

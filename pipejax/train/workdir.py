@@ -66,10 +66,30 @@ def check_writable(workdir: str) -> None:
     files.write(probe, "pipejax")  # as the run writes: a file of its own, renamed
     os.remove(probe)
   except OSError as e:
-    problem = storage_error("Preparing the workdir", os.path.abspath(workdir), e)
-    raise (problem or StorageError(
-        f"The workdir {os.path.abspath(workdir)} cannot be used ({e}). Choose a --workdir that is "
-        "a directory this user can write.")) from None
+    raise _unusable(workdir, e) from None
+
+
+def _unusable(workdir: str, error: OSError) -> StorageError:
+  problem = storage_error("Preparing the workdir", os.path.abspath(workdir), error)
+  return problem or StorageError(
+      f"The workdir {os.path.abspath(workdir)} cannot be used ({error}). Choose a --workdir that "
+      "is a directory this user can write.")
+
+
+def check_usable(workdir: str) -> None:
+  """What :func:`check_writable` and :func:`check_layout` refuse, found without creating or
+  writing anything: a run checks its workdir before its slower checks (loading the data,
+  building the model), and claims it only after them, so that a refused run leaves no directory.
+  """
+  existing = os.path.abspath(workdir)
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise _unusable(workdir, NotADirectoryError(errno.ENOTDIR, "Not a directory", existing))
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise _unusable(workdir, PermissionError(errno.EACCES, "Permission denied", existing))
+  if os.path.isdir(workdir):
+    check_layout(workdir)
 
 
 # What a run writes in its workdir: files, and directories.

@@ -434,6 +434,62 @@ def test_a_config_loads_by_path_as_the_trainer_loads_it_with_its_messages():
     config_lib.load_config(missing)
 
 
+_BASE = "from pipejax.config import base_config\n"
+
+
+@pytest.mark.parametrize("body, message", [
+    # A typo in the file: trained at the default rate, while the same typo as a flag is refused.
+    ("def get_config(arg):\n  c = base_config()\n  c.learning_rate = 0.5\n  return c\n",
+     r"config\.learning_rate is not a field of .*nothing would read it.* Did you mean "
+     r"config\.micro_batch\.lr or config\.reference\.lr\?"),
+    ("def get_config(arg):\n  c = base_config()\n  c.reference.momentom = 0.5\n  return c\n",
+     r"config\.reference\.momentom is not a field .* Did you mean config\.reference\.momentum\?"),
+    ("def get_config(arg):\n  c = base_config()\n  c.mesh.stages = 2\n  return c\n",
+     r"config\.mesh\.stages is not a field .* Did you mean config\.mesh\.stage\?"),
+    ("def get_config(arg):\n  return {'method': 'pb'}\n",
+     r"its get_config returned dict, not an ml_collections\.ConfigDict\. Build it on "
+     r"pipejax\.config\.base_config\(\)"),
+    ("import sys\nsys.exit(0)\n", r"could not be loaded: it called sys\.exit\(0\) while loading"),
+    ("def get_config(arg):\n  raise SystemExit('bye')\n", r"it called sys\.exit\('bye'\)"),
+])
+def test_a_config_file_that_cannot_be_trained_as_written_is_one_paragraph(tmp_path, body, message):
+  path = tmp_path / "config.py"
+  path.write_text(_BASE + body)
+  with pytest.raises(config_lib.ConfigFileError, match=message) as raised:
+    config_lib.load_config(str(path))
+  assert "\n" not in str(raised.value)
+
+
+def test_the_free_form_sections_keys_are_left_to_their_readers(tmp_path):
+  path = tmp_path / "config.py"
+  path.write_text(_BASE + "def get_config(arg):\n  c = base_config()\n  c.model_kwargs.anything "
+                  "= 1\n  c.data_kwargs = {'context': 8}\n  c.method_kwargs = {'pb': {'x': 1}}\n"
+                  "  return c\n")
+  assert config_lib.load_config(str(path)).data_kwargs.context == 8
+
+
+def test_a_config_built_in_code_with_an_unknown_field_is_refused(tmp_path):
+  config = digits_config()
+  config.learning_rate = 0.5
+  with pytest.raises(config_checks.ConfigError, match=r"config\.learning_rate is not a field"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_config_file_that_exits_is_exit_2_not_a_finished_run(tmp_path):
+  path = tmp_path / "config.py"
+  path.write_text("import sys\nsys.exit(0)\n")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--config={path}",
+       f"--workdir={tmp_path / 'run'}"],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode == 2, result.stderr[-2000:]
+  (line,) = result.stderr.strip().splitlines()
+  assert line.startswith("error: The config ") and "it called sys.exit(0)" in line
+  assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------ 10. the stop across processes
 
 def test_stop_agreement_on_one_process_is_the_local_flag():

@@ -19,6 +19,7 @@ from pipejax.train import trainer
 from pipejax.data import DataError
 from pipejax.core.engine import Pipeline
 from pipejax.core.stages import ModelError
+from pipejax.parallel.mesh import MeshError
 from tests.helpers import (ROOT, as_from_a_terminal, config_module, digits_config, leaves_equal,
                            load_config, make_model, make_stream, sigterm_midway_and_resume)
 
@@ -155,8 +156,11 @@ def test_incompatible_checkpoint_names_the_differing_settings(tmp_path):
   trainer.train_and_evaluate(digits_config(), workdir)
   other = digits_config()
   other.model_kwargs = {"hidden": (20, 12), "layers_per_stage": 1}
-  with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs"):
+  with pytest.raises(checkpoint.CheckpointError, match="different model_kwargs") as raised:
     trainer.train_and_evaluate(other, workdir)
+  # Python literals, not the YAML that ml_collections prints for a section.
+  assert ("model_kwargs={'hidden': (16, 12), 'layers_per_stage': 1}; this run: "
+          "model_kwargs={'hidden': (20, 12), 'layers_per_stage': 1})") in str(raised.value)
 
 
 def test_missing_data_says_how_to_install_it(tmp_path):
@@ -324,6 +328,27 @@ def test_a_field_the_run_would_not_read_is_refused():
   config_checks.validate(digits_config(micro_batches=8, method="sync", ticks_per_chunk=80))
 
 
+@pytest.mark.parametrize("key, value", [("mesh.partition", ((0, 3),)),
+                                        ("mesh.balance", "measured")])
+def test_a_mesh_field_without_stage_devices_to_split_over_is_refused(key, value):
+  """On one stage device the sharded runner is never built (mesh.stage = mesh.data = 1) or has
+  nothing to split: a partition or a balance would be recorded and ignored."""
+  with pytest.raises(config_checks.ConfigError,
+                     match=re.escape(f"config.{key}={value!r} would be ignored: only a mesh of "
+                                     "several stage devices")):
+    config_checks.validate(digits_config(**{key: value}))
+  config_checks.validate(digits_config(**{key: value, "mesh.stage": 2}))
+
+
+def test_an_option_the_data_set_does_not_take_is_one_paragraph(tmp_path):
+  config = digits_config()
+  config.data_kwargs = {"contxt": 32}
+  with pytest.raises(DataError, match=r"^Data set 'digits' takes no option 'contxt' \(.*"
+                     r"config\.data_kwargs\)"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
 def test_method_kwargs_reach_the_method_and_a_key_it_lacks_is_refused():
   config = digits_config(method="pb_sc_lwp")
   config.method_kwargs = {"pb_sc_lwp": {"horizon": 3}, "pipemare": {"anneal_epochs": 0.5}}
@@ -415,11 +440,15 @@ def test_model_keywords_of_the_wrong_type_are_named(kwargs, message):
     ({"model": "residual_mlp", "model_kwargs": {"depth": 1}}, ModelError, "depth >= 3"),
     ({"model": "residual_mlp", "model_kwargs": {"depth": 2}}, ModelError, "depth >= 3"),
     ({"model_kwargs": {"hiden": (16,)}}, ModelError, "Did you mean 'hidden' for 'hiden'"),
+    # Refused only once the data's size, the devices or the model's shapes are known.
+    ({"epochs": 1 / 1437, "warmup_epochs": 0.0}, config_checks.ConfigError,
+     "too short to train every stage"),
+    ({"mesh.stage": 16}, MeshError, "needs 16 devices"),
+    ({"model_kwargs": {"hidden": (16.0, 12)}}, config_checks.ConfigError,
+     re.escape("config.model_kwargs.hidden must be a tuple of integers")),
 ])
 def test_config_errors_never_create_the_workdir(tmp_path, change, error, message):
-  config = digits_config()
-  for key, value in change.items():
-    config[key] = value
+  config = digits_config(**change)
   with pytest.raises(error, match=message):
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
