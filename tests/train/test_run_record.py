@@ -67,7 +67,8 @@ def test_the_warning_is_logged_at_the_start_of_training(tmp_path, caplog):
   caplog.set_level(logging.INFO)
   config = digits_config(**{"micro_batch.momentum": 0.9})  # 3 stages: D_max (1 - m) = 0.4
   setup = experiment.build(config)
-  trainer._log_start(config, str(tmp_path), False, setup, 240, "digest")  # pylint: disable=protected-access
+  log_start = trainer._log_start  # pylint: disable=protected-access
+  log_start(config, str(tmp_path), False, setup, 240, "digest")
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and "D_max (1 - momentum) = 4 x (1 - 0.9) = 0.4" in warnings[0]
 
