@@ -159,8 +159,9 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     stage's weights' Euclidean norm), ``learning_rate`` (the schedule's peak), ``momentum,
     lr_sharpness`` (at the peak, :func:`step_curvature`), ``form`` (the recipe's),
     ``stable_at_delay`` (per method, at the peak), ``largest_stable_delay`` (per method, at the
-    peak, up to twice the pipeline's longest delay; empty but for the stem and the sharpest block), and the schedule's rate after
-    ``samples`` with the stability there: ``learning_rate_now, stable_at_delay_now``.
+    peak, up to twice the pipeline's longest delay; empty but for the stem and the sharpest
+    block), and the schedule's rate after ``samples`` with the stability there:
+    ``learning_rate_now, stable_at_delay_now``.
   """
   at_samples = [int(v) for v in at_samples]
   checkpoints = (Checkpointer(f"{run_dir}/checkpoints", primary=False) if run_dir else None)
