@@ -12,8 +12,9 @@ Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` 
 stages (embedding, one block each, final norm + output projection), 8 stages in all.
 Recipe: AdamW (b1 0.9, b2 0.99, lr 1e-3, decoupled decay 0.01 on matrices and embeddings only),
 stated directly at one sequence per step (reference.batch_size = 1, so no scaling rule applies),
-cosine schedule with 5% warm-up over two thirds of an epoch of the training split (23,924 of its
-35,887 sequences). This is the 8-stage recipe of configs/studies/lm_depth.py.
+cosine schedule over two thirds of an epoch of the training split (23,924 of its 35,887
+sequences) with a warm-up of 0.05 of an epoch (7.5% of the run). This is the 8-stage recipe of
+configs/studies/lm_depth.py.
 The test loss is the validation split's mean next-byte cross-entropy in nats; bits per byte are
 test_loss / ln 2 (docs/lm.md).
 """

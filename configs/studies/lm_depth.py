@@ -9,7 +9,8 @@ stage: ``model_kwargs.blocks`` = 6, 14 and 30 blocks are 8, 16 and 32 stages (de
 The width shrinks as the blocks grow (128, 96, 64; 4 heads) so that the parameter count stays
 about constant (1.2 M, 1.5 M, 1.5 M): between the rows, depth and so staleness changes, not the
 model's size. Micro-batch 1 (one sequence of 64 bytes), 24,104 sequences (two thirds of an epoch,
-1.5 M bytes), AdamW with the decay mask at lr 1e-3 (b1 0.9, b2 0.99), cosine with 5% warm-up.
+1.5 M bytes), AdamW with the decay mask at lr 1e-3 (b1 0.9, b2 0.99), cosine with a warm-up of
+0.05 of an epoch (7.5% of the run).
 Every method of a seed starts from the same weights (the one-stage baseline from the pipelined
 split's, merged), and the seed sets both those weights and the order of the data. The baseline of
 every gap is Adam without a pipeline (method ``sgd``: the whole network as one stage), paired by
@@ -99,10 +100,10 @@ NOT_SHOWN = """\
 * **One corpus, byte level.** The fortunes corpus (2.3 MB of English text to train on) with a 256-symbol
   vocabulary. Nothing here says how a sub-word tokenizer, a larger corpus or another language
   would move the gaps.
-* **One recipe.** AdamW at b1 0.9, b2 0.99, with the decay mask and a cosine schedule with 5%
-  warm-up. The sweeps tune the learning rate of the baseline, Nesterov AsyncPP and PB + Muon at
-  8 and 32 stages and of PB + SC + LWP at 32, not of every method, and not the betas, the
-  warm-up or the weight decay.
+* **One recipe.** AdamW at b1 0.9, b2 0.99, with the decay mask and a cosine schedule with a
+  warm-up of 0.05 of an epoch (7.5% of the run). The sweeps tune the learning rate of the
+  baseline, Nesterov AsyncPP and PB + Muon at 8 and 32 stages and of PB + SC + LWP at 32, not of
+  every method, and not the betas, the warm-up or the weight decay.
 * **Micro-batch 1.** One sequence per update, as in fine-grained pipelined backpropagation; the
   gaps at larger micro-batches (fewer, larger steps per delay) are not measured.
 * **Wall-clock speed.** Every run is a simulation of the pipeline on one device; the study

@@ -2,7 +2,8 @@
 
 * :mod:`pipejax.analysis.quadratic`: the convex-quadratic stability analysis (docs/design.md §5);
   :mod:`pipejax.analysis.quadratic_simulation` steps its update rules directly (the independent
-  check), :mod:`pipejax.analysis.quadratic_figures` draws its figures and
+  check), :mod:`pipejax.analysis.quadratic_noise` gives the excess loss under gradient noise,
+  :mod:`pipejax.analysis.quadratic_figures` draws its figures and
   :mod:`pipejax.analysis.quadratic_docs` writes its tables and docs/quadratic.md's numbers.
 * :mod:`pipejax.analysis.staleness`: training under a schedule's gradient delays alone, in a
   plain optax loop (docs/schedules.md).

@@ -44,6 +44,29 @@ def sampled_stages(num_stages: int) -> list[int]:
   return sorted({0, 1, s // 8, s // 4, s // 2, (3 * s) // 4, s - 2, s - 1} & set(range(s)))
 
 
+def step_curvature(learning_rate: float, curvature: float, momentum: float,
+                   form: str = "heavy_ball") -> float:
+  """The quadratic's ``x = η λ`` for a stage whose update meets ``curvature``.
+
+  Heavy ball (``v ← m v + g``, ``w ← w − η v``) is the quadratic's own convention: ``η λ``. The
+  EMA form of Adam's first moment (``v ← b1 v + (1 − b1) g``) is heavy ball with the rate
+  ``η (1 − b1)`` and momentum ``b1``, and Adam divides the step by ``√ν̂ + ε`` coordinate by
+  coordinate, so its ``λ`` is the curvature of ``P⁻¹ H`` with ``P = √ν̂ + ε``
+  (:func:`pipejax.analysis.sharpness.adam_preconditioner`): ``x = η (1 − b1) λ(P⁻¹ H)``. With
+  ``ν̂`` held (it moves over ``1 / (1 − b2)`` steps), Adam on a quadratic is that linear
+  recurrence, so the quadratic's limits hold for it at this ``x`` and momentum ``b1``.
+
+  Args:
+    learning_rate: ``η``.
+    curvature: ``λ``: the Hessian's (heavy ball) or the preconditioned one's (Adam).
+    momentum: ``m``, or Adam's ``b1``.
+    form: ``'heavy_ball'`` or ``'ema'`` (:class:`pipejax.optim.Recipe`'s ``form``).
+  """
+  if form not in ("heavy_ball", "ema"):
+    raise ValueError(f"form must be 'heavy_ball' or 'ema' (a Recipe's form), got {form!r}.")
+  return learning_rate * curvature * ((1.0 - momentum) if form == "ema" else 1.0)
+
+
 def stable_at(lr_sharpness: float, momentum: float, delay: int) -> dict:
   """Per method, whether ``η λ`` is stable at ``delay`` (one eigensolve each)."""
   if not (math.isfinite(lr_sharpness) and lr_sharpness > 0):
@@ -126,13 +149,19 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     batch: Training examples in the loss whose Hessian is read.
     iterations: Power-iteration products a stage.
 
+  An Adam run (its recipe's EMA form) is read as :func:`step_curvature` says: ``sharpness`` is
+  that of ``P⁻¹ H`` with Adam's divisor ``P = √ν̂ + ε`` estimated at the same weights from the
+  squared gradients of ``batch / micro_batch_size`` steps' batches, ``momentum`` is ``b1`` and
+  ``lr_sharpness`` is ``η (1 − b1) λ``.
+
   Yields:
     Records with the keys ``num_stages, samples, stage, delay, sharpness, weight_norm`` (the
     stage's weights' Euclidean norm), ``learning_rate`` (the schedule's peak), ``momentum,
-    lr_sharpness`` (at the peak), ``stable_at_delay`` (per method, at the peak),
-    ``largest_stable_delay`` (per method, at the peak, up to twice the pipeline's
-    longest delay; empty but for the stem and the sharpest block), and the schedule's rate after
-    ``samples`` with the stability there: ``learning_rate_now, stable_at_delay_now``.
+    lr_sharpness`` (at the peak, :func:`step_curvature`), ``form`` (the recipe's),
+    ``stable_at_delay`` (per method, at the peak), ``largest_stable_delay`` (per method, at the
+    peak, up to twice the pipeline's longest delay; empty but for the stem and the sharpest
+    block), and the schedule's rate after ``samples`` with the stability there:
+    ``learning_rate_now, stable_at_delay_now``.
   """
   at_samples = [int(v) for v in at_samples]
   checkpoints = (Checkpointer(f"{run_dir}/checkpoints", primary=False) if run_dir else None)
@@ -148,15 +177,24 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
   initial = setup.init(jax.random.PRNGKey(config.seed))
   x, y = _batch(setup, batch, config.seed)
   eta, momentum = float(setup.recipe.learning_rate), float(setup.recipe.momentum)
+  form = setup.recipe.form
   schedule = experiment.learning_rate_schedule(config, setup.recipe, len(setup.train_source))
+  x_of = lambda rate, value: step_curvature(rate, float(value), momentum, form)
 
   def loss(params):
     return model.loss(model.apply(params, x), y)[0]
 
+  def batch_loss(params, xb, yb):
+    return model.loss(model.apply(params, xb), yb)[0]
+
+  b = config.micro_batch_size
+  steps = [(x[i:i + b], y[i:i + b]) for i in range(0, len(x) - b + 1, b)]
   for samples in at_samples:
     params = _weights_at(setup, initial, checkpoints, samples)
+    preconditioner = (sharpness.adam_preconditioner(batch_loss, params, steps)
+                      if form == "ema" else None)
     values = sharpness.stage_sharpness(loss, params, stages, jax.random.PRNGKey(samples),
-                                       iterations)
+                                       iterations, preconditioner=preconditioner)
     eta_now = float(schedule(int(samples) // setup.recipe.batch_size))
     blocks = [i for i, s in enumerate(stages) if 0 < s < model.num_stages - 1]
     deciding = {0, max(blocks, key=lambda i: values[i])} if blocks else {0}
@@ -164,14 +202,14 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
       delay = int(pipe.delays[s])
       yield {"num_stages": model.num_stages, "samples": int(samples), "stage": s,
              "delay": delay, "sharpness": float(value), "weight_norm": _norm(params[s]),
-             "learning_rate": eta,
-             "momentum": momentum, "lr_sharpness": eta * float(value),
-             "stable_at_delay": stable_at(eta * float(value), momentum, delay),
-             "largest_stable_delay": (limits_at(eta * float(value), momentum,
+             "learning_rate": eta, "form": form,
+             "momentum": momentum, "lr_sharpness": x_of(eta, value),
+             "stable_at_delay": stable_at(x_of(eta, value), momentum, delay),
+             "largest_stable_delay": (limits_at(x_of(eta, value), momentum,
                                                 limit_bound(model.num_stages))
                                       if i in deciding else {}),
              "learning_rate_now": eta_now,
-             "stable_at_delay_now": stable_at(eta_now * float(value), momentum, delay)}
+             "stable_at_delay_now": stable_at(x_of(eta_now, value), momentum, delay)}
   if checkpoints is not None:
     checkpoints.close()
 

@@ -198,6 +198,24 @@ def _affine_parts(method: str, momentum: float, delay: int) -> tuple[np.ndarray,
   return _frozen(a0), _frozen(a1)
 
 
+def gradient_column(method: str, momentum: float, delay: int) -> np.ndarray:
+  """How an error in the gradient enters :func:`companion_matrix`'s state.
+
+  An error ``ε`` added to the gradient of step ``t`` moves the state of step ``t + 1`` by
+  ``η ε`` times this column: it enters where ``x ŵ`` does (the velocity with 1, the weight with
+  minus the update's gradient coefficient, ``a + b`` under Spike Compensation), so that
+  ``A(x) = A0 + x c rᵀ`` with ``c`` this column and ``rᵀ s`` the forward view ``ŵ``.
+  ``delay`` is the effective one (:func:`effective_delay`).
+  """
+  a0, _ = _affine_parts(method, float(momentum), delay)
+  column = np.zeros(a0.shape[0])
+  if FORMS[method].prediction == "next_velocity":
+    column[delay + 1], column[0] = 1.0, -1.0
+  else:
+    column[-1], column[0] = 1.0, -_update_coefficients(method, float(momentum), delay)[1]
+  return column
+
+
 def companion_matrix(method: str, lr_lambda: float, momentum: float, delay: int) -> np.ndarray:
   """Returns the matrix that maps a method's state at step ``t`` to step ``t + 1``.
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pipejax import methods as methods_lib
 from pipejax import plotting
-from pipejax.analysis import quadratic, quadratic_simulation
+from pipejax.analysis import quadratic, quadratic_noise, quadratic_simulation
 
 
 
@@ -176,6 +176,51 @@ def plot_multi_dim_losses(path: str, methods: Sequence[str] = quadratic.PIPELINE
   handles, labels = axes.flat[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
   plotting.save(fig, path, dpi=110, rect=(0.0, 0.07, 1.0, 1.0))
+  return path
+
+
+def predicted_gap_curves(methods: Sequence[str], momentum: float, lr_lambda: float,
+                         noise: float, delay_memories: Sequence[float]
+                         ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Per method, ``(D (1 − β), gap)`` at the delays ``D = max(1, round(p / (1 − β)))`` of each
+  ``p`` of ``delay_memories`` (repeats dropped): the quadratic's
+  :func:`~pipejax.analysis.quadratic_noise.predicted_gap`, NaN where the method diverges."""
+  delays = sorted({max(1, round(p / (1.0 - momentum))) for p in delay_memories})
+  products = np.asarray(delays, np.float64) * (1.0 - momentum)
+  curves = {}
+  for method in methods:
+    gaps = np.asarray([quadratic_noise.predicted_gap(method, d, momentum, lr_lambda, noise)
+                       for d in delays])
+    curves[method] = products, np.where(np.isfinite(gaps), gaps, np.nan)
+  return curves
+
+
+def plot_predicted_gap(path: str, methods: Sequence[str] = quadratic.PIPELINE_METHODS,
+                       momentum: float = 0.9, lr_lambda: float = 1e-3, noise: float = 1.0,
+                       delay_memories: Sequence[float] = tuple(np.logspace(-2, 1, 31))) -> str:
+  """Writes a PNG: the quadratic's gap (excess loss under gradient noise over the undelayed
+  reference's, in units of ``σ²/λ``) against ``D (1 − β)`` on a log axis, one series per method,
+  for the phase diagram to set the studies' gaps beside. A series ends where its method
+  diverges.
+
+  Returns:
+    ``path``.
+  """
+  curves = predicted_gap_curves(methods, momentum, lr_lambda, noise, delay_memories)
+  plt = plotting.pyplot()
+  fig, ax = plt.subplots(figsize=(7.0, 4.2))
+  for method, (products, gaps) in curves.items():
+    ax.plot(products, gaps, color=_color(method), ls=_linestyle(method), lw=1.6, marker=".",
+            label=_label(method))
+  ax.set_xscale("log")
+  ax.set_yscale("symlog", linthresh=1e-3 * max(noise, 1e-12))
+  ax.axhline(0.0, color="black", lw=1.0, ls="--")
+  ax.set_xlabel("D (1 − β): the delay over the momentum's memory")
+  ax.set_ylabel("predicted gap (excess loss − reference's)")
+  ax.set_title(f"Quadratic under gradient noise: β = {momentum}, ηλ = {lr_lambda:g}, "
+               f"σ²/λ = {noise:g}", fontsize=10)
+  ax.legend(loc="upper left", fontsize=8)
+  plotting.save(fig, path, dpi=110)
   return path
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from pipejax import optim
-from pipejax.analysis import quadratic
+from pipejax.analysis import quadratic, quadratic_noise
 
 
 class _Recurrence:
@@ -60,8 +60,10 @@ class _Recurrence:
       return w_old - self.lr * self.horizon * self.velocities[-1 - d]
     return w_old
 
-  def step(self, gradient_available=True):
+  def step(self, gradient_available=True, noise=None):
     gradient = self.curvature * self.forward_view()
+    if noise is not None:  # one sample's gradient: the mean's plus its own error
+      gradient = gradient + noise
     if not gradient_available:
       gradient = 0.0 * gradient
     velocity = self.momentum * self.velocities[-1] + gradient
@@ -142,12 +144,17 @@ def simulated_rate(method: str, lr_lambda: float, momentum: float, delay: int,
 
 
 def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: float,
-                     momentum: float, delay: int, steps: int) -> np.ndarray:
+                     momentum: float, delay: int, steps: int, noise: float = 0.0,
+                     seed: int = 0) -> np.ndarray:
   """Loss against step on ``L(w) = ½ Σ_i λ_i w_i²`` (a spectrum of curvatures).
 
   Coordinates decouple, so this steps the same update rule as :func:`simulated_rate` on a vector.
   The run starts as a pipeline does: all weights 1, zero momentum, and during the fill (steps
   ``t < D``) no gradient has come back yet, so the update is zero (docs/design.md §2.5).
+
+  With ``noise`` > 0 each gradient is one sample's: the mean gradient ``λ_i ŵ_i`` plus
+  independent Gaussian errors of variance ``noise`` a coordinate and step, drawn from ``seed``.
+  At 0 nothing is drawn, and the losses are those of the noiseless rule.
 
   Args:
     method: one of :data:`~pipejax.analysis.quadratic.METHODS`.
@@ -156,12 +163,15 @@ def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: 
     momentum: ``m`` in ``[0, 1)``.
     delay: ``D`` (≥ 0).
     steps: number of steps.
+    noise: the variance ``σ²`` of the gradient's error (≥ 0).
+    seed: seeds the errors.
 
   Returns:
     Array of ``steps + 1`` losses (index 0 is the start); ``inf`` from the first overflow on.
   """
   quadratic.check_arguments(method, momentum, delay)
   quadratic.check_lr(lr, "lr")
+  quadratic_noise.check_noise(noise)
   lam = np.asarray(curvatures, dtype=np.float64).reshape(-1)
   if lam.size == 0 or not np.all(np.isfinite(lam)) or np.any(lam <= 0):
     raise ValueError("curvatures must be a non-empty sequence of finite numbers > 0.")
@@ -174,11 +184,61 @@ def multi_dim_losses(method: str, curvatures: Sequence[float] | np.ndarray, lr: 
                     velocity_history=[np.zeros_like(lam)] * (d + 1))
   losses = np.full(steps + 1, np.inf)
   losses[0] = 0.5 * float(np.sum(lam))
+  rng, sigma = np.random.default_rng(seed), math.sqrt(noise)
   with np.errstate(over="ignore", invalid="ignore"):
     for t in range(steps):
-      rec.step(gradient_available=t >= d)
+      rec.step(gradient_available=t >= d,
+               noise=sigma * rng.standard_normal(lam.shape) if noise else None)
       loss = 0.5 * float(np.sum(lam * np.square(rec.weights[-1])))
       if not math.isfinite(loss) or loss > 1e150:
         break
       losses[t + 1] = loss
   return losses
+
+
+def simulated_excess_loss(method: str, lr_lambda: float, momentum: float, delay: int,
+                          noise: float, steps: int = 4000, chains: int = 256,
+                          seed: int = 0) -> tuple[float, float]:
+  """The stationary excess loss under gradient noise, measured by stepping the rule.
+
+  ``chains`` independent runs on ``L(w) = ½ w²`` (``λ = 1``, so ``η = lr_lambda``) start at the
+  minimum with zero momentum; each gradient carries a Gaussian error of variance ``noise``
+  (:func:`multi_dim_losses`). The mean loss over the chains and the second half of the steps is
+  the excess loss ``½ E[w²]`` the noise keeps the run at; with ``λ ≠ 1`` the same number is the
+  excess loss for a noise variance of ``noise · λ`` (only ``ηλ`` and ``σ²/λ`` matter).
+
+  Args:
+    method: one of :data:`~pipejax.analysis.quadratic.METHODS`.
+    lr_lambda: ``ηλ`` (> 0).
+    momentum: ``m`` in ``[0, 1)``.
+    delay: ``D`` (≥ 0).
+    noise: ``σ² / λ``, the error's variance over the curvature (≥ 0).
+    steps: steps a chain; the first half is the burn-in.
+    chains: independent runs.
+    seed: seeds the errors.
+
+  Returns:
+    ``(mean, standard error)``; the error is over the chains, whose time averages are
+    independent. ``(inf, inf)`` when the rule is unstable at ``lr_lambda``.
+  """
+  quadratic.check_arguments(method, momentum, delay)
+  quadratic.check_lr(lr_lambda)
+  quadratic_noise.check_noise(noise)
+  if steps < 4 or chains < 2:
+    raise ValueError(f"steps must be at least 4 and chains at least 2, got {steps} and {chains}.")
+  d = quadratic.effective_delay(method, delay)
+  zeros = np.zeros(chains)
+  rec = _Recurrence(method, np.ones(chains), float(lr_lambda), momentum, d,
+                    weight_history=[zeros] * (d + 2), velocity_history=[zeros] * (d + 1))
+  rng, sigma = np.random.default_rng(seed), math.sqrt(noise)
+  totals = np.zeros(chains)
+  with np.errstate(over="ignore", invalid="ignore"):
+    for t in range(steps):
+      rec.step(noise=sigma * rng.standard_normal(chains))
+      if t >= steps // 2:
+        totals += 0.5 * np.square(rec.weights[-1])
+  per_chain = totals / (steps - steps // 2)
+  if not np.all(np.isfinite(per_chain)) or quadratic.spectral_radius(
+      method, lr_lambda, momentum, delay) >= 1.0:
+    return math.inf, math.inf
+  return float(per_chain.mean()), float(per_chain.std(ddof=1) / math.sqrt(chains))

@@ -89,8 +89,8 @@ def top_eigenvalue(hvp: Callable[[PyTree], PyTree], like: PyTree, key: jax.Array
 
 
 def stage_sharpness(loss: Callable[[Sequence[PyTree]], jax.Array], stage_params: Sequence[PyTree],
-                    stages: Sequence[int], key: jax.Array, iterations: int = 30
-                    ) -> np.ndarray:
+                    stages: Sequence[int], key: jax.Array, iterations: int = 30,
+                    preconditioner: Sequence[PyTree] | None = None) -> np.ndarray:
   """Top eigenvalue of the Hessian's diagonal block of each stage in ``stages``.
 
   Args:
@@ -99,6 +99,10 @@ def stage_sharpness(loss: Callable[[Sequence[PyTree]], jax.Array], stage_params:
     stages: Which stages' blocks to measure.
     key: Seeds the power iterations.
     iterations: Power-iteration products per stage.
+    preconditioner: Every stage's diagonal ``P`` (a tree like its params, > 0), or None. Given,
+      the eigenvalue is that of ``P⁻¹ H_s`` (read as ``P^{-1/2} H_s P^{-1/2}``, which has the
+      same spectrum and stays symmetric): the curvature a step divided by ``P`` meets, e.g.
+      Adam's ``√ν̂ + ε`` (:func:`adam_preconditioner`).
 
   Returns:
     ``float64[len(stages)]``: ``λ_s`` per requested stage.
@@ -112,9 +116,39 @@ def stage_sharpness(loss: Callable[[Sequence[PyTree]], jax.Array], stage_params:
   def full_hvp(at, direction):
     return jax.jvp(jax.grad(loss), (at,), (direction,))[1]
 
+  scales = None if preconditioner is None else [
+      jax.tree_util.tree_map(lambda p: 1.0 / jnp.sqrt(p), tree) for tree in preconditioner]
+  scaled = lambda v, s: v if scales is None else jax.tree_util.tree_map(jnp.multiply, scales[s], v)
   result = []
   for i, s in enumerate(stages):
     def block_hvp(v, s=s):
-      return full_hvp(params, zeros[:s] + [v] + zeros[s + 1:])[s]
+      return scaled(full_hvp(params, zeros[:s] + [scaled(v, s)] + zeros[s + 1:])[s], s)
     result.append(top_eigenvalue(block_hvp, params[s], jax.random.fold_in(key, i), iterations))
   return np.asarray(result, np.float64)
+
+
+def adam_preconditioner(loss: Callable[..., jax.Array], stage_params: Sequence[PyTree],
+                        batches: Sequence[tuple], eps: float = 1e-8) -> list[PyTree]:
+  """Adam's divisor ``√ν̂ + ε`` at ``stage_params``, every stage's, for :func:`stage_sharpness`.
+
+  ``ν̂`` is the bias-corrected mean of squared gradients. Where the weights move slowly against
+  ``1 / (1 − b2)`` steps it is the mean of the squared gradient of one step's batch, which is what
+  this returns: the mean over ``batches`` (each the inputs of one optimizer step) of the squared
+  gradient of ``loss(params, *batch)``. It holds the gradient's noise as well as its mean, as
+  the optimizer's own ``ν̂`` does.
+
+  Args:
+    loss: ``loss(params, *batch)``: the mean loss of one batch, params the list of every stage's.
+    stage_params: Every stage's params.
+    batches: The batches of as many optimizer steps.
+    eps: Adam's ε.
+
+  Returns:
+    A list of trees like ``stage_params``: ``√ν̂ + ε``.
+  """
+  params = list(stage_params)
+  grad = jax.jit(jax.grad(loss))
+  total = jax.tree_util.tree_map(jnp.zeros_like, params)
+  for batch in batches:
+    total = jax.tree_util.tree_map(lambda t, g: t + g * g, total, grad(params, *batch))
+  return jax.tree_util.tree_map(lambda t: jnp.sqrt(t / len(batches)) + eps, total)

@@ -85,6 +85,10 @@ class Record:
     config_fields: the training config's own fields that only this method (and the others that
       name them) reads, e.g. ``micro_batches`` for the synchronous pipeline; a config that sets
       one for a method that does not read it is refused.
+    safe_delay_memory: the largest ``D_max (1 − β)`` (the stem's delay ``2(S − 1)`` over the
+      momentum's memory ``1 / (1 − β)``, β the momentum or Adam's b1) at which a study found the
+      method level with its baseline; a run beyond it is warned at its start. None: no study
+      has measured it (no warning).
   """
 
   name: str
@@ -96,6 +100,7 @@ class Record:
   quadratic: QuadraticForm | None = None
   color: str = "tab:gray"
   config_fields: tuple[str, ...] = ()
+  safe_delay_memory: float | None = None
 
   def fields(self) -> tuple[str, ...]:
     """The hyperparameters' names, ``learning_rate`` first."""

@@ -202,6 +202,39 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                initial_weights_from=initial_weights_from)
 
 
+def resolved_optimizer(config, recipe: optim.Recipe) -> dict:
+  """The base update a run applies, after the scaling rules and overrides: its peak learning
+  rate, Adam's b1 and b2 (None under SGD, whose momentum is ``momentum``), the momentum and the
+  weight decay. What ``summary.json`` and the HParams record."""
+  adam = config.optimizer == "adam"
+  return {"learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
+          "b1": recipe.momentum if adam else None, "b2": recipe.b2 if adam else None,
+          "weight_decay": recipe.weight_decay}
+
+
+def delay_memory(config, recipe: optim.Recipe, delays) -> float | None:
+  """``D_max (1 − β)`` of a run whose stages have ``delays``: the stem's delay over the
+  momentum's memory (β the momentum, or Adam's b1); None for a method with no delay."""
+  if methods_lib.traits_of(config.method).delay_free:
+    return None
+  return max(delays) * (1.0 - recipe.momentum)
+
+
+def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
+  """One line when the run's ``D_max (1 − β)`` is beyond the largest a study found safe for its
+  method (its record's ``safe_delay_memory``), else None."""
+  safe = methods_lib.record_of(config.method).safe_delay_memory
+  product = delay_memory(config, recipe, delays)
+  if safe is None or product is None or product <= safe:
+    return None
+  beta = "b1" if config.optimizer == "adam" else "momentum"
+  return (f"{methods_lib.DISPLAY_NAMES[config.method]} at D_max (1 - {beta}) = {max(delays)} x "
+          f"(1 - {recipe.momentum:.6g}) = {product:.3g} (D_max = 2(S - 1), S = {len(delays)} "
+          f"stages), beyond {safe:g}, the largest at which a study found it level with its "
+          "baseline: expect a gap to it. See docs/lm.md, \"How to choose β and the rate for a "
+          "pipeline of S stages\".")
+
+
 def method_hyperparameters(config, recipe, learning_rate, anneal_steps: int,
                            num_stages: int) -> dict:
   """``make_method``'s keywords for ``config.method``: the fields its record takes, from the

@@ -152,11 +152,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       if checkpointer.latest_step() != run.samples:
         run.save(state)
       test_result = run.evaluate(state)
-      recipe = setup.recipe
+      resolved = experiment.resolved_optimizer(config, setup.recipe)
       writer.write_hparams(
           {**config_checks.flat_config(config), "num_stages": pipe.num_stages,
-           "resolved.lr": recipe.learning_rate, "resolved.momentum": recipe.momentum,
-           "resolved.weight_decay": recipe.weight_decay},
+           **{f"resolved.{'lr' if k == 'learning_rate' else k}": v
+              for k, v in resolved.items() if v is not None}},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
     # Still under the stop request: a SIGTERM while the run writes its last files must not kill
     # it between its final checkpoint and summary.json (the run has finished; it exits 0).
@@ -208,6 +208,9 @@ def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, tot
                config.micro_batch_size, recipe.learning_rate, recipe.momentum,
                recipe.weight_decay, *experiment.optimizer_steps(config, recipe, len(train_source)),
                pipe.delays, total_samples)
+  warning = experiment.delay_memory_warning(config, recipe, pipe.delays)
+  if warning is not None:
+    logging.warning(warning)
 
 
 class _Run:
@@ -329,13 +332,12 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
 def _summary(config, workdir: str, run: _Run, total_samples: int, stopped_by: str | None,
              test_result: dict | None, init_digest: str) -> dict:
   """The run's summary.json."""
-  recipe = run.setup.recipe
   return {
       "samples": run.samples, "total_samples": total_samples, "stopped_by": stopped_by,
       "method": config.method, "model": config.model, "dataset": config.dataset,
       "micro_batch_size": config.micro_batch_size, "num_stages": run.setup.pipeline.num_stages,
       "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
-      "learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
+      **experiment.resolved_optimizer(config, run.setup.recipe),
       "train_seconds": run.train_seconds(),
       "test_accuracy": None if test_result is None else test_result["accuracy"],
       "test_loss": None if test_result is None else test_result["loss"],

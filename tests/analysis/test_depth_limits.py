@@ -152,3 +152,75 @@ def test_each_methods_verdict_sets_the_predicted_break_against_the_runs():
          "no break" in pb_sc and "agrees: no run diverged" in pb_sc
   assert "diverged 1 of 2 (the records name no sample or stage)" in pipemare
   assert "disagrees for 1 of 2 runs" in pipemare
+
+
+def _adam_on_a_quadratic(curvatures, divisor, lr, b1, delay, spike_compensated, steps=6000):
+  """Delayed Adam on ``½ Σ λ_i w_i²`` in numpy, with its divisor ``√ν̂ + ε`` held: the decay
+  rate per step of ``‖w‖`` over the run's second half (a log-linear fit)."""
+  lam, divisor = np.asarray(curvatures, np.float64), np.asarray(divisor, np.float64)
+  history = [np.ones_like(lam)] * (delay + 1)  # history[0] is w_{t−D}
+  moment = np.zeros_like(lam)
+  kept = b1 ** delay
+  log_norms, log_scale = [], 0.0
+  for t in range(1, steps + 1):
+    gradient = lam * history[0]
+    moment = b1 * moment + (1 - b1) * gradient
+    moment_hat = moment / (1 - b1 ** t)
+    update = kept * moment_hat + (1 - kept) * gradient if spike_compensated else moment_hat
+    history = history[1:] + [history[-1] - lr * update / divisor]
+    norm = np.linalg.norm(history[-1])
+    log_norms.append(np.log(norm) + log_scale)
+    if not 1e-50 < norm < 1e50:  # the recurrence is linear: rescaling keeps its shape
+      history, moment, log_scale = ([w / norm for w in history], moment / norm,
+                                    log_scale + np.log(norm))
+  tail = np.arange(steps // 2, steps)
+  return float(np.exp(np.polyfit(tail, np.asarray(log_norms)[tail], 1)[0]))
+
+
+@pytest.mark.parametrize("method,delay", [("pb", 0), ("pb", 6), ("pb_sc", 6)])
+@pytest.mark.parametrize("edge_fraction", [0.7, 1.2])
+def test_adam_on_a_quadratic_decays_at_the_rate_of_its_step_curvature(method, delay,
+                                                                     edge_fraction):
+  # The divisor turns the sharper raw coordinate (λ 4) into the flatter one: λ/P is 2 and 10.
+  curvatures, divisor, b1 = [4.0, 1.0], [2.0, 0.1], 0.9
+  spike = quadratic.FORMS[method].spike_compensated
+  edge = quadratic.max_stable_lr(method, b1, delay)
+  lr = edge_fraction * edge / depth_limits.step_curvature(1.0, 10.0, b1, "ema")
+  predicted = max(quadratic.spectral_radius(
+      method, depth_limits.step_curvature(lr, lam / p, b1, "ema"), b1, delay)
+      for lam, p in zip(curvatures, divisor))
+  measured = _adam_on_a_quadratic(curvatures, divisor, lr, b1, delay, spike)
+  assert measured == pytest.approx(predicted, abs=2e-3)
+  assert (measured < 1) == (edge_fraction < 1)
+  if edge_fraction < 1:  # read as heavy ball on the raw curvature, this stable run diverges
+    assert quadratic.spectral_radius(method, lr * 4.0, b1, delay) > 1
+
+
+def test_a_recipes_form_outside_the_two_is_refused():
+  with pytest.raises(ValueError, match="form must be 'heavy_ball' or 'ema'"):
+    depth_limits.step_curvature(0.1, 1.0, 0.9, "nesterov")
+
+
+@pytest.mark.slow  # builds and measures an Adam run: about 25 s on two idle cores
+def test_an_adam_runs_curvature_is_the_hessians_over_adams_divisor(tmp_path):
+  config = digits_config(optimizer="adam", **{"reference.lr": 1e-3})
+  setup = experiment.build(config)
+  records = list(depth_limits.measure(config, None, at_samples=(0,), batch=32, iterations=200))
+  x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
+  model, b = setup.model, config.micro_batch_size
+  params = [st.params for st in setup.runner.to_logical(
+      setup.init(jax.random.PRNGKey(config.seed))).stages]
+  flat, unflatten = jax.flatten_util.ravel_pytree(params)
+  loss = lambda f, xb, yb: model.loss(model.apply(unflatten(f), xb), yb)[0]
+  grad = jax.jit(jax.grad(loss))
+  squares = [np.asarray(grad(flat, x[i:i + b], y[i:i + b]), np.float64) ** 2
+             for i in range(0, len(x) - b + 1, b)]
+  scale = 1 / np.sqrt(np.sqrt(np.mean(squares, axis=0)) + 1e-8)  # P^(-1/2)
+  dense = np.asarray(jax.hessian(loss)(flat, x, y), np.float64) * np.outer(scale, scale)
+  starts = np.cumsum([0] + [jax.flatten_util.ravel_pytree(p)[0].size for p in params])
+  b1 = setup.recipe.momentum
+  for r in records:
+    a, e = starts[r["stage"]], starts[r["stage"] + 1]
+    assert r["form"] == "ema" and r["momentum"] == pytest.approx(b1)
+    assert r["sharpness"] == pytest.approx(np.linalg.eigvalsh(dense[a:e, a:e]).max(), rel=1e-2)
+    assert r["lr_sharpness"] == pytest.approx(r["learning_rate"] * (1 - b1) * r["sharpness"])
