@@ -266,6 +266,7 @@ def plot_stages(records: Sequence[dict], path: str, title: str = "") -> None:
 
 def write_figures(records: Sequence[dict], directory: str, title: str = "") -> list[str]:
   """``stage_NNN.png`` for every stage with records, and ``stages.png`` over all of them."""
+  os.makedirs(directory, exist_ok=True)
   paths = []
   for s in sorted({r["stage"] for r in records}):
     paths.append(os.path.join(directory, f"stage_{s:03d}.png"))

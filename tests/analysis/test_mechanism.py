@@ -1,6 +1,12 @@
 """The mechanism measurement: its delayed gradient is the engine's, its two numbers at the cases
 where they are known, and a 2-stage linear pipeline re-derived by hand in numpy."""
 
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +17,7 @@ import pipejax
 from pipejax.analysis import mechanism
 from pipejax.core.engine import Pipeline
 from pipejax.core.state import Packet
+from pipejax.models import online_norm
 from pipejax.methods.method import pb, pipedream, sync
 from tests import helpers
 from tests.helpers import make_model, make_stream
@@ -161,3 +168,40 @@ def test_refuses_ticks_outside_the_stream():
   with pytest.raises(mechanism.MechanismError, match=r"Ticks \[3\] lie outside the stream, "
                      r"which covers ticks \[0, 3\)"):
     mechanism.measure(pipe, pipe.init(jax.random.PRNGKey(0)), x, y, at=[0, 3])
+
+
+def test_refuses_a_model_with_variables():
+  norm = pipejax.from_flax(nn.Sequential([nn.Dense(3), online_norm.OnlineNorm()]), name="norm")
+  x, y = make_stream(2, 1)
+  pipe = Pipeline(pipejax.Model([norm]), pb(optax.sgd(LR)), x[0], y[0],
+                  track_weight_discrepancy=True)
+  with pytest.raises(mechanism.MechanismError, match="stateless stages only"):
+    mechanism.check_pipeline(pipe)
+
+
+def test_refuses_a_runner_that_is_not_the_single_device_pipeline():
+  with pytest.raises(mechanism.MechanismError, match=r"Pass its \.pipeline"):
+    mechanism.check_pipeline(object())
+
+
+@pytest.mark.slow
+def test_the_script_writes_records_and_a_figure_per_stage(tmp_path):
+  env = {**os.environ, "PYTHONPATH": helpers.ROOT}
+  result = subprocess.run(
+      [sys.executable, os.path.join(helpers.ROOT, "scripts", "mechanism.py"),
+       "--config=" + os.path.join(helpers.ROOT, "configs", "char_lm.py") + ":smoke",
+       "--config.method=pb", "--sequences=16", "--points=2", "--chunk=8",
+       f"--output_dir={tmp_path}"], capture_output=True, text=True, timeout=600, env=env,
+      cwd=helpers.ROOT)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(tmp_path / "mechanism.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  stages = 4  # the smoke LM: embedding, two blocks, head
+  # Ticks 6 (the fill's end) and 15: every stage backwards a real sample at both.
+  assert sorted((r["tick"], r["stage"]) for r in records) == [
+      (t, s) for t in (6, 15) for s in range(stages)]
+  assert all(r["method"] == "pb" and r["num_stages"] == stages for r in records)
+  assert [r["delay"] for r in records if r["tick"] == 15] == [6, 4, 2, 0]
+  assert all(-1 <= r["cosine"] <= 1 + 1e-6 and r["mismatch"] >= 0 for r in records)
+  assert sorted(os.listdir(tmp_path / "figures")) == [
+      *(f"stage_{s:03d}.png" for s in range(stages)), "stages.png"]
