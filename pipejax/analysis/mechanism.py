@@ -14,6 +14,15 @@ At the ticks asked for, for each stage ``s`` whose backward that tick works on a
   ``Model`` at ``w_t``, the same randomness per stage);
 * ``delayed_norm`` and ``current_norm``: the two gradients' norms.
 
+"Current" is every stage's weights ``w_t`` as they stand before the tick, not the method's views
+of them (a prediction is a view). So the two numbers separate two causes: the mismatch is the
+stage's own inconsistency, and the cosine also carries the staleness of the input and of the
+cotangent. The last stage has no mismatch, yet its cosine is below 1 as soon as the stages
+upstream move: its input was made with their weights of a tick before (it is 1 when they stand
+still, and for a single stage). In the synchronous mode the stages downstream of ``s`` have
+already taken the step of the sample that ``s`` backwards, so there too the cosine falls below 1
+upstream of the last stage; the mismatch is 0.
+
 The delayed gradient is recomputed here, from what the state holds before the tick, with the
 engine's timing and views; nothing the engine computes changes (``tests/analysis/
 test_mechanism.py`` checks it against the update plain SGD applies). Between measurements the
