@@ -40,11 +40,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from pipejax import plotting
 from pipejax.core.engine import Pipeline
@@ -180,6 +182,7 @@ def measure(pipe: Pipeline, state: PipelineState, inputs: PyTree, labels: PyTree
     raise MechanismError(f"chunk is the number of ticks a scan runs, at least 1; got {chunk}.")
   inputs, labels = jax.tree.map(np.asarray, (inputs, labels))
   take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  started = time.perf_counter()
   program, records, tick = jax.jit(functools.partial(_measure_tick, pipe)), [], first
   for t in at + [first + num_ticks]:
     while t - tick >= chunk:
@@ -201,6 +204,8 @@ def measure(pipe: Pipeline, state: PipelineState, inputs: PyTree, labels: PyTree
     for r in records_tick:
       r["mismatch"] = float(discrepancy[r["stage"]])
     records.extend(records_tick)
+    logging.info("Measured tick %d (%d of %d) after %.0f s.", t, at.index(t) + 1, len(at),
+                 time.perf_counter() - started)
     tick += 1
   return state, records
 
