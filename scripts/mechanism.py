@@ -15,6 +15,9 @@ the delay) to ``--output_dir``, and prints the per-stage means.
 
 The run uses the config's schedule at its full length (the warm-up included), so its first
 ``--sequences`` ticks are those of the full run. On one device; the weights stay at float32.
+The command above took 20 minutes on a shared 2-core CPU at load 10 to 14 (7.6 minutes of CPU);
+compiling the tick, the scan and the measurement was two thirds of it, and each further 1,000
+sequences adds about 2.5 minutes there.
 """
 
 from __future__ import annotations
