@@ -38,6 +38,17 @@ def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
 
   Returns:
     The transformation, with ``inner``'s state structure.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from pipejax.optim import float32_state
+    >>> params = {'w': jnp.zeros(3, jnp.bfloat16)}
+    >>> tx = float32_state(optax.sgd(1e-2, momentum=0.99918))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.ones(3, jnp.bfloat16)}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> print(state[0].trace['w'].dtype, params['w'].dtype)
+    float32 bfloat16
   """
   inner = optax.with_extra_args_support(inner)
 

@@ -357,7 +357,7 @@ def test_docstring_examples_run(module_name):
 
 
 TRANSFORMATIONS = ('adam_sc', 'adam_weight_prediction', 'delay_compensation', 'delay_gradients',
-                   'delayed_error_feedback', 'linear_weight_prediction', 'muon_sc',
+                   'delayed_error_feedback', 'float32_state', 'linear_weight_prediction', 'muon_sc',
                    'nesterov_asyncpp', 'pipemare', 'pipemare_discrepancy', 'scale_by_adam_sc',
                    'scale_by_muon_sc', 'scale_by_torch_nadam', 'sgd_sc', 'spike_compensation')
 

@@ -151,7 +151,7 @@ def test_processes_reading_their_slots_see_the_one_process_stream(augment):
   skipper = data.DataStream(source, b, seed=3)
   skipper.skip(6)  # a process that holds no first stage only advances
   assert skipper.get_state() == whole.get_state()
-  with pytest.raises(data.DataError, match=r"slots must be increasing places .* \[0, 4\)"):
+  with pytest.raises(data.DataError, match=r"rows must be increasing rows .* \[0, 4\)"):
     whole.next_chunk(1, [2, 1])
 
 
@@ -279,8 +279,8 @@ def test_a_two_process_checkpoint_resumes_on_another_mesh_shape(runs):
 def test_only_process_0_logs_progress_at_info(runs):
   (_, log0), (_, log1) = runs["resumed_on_two"]
   # make_mesh keeps a stage's data replicas on one process: process 0 holds the first stage.
-  assert "Process 0 of 2 loads slots [0, 1] of every micro-batch of 2" in log0
-  assert "Process 1 of 2 loads slots [] of every micro-batch of 2" in log1
+  assert "Process 0 of 2 loads rows [0, 1] of every micro-batch of 2" in log0
+  assert "Process 1 of 2 loads rows [] of every micro-batch of 2" in log1
   assert FIRST_PROGRESS.search(log0)
   assert not FIRST_PROGRESS.search(log1)  # at DEBUG: shown with --verbosity=1
   assert "test accuracy" in log1  # but it says what it evaluates
@@ -295,7 +295,7 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
       "--config.micro_batch_size=4"])
   _wait_for_line(processes[0][1], FIRST_PROGRESS, processes)
   for (_, log), slots in zip(processes, ("[0, 1]", "[2, 3]")):
-    assert f"loads slots {slots} of every micro-batch of 4" in log.read_text()
+    assert f"loads rows {slots} of every micro-batch of 4" in log.read_text()
   killed_at = time.monotonic()
   processes[1][0].kill()
   results = _finish(processes, timeout=120)

@@ -274,15 +274,15 @@ def test_a_run_too_short_to_fill_its_pipeline_is_refused_before_training(tmp_pat
   workdir = tmp_path / "run"
   # 1437 digits at b = 256: 5 micro-batches; 3 stages under a cosine schedule need 6.
   with pytest.raises(config_checks.ConfigError, match=r"too short to train every stage: it "
-                     r"trains 5 micro-batches of 256 .*at micro-batch 5, and a cosine schedule "
-                     r"starts its warm-up at a rate of 0. It needs at least 1536 training samples"):
+                     r"trains 5 micro-batches of 256 .*at micro-batch 5, and a warm-up starts at "
+                     r"a rate of 0. It needs at least 1536 training samples"):
     trainer.train_and_evaluate(digits_config(micro_batch_size=256, epochs=1.0), str(workdir))
   assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("overrides, shortest", [
     ({}, 6),  # 3 stages: stage 0's first update at tick 4, its second (rate > 0) at tick 5
-    ({"schedule": "constant"}, 5),
+    ({"schedule": "constant", "warmup_epochs": 0.0}, 5),
     ({"method": "sync", "micro_batches": 4}, 8),  # two synchronous steps
     ({"method": "sgd"}, 2)])  # one stage
 def test_the_shortest_run_that_moves_every_stage_passes(overrides, shortest):
@@ -330,7 +330,7 @@ def test_the_char_lm_over_two_processes_equals_one_process(tmp_path):
   for p, log in zip(two, logs):
     assert p.returncode == 0, log[-3000:]
     assert "processes=2 mesh=data1xstage2" in log
-  assert "Process 1 of 2 loads slots [] of every micro-batch of 1" in logs[1]
+  assert "Process 1 of 2 loads rows [] of every micro-batch of 1" in logs[1]
   expected = _newest_meta(tmp_path / "one")
   assert _newest_meta(tmp_path / "two")["state_digest"] == expected["state_digest"]
   assert expected["samples"] == 100

@@ -170,7 +170,7 @@ def test_missing_data_says_how_to_install_it(tmp_path):
 
 
 def test_unknown_method_lists_the_known_ones(tmp_path):
-  with pytest.raises(config_checks.ConfigError, match="Known methods: dcasgd, nesterov_asyncpp, pb"):
+  with pytest.raises(config_checks.ConfigError, match="Known methods: dcasgd, muon, nesterov_asyncpp, nesterov_asyncpp_released, pb"):
     trainer.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
 
 
