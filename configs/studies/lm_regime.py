@@ -16,8 +16,9 @@ before:
 
 1. baselines (``--where=method=sgd``): Adam without a pipeline over b1 in {0.9, 0.99, 0.999} x b2 in {0.99, 0.999,
    0.9999} where b1² < b2 (8 settings), each at the rates 1e-3, 2e-3 and 4e-3 (lm_depth's sweep
-   put the 0.9 / 0.99 baseline's best at 4e-3), seed 0. The lowest run of this phase and of the
-   Muon baseline is the baseline of every gap.
+   put the 0.9 / 0.99 baseline's best at 4e-3), seed 0; and Muon without a pipeline
+   (``--where=method=muon``: ``pb_muon``'s parameter split as one stage) at the same three rates.
+   The lowest run of this phase is the baseline of every gap, whatever its optimizer.
 
 Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers at a time on
 this 2-core CPU (lm_depth's records), so the baselines phase (24 runs) takes 2.6 to 4.6 hours
@@ -53,6 +54,11 @@ def _baselines(seeds=(0,)) -> list[dict]:
            "reference.lr": BASELINE_RATES, "seed": tuple(seeds)} for b1, b2 in BETAS]
 
 
+def _muon_baselines(seeds=(0,)) -> list[dict]:
+  return [{"model_kwargs.blocks": (BLOCKS,), "model_kwargs.width": (WIDTH,), "method": ("muon",),
+           **_betas(0.9, 0.99), "reference.lr": BASELINE_RATES, "seed": tuple(seeds)}]
+
+
 def get_study(arg: str | None = None) -> Study:
   if arg == "smoke":
     grids = [{"method": ("sgd",), **_betas(b1, b2), "seed": (0,)}
@@ -65,9 +71,12 @@ def get_study(arg: str | None = None) -> Study:
   if arg:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
   return Study(
-      name="lm regime", config="configs/char_lm.py", grids=_baselines(),
+      name="lm regime", config="configs/char_lm.py", grids=_baselines() + _muon_baselines(),
       baseline={"method": "sgd"}, margin=MARGIN,
-      labels={"sgd": "Adam, no pipeline", "reference.momentum": "b1", "reference.b2": "b2"},
+      labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1", "reference.b2": "b2"},
       tables=[Table("Adam without a pipeline: validation bits per byte by betas and rate",
                     rows="reference.lr", columns="method", kind="cells",
-                    where=(("method", "sgd"),), **BITS)])
+                    where=(("method", "sgd"),), **BITS),
+              Table("Muon without a pipeline (b1 0.9, b2 0.99 for its AdamW leaves): validation "
+                    "bits per byte by rate", rows="reference.lr", columns="method", kind="cells",
+                    where=(("method", "muon"),), **BITS)])
