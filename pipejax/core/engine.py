@@ -46,10 +46,12 @@ from typing import Any, Callable
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from pipejax.core import accounting, checks
+from pipejax.core import accounting, checks, parts
 from pipejax.methods import Method
+from pipejax.core.parts import TickOptions
 from pipejax.core.runner import ScanRunner
 from pipejax.core.stages import Model, Variables, softmax_cross_entropy
 from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState,
@@ -114,6 +116,12 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+@jax.jit
+def _stages_finite(stages) -> jax.Array:
+  """One flag per stage: are its weights and optimizer state finite."""
+  return jnp.stack([all_finite((st.params, st.opt_state)) for st in stages])
+
+
 def _relative_distance(a, b) -> jax.Array:
   """``|a - b| / |b|`` over every leaf of two weight trees (0 where ``b`` is all zeros)."""
   def squares(tree):
@@ -144,24 +152,6 @@ def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
   return jax.tree.map(
       lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
                          else 0, a.dtype), spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class TickOptions:
-  """How a tick advances its stages: fixed when the tick is traced, the same for every stage.
-
-  Attributes:
-    reduce_grads: combines the weight gradient across pipeline replicas (``lax.pmean`` over a
-      ``data`` mesh axis); None on one replica.
-    every_slot_full: promises that the micro-batch backwarded is a real one (see
-      :meth:`Pipeline.run`), which drops the guard that keeps empty slots from updating weights.
-    delay_line_entries: return, in place of each stage's new delay line, the entry this tick
-      writes into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).
-  """
-
-  reduce_grads: Callable[[PyTree], PyTree] | None = None
-  every_slot_full: bool = False
-  delay_line_entries: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -481,46 +471,12 @@ class Pipeline(ScanRunner):
     metrics["finite"] = jnp.logical_and(forward.ok, backward_ok)
     return StageState(params, opt_state, None, forward.out, backward_out, variables), metrics
 
-  def advance_stage(self, s: int, st: StageState, inbound: Packet, cotangent: PyTree,
-                    tick: jax.Array, rng: jax.Array, options: TickOptions = TickOptions()):
-    """Stage s's work in one tick: forward, stash, backward, update.
-
-    Returns the new stage state and this tick's stage metrics. ``inbound`` is what stage s-1
-    forwarded last tick; ``cotangent`` what stage s+1 sent back last tick (ignored for the last
-    stage, which meets the loss). Single- and multi-device ticks only route registers between
-    calls of it, each with its :class:`TickOptions`.
-    """
-    forward = self.forward_step(s, st, inbound, rng)
-    oldest = st.delay_line.read(tick, forward.entry)
-    line = (forward.entry if options.delay_line_entries
-            else st.delay_line.write(tick, forward.entry))
-    new, metrics = self.backward_step(s, st, forward, oldest, inbound, cotangent, rng,
-                                      options=options)
-    return new._replace(delay_line=line), metrics
-
-  def advance_stages(self, first: int, stages: tuple[StageState, ...], inbound: Packet,
-                     cotangent: PyTree, tick, rng, options: TickOptions = TickOptions()):
-    """Advances the contiguous stages ``first .. first+len(stages)-1`` by one tick.
-
-    ``inbound`` is the packet entering the first of them, ``cotangent`` the gradient entering
-    the last (None when they end with the model's last stage).
-    """
-    new_stages, stage_metrics = [], []
-    for i, st in enumerate(stages):
-      s = first + i
-      stage_in = inbound if i == 0 else stages[i - 1].forward_out
-      stage_cot = cotangent if i == len(stages) - 1 else stages[i + 1].backward_out
-      new_st, m = self.advance_stage(s, st, stage_in, stage_cot, tick, rng, options)
-      new_stages.append(new_st)
-      stage_metrics.append(m)
-    return tuple(new_stages), stage_metrics
-
   def _tick(self, state: PipelineState, batch: Batch, every_slot_full: bool = False):
     inbound = Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
-    stages, stage_metrics = self.advance_stages(
-        0, state.stages, inbound, None, state.tick, state.rng,
-        TickOptions(every_slot_full=every_slot_full))
-    return PipelineState(stages, state.tick + 1, state.rng), tick_metrics(stage_metrics)
+    stages, part_metrics = parts.advance_parts(
+        self, self.delays, parts.single_stages(0, self.num_stages), state.stages, inbound, None,
+        state.tick, state.rng, TickOptions(every_slot_full=every_slot_full))
+    return PipelineState(stages, state.tick + 1, state.rng), parts.tick_metrics(part_metrics)
 
   def metric_shapes(self) -> dict:
     """ShapeDtypeStructs of one tick's metrics (what ``tick`` returns), computed abstractly."""
@@ -532,6 +488,11 @@ class Pipeline(ScanRunner):
     checks.check_on_host("every_slot_full", state)
     checks.check_not_donated(state)
     return slots_full(state.stages)
+
+  def weights_finite(self, state: PipelineState) -> np.ndarray:
+    """See :meth:`pipejax.core.runner.Runner.weights_finite`."""
+    self.check_state(state)
+    return np.asarray(_stages_finite(state.stages))
 
   # ------------------------------------------------------------------ layout
 
@@ -588,11 +549,3 @@ class Pipeline(ScanRunner):
     (:func:`pipejax.core.checks.check_class_labels`)."""
     checks.check_class_labels(labels, valid, self.num_classes)
 
-
-def tick_metrics(stage_metrics: list[dict]) -> dict:
-  """One tick's metrics from its stages': the last stage's, with the per-stage flags stacked."""
-  metrics = dict(stage_metrics[-1])
-  for per_stage in ("finite", "weight_discrepancy"):
-    if per_stage in stage_metrics[0]:
-      metrics[per_stage] = jnp.concatenate([jnp.atleast_1d(m[per_stage]) for m in stage_metrics])
-  return metrics

@@ -89,6 +89,14 @@ class Runner(Protocol):
     it reads either a slot that is full now or one written from the new micro-batches.
     """
 
+  @abc.abstractmethod
+  def weights_finite(self, state: State) -> np.ndarray:
+    """One flag per logical stage: are its weights and optimizer state finite.
+
+    Computed where the state lives (on a mesh, each device checks its own stages); only the
+    flags come to the host, never the state.
+    """
+
   def drain(self, state: State) -> tuple[State, dict | None]:
     """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
     pipeline = self.pipeline

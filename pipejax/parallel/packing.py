@@ -173,7 +173,7 @@ def ring_windows(buffers, placement: _Placement, tree, tick, widths: dict[Buffer
   """What one tick writes into each delay-line buffer: ``{key: (window, start)}``.
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
-  (``Pipeline.advance_stages`` with ``TickOptions(delay_line_entries=True)``), which goes to slot
+  (``pipejax.core.parts.advance_parts`` with ``TickOptions(delay_line_entries=True)``), which goes to slot
   ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of
   ``widths[key]`` elements: the entry, then the buffer's own elements up to the window's width (a
   shard whose slots are narrower than another's keeps its next slot as it was). A buffer carried in

@@ -1,7 +1,7 @@
 """Pipelined Backpropagation over many devices: ``shard_map`` over a ``('data', 'stage')`` mesh.
 
 Each device on the ``stage`` axis owns a contiguous shard of logical stages and advances it with
-the engine's own :meth:`pipejax.core.engine.Pipeline.advance_stages`: there is no second engine, and
+the one tick over parts, :func:`pipejax.core.parts.advance_parts`: there is no second engine, and
 delays, delay lines and optimizer states stay per logical stage. Devices on the optional ``data``
 axis run replicas of the pipeline on different parts of every micro-batch and average each stage's
 weight gradient (``lax.pmean``) before the stage's update, so all replicas keep the same weights.
@@ -17,7 +17,7 @@ from the carry, i.e. what its shard wrote last tick, and ``lax.ppermute`` moves 
 (forward packet ``d -> d+1``, cotangent ``d -> d-1``); (2) ``lax.switch`` on
 ``lax.axis_index('stage')`` runs branch d, which unpacks shard d at static offsets, takes its
 inbound packet (the batch on device 0) and cotangent (None on the last device) from the received
-messages, calls ``advance_stages``, and writes the new shard state back (a whole buffer by a
+messages, calls ``advance_parts``, and writes the new shard state back (a whole buffer by a
 reshape, part of one by ``lax.dynamic_update_slice``, never by concatenation). Step (1) reads
 exactly what the single-device tick reads (registers written by the previous tick), so the
 timing, and with it every number, is that of :meth:`~pipejax.core.engine.Pipeline.run`.
@@ -41,9 +41,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 
 from pipejax.parallel import packing, stacking
-from pipejax.core import checks
+from pipejax.core import checks, engine
 from pipejax.core.checks import PipelineError
-from pipejax.core.engine import Pipeline, TickOptions
+from pipejax.core.engine import Pipeline
+from pipejax.core.parts import TickOptions
 from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
 from pipejax.parallel.packing import SHARED, PackedState
 from pipejax.parallel.partition import check_partition, param_counts, partition_stages
@@ -59,7 +60,7 @@ class ShardedPipeline(Runner):
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
       is the global one; each data replica takes ``b / data`` samples of it. A
       :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece
-      of every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_stages`); the
+      of every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_shard`); the
       state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
       :func:`pipejax.parallel.mesh.make_mesh`).
@@ -123,6 +124,7 @@ class ShardedPipeline(Runner):
     self._jit_run = jit(self._run, donate_argnums=0, out_shardings=out_shardings)
     self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
                              donate_argnums=0, out_shardings=out_shardings)
+    self._jit_weights_finite = jax.jit(self._weights_finite)
 
   # ------------------------------------------------------------------ facts
 
@@ -225,6 +227,37 @@ class ShardedPipeline(Runner):
     """
     return self._mesh_layout.flags_all_set(packed)
 
+  def weights_finite(self, packed: PackedState) -> np.ndarray:
+    """See :meth:`pipejax.core.runner.Runner.weights_finite`: each device checks its own stages'
+    weights in its buffers; only the flags leave the devices."""
+    self.check_state(packed)
+    flags = to_host(self._jit_weights_finite(self._mesh_layout.buffers(packed)))
+    return self._per_stage(flags.reshape(self.num_shards, self._max_shard))
+
+  def _per_stage(self, by_device):
+    """Logical stage s's entry of ``(..., stage, max_shard)`` per-device values."""
+    device = np.array(self.stage_to_device())
+    position = np.array([s - self.partition[d][0] for s, d in enumerate(device)])
+    return by_device[..., device, position]
+
+  def _weights_finite(self, buffers):
+    def branch(d, buffers):
+      body = packing.read_tree(buffers, self.packing.body_placements[d])
+      flags = jnp.stack([engine.all_finite((st.params, st.opt_state)) for st in body])
+      return jnp.pad(flags, (0, self._max_shard - flags.shape[0]))
+
+    def on_device(buffers):
+      buffers = {k: v.reshape(-1) for k, v in buffers.items()}
+      if self.num_shards == 1:
+        return branch(0, buffers)
+      return jax.lax.switch(jax.lax.axis_index(STAGE),
+                            [functools.partial(branch, d) for d in range(self.num_shards)],
+                            buffers)
+
+    specs = {k: self._mesh_layout.partition_spec(k) for k in buffers}
+    return jax.shard_map(on_device, mesh=self.mesh, in_specs=(specs,), out_specs=P(STAGE),
+                         check_vma=False)(buffers)
+
   # ------------------------------------------------------------------ the tick on the mesh
 
   def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
@@ -240,12 +273,9 @@ class ShardedPipeline(Runner):
         check_vma=False)  # replicas stay equal through pmean; the checker cannot see that
     buffers, tick, finite, last = run_on_device(buffers, packed.tick, packed.rng, batch)
     # finite: (T, stage * max_shard), device d's stages first; pick logical stage s's flag.
-    num_ticks = finite.shape[0]
-    finite = finite.reshape(num_ticks, self.num_shards, self._max_shard)
-    device = np.array(self.stage_to_device())
-    position = np.array([s - self.partition[d][0] for s, d in enumerate(device)])
+    finite = finite.reshape(finite.shape[0], self.num_shards, self._max_shard)
     metrics = {k: v[:, -1] for k, v in last.items()}  # the last stage lives on the last device
-    metrics["finite"] = finite[:, device, position]
+    metrics["finite"] = self._per_stage(finite)
     return self._mesh_layout.packed_state(buffers, tick, packed.rng), metrics
 
   def _device_run(self, buffers, tick, rng, batch: Batch, every_slot_full: bool = False):
@@ -318,19 +348,18 @@ class ShardedPipeline(Runner):
     options = TickOptions(
         reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
         every_slot_full=every_slot_full, delay_line_entries=bool(ring_widths))
-    advance = (self.pipeline.advance_stages if self.part_spans is None
-               else functools.partial(stacking.advance_stages, self.pipeline, self.part_spans))
-    shard, stage_metrics = advance(start, shard, inbound, cotangent, tick, rng, options)
+    shard, part_metrics = stacking.advance_shard(self.pipeline, self.part_spans, start, shard,
+                                                 inbound, cotangent, tick, rng, options)
     body, packet, cotangent_out = packing.split_shard(shard)
     windows = packing.ring_windows(buffers, body_placement, body, tick, ring_widths)
     buffers = packing.write_tree(buffers, body_placement, body, skip=ring_widths)
     buffers = packing.write_tree(buffers, packet_placement, packet)
     buffers = packing.write_tree(buffers, cotangent_placement, cotangent_out)
     buffers = {k: v for k, v in buffers.items() if k not in ring_widths}
-    finite = jnp.stack([m["finite"] for m in stage_metrics])
+    finite = jnp.concatenate([jnp.atleast_1d(m["finite"]) for m in part_metrics])
     finite = jnp.pad(finite, (0, self._max_shard - finite.shape[0]))
     if d == self.num_shards - 1:
-      last = {k: v for k, v in stage_metrics[-1].items() if k != "finite"}
+      last = {k: v for k, v in part_metrics[-1].items() if k != "finite"}
     else:
       last = {k: jnp.zeros(v.shape, v.dtype) for k, v in self._metric_template.items()}
     return buffers, windows, finite, last

@@ -24,18 +24,16 @@ flax derives each weight's key by folding a hash of its module's name into the s
 identical blocks trace to initializations that differ in those constants only, which are lifted
 out into an input.
 
-**Delay lines** (docs/design.md §6.1). Stage ``s`` of a stack holds ``L_s = D_s + 1`` slots, and
-``L_s`` differs from stage to stage. The stack keeps one buffer per leaf with all its stages'
-rings laid end to end, stage ``i`` at offset ``o_i = L_0 + ... + L_{i-1}``, so it holds exactly
-the per-stage formula's bytes. A tick gathers slot ``o_i + (t + 1) mod L_i`` of every stage
-(the oldest input) and scatters the new entries to ``o_i + t mod L_i``: one gather and one
-scatter of ``n`` rows per leaf, whatever ``n``. Within its span each stage's slots are where the
-logical state has them, so :meth:`StackedPipeline.to_logical` is slicing and stacking back.
+**The tick** is :func:`pipejax.core.parts.advance_parts`, over this layout's parts: each stack
+keeps its stages' rings end to end (:class:`pipejax.core.parts.Rings`), so it holds exactly the
+per-stage formula's bytes and a tick reads and writes them with one gather and one scatter per
+leaf. Within its span each stage's slots are where the logical state has them, so
+:meth:`StackedPipeline.to_logical` is slicing and stacking back.
 
 **On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` keeps
 each stage's state in its per-stage buffers and advances each device's stages with
-:func:`advance_stages`: the device's piece of every stack (:func:`pieces`) is stacked for the
-tick, run through the same vmapped steps, and cut back into stages, each with its own delay line.
+:func:`advance_shard`: the device's piece of every stack (:func:`pieces`) is stacked for the
+tick, advanced as one part, and cut back into stages, each with its own delay line.
 """
 
 from __future__ import annotations
@@ -48,8 +46,9 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.core import accounting, checks, engine
-from pipejax.core.engine import Pipeline, TickOptions
+from pipejax.core import accounting, checks, engine, parts
+from pipejax.core.engine import Pipeline
+from pipejax.core.parts import TickOptions
 from pipejax.parallel.mesh import MeshError
 from pipejax.core.runner import ScanRunner
 from pipejax.core.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
@@ -189,8 +188,7 @@ class _Stack(NamedTuple):
   stop: int
   treedefs: tuple  # each stage's StageState structure, delay line left out
   line_treedefs: tuple  # each stage's DelayLine structure
-  offsets: np.ndarray  # where each stage's ring starts in the stack's buffers
-  lengths: np.ndarray  # each stage's ring length D_s + 1
+  rings: parts.Rings  # where each stage's ring lies in the stack's buffers
   init: InitProgram | None  # the stages' one initialization program, if they have one
   salts: np.ndarray | None  # (n, k): each stage's salts for it
 
@@ -205,33 +203,19 @@ def _body(st: StageState) -> StageState:
   return st._replace(delay_line=None)
 
 
-def _stacked_steps(pipe: Pipeline, start: int, stop: int, st: StageState, inbound: Packet,
-                   cotangent: PyTree, rng, read_oldest, options: TickOptions):
-  """The engine's two steps for identical stages ``start .. stop-1`` under ``vmap``.
-
-  ``st`` is their stacked state; its delay line, not mapped, only gives the entries' structure
-  and dtypes: ``read_oldest`` maps the stacked entries this tick writes to the stacked oldest
-  entries, one per stage. ``inbound`` enters the first stage, ``cotangent`` the last. Returns
-  the stacked entries, the stacked new state without its delay line, and the stacked metrics.
-  """
-  shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
-  shift_back = lambda own, last: jnp.concatenate([own[1:], last[None]])
-  inbound = jax.tree.map(shift_in, inbound, st.forward_out)
-  cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
-  numbers = jnp.arange(start, stop, dtype=jnp.int32)
-  delays = jnp.asarray(pipe.delays[start:stop], jnp.int32)
-  body_axes = StageState(0, 0, None, 0, 0, 0)
-  forward = jax.vmap(
-      lambda st, inbound, number, delay: pipe.forward_step(start, st, inbound, rng, number,
-                                                           delay),
-      in_axes=(body_axes, 0, 0, 0))(st, inbound, numbers, delays)
-  oldest = read_oldest(forward.entry)
-  new, metrics = jax.vmap(
-      lambda st, forward, oldest, inbound, cotangent, number, delay: pipe.backward_step(
-          start, st, forward, oldest, inbound, cotangent, rng, number, delay, options),
-      in_axes=(body_axes, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent, numbers,
-                                              delays)
-  return forward.entry, new, metrics
+@functools.partial(jax.jit, static_argnums=0)
+def _parts_finite(part_list, states) -> jax.Array:
+  flags = []
+  for part, st in zip(part_list, states):
+    trees = (st.params, st.opt_state)
+    if not part.stacked:
+      flags.append(engine.all_finite(trees)[None])
+      continue
+    rows = [jnp.all(jnp.isfinite(a), axis=tuple(range(1, a.ndim)))
+            for a in jax.tree.leaves(trees) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    flags.append(jnp.all(jnp.stack(rows), axis=0) if rows
+                 else jnp.ones((part.stop - part.start,), bool))
+  return jnp.concatenate(flags)
 
 
 @jax.jit
@@ -257,48 +241,44 @@ def pieces(spans, first: int, stop: int) -> list[tuple[int, int, bool]]:
   return [(a, z, stacked) for a, z, stacked in cut if a < z]
 
 
-def advance_stages(pipe: Pipeline, part_spans, first: int, stages: tuple[StageState, ...],
-                   inbound: Packet, cotangent: PyTree, tick, rng,
-                   options: TickOptions = TickOptions()):
-  """:meth:`Pipeline.advance_stages <pipejax.core.engine.Pipeline.advance_stages>` (the same
-  arguments, state and results) with each piece of a run of identical stages advanced stacked.
+def advance_shard(pipe: Pipeline, part_spans, first: int, stages: tuple[StageState, ...],
+                  inbound: Packet, cotangent: PyTree, tick, rng,
+                  options: TickOptions = TickOptions()):
+  """A mesh device's tick of its shard, stages ``first ..``, kept stage by stage: each piece of a
+  stack in ``part_spans`` (:func:`find_stacks`; None: no stacks) is stacked for the tick and
+  advanced as one part (:func:`pipejax.core.parts.advance_parts`), its stages keeping their own
+  delay lines, and cut back into stages.
 
-  This is a mesh device's tick (``pipejax.parallel.sharding``): its stages stay in their per-stage
-  layout, and its piece of each stack in ``part_spans`` (:func:`find_stacks`) is stacked for the tick,
-  run under ``vmap`` and cut back into stages. A piece of one stage runs stacked too, so that
-  its delay is a traced value as in :class:`StackedPipeline`: the numbers are that runner's bit
-  for bit. Each stage keeps its own delay line: the stacked step reads every stage's oldest
-  entry from it and returns the entries for the caller to write, as the per-stage engine does.
+  A piece of one stage runs stacked too, so that its delay is a traced value as in
+  :class:`StackedPipeline`: the numbers are that runner's bit for bit. Returns the new stages and
+  each part's metrics.
   """
-  new_stages, stage_metrics = [], []
-  for a, z, stacked in pieces(part_spans, first, first + len(stages)):
+  stop = first + len(stages)
+  if part_spans is None:
+    return parts.advance_parts(pipe, pipe.delays, parts.single_stages(first, stop), stages,
+                               inbound, cotangent, tick, rng, options)
+  shard_parts, states, treedefs = [], [], []
+  for a, z, stacked in pieces(part_spans, first, stop):
     own = stages[a - first:z - first]
-    piece_in = inbound if a == first else stages[a - first - 1].forward_out
-    piece_cotangent = cotangent if z == first + len(stages) else stages[z - first].backward_out
+    shard_parts.append(parts.Part(a, z, stacked))
     if not stacked:
-      new, metrics = pipe.advance_stage(a, own[0], piece_in, piece_cotangent, tick, rng, options)
-      new_stages.append(new)
-      stage_metrics.append(metrics)
+      states.append(own[0])
       continue
-    treedefs = [jax.tree.structure(_body(st)) for st in own]
-
-    def read_oldest(entries, own=own):
-      per_stage = [st.delay_line.read(tick, jax.tree.map(lambda a, i=i: a[i], entries))
-                   for i, st in enumerate(own)]
-      return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_stage)
-
-    # The first stage's line stands for all: a step only takes its structure and dtypes.
-    body = _stack([_body(st) for st in own], treedefs[0])._replace(delay_line=own[0].delay_line)
-    entries, new, metrics = _stacked_steps(pipe, a, z, body, piece_in, piece_cotangent, rng,
-                                           read_oldest, options)
-    leaves = jax.tree.leaves(new)
-    for i, st in enumerate(own):
-      entry = jax.tree.map(lambda a, i=i: a[i], entries)
-      line = entry if options.delay_line_entries else st.delay_line.write(tick, entry)
-      new_stages.append(jax.tree.unflatten(treedefs[i], [leaf[i] for leaf in leaves])
-                        ._replace(delay_line=line))
-      stage_metrics.append(jax.tree.map(lambda a, i=i: a[i], metrics))
-  return tuple(new_stages), stage_metrics
+    treedefs.append([jax.tree.structure(_body(st)) for st in own])
+    states.append(_stack([_body(st) for st in own], treedefs[-1][0])
+                  ._replace(delay_line=tuple(st.delay_line for st in own)))
+  new_states, part_metrics = parts.advance_parts(pipe, pipe.delays, shard_parts, states, inbound,
+                                                 cotangent, tick, rng, options)
+  new_stages, stacks = [], iter(treedefs)
+  for part, st in zip(shard_parts, new_states):
+    if not part.stacked:
+      new_stages.append(st)
+      continue
+    leaves = jax.tree.leaves(_body(st))
+    new_stages.extend(jax.tree.unflatten(treedef, [leaf[i] for leaf in leaves])
+                      ._replace(delay_line=line)
+                      for i, (treedef, line) in enumerate(zip(next(stacks), st.delay_line)))
+  return tuple(new_stages), part_metrics
 
 
 class StackedPipeline(ScanRunner):
@@ -324,16 +304,17 @@ class StackedPipeline(ScanRunner):
     for start, stop in self.part_spans:
       if stop - start < 2:
         continue
-      lengths = np.asarray([d + 1 for d in pipeline.delays[start:stop]])
       inits = [init_program(pipeline, s) for s in range(start, stop)]
       together = None not in inits and len({p.text for p in inits}) == 1
       self._stacks[start] = _Stack(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),
           tuple(jax.tree.structure(st.delay_line) for st in spec.stages[start:stop]),
-          np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths,
+          parts.Rings.of(pipeline.delays[start:stop]),
           inits[0] if together else None,
           np.stack([p.salts for p in inits]) if together else None)
-    self._stack_index = {k for k, (start, _) in enumerate(self.part_spans) if start in self._stacks}
+    self.parts = tuple(
+        parts.Part(start, stop, True, self._stacks[start].rings) if start in self._stacks
+        else parts.Part(start, stop) for start, stop in self.part_spans)
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
@@ -375,7 +356,7 @@ class StackedPipeline(ScanRunner):
                               stack.salts)
         one = jax.tree.map(lambda a: a[0], body)
         parts.append(body._replace(delay_line=pipe.empty_delay_line(
-            start, one, int(stack.lengths.sum()), fill_value)))
+            start, one, stack.rings.slots, fill_value)))
       else:
         parts.append(self._stack_stages(stack, [
             pipe.initial_stage(s, pipe.stage_weights(s, keys[s]), fill_value)
@@ -423,7 +404,7 @@ class StackedPipeline(ScanRunner):
       if stack is None:
         stages.append(jax.tree.map(jnp.copy, part))
         continue
-      n, where = len(stack.lengths), tuple(zip(stack.offsets.tolist(), stack.lengths.tolist()))
+      n, where = len(stack.rings.lengths), tuple(zip(stack.rings.offsets, stack.rings.lengths))
       body = [[_row(leaf, i) for i in range(n)] for leaf in jax.tree.leaves(_body(part))]
       line = [_spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
       for i in range(n):
@@ -444,56 +425,27 @@ class StackedPipeline(ScanRunner):
     checks.check_not_donated(state)
     return slots_full(state.parts)
 
+  def weights_finite(self, state: StackedState) -> np.ndarray:
+    """See :meth:`pipejax.core.runner.Runner.weights_finite`: a stack's flags row by row."""
+    self.check_state(state)
+    return np.asarray(_parts_finite(self.parts, state.parts))
+
   def held_stash_bytes(self, state: StackedState) -> int:
     """Bytes of stashed activations the state's delay lines hold."""
     return accounting.held_stash_bytes(state.parts)
 
   # ------------------------------------------------------------------ one tick
 
-  def _advance_stack(self, stack: _Stack, st: StageState, inbound: Packet, cotangent: PyTree,
-                     tick, rng, options: TickOptions):
-    """One tick of a stack: the engine's steps under vmap, the packed rings between."""
-    read = jnp.asarray(stack.offsets) + (tick + 1) % jnp.asarray(stack.lengths)
-    write = jnp.asarray(stack.offsets) + tick % jnp.asarray(stack.lengths)
-    # Every index lies in its own stage's span. Indexing's default mode guards each with a
-    # select, which writes the gathered slots out once more: a pass over the stashed weights.
-    read_oldest = lambda entry: jax.tree.map(
-        lambda ring: ring.at[read].get(mode="promise_in_bounds", indices_are_sorted=True,
-                                       unique_indices=True), st.delay_line)
-    entry, new, metrics = _stacked_steps(self.pipeline, stack.start, stack.stop, st, inbound,
-                                         cotangent, rng, read_oldest, options)
-    line = jax.tree.map(
-        lambda ring, new: ring.at[write].set(new, indices_are_sorted=True, unique_indices=True),
-        st.delay_line, entry)
-    return new._replace(delay_line=line), metrics
-
   def _tick(self, state: StackedState, batch: Batch, every_slot_full: bool = False):
-    parts = state.parts
-    last_of = lambda k: (parts[k].forward_out if k not in self._stack_index
-                         else jax.tree.map(lambda a: a[-1], parts[k].forward_out))
-    first_of = lambda k: (parts[k].backward_out if k not in self._stack_index
-                          else jax.tree.map(lambda a: a[0], parts[k].backward_out))
-    options = TickOptions(every_slot_full=every_slot_full)
-    new_parts, stage_metrics = [], []
-    for k, ((start, _), st) in enumerate(zip(self.part_spans, parts)):
-      inbound = (Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
-                 if k == 0 else last_of(k - 1))
-      cotangent = first_of(k + 1) if k + 1 < len(parts) else None
-      if k in self._stack_index:
-        new, metrics = self._advance_stack(self._stacks[start], st, inbound, cotangent,
-                                           state.tick, state.rng, options)
-      else:
-        new, metrics = self.pipeline.advance_stage(start, st, inbound, cotangent, state.tick,
-                                                   state.rng, options)
-      new_parts.append(new)
-      stage_metrics.append(metrics)
-    return (StackedState(tuple(new_parts), state.tick + 1, state.rng),
-            engine.tick_metrics(stage_metrics))
-
+    inbound = Packet(batch.inputs, batch.labels, jnp.asarray(batch.valid, bool), state.tick)
+    new_parts, part_metrics = parts.advance_parts(
+        self.pipeline, self.pipeline.delays, self.parts, state.parts, inbound, None, state.tick,
+        state.rng, TickOptions(every_slot_full=every_slot_full))
+    return (StackedState(new_parts, state.tick + 1, state.rng), parts.tick_metrics(part_metrics))
 
 def pipeline_and_spans(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
   """What a mesh ticks for ``runner``: its single-device pipeline, and the part spans whose pieces each
-  device stacks (:func:`advance_stages`), None when it runs stage by stage."""
+  device stacks (:func:`advance_shard`), None when it runs stage by stage."""
   if isinstance(runner, StackedPipeline):
     return runner.pipeline, (runner.part_spans if runner.stacked else None)
   if isinstance(runner, Pipeline):

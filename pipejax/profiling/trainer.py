@@ -87,7 +87,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
     first_tick = int(holder["state"].tick)
     holder["state"], metrics = runner.run(holder["state"], x, y, valid)
     metrics = jax.device_get(metrics)
-    divergence.raise_if_diverged(config, setup.model, runner.to_logical(holder["state"]).stages,
+    divergence.raise_if_diverged(config, setup.model, runner.weights_finite(holder["state"]),
                                  metrics["finite"], valid, first_tick, 0, None)
     seen = np.asarray(metrics["valid"])
     return float(np.mean(metrics["loss"][seen])) if seen.any() else 0.0

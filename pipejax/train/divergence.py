@@ -7,16 +7,11 @@ stage and the tick, and its checkpoints keep only finite weights.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from pipejax import methods
 from pipejax.train.checkpoint import Checkpointer
-from pipejax.core.engine import all_finite
 from pipejax.core.stages import Model
 
 
@@ -44,14 +39,8 @@ def first_non_finite(finite: np.ndarray, first_tick: int, model: Model) -> str |
   return f"{names} at tick {first_tick + int(tick_offset)}"
 
 
-@jax.jit
-def _finite_weights(stages) -> jax.Array:
-  """One flag per stage: are its weights and optimizer state finite (one reduction per chunk)."""
-  return jnp.stack([all_finite((st.params, st.opt_state)) for st in stages])
-
-
-def raise_if_diverged(config: ml_collections.ConfigDict, model: Model, stages: Sequence,
-                      finite: np.ndarray, valid: np.ndarray, first_tick: int, samples: int,
+def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
+                      weights_finite: np.ndarray, finite: np.ndarray, valid: np.ndarray, first_tick: int, samples: int,
                       checkpointer: Checkpointer) -> None:
   """Raises :class:`TrainingDiverged` if a chunk saw a non-finite activation or left bad weights.
 
@@ -61,7 +50,8 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model, stages: S
   Args:
     config: the run's config (its micro-batch size, and its method for the advice).
     model: the model, for the stages' names.
-    stages: the logical state's stages after the chunk.
+    weights_finite: one flag per stage after the chunk, from the runner
+      (:meth:`pipejax.core.runner.Runner.weights_finite`, computed where the state lives).
     finite: the chunk's ``(ticks, stages)`` finite flags.
     valid: the chunk's per-tick flags, True where a tick fed a real sample.
     first_tick: the tick of the chunk's first row.
@@ -73,7 +63,7 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model, stages: S
       to change.
   """
   finite = np.asarray(finite)
-  bad_weights = [s for s, ok in enumerate(np.asarray(_finite_weights(stages))) if not ok]
+  bad_weights = [s for s, ok in enumerate(np.asarray(weights_finite)) if not ok]
   if finite.all() and not bad_weights:
     return
   if not finite.all():

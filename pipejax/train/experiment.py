@@ -189,7 +189,7 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     balance = config.mesh.get("balance", "params")
     costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
              else partition_lib.param_counts(pipe))
-    # With stacks each device stacks its piece of them (pipejax.parallel.stacking.advance_stages).
+    # With stacks each device stacks its piece of them (pipejax.parallel.stacking.advance_shard).
     sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
                                        partition=config.mesh.get("partition") or None, costs=costs)
     logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "

@@ -303,7 +303,7 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
     chunk_metrics = jax.device_get(chunk_metrics)
     stop.training_started()
     phases.done()
-    divergence.raise_if_diverged(config, run.setup.model, runner.to_logical(state).stages,
+    divergence.raise_if_diverged(config, run.setup.model, runner.weights_finite(state),
                                  chunk_metrics["finite"], valid, first_tick, run.samples,
                                  run.checkpointer)
     previous, run.samples = run.samples, run.samples + ticks * b

@@ -16,7 +16,7 @@ from pipejax import methods
 from pipejax.core import engine
 from pipejax.core import runner as runnerlib
 from pipejax.core.checks import PipelineError
-from pipejax.core.engine import Pipeline, TickOptions
+from pipejax.core.engine import Pipeline
 from pipejax.models import online_norm
 from pipejax.core.state import Packet, raw_key
 from pipejax.parallel.stacking import StackedPipeline
@@ -408,27 +408,6 @@ def test_accounting_names_a_stage_count_that_is_not_an_int():
     accounting.stage_delays(2.0)
   with pytest.raises(ValueError, match="at least one stage; got num_stages=0"):
     accounting.stage_delays(0)
-
-
-def test_the_ticks_options_are_one_frozen_hashable_object():
-  options = TickOptions(every_slot_full=True)
-  assert hash(options) == hash(TickOptions(every_slot_full=True))
-  with pytest.raises(dataclasses.FrozenInstanceError):
-    options.every_slot_full = False  # pytype: disable=not-writable
-
-
-def test_delay_line_entries_returns_the_entry_that_writes_the_same_line():
-  x, y = make_stream(2, 2)
-  pipe = Pipeline(make_model(), methods.make_method("pb", learning_rate=LR), x[0], y[0])
-  state = pipe.init(jax.random.PRNGKey(0))
-  inbound = Packet(x[0], y[0], jnp.array(True), state.tick)
-  cotangent = state.stages[1].backward_out  # what stage 1 sent back last tick
-  advance = lambda options: pipe.advance_stage(0, state.stages[0], inbound, cotangent,
-                                               state.tick, state.rng, options)
-  written, _ = advance(TickOptions())
-  entry, _ = advance(TickOptions(delay_line_entries=True))
-  line = state.stages[0].delay_line.write(state.tick, entry.delay_line)
-  jax.tree.map(np.testing.assert_array_equal, line, written.delay_line)
 
 
 def _python_delay_sgd(delay):

@@ -566,3 +566,39 @@ def test_two_processes_through_jax_distributed_match_one_process(tmp_path):
     for key, value in expected.items():
       np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-6,
                                  err_msg=f"{out.name} {worker.MESH_NAME} {key}")
+
+
+def _poisoned(state, stage: int, in_opt_state: bool):
+  """``state`` with one NaN in stage ``stage``'s weights (or its optimizer state)."""
+  st = state.stages[stage]
+  tree = st.opt_state if in_opt_state else st.params
+  leaves, treedef = jax.tree.flatten(tree)
+  k = next(i for i, a in enumerate(leaves) if np.issubdtype(np.asarray(a).dtype, np.floating)
+           and np.asarray(a).size)
+  bad = np.array(leaves[k], copy=True)
+  bad.reshape(-1)[bad.size // 2] = np.nan
+  leaves[k] = bad
+  tree = treedef.unflatten(leaves)
+  st = st._replace(opt_state=tree) if in_opt_state else st._replace(params=tree)
+  return state._replace(stages=state.stages[:stage] + (st,) + state.stages[stage + 1:])
+
+
+@pytest.mark.parametrize("stage, in_opt_state", [(0, False), (3, True), (5, False)])
+def test_mesh_and_every_layout_report_which_stages_weights_are_not_finite(eight_devices, stage,
+                                                                  in_opt_state):
+  # The trainer's weight check, computed where each layout keeps its state: the flags name the
+  # same stage on one device, stacked, and on a mesh (stages 2..5 of EVEN widths stack).
+  widths = (5, 5, 5, 5, 5, 5)
+  pipe = make_pipeline("pb_sc_lwp", widths=widths)
+  state = host(pipe.init(jax.random.PRNGKey(0)))
+  expected = np.arange(pipe.num_stages) != stage
+  assert pipe.weights_finite(state).all()
+  bad = _poisoned(state, stage, in_opt_state)
+  np.testing.assert_array_equal(pipe.weights_finite(jax.tree.map(np.copy, bad)), expected)
+  stacked = StackedPipeline(pipe)
+  assert stacked.stacked
+  np.testing.assert_array_equal(stacked.weights_finite(stacked.from_logical(bad)), expected)
+  sharded = ShardedPipeline(stacked, make_mesh(4, 2, eight_devices))
+  packed = sharded.from_logical(bad)
+  np.testing.assert_array_equal(sharded.weights_finite(packed), expected)
+  assert sharded.weights_finite(sharded.from_logical(state)).all()
