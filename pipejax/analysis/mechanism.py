@@ -67,7 +67,7 @@ def check_pipeline(pipe: Pipeline) -> None:
     raise MechanismError(f"The mechanism is measured on a single-device pipejax Pipeline; got "
                          f"{type(pipe).__name__}. Pass its .pipeline (Setup.pipeline), and the "
                          "state in the logical layout (runner.to_logical(state)).")
-  if not pipe.track_weight_discrepancy:
+  if not pipe.spec.track_weight_discrepancy:
     raise MechanismError("The mechanism reads the forward's weights from the delay lines: build "
                          "the Pipeline with track_weight_discrepancy=True (in a config, "
                          "config.diagnostics=True).")

@@ -31,83 +31,33 @@ empty slot updates no variable, like no weight. Stateless stages carry ``None``.
 
 A stage's tick is three steps: :meth:`Pipeline.forward_step` (forward and the delay-line entry),
 the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, VJP, update).
-The stage's index and delay enter both as values, so ``pipejax.parallel.stacking`` runs the same two
-steps under ``vmap`` for a run of identical stages. The state the tick advances is
-``pipejax.core.state``'s; the scan over ticks is ``pipejax.core.runner.ScanRunner``'s; the boundary
-checks are ``pipejax.core.checks``'.
+The stage's index and delay enter both as values, so a stack of identical stages runs the same two
+steps under ``vmap``. What is static about the pipeline is ``pipejax.core.spec``'s; its initial
+state ``pipejax.core.initial``'s; the routing between stages and stacks ``pipejax.core.parts``';
+the scan over ticks ``pipejax.core.runner.ScanRunner``'s; the boundary checks
+``pipejax.core.checks``'.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from pipejax.core import accounting, checks, parts
-from pipejax.methods import Method
+from pipejax.core.initial import StateInit
 from pipejax.core.parts import TickOptions
 from pipejax.core.runner import ScanRunner
-from pipejax.core.stages import Model, Variables, softmax_cross_entropy
+from pipejax.core.spec import PipelineSpec
+from pipejax.core.stages import Model, Variables
 from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState,
-                                raw_key, slots_full)
+                                slots_full)
+from pipejax.methods import Method
 
 PyTree = Any
-
-# How every layout compiles its initial state. XLA:CPU's optimizing backend spends seconds on
-# each weight shape's random generator (threefry); unoptimized, the same program compiles several
-# times faster, and an init runs once. The numbers differ from an optimized compile's in the last
-# bit of some weights, so every layout's init uses these options, and every layout starts from
-# the same bits. XLA:CPU's older elemental emitters make the same bits as its MLIR fusion emitters
-# here (tests/core/test_engine.py) and compile the generators 1.1 to 2 times faster. They compile
-# reductions over many leaves several times slower, so no other program uses them.
-INIT_COMPILER = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-
-
-class CompiledInit:
-  """A layout's ``init(rng, fill_value)``: compiled with :data:`INIT_COMPILER` when called on
-  values, once per key shape. Inside another trace (``jax.jit(pipe.init)``, ``eval_shape``) it is
-  the plain jitted function, part of the caller's program and compiled with the caller's
-  options, where the last bit of some weights may differ.
-
-  A layout that gives ``weights`` and ``around`` (``init(rng, fill) = around(weights(rng), rng,
-  fill)``) compiles them apart, and ``shared`` (a dict that lives as long as the model's trace)
-  keeps the compiled ``weights`` for every pipeline over the same model. The weights are most of
-  what an init compiles (a random generator per weight shape) and depend on the model alone: the
-  pipelines of several methods over one model compile them once.
-  """
-
-  def __init__(self, init: Callable, weights: Callable | None = None,
-               around: Callable | None = None, shared: dict | None = None):
-    self._jitted = jax.jit(init)
-    self._weights, self._shared = jax.jit(weights) if weights else None, shared
-    self._around = jax.jit(around) if around else None
-    self._compiled = {}
-
-  def __call__(self, rng: jax.Array, fill_value: jax.Array):
-    if isinstance(rng, jax.core.Tracer) or isinstance(fill_value, jax.core.Tracer):
-      return self._jitted(rng, fill_value)
-    signature = (rng.shape, str(rng.dtype))
-    if self._weights is None:
-      if signature not in self._compiled:
-        self._compiled[signature] = _compiled_for_init(self._jitted, rng, fill_value)
-      return self._compiled[signature](rng, fill_value)
-    if signature not in self._shared:
-      self._shared[signature] = _compiled_for_init(self._weights, rng)
-    weights = self._shared[signature](rng)
-    if signature not in self._compiled:
-      self._compiled[signature] = _compiled_for_init(self._around, weights, rng, fill_value)
-    return self._compiled[signature](weights, rng, fill_value)
-
-
-def _compiled_for_init(jitted, *args):
-  return jitted.lower(*args).compile(compiler_options=INIT_COMPILER)
-
 
 def all_finite(tree) -> jax.Array:
   """Whether every floating leaf of ``tree`` is finite (True for a tree with none)."""
@@ -142,113 +92,58 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
-def _zeros(spec: PyTree) -> PyTree:
-  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec)
-
-
-def _filled(spec: PyTree, fill_value, leading: tuple[int, ...] = ()) -> PyTree:
-  """Arrays shaped ``leading + leaf.shape`` for each leaf of ``spec``: ``fill_value`` in floating
-  leaves, 0 in integer ones (an empty slot is flagged invalid, never read as a number)."""
-  return jax.tree.map(
-      lambda a: jnp.full(leading + a.shape, fill_value if jnp.issubdtype(a.dtype, jnp.inexact)
-                         else 0, a.dtype), spec)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class Pipeline(ScanRunner):
-  """A model, a method and the shape of one micro-batch: everything static about a pipeline.
+  """The single-device runner: a :class:`~pipejax.core.spec.PipelineSpec` ticked stage by stage.
 
-  Construction traces every stage abstractly, so a stage that does not fit the next one, S = 0 or
-  an empty micro-batch is an error here, before anything runs. ``init``, ``tick``, ``run`` and
-  ``drain`` are then pure functions of a :class:`PipelineState`.
+  Construction traces every stage abstractly (the spec), so a stage that does not fit the next
+  one, S = 0 or an empty micro-batch is an error here, before anything runs. ``init``, ``tick``,
+  ``run`` and ``drain`` are then pure functions of a :class:`PipelineState`.
 
   Args:
-    model: the stages and the loss.
-    method: weight views and per-stage update rule (``pipejax.methods``).
-    example_inputs: one micro-batch of inputs, shape ``(b, ...)`` (arrays or ShapeDtypeStructs).
-    example_labels: the matching labels, shape ``(b, ...)``.
-    track_weight_discrepancy: also report, per stage and tick, the relative distance
-      ``|w_fwd - w_bwd| / |w_bwd|`` between the weights the forward of the sample being
-      backwarded used and the weights its backward uses: staleness made visible. It keeps a copy
-      of the forward's weights beside each stashed input (as PipeDream's stash does), so it costs
-      memory and time; the training numbers are unchanged.
+    model, method, example_inputs, example_labels, track_weight_discrepancy: the
+      :class:`~pipejax.core.spec.PipelineSpec`'s.
   """
 
-  model: Model
-  method: Method
-  example_inputs: PyTree
-  example_labels: PyTree
-  track_weight_discrepancy: bool = False
+  def __init__(self, model: Model, method: Method, example_inputs: PyTree,
+               example_labels: PyTree, track_weight_discrepancy: bool = False):
+    self.spec = PipelineSpec(model, method, example_inputs, example_labels,
+                             track_weight_discrepancy)
+    self.initial = StateInit(self.spec)
+    self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
 
-  def __post_init__(self):
-    checks.check_model_and_method(self.model, self.method)
-    inputs, labels = checks.micro_batch_specs(self.example_inputs, self.example_labels)
-    object.__setattr__(self, "example_inputs", inputs)
-    object.__setattr__(self, "example_labels", labels)
-    traced = self.model.trace(jax.random.PRNGKey(0), inputs)
-    checks.check_floating_params(self.model, traced.params)
-    object.__setattr__(self, "_params_shapes", traced.params)
-    object.__setattr__(self, "_stage_inputs", traced.inputs)
-    object.__setattr__(self, "_forward_programs", tuple(traced.forwards))
-    object.__setattr__(self, "_initial_programs", tuple(traced.initials))
-    checks.check_loss(self.model.loss, self._last_stage_output(), labels)
-    for name, program in zip(("_jit_tick", "_jit_run", "_jit_run_full"), self._compile()):
-      object.__setattr__(self, name, program)
-    # Compiled programs: run op by op, each initializer of each new weight shape compiles a
-    # program of its own, which takes longer than compiling the whole init once.
-    object.__setattr__(self, "_jit_init", CompiledInit(self._init, self._initial_weights,
-                                                       self._init_around, traced.compiled))
-    object.__setattr__(self, "_init_traces", {})
+  # What every runner's user reads of the spec.
 
-  # ------------------------------------------------------------------ static facts
+  @property
+  def model(self) -> Model:
+    return self.spec.model
+
+  @property
+  def method(self) -> Method:
+    return self.spec.method
+
+  @property
+  def example_inputs(self) -> PyTree:
+    return self.spec.example_inputs
+
+  @property
+  def example_labels(self) -> PyTree:
+    return self.spec.example_labels
 
   @property
   def num_stages(self) -> int:
-    return self.model.num_stages
-
-  @property
-  def micro_batch_size(self) -> int:
-    return jax.tree.leaves(self.example_inputs)[0].shape[0]
+    return self.spec.num_stages
 
   @property
   def delays(self) -> list[int]:
-    return accounting.stage_delays(self.num_stages)
+    return self.spec.delays
 
   @property
-  def stage_input_shapes(self) -> list[PyTree]:
-    """ShapeDtypeStructs of each stage's input micro-batch."""
-    return list(self._stage_inputs)
+  def micro_batch_size(self) -> int:
+    return self.spec.micro_batch_size
 
   @property
-  def stage_param_shapes(self) -> list[PyTree]:
-    """ShapeDtypeStructs of each stage's parameters."""
-    return list(self._params_shapes)
-
-  def forward_program(self, s: int) -> jax.extend.core.ClosedJaxpr:
-    """Stage ``s``'s forward as a closed jaxpr of its parameters, input, key and variables,
-    traced when the pipeline was built (:meth:`pipejax.Model.trace`)."""
-    return self._forward_programs[s]
-
-  @property
-  def stashes_weights(self) -> bool:
-    """Whether delay lines keep the forward's weights beside each input."""
-    return self.method.stash_forward_weights or self.track_weight_discrepancy
-
-  def stash_bytes(self) -> int:
-    """Bytes of stashed activations by the formula sum_s (D_s + 1) |x_s|."""
-    return accounting.stash_bytes(self._stage_inputs)
-
-  def held_stash_bytes(self, state: PipelineState) -> int:
-    """Bytes of stashed activations actually held in ``state``'s delay lines."""
-    return accounting.held_stash_bytes(state.stages)
-
-  def _last_stage_output(self):
-    """The last stage's output shape (abstractly, with its variables if it has any)."""
-    last = self.model.stages[-1]
-    key, x = jax.random.PRNGKey(0), self._stage_inputs[-1]
-    out, _ = jax.eval_shape(last.forward, self._params_shapes[-1], x, key,
-                            jax.eval_shape(last.variables, key, x))
-    return out
+  def pipeline(self) -> Pipeline:
+    return self
 
   # ------------------------------------------------------------------ state
 
@@ -257,96 +152,20 @@ class Pipeline(ScanRunner):
 
     Empty slots hold ``fill_value`` (floating leaves; integer leaves hold 0) and are flagged
     invalid. Tests fill them with NaN to prove that nothing empty ever reaches weights or metrics.
-    Every runner starts from this one compiled program, so every layout starts from the same bits.
-    A state larger than the device's memory is refused before anything is allocated.
+    Every runner starts from this one compiled program (:class:`~pipejax.core.initial.StateInit`),
+    so every layout starts from the same bits. A state larger than the device's memory is refused
+    before anything is allocated.
     """
-    if not checks.traced((rng, fill_value)):
-      checks.check_state_fits(accounting.tree_bytes(self.state_spec), self.num_stages)
-    return self._jit_init(raw_key(rng), jnp.float32(fill_value))
+    return self.initial(rng, fill_value)
 
-  def _init(self, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
-    return self._init_around(self._initial_weights(rng), rng, fill_value)
+  @property
+  def state_spec(self) -> PipelineState:
+    """The abstract state ``init`` makes (ShapeDtypeStructs)."""
+    return self.initial.state_spec
 
-  def _initial_weights(self, rng: jax.Array) -> tuple:
-    """Each stage's initial ``(params, variables)``: what the model and ``rng`` alone decide."""
-    stage_keys, _ = self.init_keys(rng)
-    return tuple(self.stage_weights(s, stage_keys[s]) for s in range(self.num_stages))
-
-  def stage_weights(self, s: int, key: jax.Array) -> tuple:
-    """Stage ``s``'s initial ``(params, variables)`` from its key (:meth:`init_keys`)."""
-    # The program traced with the model, not the stage's Python again: the same computation,
-    # and at hundreds of stages a second trace of every initialization is seconds of building.
-    return self._initial_programs[s](key, _zeros(self._stage_inputs[s]))
-
-  def _init_around(self, weights: tuple, rng: jax.Array, fill_value: jax.Array) -> PipelineState:
-    """The initial state around each stage's initial weights: optimizer states, registers and
-    empty delay lines."""
-    _, run_key = self.init_keys(rng)
-    stages = tuple(self.initial_stage(s, weights[s], fill_value) for s in range(self.num_stages))
-    return PipelineState(stages, jnp.array(0, jnp.int32), run_key)
-
-  def initial_stage(self, s: int, weights: tuple, fill_value: jax.Array) -> StageState:
-    """Stage ``s``'s whole initial state around its :meth:`stage_weights`: :meth:`init_stage`
-    with its empty delay line."""
-    st = self.init_stage(s, weights, fill_value, self.delays[s])
-    return st._replace(delay_line=self.empty_delay_line(s, st, self.delays[s] + 1, fill_value))
-
-  def init_keys(self, rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The key of each stage's initial weights, and the key of the run's own stream."""
-    param_key, run_key = jax.random.split(rng)
-    return jax.random.split(param_key, self.num_stages), run_key
-
-  def init_stage(self, s: int, weights: tuple, fill_value: jax.Array, delay) -> StageState:
-    """Stage ``s``'s initial state around its :meth:`stage_weights` (optimizer state and empty
-    registers), without its delay line (:meth:`empty_delay_line`). ``delay`` may be traced, so
-    that identical stages initialize together under ``vmap``."""
-    x_spec = self._stage_inputs[s]
-    params, variables = weights
-    forward_out = None
-    if s < self.num_stages - 1:
-      forward_out = Packet(_filled(self._stage_inputs[s + 1], fill_value),
-                           _filled(self.example_labels, fill_value), jnp.array(False),
-                           jnp.array(-1, jnp.int32))
-    backward_out = None if s == 0 else _filled(x_spec, fill_value)
-    return StageState(params, self.method.optimizer(delay).init(params), None, forward_out,
-                      backward_out, variables)
-
-  def traced_init_stage(self, s: int) -> tuple[jax.extend.core.ClosedJaxpr | None, StageState]:
-    """Stage ``s``'s :meth:`stage_weights` and :meth:`init_stage` as one program of its key, delay
-    and fill value, and the shapes of the state it makes. The program is None where the method's
-    optimizer cannot start from a traced delay; the shapes are then those at the stage's own
-    delay.
-
-    Traced once per stage and kept: :attr:`state_spec` and the stacked layout's initialization
-    (``pipejax.parallel.stacking``) both read it, and at hundreds of stages the trace is most of
-    what building a pipeline costs.
-    """
-    if s not in self._init_traces:
-      self._init_traces[s] = self.trace_init_stage(s)
-    return self._init_traces[s]
-
-  def trace_init_stage(self, s: int) -> tuple[jax.extend.core.ClosedJaxpr | None, StageState]:
-    """:meth:`traced_init_stage`, traced anew (not kept)."""
-    key = jax.eval_shape(jax.random.PRNGKey, 0)
-    fill = jax.ShapeDtypeStruct((), jnp.float32)
-    try:
-      return jax.make_jaxpr(
-          lambda key, delay, fill: self.init_stage(s, self.stage_weights(s, key), fill, delay),
-          return_shape=True)(key, jax.ShapeDtypeStruct((), jnp.int32), fill)
-    except (TypeError, ValueError):  # a traced delay the method cannot take, among them
-      return None, jax.eval_shape(
-          lambda key, fill: self.init_stage(s, self.stage_weights(s, key), fill, self.delays[s]),
-          key, fill)
-
-  def empty_delay_line(self, s: int, st: StageState, slots: int, fill_value) -> DelayLine:
-    """``slots`` empty entries of stage ``s``'s delay line, shaped after one stage's state
-    ``st``."""
-    weights = _filled(st.params, fill_value, (slots,)) if self.stashes_weights else None
-    variables = None if st.variables is None else _filled(st.variables.forward, fill_value,
-                                                           (slots,))
-    return DelayLine(_filled(self._stage_inputs[s], fill_value, (slots,)),
-                     jnp.zeros((slots,), bool), jnp.full((slots,), -1, jnp.int32), weights,
-                     variables)
+  def held_stash_bytes(self, state: PipelineState) -> int:
+    """Bytes of stashed activations actually held in ``state``'s delay lines."""
+    return accounting.held_stash_bytes(state.stages)
 
   # ------------------------------------------------------------------ one tick
 
@@ -368,7 +187,7 @@ class Pipeline(ScanRunner):
     forward_params = self.method.forward_weights(st.params, st.opt_state, delay)
     out, ok, forwarded = None, jnp.array(True), None
     if s != self.num_stages - 1:
-      y, forwarded = self.model.stages[s].forward(
+      y, forwarded = self.spec.model.stages[s].forward(
           forward_params, inbound.x, self.stage_key(rng, inbound.index, number), variables)
       out = Packet(y, inbound.labels, inbound.valid, inbound.index)
       ok = jnp.logical_or(~inbound.valid, all_finite(y))
@@ -385,7 +204,7 @@ class Pipeline(ScanRunner):
     increment and the last stage's forward variables (None when stateless), the loss's metrics
     (last stage only) and whether the backward stayed finite.
     """
-    stage, variables = self.model.stages[s], st.variables
+    stage, variables = self.spec.model.stages[s], st.variables
     is_first, is_last = s == 0, s == self.num_stages - 1
 
     # A stateful stage also differentiates with respect to its backward variables: that
@@ -401,7 +220,7 @@ class Pipeline(ScanRunner):
     if is_last:
       def loss_of(w, x):
         y, forward_variables = recompute(w, x)
-        loss, aux = self.model.loss(y, labels)
+        loss, aux = self.spec.model.loss(y, labels)
         return loss, (aux, forward_variables)
       loss, vjp, (aux, forwarded) = jax.vjp(loss_of, trainable, oldest.x, has_aux=True)
       grads, backward_out = vjp(jnp.ones_like(loss))
@@ -456,7 +275,7 @@ class Pipeline(ScanRunner):
     grads, backward_out, increment, forwarded, metrics, backward_ok = self._gradients(
         s, st, oldest, backward_params, inbound.labels, cotangent,
         self.stage_key(rng, oldest.index, number))
-    if self.track_weight_discrepancy:
+    if self.spec.track_weight_discrepancy:
       metrics["weight_discrepancy"] = jnp.where(
           valid, _relative_distance(oldest.weights, backward_params), 0.0)
     variables = st.variables
@@ -496,10 +315,6 @@ class Pipeline(ScanRunner):
 
   # ------------------------------------------------------------------ layout
 
-  @property
-  def pipeline(self) -> Pipeline:
-    return self
-
   def to_logical(self, state: PipelineState) -> PipelineState:
     """The state itself: on one device the layout is the logical one."""
     checks.check_not_donated(state)
@@ -509,43 +324,6 @@ class Pipeline(ScanRunner):
     checks.check_not_donated(logical_state)
     return logical_state
 
-  # ------------------------------------------------------------- boundary (pipejax.core.checks)
-
-  def checked_batch(self, inputs, labels, valid, ticks):
-    """Validates a micro-batch (``ticks=None``) or a stream of them; returns a :class:`Batch`."""
-    valid = checks.checked_stream(
-        inputs, labels, valid, example_inputs=self.example_inputs,
-        example_labels=self.example_labels, micro_batches=self.method.micro_batches_per_step,
-        ticks=bool(ticks))
-    self.check_labels(labels, valid)
-    return Batch(inputs, labels, valid)
-
-  @functools.cached_property
-  def state_spec(self) -> PipelineState:
-    """The abstract state ``init`` makes (ShapeDtypeStructs), from each stage's
-    :meth:`traced_init_stage`."""
-    stages = []
-    for s in range(self.num_stages):
-      _, st = self.traced_init_stage(s)
-      line = jax.eval_shape(
-          lambda st, s=s: self.empty_delay_line(s, st, self.delays[s] + 1, jnp.float32(0)), st)
-      stages.append(st._replace(delay_line=line))
-    return PipelineState(tuple(stages), jax.ShapeDtypeStruct((), jnp.int32),
-                         jax.eval_shape(jax.random.PRNGKey, 0))
-
   def check_state(self, state: PipelineState) -> None:
     """Refuses a state of another pipeline, or one whose buffers an earlier run() consumed."""
     checks.check_state(state, self.state_spec, self.num_stages)
-
-  @functools.cached_property
-  def num_classes(self) -> int | None:
-    """The logits' width when the loss is the built-in classification loss, else None."""
-    if self.model.loss is not softmax_cross_entropy:
-      return None  # a custom loss defines what its labels are
-    return int(self._last_stage_output().shape[-1])
-
-  def check_labels(self, labels, valid) -> None:
-    """Refuses class labels outside ``[0, classes)``
-    (:func:`pipejax.core.checks.check_class_labels`)."""
-    checks.check_class_labels(labels, valid, self.num_classes)
-

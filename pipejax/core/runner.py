@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from pipejax.core import accounting, checks
+from pipejax.core.spec import PipelineSpec
 from pipejax.core.state import Batch, PipelineState
 from pipejax.methods import Method
 
@@ -34,15 +35,13 @@ class TickedPipeline(Protocol):
   other way round.
   """
 
+  spec: PipelineSpec
   method: Method
   example_inputs: PyTree
   example_labels: PyTree
 
   @property
   def num_stages(self) -> int:
-    ...
-
-  def checked_batch(self, inputs, labels, valid, ticks) -> Batch:
     ...
 
 
@@ -195,7 +194,7 @@ class ScanRunner(Runner):
     ``finite`` (one flag per stage).
     """
     self.check_state(state)
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=None)
+    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=None)
     if checks.traced((state, batch)):  # inside the caller's jit, vmap or grad: its program's part
       return self._tick(state, _varying_like(batch, state))
     return self._jit_tick(state, batch)
@@ -215,7 +214,7 @@ class ScanRunner(Runner):
     only on the state and the stream, so a resumed run still repeats the original bit for bit.
     """
     self.check_state(state)
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True)
     if checks.traced((state, batch)):
       # Inside the caller's jit, vmap or grad: the guarded program, traced into the caller's
       # (which donates nothing and compiles with the caller's options); whether every slot is
@@ -234,7 +233,7 @@ class ScanRunner(Runner):
   def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
     """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
     the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
-    batch = self.pipeline.checked_batch(inputs, labels, valid, ticks=True)
+    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True)
     program = self._jit_run_full if every_slot_full else self._jit_run
     return program.lower(state, batch)
 

@@ -458,7 +458,7 @@ class ModelTrace(NamedTuple):
   forwards: tuple  # closed jaxprs of forward(params, x, rng, variables)
   initials: tuple  # InitialProgram of initial(rng, x)
   # Programs compiled from the trace, kept with it for every pipeline built on it (the initial
-  # weights: pipejax.core.engine.CompiledInit), by the signature of their arguments.
+  # weights: pipejax.core.initial.CompiledInit), by the signature of their arguments.
   compiled: dict
 
 

@@ -417,7 +417,7 @@ class HostFeed:
       x = np.zeros((num_ticks, 0) + tuple(stream.source.example_shape), np.float32)
       y = np.zeros((num_ticks, 0) + tuple(stream.source.label_shape), np.int32)
     x, y, valid = pipe.to_ticks(x, y)
-    pipe.check_labels(y, valid)
+    pipe.spec.check_labels(y, valid)
     return (self._global(x), self._global(y),
             jax.make_array_from_callback(valid.shape, NamedSharding(self.mesh, P()),
                                          lambda index: valid[index]))

@@ -102,7 +102,7 @@ def measure_stage_costs(pipeline: Pipeline, state: PipelineState | None = None,
       return y, vjp(jax.tree.map(jnp.ones_like, y2))
 
     params, variables = state.stages[s].params, state.stages[s].variables
-    x = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pipeline.stage_input_shapes[s])
+    x = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pipeline.spec.stage_input_shapes[s])
     fn = jax.jit(work)
     jax.block_until_ready(fn(params, variables, x))
     best = math.inf

@@ -208,7 +208,7 @@ class ShardedPipeline(Runner):
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
     """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""
     return self._mesh_layout.place_batch(
-        self.pipeline.checked_batch(inputs, labels, valid, ticks=True))
+        self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True))
 
   def tick(self, packed: PackedState, inputs, labels, valid=True):
     """One tick (``run`` with T = 1); metrics without the time axis."""

@@ -46,7 +46,7 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.core import accounting, checks, engine, parts
+from pipejax.core import accounting, checks, engine, initial, parts
 from pipejax.core.engine import Pipeline
 from pipejax.core.parts import TickOptions
 from pipejax.parallel.mesh import MeshError
@@ -69,7 +69,7 @@ def _signature(pipeline: Pipeline, s: int, spec: PipelineState):
   if update is None:
     return None
   line = [(a.shape[1:], a.dtype) for a in jax.tree.leaves(spec.stages[s].delay_line)]
-  return _as_text((pipeline.forward_program(s), update)), str(line)
+  return _as_text((pipeline.spec.forward_program(s), update)), str(line)
 
 
 def update_program(pipeline: Pipeline, s: int, spec: PipelineState):
@@ -123,7 +123,7 @@ def init_program(pipeline: Pipeline, s: int) -> InitProgram | None:
   salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
   from a traced delay.
   """
-  closed, out_shape = pipeline.traced_init_stage(s)
+  closed, out_shape = pipeline.initial.stage_program(s)
   if closed is None:
     return None
   eqns, salt_vars, salts = [], [], []
@@ -318,7 +318,7 @@ class StackedPipeline(ScanRunner):
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
-    self._jit_init = engine.CompiledInit(self._init)
+    self._jit_init = initial.CompiledInit(self._init)
     self._state_spec = jax.eval_shape(self._stack, spec)
 
   @property
@@ -345,23 +345,24 @@ class StackedPipeline(ScanRunner):
 
   def _init(self, rng: jax.Array, fill_value: jax.Array) -> StackedState:
     pipe = self.pipeline
-    keys, run_key = pipe.init_keys(rng)
-    parts = []
+    keys, run_key = pipe.initial.keys(rng)
+    states = []
     for start, stop in self.part_spans:
       stack = self._stacks.get(start)
       if stack is None:
-        parts.append(pipe.initial_stage(start, pipe.stage_weights(start, keys[start]), fill_value))
+        states.append(pipe.initial.stage_state(start, pipe.initial.weights(start, keys[start]),
+                                              fill_value))
       elif stack.init is not None:
         body = stack.init.run(keys[start:stop], pipe.delays[start:stop], fill_value,
                               stack.salts)
         one = jax.tree.map(lambda a: a[0], body)
-        parts.append(body._replace(delay_line=pipe.empty_delay_line(
+        states.append(body._replace(delay_line=pipe.initial.empty_delay_line(
             start, one, stack.rings.slots, fill_value)))
       else:
-        parts.append(self._stack_stages(stack, [
-            pipe.initial_stage(s, pipe.stage_weights(s, keys[s]), fill_value)
+        states.append(self._stack_stages(stack, [
+            pipe.initial.stage_state(s, pipe.initial.weights(s, keys[s]), fill_value)
             for s in range(start, stop)]))
-    return StackedState(tuple(parts), jnp.array(0, jnp.int32), run_key)
+    return StackedState(tuple(states), jnp.array(0, jnp.int32), run_key)
 
   def from_logical(self, logical_state: PipelineState) -> StackedState:
     self.pipeline.check_state(logical_state)
@@ -372,15 +373,15 @@ class StackedPipeline(ScanRunner):
     return self._jit_to_logical(state)
 
   def _stack(self, logical: PipelineState) -> StackedState:
-    parts = []
+    stacked = []
     for start, stop in self.part_spans:
       stages = logical.stages[start:stop]
       stack = self._stacks.get(start)
       if stack is None:
-        parts.append(stages[0])
+        stacked.append(stages[0])
         continue
-      parts.append(self._stack_stages(stack, stages))
-    return StackedState(tuple(parts), logical.tick, logical.rng)
+      stacked.append(self._stack_stages(stack, stages))
+    return StackedState(tuple(stacked), logical.tick, logical.rng)
 
   @staticmethod
   def _stack_stages(stack: _Stack, stages) -> StageState:

@@ -139,7 +139,7 @@ def passes(compiled, per_pass_bytes: int) -> dict:
 
 def weight_bytes(pipe) -> int:
   """Bytes of every stage's weights of a :class:`~pipejax.core.engine.Pipeline`: one pass."""
-  return sum(accounting.tree_bytes(p) for p in pipe.stage_param_shapes)
+  return sum(accounting.tree_bytes(p) for p in pipe.spec.stage_param_shapes)
 
 
 def pipeline_passes(pipe, x, y) -> dict:

@@ -26,12 +26,12 @@ def memory(name: str, model, example_input, num_classes: int, ticks: int = 64) -
   parts = {
       "weights": sum(accounting.tree_bytes(st.params) for st in state.stages),
       "optimizer_state": sum(accounting.tree_bytes(st.opt_state) for st in state.stages),
-      "stash": pipe.stash_bytes(),
+      "stash": pipe.spec.stash_bytes(),
       "registers": sum(accounting.tree_bytes((st.forward_out, st.backward_out))
                        for st in state.stages),
   }
   formula = sum(parts.values())
-  stream_bytes = accounting.tree_bytes(pipe.checked_batch(x, y, None, ticks=True))
+  stream_bytes = accounting.tree_bytes(pipe.spec.checked_batch(x, y, None, ticks=True))
   metrics_bytes = ticks * accounting.tree_bytes(pipe.metric_shapes())
   # Arguments (state + stream) and outputs (state + metrics) share the donated state's buffers.
   live = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

@@ -349,10 +349,10 @@ def delay_line_bytes(runner, pipe) -> dict:
   state = jax.eval_shape(lambda: runner.init(jax.random.PRNGKey(0)))
   parts = state.parts if hasattr(state, "parts") else state.stages
   return {"delay_line_bytes": accounting.held_stash_bytes(parts),
-          "delay_line_formula_bytes": pipe.stash_bytes(),
+          "delay_line_formula_bytes": pipe.spec.stash_bytes(),
           "weight_stash_bytes": accounting.held_weight_stash_bytes(parts),
-          "weight_stash_formula_bytes": (accounting.weight_stash_bytes(pipe.stage_param_shapes)
-                                         if pipe.stashes_weights else 0)}
+          "weight_stash_formula_bytes": (accounting.weight_stash_bytes(pipe.spec.stage_param_shapes)
+                                         if pipe.spec.stashes_weights else 0)}
 
 
 def delay_line_records(num_stages: int, names) -> list[dict]:
@@ -405,7 +405,7 @@ def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int)
         "operations_per_tick": hlo.operations_per_tick(compiled.as_text()),
         "delay_line_bytes": runner.held_stash_bytes(run.state) if stacked
                             else pipe.held_stash_bytes(run.state),
-        "delay_line_formula_bytes": pipe.stash_bytes()}
+        "delay_line_formula_bytes": pipe.spec.stash_bytes()}
     if stacked:  # the plain loop starts from these weights (the stacked init: no per-stage init)
       params = [st.params for st in runner.to_logical(run.state).stages]
     run.warm_up()

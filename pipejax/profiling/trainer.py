@@ -18,6 +18,7 @@ import numpy as np
 
 from pipejax import config as configlib
 from pipejax import data as data_lib
+from pipejax.core import initial
 from pipejax.parallel import stacking
 from pipejax.train import divergence, experiment
 from pipejax.profiling.timing import best_times
@@ -45,7 +46,8 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   The build's parts that trace every stage are timed again on the built pipeline:
   ``model_trace_s``, each stage's initialization and forward (``Model.trace``);
   ``init_trace_s``, each stage's state initialization with its delay as an input
-  (``Pipeline.trace_init_stage``: the state's shapes, and the stacked init's program);
+  (``StateInit.stage_program`` of a fresh ``StateInit``: the state's shapes, and the stacked
+  init's program);
   ``update_trace_s``, the method's update of each stage between the first and the last
   (``stacking.update_program``); and ``find_stacks_s``, those update traces with the programs
   compared.
@@ -57,9 +59,10 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   start = time.perf_counter()
   pipe.model.trace(jax.random.PRNGKey(0), pipe.example_inputs)
   model_trace_s = time.perf_counter() - start
+  fresh = initial.StateInit(pipe.spec)  # nothing traced yet: the timing traces every stage
   start = time.perf_counter()
   for s in range(pipe.num_stages):
-    pipe.trace_init_stage(s)
+    fresh.stage_program(s)
   init_trace_s = time.perf_counter() - start
   spec = pipe.state_spec
   start = time.perf_counter()

@@ -551,8 +551,8 @@ def eval_bytes(setup, batch: int) -> int:
   """Bytes of one evaluation batch, from shapes alone: every stage's input and the logits, at
   ``batch`` examples (a lower bound: the layers' intermediate values come on top)."""
   pipe = setup.pipeline
-  per_micro_batch = accounting.tree_bytes(pipe.stage_input_shapes) + \
-      accounting.tree_bytes(pipe._last_stage_output())  # pylint: disable=protected-access
+  per_micro_batch = accounting.tree_bytes(pipe.spec.stage_input_shapes) + \
+      accounting.tree_bytes(pipe.spec.last_stage_output())
   labels = 4 * math.prod(setup.test_source.label_shape)
   return batch * (math.ceil(per_micro_batch / pipe.micro_batch_size) + labels)
 

@@ -14,6 +14,7 @@ import pipejax
 from pipejax.core import accounting
 from pipejax import methods
 from pipejax.core import engine
+from pipejax.core import initial
 from pipejax.core import runner as runnerlib
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
@@ -227,7 +228,7 @@ def test_held_stash_bytes_equal_the_formula():
   state = pipe.init(jax.random.PRNGKey(0))
   # By hand: inputs of widths 6, 5, 7, 3 held D_s + 1 = 7, 5, 3, 1 times, float32, b = 3.
   by_hand = 4 * b * (7 * IN_DIM + 5 * 5 + 3 * 7 + 1 * 3)
-  assert pipe.stash_bytes() == by_hand
+  assert pipe.spec.stash_bytes() == by_hand
   assert pipe.held_stash_bytes(state) == by_hand
   assert [st.delay_line.valid.shape[0] for st in state.stages] == [7, 5, 3, 1]
 
@@ -387,8 +388,9 @@ def test_the_init_compilers_emitters_make_the_weights_xla_makes_by_default():
   # weight shapes of a transformer and a residual MLP.
   from pipejax import models  # pylint: disable=import-outside-toplevel
   from pipejax.core import engine  # pylint: disable=import-outside-toplevel
-  default = {k: v for k, v in engine.INIT_COMPILER.items() if k != "xla_cpu_use_fusion_emitters"}
-  assert default != engine.INIT_COMPILER
+  default = {k: v for k, v in initial.INIT_COMPILER.items()
+             if k != "xla_cpu_use_fusion_emitters"}
+  assert default != initial.INIT_COMPILER
   cases = ((models.build("transformer_lm", num_classes=256, blocks=2, width=16, heads=2),
             jnp.zeros((1, 8)), jnp.zeros((1, 8), jnp.int32)),
            (models.build("residual_mlp", num_classes=NUM_CLASSES, depth=4, width=8),
@@ -398,7 +400,7 @@ def test_the_init_compilers_emitters_make_the_weights_xla_makes_by_default():
     key, fill = raw_key(jax.random.PRNGKey(7)), jnp.float32(0)
     lowered = jax.jit(pipe._init).lower(key, fill)  # pylint: disable=protected-access
     ours, xlas = (lowered.compile(compiler_options=options)(key, fill)
-                  for options in (engine.INIT_COMPILER, default))
+                  for options in (initial.INIT_COMPILER, default))
     jax.tree.map(np.testing.assert_array_equal, ours, xlas)
 
 
@@ -432,15 +434,15 @@ def test_state_spec_is_the_shape_of_what_init_makes(name):
   assert jax.tree.structure(pipe.state_spec) == jax.tree.structure(whole)
   for got, want in zip(jax.tree.leaves(pipe.state_spec), jax.tree.leaves(whole)):
     assert (got.shape, got.dtype, got.weak_type) == (want.shape, want.dtype, want.weak_type)
-  assert (pipe.traced_init_stage(1)[0] is None) == (name == "python_delay")
+  assert (pipe.initial.stage_program(1)[0] is None) == (name == "python_delay")
 
 
 def test_pipelines_over_one_model_compile_its_initial_weights_once(monkeypatch):
   """The initial weights depend on the model alone: the pipelines of three methods over one model
   compile them once, start from the same bits, and each compiles only the state around them."""
   compiled = []
-  compile_for_init = engine._compiled_for_init
-  monkeypatch.setattr(engine, "_compiled_for_init",
+  compile_for_init = initial._compiled_for_init
+  monkeypatch.setattr(initial, "_compiled_for_init",
                       lambda jitted, *args: compiled.append(len(args)) or
                       compile_for_init(jitted, *args))
   x, y = make_stream(1, 2)
@@ -476,9 +478,9 @@ def test_building_and_initializing_runs_each_stages_initialization_once():
   state = pipe.init(jax.random.PRNGKey(3))
   StackedPipeline(pipe).init(jax.random.PRNGKey(3))
   assert calls == [1] * model.num_stages
-  stage_keys, _ = pipe.init_keys(jax.random.PRNGKey(3))
+  stage_keys, _ = pipe.initial.keys(jax.random.PRNGKey(3))
   for s, stage in enumerate(model.stages):
-    inputs = jnp.zeros(pipe.stage_input_shapes[s].shape, pipe.stage_input_shapes[s].dtype)
+    inputs = jnp.zeros(pipe.spec.stage_input_shapes[s].shape, pipe.spec.stage_input_shapes[s].dtype)
     expected = stage.init(stage_keys[s], inputs)
     assert jax.tree.structure(state.stages[s].params) == jax.tree.structure(expected)
     assert_trees_close(state.stages[s].params, expected)

@@ -136,10 +136,10 @@ def test_a_model_traces_once_per_input_signature():
   assert traced == model.num_stages
   stash = pipejax.Pipeline(model, methods.make_method("pipedream", learning_rate=0.1), x[0], y[0])
   assert len(calls) == traced  # the second method's build traced no stage again
-  assert stash.stage_input_shapes == pb.stage_input_shapes
+  assert stash.spec.stage_input_shapes == pb.spec.stage_input_shapes
   x3, y3 = helpers.make_stream(1, 3)
   wider = pipejax.Pipeline(model, methods.make_method("pb", learning_rate=0.1), x3[0], y3[0])
-  assert len(calls) == 2 * traced and wider.stage_input_shapes[1].shape == (3, 5)
+  assert len(calls) == 2 * traced and wider.spec.stage_input_shapes[1].shape == (3, 5)
 
 
 BATCH_NORM = dict(train_kwargs={"use_running_average": False},

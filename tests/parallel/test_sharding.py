@@ -360,7 +360,7 @@ def test_mesh_accounting_by_hand(eight_devices):
     assert [row["stages"] for row in memory] == partition
     assert sum(row["weights"] for row in memory) == weight_bytes
     assert sum(row["optimizer"] for row in memory) == weight_bytes  # one momentum per weight
-    assert sum(row["delay_lines"] for row in memory) == pipe.stash_bytes() // data + flags
+    assert sum(row["delay_lines"] for row in memory) == pipe.spec.stash_bytes() // data + flags
     assert all(row["weight_stash"] == 0 for row in memory)
     allocated = sum(n * np.dtype(k.split("/")[1]).itemsize
                     for k, n in sharded.buffer_sizes().items())

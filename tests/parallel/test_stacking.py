@@ -172,8 +172,9 @@ def test_delay_lines_hold_the_formulas_bytes(name):
     parts = held.parts if runner is stacked else held.stages
     assert accounting.held_stash_bytes(parts) == activations
     assert accounting.held_weight_stash_bytes(parts) == stashed
-  assert pipe.stash_bytes() == accounting.stash_bytes(pipe.stage_input_shapes) == activations
-  assert (accounting.weight_stash_bytes(pipe.stage_param_shapes) if pipe.stashes_weights
+  assert (pipe.spec.stash_bytes() == accounting.stash_bytes(pipe.spec.stage_input_shapes)
+          == activations)
+  assert (accounting.weight_stash_bytes(pipe.spec.stage_param_shapes) if pipe.spec.stashes_weights
           else 0) == stashed
 
 
