@@ -29,7 +29,7 @@ RIVALS = ("pb_sc", "pb_lwp", "spectrain", "pipedream", "pipemare", "dcasgd")
 
 def get_study(arg: str | None = None) -> Study:
   config, fixed = "configs/deep_mlp.py", {"epochs": 10.0, "warmup_epochs": 0.5,
-                                          "pipemare_anneal_fraction": 0.1}
+                                          "method_kwargs.pipemare.anneal_fraction": 0.1}
   grids = [{"model_kwargs.depth": (32,), "method": PAPER, "seed": (0, 1, 2, 3, 4)},
            {"model_kwargs.depth": (16,), "method": PAPER, "seed": (0, 1, 2, 3, 4)},
            {"model_kwargs.depth": (32,), "method": RIVALS, "seed": (0, 1, 2)}]
