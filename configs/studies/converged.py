@@ -18,7 +18,6 @@ session with ``--where``):
 
 The report gives final test accuracy, its paired gap to SGD with verdicts at a margin of half a
 point, the samples each run needed to reach 85% and 88% test accuracy, and the test curves.
-A 32-stage run is about 10 x 700 s of one CPU core.
 """
 
 from pipejax.study import Figure, Study, Table
