@@ -39,14 +39,15 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
   # Per method, its hyperparameters that no other field sets, by their names in its record
-  # (pipejax.methods.record_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}}, and
-  # for a method with an annealing length, anneal_epochs or anneal_fraction. A run reads the
-  # section of config.method; every section is checked, so a config file can hold the recipes
-  # of several methods (a study switches between them) and a misspelt key is still refused.
+  # (pipejax.methods.record_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}} or
+  # {"sync": {"micro_batches": 8}}, and for a method with an annealing length (anneal_steps),
+  # anneal_epochs (default 1.0; 0 turns the rescheduling off) or anneal_fraction (of the run's
+  # steps, so that it scales with the run's length). A run reads the section of config.method;
+  # every section is checked, so a config file can hold the recipes of several methods (a study
+  # switches between them) and a misspelt key is still refused.
   config.method_kwargs = ml_collections.ConfigDict({})
   config.optimizer = "sgd"  # the base update: 'sgd' (heavy-ball momentum) or 'adam'
   config.micro_batch_size = 1
-  config.micro_batches = 1  # M of the synchronous mode (method 'sync')
   # Weight decay on the kernels only (leaves of 2+ axes), not on biases and norm scales.
   config.decay_mask = False
 
@@ -66,13 +67,6 @@ def base_config() -> ml_collections.ConfigDict:
   config.schedule = "cosine"  # or "constant"; kept in samples, converted to steps
   config.epochs = 10.0
   config.warmup_epochs = 0.2
-  config.pipemare_anneal_epochs = 1.0
-  # When > 0, PipeMare anneals over this fraction of the run's steps instead (the annealing then
-  # scales with the run's length); pipemare_anneal_epochs = 0 turns the rescheduling off.
-  config.pipemare_anneal_fraction = 0.0
-  # 'pipemare': method 'sgd' gives each layer the learning rate PipeMare gives its stage in the
-  # config's split (the control that isolates PipeMare's rescheduling); '': one rate.
-  config.sgd_stage_rates = ""
   config.seed = 0
   # Per-stage |w_fwd - w_bwd| / |w_bwd| in the metrics (split 'diagnostics') and TensorBoard: the
   # staleness a method leaves. Keeps a weight copy per stashed input: memory and time, same numbers.
@@ -184,13 +178,63 @@ def unknown_field_message(key: str, where: str, known: list[str] | None = None,
     known: the fields it may have meant; base_config's by default.
     flag: name the fields as command-line flags (``--config.KEY``), else as ``config.KEY``.
   """
-  known = _flatten(base_config()) if known is None else known
   name = (lambda k: f"--config.{k}") if flag else (lambda k: f"config.{k}")
+  if key in RENAMED_FIELDS:
+    return renamed_field_message(key, where, flag)
+  known = _flatten(base_config()) if known is None else known
   close = closest_fields(key, known)
   hint = f" Did you mean {' or '.join(name(k) for k in close)}?" if close else ""
   return (f"{name(key)} is not a field of {where}: nothing would read it, and the run would "
           f"train as if it were not set.{hint} The fields are listed in pipejax/config.py "
           "(base_config).")
+
+
+# ----------------------------------------------------------------------------- renamed fields
+
+# Fields that one method alone read, now hyperparameters in its section of method_kwargs: the old
+# name, its new key, and the default it had (a saved config lists every field, set or not).
+RENAMED_FIELDS = {
+    "micro_batches": ("method_kwargs.sync.micro_batches", 1),
+    "pipemare_anneal_epochs": ("method_kwargs.pipemare.anneal_epochs", 1.0),
+    "pipemare_anneal_fraction": ("method_kwargs.pipemare.anneal_fraction", 0.0),
+    "sgd_stage_rates": ("method_kwargs.sgd.stage_rates", ""),
+}
+
+
+def renamed_field_message(key: str, where: str, flag: bool = False) -> str:
+  """The refusal of an old field name (:data:`RENAMED_FIELDS`) that ``where`` sets: its new key."""
+  new = RENAMED_FIELDS[key][0]
+  name = (lambda k: f"--config.{k}") if flag else (lambda k: f"config.{k}")
+  return (f"{name(key)} is no longer a field of {where}: it is a hyperparameter of its method "
+          f"now, set as {name(new)}, in the method's section of config.method_kwargs like its "
+          "other hyperparameters (pipejax/config.py, base_config). Workdirs and study records "
+          "saved with the old name still resume and report; a new config uses the new key.")
+
+
+def current_keys(flat: dict, method: str | None = None) -> dict:
+  """``flat`` (``{dotted key: value}``, saved before :data:`RENAMED_FIELDS` were renamed) with
+  each old key replaced by its new one, in place in the order; a key ``flat`` also holds under
+  its new name keeps that value. Every reader of a saved config or a study record calls this.
+
+  Args:
+    flat: a study record's ``overrides`` or ``fixed``, or a saved config (flattened).
+    method: the run's method, for a whole saved config: each old field goes to that method's
+      section (PipeMare's annealing was read by every method with an annealing length), and one
+      still at its old default is dropped, since a saved config lists every field, set or not.
+  """
+  out = {}
+  for key, value in flat.items():
+    if key not in RENAMED_FIELDS:
+      out[key] = value
+      continue
+    new, default = RENAMED_FIELDS[key]
+    if method is not None:
+      if value == default:
+        continue
+      new = f"method_kwargs.{method}.{new.rpartition('.')[2]}"
+    if new not in flat:
+      out[new] = value
+  return out
 
 
 # model_kwargs.KEY, data_kwargs.KEY, and method_kwargs.METHOD.KEY (one section per method).

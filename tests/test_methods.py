@@ -416,6 +416,25 @@ def test_stage_rates_build_the_one_stage_baseline():
   assert methods.traits_of(method.name).one_stage and method.micro_batches_per_step == 1
 
 
+def test_the_baseline_takes_stage_rates_as_a_hyperparameter():
+  """``sgd``'s ``stage_rates`` (config.method_kwargs.sgd.stage_rates) gives each layer PipeMare's
+  rate for its stage's delay: a layer at delay 4 starts at a quarter of the rate."""
+  method = methods.make_method("sgd", learning_rate=0.1, momentum=0.0, stage_rates="pipemare",
+                               layer_delays={"a": 4, "b": 0}, anneal_steps=100)
+  params = {"a": jnp.ones(()), "b": jnp.ones(())}
+  tx = method.optimizer(0)
+  updates, _ = tx.update({"a": jnp.ones(()), "b": jnp.ones(())}, tx.init(params), params)
+  assert float(updates["a"]) == pytest.approx(-0.1 / 4) and float(updates["b"]) == \
+      pytest.approx(-0.1)
+  with pytest.raises(methods.MethodError, match="stage_rates='pipemare' needs layer_delays"):
+    methods.make_method("sgd", learning_rate=0.1, stage_rates="pipemare")
+  with pytest.raises(methods.MethodError, match="stage_rates must be '' .* or one of pipemare"):
+    methods.make_method("sgd", learning_rate=0.1, stage_rates="pb")
+  with pytest.raises(methods.MethodError, match="it needs optimizer='sgd'"):
+    methods.make_method("sgd", learning_rate=0.1, optimizer="adam", stage_rates="pipemare",
+                        layer_delays={"a": 0})
+
+
 def _names_compared(tree: ast.AST):
   """``(line, what, method name)`` of each comparison with a method's name, and of each tuple,
   list, set or dict that collects two or more method names (a classification by name); a

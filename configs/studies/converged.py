@@ -18,7 +18,6 @@ session with ``--where``):
 
 The report gives final test accuracy, its paired gap to SGD with verdicts at a margin of half a
 point, the samples each run needed to reach 85% and 88% test accuracy, and the test curves.
-A 32-stage run is about 10 x 700 s of one CPU core.
 """
 
 from pipejax.study import Figure, Study, Table
@@ -29,7 +28,7 @@ RIVALS = ("pb_sc", "pb_lwp", "spectrain", "pipedream", "pipemare", "dcasgd")
 
 def get_study(arg: str | None = None) -> Study:
   config, fixed = "configs/deep_mlp.py", {"epochs": 10.0, "warmup_epochs": 0.5,
-                                          "pipemare_anneal_fraction": 0.1}
+                                          "method_kwargs.pipemare.anneal_fraction": 0.1}
   grids = [{"model_kwargs.depth": (32,), "method": PAPER, "seed": (0, 1, 2, 3, 4)},
            {"model_kwargs.depth": (16,), "method": PAPER, "seed": (0, 1, 2, 3, 4)},
            {"model_kwargs.depth": (32,), "method": RIVALS, "seed": (0, 1, 2)}]

@@ -13,16 +13,18 @@ stages, one epoch, three seeds, starting weights shared per seed:
 * SGD and PipeMare as in the depth study (annealing over the whole run);
 * PipeMare with its annealing over a fixed fraction (a tenth) of the run, so that the
   rescheduling ends early and the run is PipeMare's pipeline at the full rate after it;
-* PipeMare with the rescheduling off (``pipemare_anneal_epochs=0``: every stage at the base rate,
-  discrepancy correction only);
+* PipeMare with the rescheduling off (``method_kwargs.pipemare.anneal_epochs=0``: every stage at
+  the base rate, discrepancy correction only);
 * SGD without a pipeline whose every layer follows the rate PipeMare gives its stage
-  (``sgd_stage_rates=pipemare``).
+  (``method_kwargs.sgd.stage_rates=pipemare``).
 
 If the rescheduled SGD matches PipeMare and PipeMare without rescheduling loses the lead, the lead
 is the schedule's.
 """
 
 from pipejax.study import Study, Table
+
+PIPEMARE = "method_kwargs.pipemare"  # PipeMare's section of the training config
 
 
 def get_study(arg: str | None = None) -> Study:
@@ -34,12 +36,13 @@ def get_study(arg: str | None = None) -> Study:
   return Study(
       name="PipeMare controls" + (" (smoke)" if arg else ""), config=config, fixed=fixed,
       grids=[{"method": ("sgd", "pipemare"), "seed": seeds},
-             {"method": ("pipemare",), "pipemare_anneal_fraction": (0.1,), "seed": seeds},
-             {"method": ("pipemare",), "pipemare_anneal_epochs": (0.0,), "seed": seeds},
-             {"method": ("sgd",), "sgd_stage_rates": ("pipemare",), "seed": seeds}],
+             {"method": ("pipemare",), f"{PIPEMARE}.anneal_fraction": (0.1,), "seed": seeds},
+             {"method": ("pipemare",), f"{PIPEMARE}.anneal_epochs": (0.0,), "seed": seeds},
+             {"method": ("sgd",), "method_kwargs.sgd.stage_rates": ("pipemare",),
+              "seed": seeds}],
       baseline={"method": "sgd"}, margin=0.005,
-      labels={"pipemare_anneal_fraction": "annealing over a fraction of the run",
-              "pipemare_anneal_epochs": "annealing epochs (0: no rescheduling)",
-              "sgd_stage_rates": "per-layer rates"},
+      labels={f"{PIPEMARE}.anneal_fraction": "annealing over a fraction of the run",
+              f"{PIPEMARE}.anneal_epochs": "annealing epochs (0: no rescheduling)",
+              "method_kwargs.sgd.stage_rates": "per-layer rates"},
       tables=[Table("PipeMare and its controls: test accuracy (%) and gap to SGD (points)",
                     rows="", columns="", kind="cells")])

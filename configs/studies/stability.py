@@ -35,7 +35,8 @@ def ladder(limit: float) -> tuple[float, ...]:
 
 def get_study(arg: str | None = None) -> Study:
   config, seeds, limits = "configs/deep_mlp.py", (0, 1, 2), FIRST_LIMITS
-  fixed = {"epochs": 0.25, "warmup_epochs": 0.05, "pipemare_anneal_fraction": 0.25}
+  fixed = {"epochs": 0.25, "warmup_epochs": 0.05,
+           "method_kwargs.pipemare.anneal_fraction": 0.25}
   if arg == "smoke":
     config, seeds, limits, fixed = "configs/deep_mlp.py:smoke", (0,), {"sgd": 64, "pb": 64}, {}
   elif arg:

@@ -93,9 +93,10 @@ def make_method(name: str, *, learning_rate, **hyperparameters: Any) -> Method:
     **hyperparameters: the fields of the preset's hyperparameters dataclass
       (``record_of(name).hyperparameters``): every preset takes those of
       :class:`Hyperparameters` (``momentum``, ``weight_decay``, ``optimizer``, ``b2``, ``eps``,
-      ``decay_mask``); ``sync`` adds ``micro_batches``, the predicting presets ``horizon``,
-      PipeMare ``anneal_steps`` and ``gamma``, DC-ASGD ``dc_strength``, Nesterov AsyncPP
-      ``num_stages`` and ``anneal_steps``. A field the preset does not take is refused.
+      ``decay_mask``); ``sync`` adds ``micro_batches``, ``sgd`` ``stage_rates`` (with
+      ``layer_delays`` and ``anneal_steps``), the predicting presets ``horizon``, PipeMare
+      ``anneal_steps`` and ``gamma``, DC-ASGD ``dc_strength``, Nesterov AsyncPP ``num_stages``
+      and ``anneal_steps``. A field the preset does not take is refused.
 
   Every preset keeps its optimizer state in float32 for parameters of fewer bits
   (:func:`pipejax.optim.float32_state`): a bfloat16 momentum trace would stall (at 256 for

@@ -8,7 +8,7 @@ import dataclasses
 
 from pipejax.methods.hyperparameters import Hyperparameters, check_number, check_positive_int
 from pipejax.methods.method import Method, MethodError
-from pipejax.methods.record import ANNEALING_FIELDS, Record
+from pipejax.methods.record import Record
 from pipejax.optim import adam_family
 
 
@@ -41,4 +41,4 @@ def build(h: NesterovAsyncPPHyperparameters) -> Method:
 
 
 RECORD = Record("nesterov_asyncpp", "Nesterov AsyncPP", NesterovAsyncPPHyperparameters, build,
-                optimizers=("adam",), color="navy", config_fields=ANNEALING_FIELDS)
+                optimizers=("adam",), color="navy")

@@ -11,7 +11,7 @@ import optax
 from pipejax import optim
 from pipejax.methods.hyperparameters import Hyperparameters, check_number
 from pipejax.methods.method import Method
-from pipejax.methods.record import ANNEALING_FIELDS, QuadraticForm, Record
+from pipejax.methods.record import QuadraticForm, Record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,5 +46,4 @@ def build(h: PipeMareHyperparameters) -> Method:
 # −1.3 points.
 RECORD = Record("pipemare", "PipeMare", PipeMareHyperparameters, build, optimizers=("sgd",),
                 quadratic=QuadraticForm(rate_over_delay=True), color="tab:orange",
-                config_fields=ANNEALING_FIELDS,
                 safe_delay_memory=0.052)

@@ -15,8 +15,6 @@ from pipejax.methods.method import Method
 BASE_OPTIMIZERS = ("sgd", "adam")
 """The base optimizers a preset can be built on (its record's ``optimizers`` name some of them)."""
 PREDICTION_FORMS = (None, "update", "next_velocity")
-# The training config's fields that set a learning-rate annealing length (pipejax.config).
-ANNEALING_FIELDS = ("pipemare_anneal_epochs", "pipemare_anneal_fraction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +80,6 @@ class Record:
     optimizers: the base updates (``'sgd'``, ``'adam'``) it is defined for.
     quadratic: its recurrence on the convex quadratic, where it has one.
     color: its colour in figures.
-    config_fields: the training config's own fields that only this method (and the others that
-      name them) reads, e.g. ``micro_batches`` for the synchronous pipeline; a config that sets
-      one for a method that does not read it is refused.
     safe_delay_memory: the largest ``D_max (1 − β)`` (the stem's delay ``2(S − 1)`` over the
       momentum's memory ``1 / (1 − β)``, β the momentum or Adam's b1) at which a study found the
       method level with its baseline; a run beyond it is warned at its start. None: no study
@@ -99,7 +94,6 @@ class Record:
   optimizers: tuple[str, ...] = BASE_OPTIMIZERS
   quadratic: QuadraticForm | None = None
   color: str = "tab:gray"
-  config_fields: tuple[str, ...] = ()
   safe_delay_memory: float | None = None
 
   def fields(self) -> tuple[str, ...]:

@@ -47,5 +47,5 @@ def sgd_with_pipemare_rates(layer_delays: dict[str, int], *, learning_rate, mome
 
 
 STAGE_RATES = {"pipemare": sgd_with_pipemare_rates}
-"""The per-layer rate rules the one-stage baseline can take (``config.sgd_stage_rates``), by the
-method whose rates they copy."""
+"""The per-layer rate rules the one-stage baseline can take (its hyperparameter ``stage_rates``,
+``config.method_kwargs.sgd.stage_rates``), by the method whose rates they copy."""

@@ -22,7 +22,5 @@ def build(h: SyncHyperparameters) -> method_lib.Method:
   return method_lib.sync(h.base, micro_batches=h.micro_batches)
 
 
-
 RECORD = Record("sync", "GPipe (sync)", SyncHyperparameters, build,
-                Traits(accumulates_micro_batches=True, delay_free=True), color="tab:brown",
-                config_fields=("micro_batches",))
+                Traits(accumulates_micro_batches=True, delay_free=True), color="tab:brown")

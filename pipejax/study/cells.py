@@ -94,8 +94,8 @@ def baseline_run(references: Sequence[dict], overrides: Overrides,
   """The baseline run a run is paired with, among ``references`` (which exclude the run itself):
   the run with the same overrides but the baseline's (same seed, same cell), else the most
   specific baseline run whose every override the run shares. So a control arm that adds an
-  override to the baseline's, such as ``sgd_stage_rates``, pairs with the plain baseline run of
-  its seed."""
+  override to the baseline's, such as ``method_kwargs.sgd.stage_rates``, pairs with the plain
+  baseline run of its seed."""
   wanted = key_of({**overrides, **baseline})
   best = None
   for ref in references:

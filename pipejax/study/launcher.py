@@ -523,7 +523,8 @@ def _config_keys(config, prefix: str = "") -> set[str]:
 def check_config_keys(study: study_lib.Study) -> None:
   """Refuses a study whose config file cannot be loaded or whose grid or ``fixed`` keys are not
   fields of it, before any trainer starts: each trainer would otherwise fail alike, one by one.
-  ``model_kwargs.*`` keys are the model builder's to check (the trainer adds them)."""
+  ``model_kwargs.*``, ``data_kwargs.*`` and ``method_kwargs.*`` keys are their readers' to check
+  (the trainer adds them); an old field name is refused with its new key."""
   from pipejax import config as config_lib  # pylint: disable=import-outside-toplevel
   if not os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0])):
     raise study_lib.StudyError(
@@ -536,7 +537,12 @@ def check_config_keys(study: study_lib.Study) -> None:
     raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
   known = _config_keys(config)
   for key in dict.fromkeys([*study.keys(), *study.fixed]):
-    if key not in known and not key.startswith("model_kwargs."):
+    if key in config_lib.RENAMED_FIELDS:
+      raise study_lib.StudyError(f"Study {study.name!r}: " + config_lib.renamed_field_message(
+          key, study.config))
+    # The keywords of a model's builder, a data set's loader, a method's record: the trainer
+    # checks them against their reader.
+    if key not in known and key.partition(".")[0] not in config_lib.FREE_FORM_FIELDS:
       close = difflib.get_close_matches(key, sorted(known), n=1)
       hint = f" Did you mean {close[0]!r}?" if close else ""
       raise study_lib.StudyError(

@@ -15,6 +15,7 @@ import os
 import re
 from typing import Any, Iterable
 
+from pipejax import config as config_lib
 from pipejax import files
 from pipejax.study.spec import Overrides, Study, key_of, run_id
 
@@ -76,11 +77,13 @@ def load_results(workdir: str) -> tuple[list[dict], list[str]]:
       problems.append(f"{path} line {number} is skipped: {problem}{cut} "
                       f"({raw[:80].decode(errors='replace')!r}).")
       continue
-    # A run is known by its overrides: a record written before run ids were the same whatever
-    # the order of a grid's keys names its run in that order, and is the same run.
-    rid = run_id(record["overrides"])
-    if record["run"] != rid:
-      record = {**record, "run": rid}
+    # A run is known by its overrides, in today's config keys: a record written before run ids
+    # were the same whatever the order of a grid's keys names its run in that order, or by a
+    # field since renamed, and is the same run.
+    record = {**record, "overrides": config_lib.current_keys(record["overrides"]),
+              **({"fixed": config_lib.current_keys(record["fixed"])} if "fixed" in record else {})}
+    record["run"] = run_id(record["overrides"])
+    rid = record["run"]
     previous = by_run.get(rid)
     if record["status"] == FAILED and previous is not None and previous["status"] in _DONE:
       continue

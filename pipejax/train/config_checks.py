@@ -10,6 +10,7 @@ message names the field and how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -48,19 +49,13 @@ def validate(config) -> None:
     raise ConfigError(f"config.model={config.model!r} is not a known model. Known models: "
                       f"{', '.join(models_lib.names())}.")
   _validate_values(config)
-  traits = methods_lib.traits_of(config.method)
   _refuse_unread_fields(config)
   _check_method_kwargs(config)
-  if config.sgd_stage_rates and config.optimizer != "sgd":
-    raise ConfigError(f"config.sgd_stage_rates={config.sgd_stage_rates!r} gives the layers of "
-                      "the one-stage momentum-SGD baseline per-stage rates; it needs "
-                      f"--config.optimizer=sgd (got {config.optimizer!r}).")
-  if not 0 <= config.pipemare_anneal_fraction <= 1:
-    raise ConfigError(f"config.pipemare_anneal_fraction must be in [0, 1] (a fraction of the "
-                      f"run's steps); got {config.pipemare_anneal_fraction!r}.")
-  if traits.accumulates_micro_batches and config.ticks_per_chunk % config.micro_batches:
+  per_step = micro_batches_per_step(config)
+  if config.ticks_per_chunk % per_step:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
-                      f"config.micro_batches ({config.micro_batches}) in the synchronous mode.")
+                      f"config.method_kwargs.{config.method}.micro_batches ({per_step}) in the "
+                      "synchronous mode.")
   if config.warmup_epochs > config.epochs:
     raise ConfigError(
         f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
@@ -73,32 +68,44 @@ def validate(config) -> None:
   _check_model(config)
 
 
-# Each method hyperparameter the trainer sets itself, and the config field a user sets it with.
+# Each method hyperparameter the trainer sets itself, and the config field a user sets it with
+# ({name}: the method's).
 TRAINER_SET = {"learning_rate": "reference.lr (or micro_batch.lr)",
                "momentum": "reference.momentum (or micro_batch.momentum)",
                "weight_decay": "reference.weight_decay (or micro_batch.weight_decay)",
                "optimizer": "optimizer", "b2": "reference.b2", "decay_mask": "decay_mask",
-               "micro_batches": "micro_batches",
-               "anneal_steps": "pipemare_anneal_epochs or pipemare_anneal_fraction",
-               "num_stages": "model_kwargs (the model's number of stages)"}
+               "anneal_steps": "method_kwargs.{name}.anneal_epochs (or anneal_fraction)",
+               "num_stages": "model_kwargs (the model's number of stages)",
+               "layer_delays": "model_kwargs.layers_per_stage (the split whose stages it copies)"}
+
+
+def method_setting(config, key: str):
+  """Hyperparameter ``key`` of ``config.method`` as the run reads it: its section's value, else
+  its hyperparameters' default."""
+  section = method_section(config, config.method)
+  if key in section:
+    return section[key]
+  fields = dataclasses.fields(methods_lib.record_of(config.method).hyperparameters)
+  return next(f.default for f in fields if f.name == key)
+
+
+def micro_batches_per_step(config) -> int:
+  """The micro-batches one optimizer step of ``config``'s method sees: the synchronous method's
+  ``micro_batches`` (M), else 1."""
+  traits = methods_lib.traits_of(config.method)
+  return traits.micro_batches_per_step(
+      method_setting(config, "micro_batches") if traits.accumulates_micro_batches else 1)
 
 
 def unread_fields(config) -> list[tuple[str, str]]:
   """``(field, why)`` for each field set away from its default that this run would not read.
 
-  The one place that decides it: a method's own fields (its record's ``config_fields``) are read
-  only under that method, ``reference.b2`` only by Adam.
+  The one place that decides it: ``reference.b2`` is read only by Adam, a mesh's partition and
+  balance only by a mesh of several stage devices. (A method's own hyperparameters are in its
+  section of ``method_kwargs``, which only that method reads.)
   """
   defaults = configlib.base_config()
-  record = methods_lib.record_of(config.method)
   unread = []
-  for other in methods_lib.RECORDS.values():
-    for field in other.config_fields:
-      if field in record.config_fields or any(f == field for f, _ in unread):
-        continue
-      readers = [r.name for r in methods_lib.RECORDS.values() if field in r.config_fields]
-      unread.append((field, f"only method {' and '.join(readers)} read{'s' if len(readers) == 1 else ''} it, "
-                            f"not {config.method!r}"))
   if config.optimizer != "adam":
     unread.append(("reference.b2", "only optimizer 'adam' has a second moment"))
   if _field(config, "mesh.stage") == 1:
@@ -159,7 +166,7 @@ def _check_method_section(config, name: str, kwargs: dict) -> None:
       continue
     if key in TRAINER_SET:
       raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
-                        f"--config.{TRAINER_SET[key]} instead.")
+                        f"--config.{TRAINER_SET[key].format(name=name)} instead.")
     if key not in record.fields():
       raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
                         f"hyperparameter {key!r}, so nothing would read it. Its settable "
@@ -248,15 +255,15 @@ def _same_kind(default, value) -> str | None:
 
 # The fields _validate_values checks, by kind; optional fields (None: use the converted recipe) are
 # checked only when set.
-_POSITIVE_INTS = ("micro_batch_size", "micro_batches", "ticks_per_chunk", "eval_every_samples",
+_POSITIVE_INTS = ("micro_batch_size", "ticks_per_chunk", "eval_every_samples",
                   "checkpoint_every_samples", "keep_checkpoints", "eval_batch_size",
                   "reference.batch_size", "mesh.stage", "mesh.data")
 _NON_NEGATIVE_INTS = ("max_train_examples", "max_test_examples", "image_size", "seed")
 _POSITIVE_REALS = ("reference.lr", "micro_batch.lr")  # an optim.Recipe's learning rate
-_NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay", "warmup_epochs", "pipemare_anneal_epochs", "pipemare_anneal_fraction")
+_NON_NEGATIVE_REALS = ("reference.weight_decay", "micro_batch.weight_decay", "warmup_epochs")
 _MOMENTA = ("reference.momentum", "micro_batch.momentum", "reference.b2")
 _CHOICES = {"schedule": ("constant", "cosine"), "mesh.balance": ("params", "measured"),
-            "optimizer": ("sgd", "adam"), "sgd_stage_rates": ("", *methods_lib.STAGE_RATES)}
+            "optimizer": ("sgd", "adam")}
 
 
 def _field(config, key: str):
@@ -316,7 +323,8 @@ def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
   if run_ticks >= needed:
     return
   b = config.micro_batch_size
-  why = (f"a synchronous step takes config.micro_batches = {m} micro-batches" if m is not None else
+  why = (f"a synchronous step takes config.method_kwargs.{config.method}.micro_batches = {m} "
+         "micro-batches" if m is not None else
          f"the first of its {stages} stages applies its first update only once the pipeline is "
          f"full, at micro-batch {2 * (stages - 1) + 1}")
   raise ConfigError(
@@ -336,9 +344,9 @@ FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_ever
              "allow_changes_on_resume")
 
 # Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
-# cannot be resumed.
+# cannot be resumed. The fingerprint adds ``micro_batches``, the micro-batches one step sees.
 STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "optimizer", "micro_batch_size",
-                   "micro_batches", "image_size", "seed", "ticks_per_chunk", "diagnostics")
+                   "image_size", "seed", "ticks_per_chunk", "diagnostics")
 
 
 
@@ -353,7 +361,11 @@ def flat_config(config) -> dict:
 
 
 def fingerprint(config) -> dict:
-  return {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
+  """What a checkpoint must have been written with to be resumed: :data:`STRUCTURAL_KEYS`, and
+  the micro-batches of one step under ``micro_batches`` (its name when it was a field: every
+  checkpoint records it so)."""
+  keys = {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
+  return {**keys, "micro_batches": micro_batches_per_step(config)}
 
 
 def to_plain(config) -> dict:
@@ -370,10 +382,24 @@ def _flatten(tree, prefix: str = "") -> dict:
   return out
 
 
+_NOT_SET = "(not set)"
+
+
 def _changed_settings(config, meta: dict) -> dict:
-  """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not."""
-  old, new = _flatten(meta.get("config", {})), flat_config(config)
-  return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+  """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not.
+
+  A field only one side has is compared only inside ``method_kwargs``, whose keys are set one by
+  one (a hyperparameter added or dropped on resume changes the recipe); elsewhere it is a field
+  the code added or removed since. The saved config is read with today's names
+  (:func:`pipejax.config.current_keys`).
+  """
+  old = _flatten(meta.get("config", {}))
+  old = configlib.current_keys(old, method=old.get("method", config.method))
+  new = flat_config(config)
+  keys = old.keys() & new.keys() | {k for k in old.keys() ^ new.keys()
+                                    if k.startswith("method_kwargs.")}
+  return {k: (old.get(k, _NOT_SET), new.get(k, _NOT_SET)) for k in sorted(keys)
+          if old.get(k, _NOT_SET) != new.get(k, _NOT_SET)}
 
 
 def _is_free(key: str) -> bool:
@@ -444,7 +470,8 @@ CHANGES_FILE = "config_changes.jsonl"
 
 
 def _describe_changes(changes: dict) -> str:
-  return "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+  shown = lambda value: value if value == _NOT_SET else repr(value)
+  return "; ".join(f"{k} {shown(old)} -> {shown(new)}" for k, (old, new) in changes.items())
 
 
 def record_changes(config, workdir: str, meta: dict, samples: int, data: dict | None = None

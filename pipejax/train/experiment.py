@@ -26,7 +26,8 @@ from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax import optim
 from pipejax.train.config_checks import (ANNEALING_KEYS, ConfigError, method_section,
-                                         model_kwargs, validate)
+                                         method_setting, micro_batches_per_step, model_kwargs,
+                                         validate)
 from pipejax.core.engine import Pipeline
 from pipejax.models import sequential
 from pipejax.core.runner import Runner
@@ -38,8 +39,7 @@ def resolve_recipe(config) -> optim.Recipe:
   ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
   values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
   """
-  step_samples = config.micro_batch_size * methods_lib.traits_of(
-      config.method).micro_batches_per_step(config.micro_batches)
+  step_samples = config.micro_batch_size * micro_batches_per_step(config)
   ref = config.reference
   recipe = optim.scale_recipe(
       optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
@@ -150,18 +150,10 @@ def build(config: ml_collections.ConfigDict) -> Setup:
   recipe = resolve_recipe(config)
   learning_rate = learning_rate_schedule(config, recipe, len(train_source))
   anneal_steps = annealing_steps(config, recipe, len(train_source))
+  layer_delays = _layer_delays(config, split_model, (b,) + tuple(train_source.example_shape))
   method = methods_lib.make_method(
       config.method, **method_hyperparameters(config, recipe, learning_rate, anneal_steps,
-                                              model.num_stages))
-  if config.sgd_stage_rates and split_model is not None:
-    layer_delays = {}
-    shapes, _ = split_model.trace_shapes(
-        jax.random.PRNGKey(0), np.zeros((b,) + tuple(train_source.example_shape), np.float32))
-    for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
-      layer_delays.update({name: delay for name in stage_params})
-    method = methods_lib.STAGE_RATES[config.sgd_stage_rates](
-        layer_delays, learning_rate=learning_rate, momentum=recipe.momentum,
-        weight_decay=recipe.weight_decay, anneal_steps=anneal_steps)
+                                              model.num_stages, layer_delays))
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
                   track_weight_discrepancy=bool(config.diagnostics))
@@ -235,27 +227,48 @@ def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
           "pipeline of S stages\".")
 
 
-def method_hyperparameters(config, recipe, learning_rate, anneal_steps: int,
-                           num_stages: int) -> dict:
+def _layer_delays(config, split_model, input_shape) -> dict[str, int] | None:
+  """``{layer name: delay of its stage}`` in the config's split, for a method that copies the
+  per-stage rates of a pipelined run onto one stage (its ``stage_rates``); else None."""
+  if "stage_rates" not in methods_lib.record_of(config.method).fields() or \
+      not method_setting(config, "stage_rates"):
+    return None
+  if split_model is None:
+    raise ConfigError(
+        f"config.method_kwargs.{config.method}.stage_rates copies the rate of each stage of the "
+        "config's split onto its layers, but config.model_kwargs.layers_per_stage is None (no "
+        "split). Set --config.model_kwargs.layers_per_stage to the split to copy.")
+  layer_delays = {}
+  shapes, _ = split_model.trace_shapes(jax.random.PRNGKey(0), np.zeros(input_shape, np.float32))
+  for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
+    layer_delays.update({name: delay for name in stage_params})
+  return layer_delays
+
+
+def method_hyperparameters(config, recipe, learning_rate, anneal_steps: int, num_stages: int,
+                           layer_delays: dict[str, int] | None = None) -> dict:
   """``make_method``'s keywords for ``config.method``: the fields its record takes, from the
   recipe, the run and the method's section of ``config.method_kwargs``."""
   known = {"learning_rate": learning_rate, "momentum": recipe.momentum,
            "weight_decay": recipe.weight_decay, "optimizer": config.optimizer, "b2": recipe.b2,
-           "decay_mask": config.get("decay_mask", False), "micro_batches": config.micro_batches,
-           "anneal_steps": anneal_steps, "num_stages": num_stages}
+           "decay_mask": config.get("decay_mask", False), "anneal_steps": anneal_steps,
+           "num_stages": num_stages, "layer_delays": layer_delays}
   fields = methods_lib.record_of(config.method).fields()
   section = method_section(config, config.method)
   return {**{key: value for key, value in known.items() if key in fields},
           **{key: value for key, value in section.items() if key not in ANNEALING_KEYS}}
 
 
+# A method's annealing length when its section sets none: one epoch, from η / D to η.
+DEFAULT_ANNEAL_EPOCHS = 1.0
+
+
 def annealing_steps(config, recipe, train_size: int) -> int:
-  """The method's annealing length K in steps: its section's anneal_epochs or anneal_fraction,
-  else config.pipemare_anneal_fraction or config.pipemare_anneal_epochs."""
+  """The method's annealing length K in steps: its section's anneal_fraction of the run's steps,
+  or its anneal_epochs (:data:`DEFAULT_ANNEAL_EPOCHS` when it sets neither; 0: no annealing)."""
   section = method_section(config, config.method)
-  fraction = section.get("anneal_fraction", config.pipemare_anneal_fraction
-                         if "anneal_epochs" not in section else 0.0)
-  epochs = section.get("anneal_epochs", config.pipemare_anneal_epochs)
+  fraction = section.get("anneal_fraction", 0.0)
+  epochs = section.get("anneal_epochs", DEFAULT_ANNEAL_EPOCHS)
   if fraction > 0:
     return max(1, round(fraction * optimizer_steps(config, recipe, train_size)[0]))
   if epochs == 0:
@@ -266,9 +279,8 @@ def annealing_steps(config, recipe, train_size: int) -> int:
 def run_ticks(config, train_size: int) -> int:
   """Ticks the run trains: ``config.epochs`` of the training split, whatever the chunk length.
 
-  Whole micro-batches (whole steps of ``config.micro_batches`` in the synchronous mode), at
-  least one.
+  Whole micro-batches (whole steps of the synchronous method's ``micro_batches``), at least one.
   """
-  per_step = methods_lib.traits_of(config.method).micro_batches_per_step(config.micro_batches)
+  per_step = micro_batches_per_step(config)
   ticks = int(config.epochs * train_size) // config.micro_batch_size
   return max(per_step, ticks - ticks % per_step)

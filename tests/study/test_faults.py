@@ -258,6 +258,20 @@ def test_a_study_file_that_cannot_be_used_is_exit_2_in_one_line(tmp_path, text, 
   assert not workdir.exists()
 
 
+def test_a_study_that_sets_a_renamed_field_is_refused_naming_its_new_key():
+  study = study_lib.Study(name="old", config="configs/default.py:smoke",
+                          grids=[{"method": ("sync",), "micro_batches": (4,)}])
+  with pytest.raises(study_lib.StudyError,
+                     match=r"^Study 'old': config\.micro_batches is no longer a field of "
+                     r"configs/default\.py:smoke: .* set as "
+                     r"config\.method_kwargs\.sync\.micro_batches, in the method's section"):
+    launcher.check_config_keys(study)
+  # The new key passes the check (the trainer checks it against the method's record).
+  launcher.check_config_keys(study_lib.Study(
+      name="new", config="configs/default.py:smoke",
+      grids=[{"method": ("sync",), "method_kwargs.sync.micro_batches": (4,)}]))
+
+
 def test_every_study_file_passes_the_config_key_check():
   # The check refuses what a trainer would; it must not refuse a study the trainers accept.
   paths = sorted(p for p in os.listdir(os.path.join(ROOT, "configs", "studies"))

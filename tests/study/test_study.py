@@ -383,6 +383,9 @@ def test_stability_limits_are_intervals_between_a_trained_and_a_failed_value():
       sweep, records, sweep.tables[0])
 
 
+RATES = "method_kwargs.sgd.stage_rates"
+
+
 def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   def run(seed, accuracy, **overrides):
     overrides = {**overrides, "seed": seed}
@@ -391,12 +394,12 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
             "init_digest": f"w{seed}"}
   records = [run(s, 0.80 + s / 100, method="sgd") for s in range(3)]
   records += [run(s, 0.81 + s / 100, method="pipemare") for s in range(3)]
-  records += [run(s, 0.805 + s / 100, method="sgd", sgd_stage_rates="pipemare") for s in range(3)]
+  records += [run(s, 0.805 + s / 100, method="sgd", **{RATES: "pipemare"}) for s in range(3)]
   study = Study(name="c", config="c.py", grids=[{"method": ("sgd", "pipemare"), "seed": (0,)}],
-                baseline={"method": "sgd"}, labels={"sgd_stage_rates": "per-layer rates"},
+                baseline={"method": "sgd"}, labels={RATES: "per-layer rates"},
                 tables=[Table("t", rows="", columns="", kind="cells")])
   gaps = study_cells.gather_cells(records, "test_accuracy", study.baseline)
-  rescheduled = study_cells.lookup(gaps, {"sgd_stage_rates": "pipemare"})
+  rescheduled = study_cells.lookup(gaps, {RATES: "pipemare"})
   assert rescheduled.values == pytest.approx([0.005] * 3)  # paired with plain SGD, seed by seed
   lines = study_report.markdown_table(study, records, study.tables[0]).splitlines()
   assert lines[2].startswith("| SGD | 81.00 [") and lines[2].endswith("| baseline |")
@@ -991,3 +994,36 @@ def test_labels_of_any_script_draw_without_glyph_warnings(tmp_path, caplog):
   assert drawn[:2] == ["学習率" if cjk else "???", "β₁ − 0.9"]
   named = [r for r in caplog.records if "no installed font has" in r.getMessage()]
   assert len(named) == (0 if cjk else 1)
+
+
+def test_records_written_with_a_renamed_field_read_under_its_new_key(tmp_path):
+  """A study's records keep the config keys they were run with; a field since moved into
+  config.method_kwargs (pipejax.config.RENAMED_FIELDS) is read under its new key, so the study
+  file that uses the new key finds its runs done and reports them as before."""
+  def old_record(seed, accuracy, **overrides):
+    overrides = {"method": "pipemare", **overrides, "seed": seed}
+    return {"run": ",".join(f"{k}={v}" for k, v in sorted(overrides.items())),
+            "overrides": overrides, "fixed": {"epochs": 1.0, "pipemare_anneal_fraction": 0.1},
+            "config": "c.py", "status": study_records.FINISHED, "test_accuracy": accuracy,
+            "init_digest": f"w{seed}", "wall_seconds": 1.0}
+  lines = [old_record(s, 0.8) for s in (0, 1)]
+  lines += [old_record(s, 0.7, pipemare_anneal_epochs=0.0) for s in (0, 1)]
+  (tmp_path / study_records.RESULTS_FILE).write_text(
+      "".join(json.dumps(line) + "\n" for line in lines))
+  key = "method_kwargs.pipemare.anneal_epochs"
+  study = Study(name="t", config="c.py", grids=[{"method": ("pipemare",), "seed": (0, 1)},
+                                                {"method": ("pipemare",), key: (0.0,),
+                                                 "seed": (0, 1)}],
+                fixed={"epochs": 1.0, "method_kwargs.pipemare.anneal_fraction": 0.1},
+                labels={key: "annealing epochs"}, baseline={"method": "pipemare"},
+                tables=[Table("t", rows="", columns="", kind="cells")])
+  records, problems = study_records.load_results(str(tmp_path))
+  assert not problems
+  assert [r["run"] for r in records] == [study_lib.run_id(run) for run in study.runs()]
+  assert records[2]["run"] == "method=pipemare,method_kwargs.pipemare.anneal_epochs=0.0,seed=0"
+  assert all(study_records.is_done(r, study, r["overrides"]) for r in records)
+  assert study_records.recipe_change(study, records, str(tmp_path)) is None
+  assert run_main(tmp_path, (), study=study, report_only=True) == 0
+  report = (tmp_path / "report.md").read_text()
+  assert "4 of 4 runs recorded" in report
+  assert "| annealing epochs = 0.0 | 70.00 " in report

@@ -228,8 +228,10 @@ def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, val
 
 @pytest.mark.parametrize("micro_batches", [0, -2])
 def test_sync_micro_batches_must_be_positive(micro_batches):
-  with pytest.raises(config_checks.ConfigError, match="config.micro_batches must be a positive"):
-    config_checks.validate(digits_config(method="sync", micro_batches=micro_batches))
+  with pytest.raises(config_checks.ConfigError, match=r"config\.method_kwargs\.sync: sync needs "
+                     r"micro_batches >= 1 \(the M of GPipe\)"):
+    config_checks.validate(digits_config(method="sync",
+                                         method_kwargs={"sync": {"micro_batches": micro_batches}}))
 
 
 def test_one_training_example_gives_a_valid_learning_rate_schedule():
@@ -526,5 +528,6 @@ def test_the_run_length_follows_from_the_config_alone(key, value):
   config = digits_config(**{key: value})
   assert experiment.run_ticks(config, 1437) * config.micro_batch_size == 240
   # The synchronous mode trains whole steps of micro-batches.
-  sync = digits_config(method="sync", micro_batches=7, ticks_per_chunk=14)
+  sync = digits_config(method="sync", method_kwargs={"sync": {"micro_batches": 7}},
+                       ticks_per_chunk=14)
   assert experiment.run_ticks(sync, 1437) == 238

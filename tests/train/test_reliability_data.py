@@ -283,14 +283,14 @@ def test_a_run_too_short_to_fill_its_pipeline_is_refused_before_training(tmp_pat
 @pytest.mark.parametrize("overrides, shortest", [
     ({}, 6),  # 3 stages: stage 0's first update at tick 4, its second (rate > 0) at tick 5
     ({"schedule": "constant", "warmup_epochs": 0.0}, 5),
-    ({"method": "sync", "micro_batches": 4}, 8),  # two synchronous steps
+    ({"method": "sync", "method_kwargs": {"sync": {"micro_batches": 4}}}, 8),  # two sync steps
     ({"method": "sgd"}, 2)])  # one stage
 def test_the_shortest_run_that_moves_every_stage_passes(overrides, shortest):
   config = digits_config(**overrides)
   pipe = experiment.build(config).pipeline
   config_checks.check_pipeline_fills(config, pipe, shortest)
   with pytest.raises(config_checks.ConfigError, match="too short to train every stage"):
-    config_checks.check_pipeline_fills(config, pipe, shortest - (4 if "micro_batches" in
+    config_checks.check_pipeline_fills(config, pipe, shortest - (4 if "method_kwargs" in
                                                                  overrides else 1))
 
 
