@@ -115,9 +115,10 @@ class InitProgram(NamedTuple):
 
 
 def init_program(pipeline: Pipeline, s: int) -> InitProgram | None:
-  """Stage ``s``'s ``init_stage`` traced with its key, delay and fill value as inputs, and the
-  constants it folds into its key (flax derives each weight's key from its module's name, so
-  ``block3`` and ``block4`` fold in different ones) lifted out as a further input.
+  """Stage ``s``'s init traced with its key, delay and fill value as inputs
+  (:meth:`~pipejax.core.initial.StateInit.stage_program`), and the constants it folds into its key
+  (flax derives each weight's key from its module's name, so ``block3`` and ``block4`` fold in
+  different ones) lifted out as a further input.
 
   Stages whose programs are then equal initialize under one ``vmap`` over their keys, delays and
   salts, with the per-stage init's numbers. None when the method's optimizer state cannot start
