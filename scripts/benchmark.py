@@ -47,7 +47,9 @@ A JSON kept as ``docs/benchmarks/NAME.json`` (``--output``) is a record:
   trainer's chunk (the host's data stream, scheduling, ``run``, the metrics fetched, the finite
   check) timed side by side with ``run`` on a stream already on the device, their ratio
   (``cpu_trainer_over_benchmark``), and the seconds to build the experiment and init its state
-  (``setup_s``). Needs the Fashion-MNIST files. Only when asked.
+  (``setup_s``); each depth twice, its blocks named one by one and as one module repeated
+  (``declared_stack``, a declared stack that set-up traces once). Needs the Fashion-MNIST files.
+  Only when asked.
 * ``stacked_mesh``: the same residual MLP at ``--stacked_mesh_stages`` stages on a stage mesh of
   ``--stacked_mesh_devices`` devices, ``ShardedPipeline`` of the ``StackedPipeline`` (each
   device's piece of the stack stacked) against that of the ``Pipeline``: build and compile
@@ -190,9 +192,9 @@ def main(argv):
                            if _DEPTH_METHODS.value else [])],
       "delay_lines": lambda: [record for s in _DELAY_LINE_STAGES.value
                               for record in speed.delay_line_records(int(s), _DEPTH_METHODS.value)],
-      "trainer": lambda: [trainer.trainer_rate(trainer.deep_mlp_config(int(s)),
-                                               _DEPTH_TICKS.value, repeats)
-                          for s in _TRAINER_STAGES.value],
+      "trainer": lambda: [{"declared_stack": declared, **trainer.trainer_rate(
+          trainer.deep_mlp_config(int(s), declared_stack=declared), _DEPTH_TICKS.value, repeats)}
+                          for declared in (False, True) for s in _TRAINER_STAGES.value],
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),
   }

@@ -157,6 +157,12 @@ class StateInit:
     Traced once per stage and kept: :attr:`state_spec` and the stacked layout's initialization
     both read it, and at hundreds of stages the trace is most of what building a pipeline costs.
     """
+    last = self.spec.num_stages - 1
+    if s not in self._programs and 1 < s < last and self.spec.model.repeats(s):
+      # A declared stack (pipejax.Model): a middle stage's init is its predecessor's program.
+      program, shapes = self.stage_program(s - 1)
+      if program is not None:
+        self._programs[s] = program, shapes
     if s not in self._programs:
       key = jax.eval_shape(jax.random.PRNGKey, 0)
       fill = jax.ShapeDtypeStruct((), jnp.float32)

@@ -250,6 +250,12 @@ class Model:
 
   ``loss`` returns ``(scalar_loss, metrics_dict)``; metrics are scalars averaged over the
   micro-batch.
+
+  One :class:`Stage` object at consecutive places, ``[stem] + [block] * n + [head]``, *declares*
+  a stack: its stages are one module whose weights each stage draws from its own key (a layer
+  axis, as scanned layers have). The model traces it once, not once per stage, and a stacked
+  runner (``pipejax.parallel.stacking``) takes the run as a stack without comparing its stages'
+  programs, so building a deep pipeline costs about what a shallow one does.
   """
 
   stages: tuple[Stage, ...]
@@ -276,6 +282,11 @@ class Model:
 
   def stage_label(self, s: int) -> str:
     return f"stage {s} ('{self.stages[s].name}')"
+
+  def repeats(self, s: int) -> bool:
+    """Whether stage ``s`` is the same :class:`Stage` object as stage ``s - 1``: the two belong to
+    a declared stack (class docstring)."""
+    return s > 0 and self.stages[s] is self.stages[s - 1]
 
   def apply(self, params: Sequence[PyTree], x: PyTree, rng: jax.Array | None = None,
             variables: Sequence[Variables | None] | None = None) -> PyTree:
@@ -347,6 +358,12 @@ class Model:
     keys = jax.random.split(rng, self.num_stages)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), x)
     for s, stage in enumerate(self.stages):
+      if s and self.repeats(s) and _fmt(x) == _fmt(input_shapes[-1]):
+        # A declared stack (class docstring): the programs take the key and the input as
+        # arguments, so the previous stage's serve this one; its output is its input's shape.
+        for found in (params_shapes, input_shapes, forwards, initials):
+          found.append(found[-1])
+        continue
       source = "the input batch" if s == 0 else self.stage_label(s - 1)
       if stage.input_shape is not None:
         got = jax.tree.map(lambda a: tuple(a.shape[1:]), x)

@@ -68,7 +68,7 @@ class Head(nn.Module):
 
 def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_classes: int = 10,
                  layers_per_stage: int | None = 1, normalization: str | None = "layer",
-                 loss: LossFn = softmax_cross_entropy) -> Model:
+                 loss: LossFn = softmax_cross_entropy, declared_stack: bool = False) -> Model:
   """A residual MLP of ``depth`` weight layers (stages at ``layers_per_stage=1``).
 
   Args:
@@ -80,6 +80,10 @@ def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_class
     normalization: 'layer' (pre-norm LayerNorm in each block and before the head), 'online'
       (Online Normalization there instead) or None.
     loss: Loss on the logits.
+    declared_stack: the blocks as one module repeated, one stage each (a declared stack,
+      :class:`pipejax.Model`): built in about the time of a shallow network. Each block's weights
+      are drawn from its stage's key alone, so they differ from the named blocks' (``block1``,
+      ``block2``, ...) of the default, which fold their names into it.
 
   Example:
     >>> residual_mlp(depth=32).num_stages
@@ -90,6 +94,16 @@ def residual_mlp(depth: int = 8, width: int = 128, expansion: int = 1, num_class
     raise ModelError(f"residual_mlp needs depth >= 3 (stem, at least one block, head); got "
                      f"{depth!r}. Set --config.model_kwargs.depth to the number of stages wanted.")
   blocks = depth - 2
+  if declared_stack:
+    if layers_per_stage != 1:
+      raise ModelError(f"residual_mlp's declared_stack repeats one block per stage, so it needs "
+                       f"layers_per_stage=1; got {layers_per_stage!r}. Drop "
+                       "--config.model_kwargs.declared_stack or set layers_per_stage to 1.")
+    block = sequential.layers_stage(
+        [("block", ResidualDenseBlock(expansion, normalization, blocks ** -0.5))])
+    return Model((sequential.layers_stage([("stem", Stem(width))]),) + (block,) * blocks
+                 + (sequential.layers_stage([("head", Head(num_classes, normalization))]),),
+                 loss=loss)
   named = [("stem", Stem(width))]
   named += [(f"block{i + 1}", ResidualDenseBlock(expansion, normalization, blocks ** -0.5))
             for i in range(blocks)]

@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 
-from pipejax.core.stages import LossFn, Model, ModelError, from_flax, softmax_cross_entropy
+from pipejax.core.stages import (LossFn, Model, ModelError, Stage, from_flax,
+                                 softmax_cross_entropy)
 
 PyTree = Any
 NamedLayers = Sequence[tuple[str, nn.Module]]
@@ -63,14 +64,17 @@ def stack_layers(layers: NamedLayers, layers_per_stage: int | None = 1,
   duplicates = sorted({n for n in names if names.count(n) > 1})
   if duplicates:
     raise ModelError(f"Layer names must be unique; repeated: {duplicates}.")
-  stages = []
-  for start in range(0, len(layers), layers_per_stage):
-    group = layers[start:start + layers_per_stage]
-    group_names = tuple(name for name, _ in group)
-    stage_name = group_names[0] if len(group) == 1 else f"{group_names[0]}..{group_names[-1]}"
-    chain = Chain(layers=tuple(module for _, module in group), layer_names=group_names)
-    stages.append(from_flax(chain, name=stage_name))
+  stages = [layers_stage(layers[start:start + layers_per_stage])
+            for start in range(0, len(layers), layers_per_stage)]
   return Model(stages=tuple(stages), loss=loss)
+
+
+def layers_stage(group: NamedLayers) -> Stage:
+  """One stage of consecutive named layers, named after them ('a' or 'a..b')."""
+  group_names = tuple(name for name, _ in group)
+  stage_name = group_names[0] if len(group) == 1 else f"{group_names[0]}..{group_names[-1]}"
+  chain = Chain(layers=tuple(module for _, module in group), layer_names=group_names)
+  return from_flax(chain, name=stage_name)
 
 
 def merge_stage_params(stage_params: Sequence[dict]) -> dict:

@@ -156,8 +156,12 @@ def _as_text(traced) -> tuple:
 def find_stacks(pipeline: Pipeline) -> list[tuple[int, int]]:
   """The pipeline's parts as contiguous ``(start, stop)`` spans; a span of two or more stages is
   a stack of identical stages (module docstring), every other run a single stage."""
-  num, spec = pipeline.num_stages, pipeline.state_spec
-  signatures = [None] + [_signature(pipeline, s, spec) for s in range(1, num - 1)] + [None]
+  num, spec, model = pipeline.num_stages, pipeline.state_spec, pipeline.model
+  signatures = [None] * num
+  for s in range(1, num - 1):
+    # A declared stack's stages run one program (pipejax.Model): the first one's is traced.
+    same = model.repeats(s) and s > 1
+    signatures[s] = signatures[s - 1] if same else _signature(pipeline, s, spec)
   spans, start = [], 0
   for s in range(1, num + 1):
     same = (s < num and signatures[s] is not None and signatures[s] == signatures[start])
@@ -305,7 +309,10 @@ class StackedPipeline(ScanRunner):
     for start, stop in self.part_spans:
       if stop - start < 2:
         continue
-      inits = [init_program(pipeline, s) for s in range(start, stop)]
+      inits = []
+      for s in range(start, stop):
+        inits.append(inits[-1] if inits and pipeline.model.repeats(s)
+                     else init_program(pipeline, s))
       together = None not in inits and len({p.text for p in inits}) == 1
       self._stacks[start] = _Stack(
           start, stop, tuple(jax.tree.structure(_body(st)) for st in spec.stages[start:stop]),

@@ -26,10 +26,13 @@ from pipejax.profiling.timing import best_times
 DEEP_MLP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deep_mlp.py")
 
 
-def deep_mlp_config(num_stages: int, method: str | None = None):
-  """configs/deep_mlp.py at ``num_stages`` stages (its own method unless ``method``)."""
+def deep_mlp_config(num_stages: int, method: str | None = None, declared_stack: bool = False):
+  """configs/deep_mlp.py at ``num_stages`` stages (its own method unless ``method``), its blocks
+  one module repeated where ``declared_stack`` (a declared stack, :class:`pipejax.Model`)."""
   config = configlib.load_config(os.path.abspath(DEEP_MLP))
   config.model_kwargs.depth = num_stages
+  if declared_stack:
+    config.model_kwargs.declared_stack = True
   if method:
     config.method = method
   return config

@@ -81,6 +81,45 @@ def test_the_stacked_init_does_not_grow_with_a_groups_length():
               jax.tree.map(np.asarray, pipes[11].init(7)), exact=True)
 
 
+def test_a_declared_stack_traces_once_and_gives_the_per_stage_numbers(monkeypatch):
+  """One Stage object repeated declares a stack: the model traces it once, find_stacks takes the
+  run without tracing its stages' updates, and the stacked numbers are the per-stage ones."""
+  calls = {"init": 0, "signature": 0}
+  block = pipejax.from_flax(nn.Dense(5))
+  traced_initial = block.initial
+
+  def counted_initial(*args):
+    calls["init"] += 1
+    return traced_initial(*args)
+
+  object.__setattr__(block, "initial", counted_initial)
+  signature = stacking._signature
+  monkeypatch.setattr(stacking, "_signature",
+                      lambda *a: calls.__setitem__("signature", calls["signature"] + 1)
+                      or signature(*a))
+  model = pipejax.Model([pipejax.from_flax(nn.Dense(5))] + [block] * 5
+                        + [pipejax.from_flax(nn.Dense(NUM_CLASSES))])
+  assert [model.repeats(s) for s in range(7)] == [False, False, True, True, True, True, False]
+  method = methods.make_method("pb", learning_rate=0.01)
+  x, y = make_stream(1, 2)
+  assert find_stacks(Pipeline(model, method, x[0], y[0])) == [(0, 1), (1, 6), (6, 7)]
+  assert calls == {"init": 1, "signature": 1}  # the block's first stage alone
+  per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
+      model, method, 2, 24, fill_value=jnp.nan)
+  assert_same(stacked_end, per_stage, exact=True)
+  assert_same(stacked_metrics, per_stage_metrics, exact=True)
+  assert np.isfinite(per_stage_metrics["loss"]).all() and per_stage_metrics["valid"].sum() > 4
+  blocks = [st.params for st in per_stage.stages[1:6]]  # each stage drew its own weights
+  kernels = [jax.tree.leaves(p)[-1] for p in blocks]
+  assert min(np.abs(a - b).max() for a, b in zip(kernels, kernels[1:])) > 1e-3
+  with pytest.raises(pipejax.ModelError, match="declared_stack .* needs layers_per_stage=1"):
+    models.build("residual_mlp", num_classes=NUM_CLASSES, depth=6, layers_per_stage=2,
+                 declared_stack=True)
+  declared = models.build("residual_mlp", num_classes=NUM_CLASSES, depth=6, width=8,
+                          declared_stack=True)
+  assert [declared.repeats(s) for s in range(6)] == [False, False, True, True, True, False]
+
+
 def test_a_method_that_needs_a_python_delay_runs_stage_by_stage():
   def per_delay(delay):
     if delay > 2:  # a Python branch on the delay: it cannot take a traced one
