@@ -167,9 +167,9 @@ def check_state_fits(state_bytes: int, num_stages: int) -> None:
         f"init() would allocate a state of about {accounting.gib(state_bytes)} (weights, "
         f"optimizer states and the delay lines of {num_stages} stages, which grow with the "
         f"square of the stage count), more than {where} ({accounting.gib(available)}). Use "
-        "fewer stages, narrower layers or a smaller micro-batch (every runner, a "
-        "ShardedPipeline too, makes the whole state on one device first). Its shapes are "
-        "pipe.state_spec, and jax.eval_shape(pipe.init, key) traces init without allocating.")
+        "fewer stages, narrower layers or a smaller micro-batch, or a ShardedPipeline over more "
+        "devices (each holds its own stages' share). The state's shapes are pipe.state_spec, "
+        "and jax.eval_shape(pipe.init, key) traces init without allocating.")
 
 
 def stream_length(inputs, labels) -> int:

@@ -58,17 +58,18 @@ class CompiledInit:
     signature = (rng.shape, str(rng.dtype))
     if self._weights is None:
       if signature not in self._compiled:
-        self._compiled[signature] = _compiled_for_init(self._jitted, rng, fill_value)
+        self._compiled[signature] = compiled_for_init(self._jitted, rng, fill_value)
       return self._compiled[signature](rng, fill_value)
     if signature not in self._shared:
-      self._shared[signature] = _compiled_for_init(self._weights, rng)
+      self._shared[signature] = compiled_for_init(self._weights, rng)
     weights = self._shared[signature](rng)
     if signature not in self._compiled:
-      self._compiled[signature] = _compiled_for_init(self._around, weights, rng, fill_value)
+      self._compiled[signature] = compiled_for_init(self._around, weights, rng, fill_value)
     return self._compiled[signature](weights, rng, fill_value)
 
 
-def _compiled_for_init(jitted, *args):
+def compiled_for_init(jitted, *args):
+  """``jitted`` compiled for ``args`` with :data:`INIT_COMPILER`: how every layout's init is."""
   return jitted.lower(*args).compile(compiler_options=INIT_COMPILER)
 
 

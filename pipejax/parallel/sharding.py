@@ -37,20 +37,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax.parallel import packing, stacking
-from pipejax.core import checks, engine
+from pipejax.core import checks, engine, initial
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
 from pipejax.core.parts import TickOptions
-from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_host
+from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_global, to_host
 from pipejax.parallel.packing import SHARED, PackedState
 from pipejax.parallel.partition import check_partition, param_counts, partition_stages
 from pipejax.core.runner import Runner, jit
 from pipejax.parallel.sharded_layout import ShardedLayout
-from pipejax.core.state import Batch, Packet, PipelineState
+from pipejax.core.state import Batch, Packet, PipelineState, raw_key
 
 
 class ShardedPipeline(Runner):
@@ -83,12 +83,8 @@ class ShardedPipeline(Runner):
     if packing_policy not in ("auto", "flat", "per_leaf"):
       raise MeshError("packing_policy must be 'auto', 'flat' or 'per_leaf'; got "
                       f"{packing_policy!r}.")
-    runner = pipeline
     # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
-    pipeline, self.part_spans = stacking.pipeline_and_spans(runner)
-    # Where stages are stacked, the initial state is made stacked: that program does not grow
-    # with depth, and it makes the per-stage init's bits.
-    self._stacked = runner if self.part_spans is not None else None
+    pipeline, self.part_spans = stacking.pipeline_and_spans(pipeline)
     self.pipeline = pipeline
     self.mesh = normalized_mesh(mesh)
     self.num_shards = self.mesh.shape[STAGE]
@@ -125,6 +121,11 @@ class ShardedPipeline(Runner):
     self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
                              donate_argnums=0, out_shardings=out_shardings)
     self._jit_weights_finite = jax.jit(self._weights_finite)
+    shardings = self._mesh_layout.state_shardings()
+    self._jit_init = jax.jit(self._init, out_shardings=(
+        {k: NamedSharding(self.mesh, self._mesh_layout.partition_spec(k))
+         for k in self.packing.buffer_sizes}, shardings.rng))
+    self._compiled_init = None
 
   # ------------------------------------------------------------------ facts
 
@@ -150,10 +151,62 @@ class ShardedPipeline(Runner):
   # ------------------------------------------------------------------ state
 
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
-    """``from_logical(pipeline.init(rng, fill_value))``: the same initial state as one device."""
-    if self._stacked is not None:
-      return self.from_logical(self._stacked.to_logical(self._stacked.init(rng, fill_value)))
-    return self.from_logical(self.pipeline.init(rng, fill_value))
+    """The initial state, made on the mesh: each device initializes its own stages into its own
+    buffers, and no device or host holds the whole state. The same numbers as
+    ``from_logical(pipeline.init(rng, fill_value))``: the same programs compiled the same way
+    (:data:`pipejax.core.initial.INIT_COMPILER`).
+    """
+    checks.refuse_traced("ShardedPipeline", (rng, fill_value))
+    checks.check_state_fits(self.packing.allocated_bytes(), self.num_stages)
+    key, fill = raw_key(rng), jnp.float32(fill_value)
+    if self._compiled_init is None:
+      self._compiled_init = initial.compiled_for_init(self._jit_init, key, fill)
+    buffers, run_key = self._compiled_init(key, fill)
+    tick = to_global(np.zeros((), np.int32), self._mesh_layout.replicated)
+    return self._mesh_layout.packed_state(buffers, tick, run_key)
+
+  def _init(self, key, fill_value):
+    """The buffers of the initial state, each device's stages made by that device, and the run's
+    key (replicated)."""
+    pipe, plan = self.pipeline, self.packing
+    stage_keys, run_key = pipe.initial.keys(key)
+    roles_of = packing.Packing.roles
+
+    def replica_part(leaf, role):
+      """A data replica's share of a leaf (its slice of the micro-batch axis)."""
+      if role.batch_axis is None or self.num_replicas == 1:
+        return leaf
+      size = leaf.shape[role.batch_axis] // self.num_replicas
+      part = jax.lax.dynamic_slice_in_dim(leaf, jax.lax.axis_index(DATA) * size, size,
+                                          role.batch_axis)
+      return part * jnp.asarray(self.num_replicas, part.dtype) if role.cotangent else part
+
+    def branch(d, buffers, stage_keys, fill):
+      a, z = self.partition[d]
+      # Stage by stage, also in a stack's piece: under vmap in this program a stack's init
+      # differs from the per-stage one in the last bit of some weights.
+      stages = tuple(pipe.initial.stage_state(s, pipe.initial.weights(s, stage_keys[s]), fill)
+                     for s in range(a, z))
+      stages = tuple(jax.tree.map(replica_part, st, roles_of(st)) for st in stages)
+      body, packet, cotangent = packing.split_shard(stages)
+      buffers = packing.write_tree(buffers, plan.body_placements[d], body)
+      buffers = packing.write_tree(buffers, plan.packet_placements[d], packet)
+      return packing.write_tree(buffers, plan.cotangent_placements[d], cotangent)
+
+    def on_device(stage_keys, fill):
+      buffers = {k: jnp.zeros((n,), k[1]) for k, n in plan.buffer_sizes.items()}
+      branches = [functools.partial(branch, d) for d in range(self.num_shards)]
+      if self.num_shards == 1:
+        buffers = branches[0](buffers, stage_keys, fill)
+      else:
+        buffers = jax.lax.switch(jax.lax.axis_index(STAGE), branches, buffers, stage_keys, fill)
+      return {k: v.reshape((1,) * (1 if k[0] == SHARED else 2) + (v.size,))
+              for k, v in buffers.items()}
+
+    specs = {k: self._mesh_layout.partition_spec(k) for k in plan.buffer_sizes}
+    buffers = jax.shard_map(on_device, mesh=self.mesh, in_specs=(P(), P()), out_specs=specs,
+                            check_vma=False)(stage_keys, fill_value)
+    return buffers, run_key
 
   def from_logical(self, state: PipelineState) -> PackedState:
     """Lays a logical :class:`PipelineState` out over the mesh (works in multi-process runs).

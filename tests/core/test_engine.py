@@ -441,8 +441,8 @@ def test_pipelines_over_one_model_compile_its_initial_weights_once(monkeypatch):
   """The initial weights depend on the model alone: the pipelines of three methods over one model
   compile them once, start from the same bits, and each compiles only the state around them."""
   compiled = []
-  compile_for_init = initial._compiled_for_init
-  monkeypatch.setattr(initial, "_compiled_for_init",
+  compile_for_init = initial.compiled_for_init
+  monkeypatch.setattr(initial, "compiled_for_init",
                       lambda jitted, *args: compiled.append(len(args)) or
                       compile_for_init(jitted, *args))
   x, y = make_stream(1, 2)

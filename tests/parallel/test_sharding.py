@@ -602,3 +602,24 @@ def test_mesh_and_every_layout_report_which_stages_weights_are_not_finite(eight_
   packed = sharded.from_logical(bad)
   np.testing.assert_array_equal(sharded.weights_finite(packed), expected)
   assert sharded.weights_finite(sharded.from_logical(state)).all()
+
+
+@pytest.mark.parametrize("stage, data, stacked", [(4, 1, False), (4, 2, False), (8, 1, True),
+                                                  (2, 2, True)])
+def test_mesh_init_makes_each_devices_stages_on_it_with_one_devices_numbers(
+    eight_devices, stage, data, stacked):
+  # Each device initializes its own stages into its own buffers: the same bits as laying out the
+  # single-device init, NaN fill, replicas' cotangent shares and stacked pieces included.
+  pipe = make_pipeline("pb_sc_lwp", widths=(5, 5, 5, 5, 5, 5, 5, 5))
+  runner = StackedPipeline(pipe) if stacked else pipe
+  assert not stacked or runner.stacked
+  sharded = ShardedPipeline(runner, make_mesh(stage, data, eight_devices[:stage * data]))
+  made = sharded.init(jax.random.PRNGKey(7), np.nan)
+  laid_out = sharded.from_logical(host(pipe.init(jax.random.PRNGKey(7), np.nan)))
+  for name in made.shared:
+    np.testing.assert_array_equal(np.asarray(made.shared[name]), np.asarray(laid_out.shared[name]))
+  for name in made.local:
+    np.testing.assert_array_equal(np.asarray(made.local[name]), np.asarray(laid_out.local[name]))
+  np.testing.assert_array_equal(np.asarray(made.rng), np.asarray(laid_out.rng))
+  assert int(made.tick) == 0
+  assert_states_equal(sharded.to_logical(made), host(pipe.init(jax.random.PRNGKey(7), np.nan)))
