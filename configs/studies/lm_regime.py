@@ -21,8 +21,9 @@ before:
    The lowest run of this phase is the baseline of every gap, whatever its optimizer.
 
 Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers at a time on
-this 2-core CPU (lm_depth's records), so the baselines phase (24 runs) takes 2.6 to 4.6 hours
-there with ``--parallel=2``. The later phases (methods at each usable beta setting, rate sweeps,
+a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
+shared with other work (this study's), so the baselines phase (27 runs) takes 3 to 13 hours there
+with ``--parallel=2``. The later phases (methods at each usable beta setting, rate sweeps,
 five paired seeds of the final table, the MLP at 128 and 256 stages) bring the study to about 22
 hours on this CPU; the docstring grows with each phase as it is added.
 
