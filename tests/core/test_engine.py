@@ -387,7 +387,6 @@ def test_the_init_compilers_emitters_make_the_weights_xla_makes_by_default():
   # speed only, so it must give the default emitters' bits, over the initializers and the many
   # weight shapes of a transformer and a residual MLP.
   from pipejax import models  # pylint: disable=import-outside-toplevel
-  from pipejax.core import engine  # pylint: disable=import-outside-toplevel
   default = {k: v for k, v in initial.INIT_COMPILER.items()
              if k != "xla_cpu_use_fusion_emitters"}
   assert default != initial.INIT_COMPILER
@@ -398,7 +397,7 @@ def test_the_init_compilers_emitters_make_the_weights_xla_makes_by_default():
   for model, x, y in cases:
     pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=LR), x, y)
     key, fill = raw_key(jax.random.PRNGKey(7)), jnp.float32(0)
-    lowered = jax.jit(pipe._init).lower(key, fill)  # pylint: disable=protected-access
+    lowered = jax.jit(pipe.initial._state).lower(key, fill)  # pylint: disable=protected-access
     ours, xlas = (lowered.compile(compiler_options=options)(key, fill)
                   for options in (initial.INIT_COMPILER, default))
     jax.tree.map(np.testing.assert_array_equal, ours, xlas)

@@ -53,7 +53,7 @@ def test_memory_formula_is_the_pipelines_own_accounting():
   state = pipe.init(jax.random.PRNGKey(0))
   parts = row["formula_parts"]
   assert parts["weights"] == sum(accounting.tree_bytes(st.params) for st in state.stages)
-  assert parts["stash"] == pipe.stash_bytes() == pipe.held_stash_bytes(state)
+  assert parts["stash"] == pipe.spec.stash_bytes() == pipe.held_stash_bytes(state)
   assert row["formula_bytes"] == sum(parts.values())
   # The compiled chunk holds at least the state the formula counts.
   assert row["ratio_compiled_over_formula"] >= 1.0
