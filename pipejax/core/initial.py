@@ -184,8 +184,16 @@ class StateInit:
     stages = []
     for s in range(self.spec.num_stages):
       _, st = self.stage_program(s)
-      line = jax.eval_shape(lambda st, s=s: self.empty_delay_line(
-          s, st, self.spec.delays[s] + 1, jnp.float32(0)), st)
+      # Written from the shapes: a trace of empty_delay_line per stage is most of the time a
+      # deep pipeline's build takes (tests/core/test_engine.py checks the two agree).
+      slots = (self.spec.delays[s] + 1,)
+      with_slots = lambda tree: jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(slots + tuple(a.shape), a.dtype), tree)
+      line = DelayLine(with_slots(self.spec.trace.inputs[s]),
+                       jax.ShapeDtypeStruct(slots, jnp.bool_),
+                       jax.ShapeDtypeStruct(slots, jnp.int32),
+                       with_slots(st.params) if self.spec.stashes_weights else None,
+                       None if st.variables is None else with_slots(st.variables.forward))
       stages.append(st._replace(delay_line=line))
     return PipelineState(tuple(stages), jax.ShapeDtypeStruct((), jnp.int32),
                          jax.eval_shape(jax.random.PRNGKey, 0))

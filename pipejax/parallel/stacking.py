@@ -223,22 +223,6 @@ def _parts_finite(part_list, states) -> jax.Array:
   return jnp.concatenate(flags)
 
 
-@jax.jit
-def _row(leaf, i):
-  return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
-
-
-def _spans(leaf, spans: tuple):
-  """Each ``(offset, length)`` span of a ring buffer's leading axis, as an array of its own.
-
-  Cut on the host: the lengths differ from stage to stage, so on the device it takes a program
-  per length, or one program with a slice per stage whose compile grows faster than the stack.
-  Each span is copied, so nothing aliases the buffer, which ``run`` donates.
-  """
-  host, device = np.asarray(jax.device_get(leaf)), min(leaf.devices(), key=lambda d: d.id)
-  return tuple(jax.device_put(np.array(host[o:o + n]), device) for o, n in spans)
-
-
 def pieces(spans, first: int, stop: int) -> list[tuple[int, int, bool]]:
   """The part spans cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
   ``(start, stop, stacked)``: ``stacked`` when the run is a stack, however short its piece."""
@@ -401,25 +385,26 @@ class StackedPipeline(ScanRunner):
     return body._replace(delay_line=line)
 
   def _unstack(self, state: StackedState) -> PipelineState:
-    # Leaf by leaf: one program for the whole state holds S x leaves slices, and XLA's compile
-    # time grows faster than that count (minutes at 128 stages). A stage's row of a stacked leaf
-    # is one program per leaf shape, its index an argument (_row), so its compile does not grow
-    # with the stack; the rings differ in length from stage to stage, so they are cut on the host
-    # (_spans). The single stages, tick and rng are copied so that the logical state never
-    # aliases the stacked one, which run donates.
+    # Cut on the host: on the device a stage's row is a program (or a dispatch) per leaf and
+    # stage, and one program for the whole state holds S x leaves slices, whose compile time
+    # grows faster than that count (minutes at 128 stages). A stack comes to the host in one
+    # transfer and its stages go back in one. The copies never alias the stacked state, which
+    # run donates.
     stages = []
     for (start, _), part in zip(self.part_spans, state.parts):
       stack = self._stacks.get(start)
       if stack is None:
         stages.append(jax.tree.map(jnp.copy, part))
         continue
-      n, where = len(stack.rings.lengths), tuple(zip(stack.rings.offsets, stack.rings.lengths))
-      body = [[_row(leaf, i) for i in range(n)] for leaf in jax.tree.leaves(_body(part))]
-      line = [_spans(leaf, where) for leaf in jax.tree.leaves(part.delay_line)]
-      for i in range(n):
-        st = jax.tree.unflatten(stack.treedefs[i], [leaf[i] for leaf in body])
-        stage_line = jax.tree.unflatten(stack.line_treedefs[i], [leaf[i] for leaf in line])
-        stages.append(st._replace(delay_line=stage_line))
+      device = min(jax.tree.leaves(part)[0].devices(), key=lambda d: d.id)
+      host = jax.device_get(part)
+      body, line = jax.tree.leaves(_body(host)), jax.tree.leaves(host.delay_line)
+      cut = []
+      for i, (offset, length) in enumerate(zip(stack.rings.offsets, stack.rings.lengths)):
+        st = jax.tree.unflatten(stack.treedefs[i], [np.array(leaf[i]) for leaf in body])
+        cut.append(st._replace(delay_line=jax.tree.unflatten(
+            stack.line_treedefs[i], [np.array(leaf[offset:offset + length]) for leaf in line])))
+      stages.extend(jax.device_put(cut, device))
     return PipelineState(tuple(stages), jnp.copy(state.tick), jnp.copy(state.rng))
 
   def check_state(self, state: StackedState) -> None:

@@ -41,7 +41,7 @@ def first_non_finite(finite: np.ndarray, first_tick: int, model: Model) -> str |
 
 def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
                       weights_finite: np.ndarray, finite: np.ndarray, valid: np.ndarray, first_tick: int, samples: int,
-                      checkpointer: Checkpointer) -> None:
+                      checkpointer: Checkpointer | None) -> None:
   """Raises :class:`TrainingDiverged` if a chunk saw a non-finite activation or left bad weights.
 
   Activations flag a NaN within a tick of its birth; the weights are checked too, once per chunk,
@@ -56,7 +56,8 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
     valid: the chunk's per-tick flags, True where a tick fed a real sample.
     first_tick: the tick of the chunk's first row.
     samples: the training samples seen before the chunk.
-    checkpointer: the run's checkpoints, named in the message as the place a rerun resumes from.
+    checkpointer: the run's checkpoints, named in the message as the place a rerun resumes from
+      (None: a run that keeps none, such as a benchmark's).
 
   Raises:
     TrainingDiverged: one paragraph: where, after how many samples, what a rerun does, and what
@@ -74,7 +75,7 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
              + f" (its weights) in ticks {first_tick}..{first_tick + len(finite) - 1}")
     offset = len(finite)
   seen = samples + config.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
-  steps = checkpointer.all_steps()
+  steps = checkpointer.all_steps() if checkpointer is not None else []
   advice = ("Lower the learning rate (--config.reference.lr or --config.micro_batch.lr) or add "
             "warm-up (--config.warmup_epochs)")
   traits = methods.traits_of(config.method)
