@@ -308,6 +308,11 @@ class Pipeline(ScanRunner):
     checks.check_not_donated(state)
     return slots_full(state.stages)
 
+  def host_params(self, state: PipelineState) -> list[PyTree]:
+    """See :meth:`pipejax.core.runner.Runner.host_params`."""
+    self.check_state(state)
+    return jax.device_get([st.params for st in state.stages])
+
   def weights_finite(self, state: PipelineState) -> np.ndarray:
     """See :meth:`pipejax.core.runner.Runner.weights_finite`."""
     self.check_state(state)

@@ -89,6 +89,11 @@ class Runner(Protocol):
     """
 
   @abc.abstractmethod
+  def host_params(self, state: State) -> list[PyTree]:
+    """Each logical stage's parameters as numpy arrays (what a weights digest reads), brought to
+    the host without making the logical state on the device."""
+
+  @abc.abstractmethod
   def weights_finite(self, state: State) -> np.ndarray:
     """One flag per logical stage: are its weights and optimizer state finite.
 

@@ -280,6 +280,11 @@ class ShardedPipeline(Runner):
     """
     return self._mesh_layout.flags_all_set(packed)
 
+  def host_params(self, packed: PackedState) -> list:
+    """See :meth:`pipejax.core.runner.Runner.host_params`; every process must call it (it
+    gathers the other processes' parts, as :meth:`to_logical` does)."""
+    return [jax.device_get(st.params) for st in self.to_logical(packed).stages]
+
   def weights_finite(self, packed: PackedState) -> np.ndarray:
     """See :meth:`pipejax.core.runner.Runner.weights_finite`: each device checks its own stages'
     weights in its buffers; only the flags leave the devices."""

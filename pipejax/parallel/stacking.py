@@ -419,6 +419,21 @@ class StackedPipeline(ScanRunner):
     checks.check_not_donated(state)
     return slots_full(state.parts)
 
+  def host_params(self, state: StackedState) -> list:
+    """See :meth:`pipejax.core.runner.Runner.host_params`: a stack's rows cut on the host."""
+    self.check_state(state)
+    spec, params = self.pipeline.state_spec, jax.device_get([p.params for p in state.parts])
+    out = []
+    for part, host in zip(self.parts, params):
+      if not part.stacked:
+        out.append(host)
+        continue
+      leaves = jax.tree.leaves(host)
+      out.extend(jax.tree.unflatten(jax.tree.structure(spec.stages[s].params),
+                                    [leaf[i] for leaf in leaves])
+                 for i, s in enumerate(range(part.start, part.stop)))
+    return out
+
   def weights_finite(self, state: StackedState) -> np.ndarray:
     """See :meth:`pipejax.core.runner.Runner.weights_finite`: a stack's flags row by row."""
     self.check_state(state)

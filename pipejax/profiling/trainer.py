@@ -80,7 +80,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   runner, b = setup.runner, config.micro_batch_size
   start = time.perf_counter()
   holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(config.seed)))}
-  jax.block_until_ready(runner.to_logical(holder["state"]))  # the initial weights' digest reads it
+  runner.host_params(holder["state"])  # the initial weights' digest reads them
   init_s = time.perf_counter() - start
   stream = data_lib.DataStream(setup.train_source, b, config.seed)
   x_device, y_device = (jax.device_put(a) for a in stream.next_chunk(ticks))

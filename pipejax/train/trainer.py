@@ -121,7 +121,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
                               primary=primary, placement=placement)
   phases.enter(f"initialising the pipeline state ({pipe.num_stages} stages)")
   state = setup.init(jax.random.PRNGKey(config.seed))
-  init_digest = weights_digest([st.params for st in runner.to_logical(state).stages])
+  init_digest = weights_digest(runner.host_params(state))
   phases.enter("looking for a checkpoint to resume")
   state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state,
                                                  data_fingerprint)

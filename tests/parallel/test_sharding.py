@@ -602,6 +602,14 @@ def test_mesh_and_every_layout_report_which_stages_weights_are_not_finite(eight_
   packed = sharded.from_logical(bad)
   np.testing.assert_array_equal(sharded.weights_finite(packed), expected)
   assert sharded.weights_finite(sharded.from_logical(state)).all()
+  # What the trainer digests, read in each layout without its logical copy on the device.
+  want = [st.params for st in state.stages]
+  for runner, laid_out in ((pipe, jax.tree.map(np.copy, state)),
+                           (stacked, stacked.from_logical(state)),
+                           (sharded, sharded.from_logical(state))):
+    got = runner.host_params(laid_out)
+    assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(got))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 @pytest.mark.parametrize("stage, data, stacked", [(4, 1, False), (4, 2, False), (8, 1, True),
