@@ -257,8 +257,9 @@ def _margin_sentence(study: Study) -> str:
   """The report's statement of the verdicts' margin, in the units its gap tables show."""
   if not study.margin:
     return ""
-  gap_tables = [t for t in study.tables if t.kind == "gap"]
-  if all(t.scale == 100 for t in gap_tables):
+  # The gap tables' units, or where a study has none yet, its other tables'.
+  gap_tables = [t for t in study.tables if t.kind == "gap"] or list(study.tables)
+  if not gap_tables or all(t.scale == 100 for t in gap_tables):
     return f" Verdicts use a margin of {study.margin * 100:g} points."
   table = next(t for t in gap_tables if t.scale != 100)
   better = "" if table.higher_is_better else " (the metric is better smaller: a method is " \

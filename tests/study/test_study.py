@@ -750,6 +750,14 @@ def test_a_loss_is_better_smaller_in_margin_verdicts_and_the_best_rate():
   (sentence,) = study_report.conclusions(study, base + much_worse, table)
   assert "non-inferior at margin 0.02: not shown" in sentence
   assert "better smaller" in study_report._margin_sentence(study)  # pylint: disable=protected-access
+  # A study with no gap table yet (a baselines phase) states its margin in its tables' unit, not
+  # in accuracy points.
+  cells_only = Study(name="t", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)}],
+                     margin=0.02 / 1.4427, tables=[Table(
+                         "cells", rows="method", columns="method", kind="cells",
+                         metric="test_loss", scale=1.4427, unit="bits per byte")])
+  sentence = study_report._margin_sentence(cells_only)  # pylint: disable=protected-access
+  assert "0.02 bits per byte" in sentence and "points" not in sentence
   # The best rate of a loss is its lowest mean.
   sweep = Study(name="t", config="c.py",
                 grids=[{"reference.lr": (0.1, 0.2), "method": ("sgd",), "seed": (0,)}],
