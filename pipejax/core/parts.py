@@ -189,7 +189,7 @@ def _advance_stack(steps: Steps, delays, part: Part, st: StageState, inbound: Pa
   cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
   numbers = jnp.arange(start, stop, dtype=jnp.int32)
   stage_delays = jnp.asarray(delays[start:stop], jnp.int32)
-  per_stage = isinstance(st.delay_line, tuple) and not isinstance(st.delay_line, DelayLine)
+  per_stage = part.rings is None  # a tuple of per-stage lines (Part)
   # The steps take the line's structure and dtypes from the state they see; one stage's stands
   # for all.
   shape_line = st.delay_line[0] if per_stage else st.delay_line
