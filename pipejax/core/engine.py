@@ -34,7 +34,7 @@ the delay line's write and read, and :meth:`Pipeline.backward_step` (recompute, 
 The stage's index and delay enter both as values, so a stack of identical stages runs the same two
 steps under ``vmap``. What is static about the pipeline is ``pipejax.core.spec``'s; its initial
 state ``pipejax.core.initial``'s; the routing between stages and stacks ``pipejax.core.parts``';
-the scan over ticks ``pipejax.core.runner.ScanRunner``'s; the boundary checks
+running it ``pipejax.core.runner.Runner``'s; the boundary checks
 ``pipejax.core.checks``'.
 """
 
@@ -50,7 +50,7 @@ import optax
 from pipejax.core import accounting, checks, parts
 from pipejax.core.initial import StateInit
 from pipejax.core.parts import TickOptions
-from pipejax.core.runner import ScanRunner
+from pipejax.core.runner import Runner
 from pipejax.core.spec import PipelineSpec
 from pipejax.core.stages import Model, Variables
 from pipejax.core.state import (Batch, DelayLine, Forward, Packet, PipelineState, StageState,
@@ -92,7 +92,7 @@ def _advance_variables(variables: Variables, forwarded: PyTree, forward_valid, i
   return Variables(forward, backward)
 
 
-class Pipeline(ScanRunner):
+class Pipeline(Runner):
   """The single-device runner: a :class:`~pipejax.core.spec.PipelineSpec` ticked stage by stage.
 
   Construction traces every stage abstractly (the spec), so a stage that does not fit the next

@@ -49,7 +49,7 @@ class TickOptions:
     reduce_grads: combines the weight gradient across pipeline replicas (``lax.pmean`` over a
       ``data`` mesh axis); None on one replica.
     every_slot_full: promises that the micro-batch backwarded is a real one (see
-      :meth:`~pipejax.core.runner.ScanRunner.run`), which drops the guard that keeps empty slots
+      :meth:`~pipejax.core.runner.Runner.run`), which drops the guard that keeps empty slots
       from updating weights.
     delay_line_entries: return, in place of each per-stage delay line, the entry this tick writes
       into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).

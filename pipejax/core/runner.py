@@ -1,13 +1,13 @@
-"""The one interface of a pipeline runner: what training code calls, whatever the layout.
+"""The one pipeline runner, :class:`Runner`: what training code calls, whatever the layout.
 
-Three runners implement it: :class:`pipejax.core.engine.Pipeline` (one device, stage by stage),
+A layout keeps the state its own way and gives the runner a small protocol: make, check and
+translate a state, say whether every slot is full, and advance one tick. Three layouts exist:
+:class:`pipejax.core.engine.Pipeline` (one device, stage by stage: the logical layout),
 :class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacks) and
-:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh). Each keeps the state in a
-layout of its own; :meth:`Runner.to_logical` gives the device-independent
-:class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any runner resumes any other's.
-
-:class:`ScanRunner` is what the two whose tick is one traced function share (``Pipeline`` and
-``StackedPipeline``); :func:`jit` is how every pipeline program is compiled.
+:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh).
+:meth:`Runner.to_logical` gives the device-independent
+:class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any layout resumes any other's.
+:func:`jit` is how every pipeline program is compiled.
 """
 
 from __future__ import annotations
@@ -45,9 +45,15 @@ class TickedPipeline(Protocol):
     ...
 
 
-class Runner(Protocol):
-  """A pipeline runner. ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline`
-  with the model, the method and the micro-batch shape; the runner advances its state.
+class Runner(abc.ABC):
+  """The one pipeline runner: ``tick``, ``run``, ``drain`` and ``to_ticks`` over a state layout.
+
+  ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline` with the model, the
+  method and the micro-batch shape. A layout is a subclass that gives the small protocol below
+  (the abstract methods, and ``_tick``); everything a user calls to advance a pipeline is written
+  here once. The layouts are :class:`~pipejax.core.engine.Pipeline` (the logical one: stage by
+  stage on one device), :class:`~pipejax.parallel.stacking.StackedPipeline` (runs of identical
+  stages as stacks) and :class:`~pipejax.parallel.sharding.ShardedPipeline` (over a device mesh).
 
   Metrics (of :meth:`tick`, and of :meth:`run` stacked along the time axis): ``loss`` and the
   loss's own metrics (e.g. ``accuracy``) of the sample that met the loss this tick, ``valid``
@@ -55,22 +61,19 @@ class Runner(Protocol):
   """
 
   pipeline: TickedPipeline
+  # Whether run and tick may be traced into a caller's jit, vmap or grad (a mesh's may not: they
+  # are programs over the mesh already).
+  traceable: bool = True
+
+  # ---------------------------------------------------------------- the layout protocol
 
   @abc.abstractmethod
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> State:
     """A fresh state in the runner's layout: the same numbers as ``pipeline.init(rng)``."""
 
   @abc.abstractmethod
-  def run(self, state: State, inputs, labels, valid=None) -> tuple[State, dict]:
-    """Advances ``T`` ticks; inputs and labels have a leading time axis of size T.
-
-    The state is donated: do not use the ``state`` passed in afterwards. ``valid`` (bool per
-    tick; default all True) feeds empty slots where False (drain, synchronous bubbles).
-    """
-
-  @abc.abstractmethod
-  def tick(self, state: State, inputs, labels, valid=True) -> tuple[State, dict]:
-    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; metrics without a time axis."""
+  def check_state(self, state: State) -> None:
+    """Refuses a state of another layout or pipeline, or one whose buffers a run consumed."""
 
   @abc.abstractmethod
   def to_logical(self, state: State) -> PipelineState:
@@ -100,6 +103,87 @@ class Runner(Protocol):
     Computed where the state lives (on a mesh, each device checks its own stages); only the
     flags come to the host, never the state.
     """
+
+  @abc.abstractmethod
+  def _tick(self, state: State, batch: Batch, every_slot_full: bool = False):
+    """One tick of a checked (and placed) :class:`Batch`: ``(state, metrics)``, traceable."""
+
+  def _run(self, state: State, batches: Batch, every_slot_full: bool = False):
+    """``T`` ticks of a :class:`Batch` with a leading time axis, traceable. A layout whose ticks
+    are not a scan of its ``_tick`` overrides it."""
+    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
+                        batches)
+
+  def _stream(self, inputs, labels, valid, ticks) -> tuple[Batch, bool]:
+    """The checked :class:`Batch` in the layout's placement (a time axis when ``ticks``), and
+    whether every micro-batch in it is real."""
+    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=ticks)
+    return batch, not checks.traced(batch.valid) and bool(np.all(np.asarray(batch.valid)))
+
+  def _compile(self, **jit_kwargs):
+    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
+    return (jit(self._tick, **jit_kwargs), jit(self._run, donate_argnums=0, **jit_kwargs),
+            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0,
+                **jit_kwargs))
+
+  # ---------------------------------------------------------------- written once
+
+  def tick(self, state: State, inputs, labels, valid=True) -> tuple[State, dict]:
+    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; metrics without a time axis.
+
+    The state is not donated. Inside ``jax.jit``, ``jax.vmap`` or ``jax.grad`` the tick is traced
+    into the caller's program (not on a mesh, whose tick is a program over the mesh already).
+    """
+    self._refuse_traced((state, inputs, labels, valid))
+    self.check_state(state)
+    batch, _ = self._stream(inputs, labels, valid, ticks=None)
+    if checks.traced((state, batch)):  # inside the caller's jit, vmap or grad: its program's part
+      return self._tick(state, _varying_like(batch, state))
+    return self._jit_tick(state, batch)
+
+  def run(self, state: State, inputs, labels, valid=None) -> tuple[State, dict]:
+    """Advances ``T`` ticks; inputs and labels have a leading time axis of size T.
+
+    ``valid`` (bool per tick; default all True) feeds empty slots where False (drain, synchronous
+    bubbles). The state is donated: do not use the ``state`` passed in afterwards, nor any part of
+    it kept from before the call (the message of an attempt says so). Metrics come back stacked
+    along T. Inside ``jax.jit``, ``jax.vmap``, ``jax.grad`` or ``jax.checkpoint`` it is traced
+    into the caller's program, which donates nothing (not on a mesh).
+
+    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
+    real: PB after its fill), a second compiled version runs without the per-stage guard against
+    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
+    same numbers up to float rounding (the two programs fuse differently); which one runs depends
+    only on the state and the stream, so a resumed run still repeats the original bit for bit.
+    """
+    self._refuse_traced((state, inputs, labels, valid))
+    self.check_state(state)
+    batch, all_valid = self._stream(inputs, labels, valid, ticks=True)
+    if checks.traced((state, batch)):
+      # Inside the caller's jit, vmap or grad: the guarded program, traced into the caller's
+      # (which donates nothing and compiles with the caller's options); whether every slot is
+      # full is not known there.
+      return self._run(state, _varying_like(batch, state))
+    if all_valid and self.every_slot_full(state):
+      return self._jit_run_full(state, batch)
+    return self._jit_run(state, batch)
+
+  @property
+  def programs(self) -> tuple:
+    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
+    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
+    return self._jit_run, self._jit_run_full
+
+  def lower(self, state: State, inputs, labels, valid=None, every_slot_full: bool = True):
+    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
+    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
+    batch, _ = self._stream(inputs, labels, valid, ticks=True)
+    program = self._jit_run_full if every_slot_full else self._jit_run
+    return program.lower(state, batch)
+
+  def _refuse_traced(self, tree) -> None:
+    if not self.traceable:
+      checks.refuse_traced(type(self).__name__, tree)
 
   def drain(self, state: State) -> tuple[State, dict | None]:
     """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
@@ -174,79 +258,3 @@ def jit(fn, **kwargs):
 # Per backend, the XLA option that :func:`jit` turns on: region-based copy insertion.
 REGION_ANALYSIS_OPTION = {"cpu": "xla_cpu_copy_insertion_use_region_analysis",
                            "gpu": "xla_gpu_copy_insertion_use_region_analysis"}
-
-
-class ScanRunner(Runner):
-  """What a runner whose tick is one traced function shares (:class:`pipejax.core.engine.Pipeline`,
-  :class:`pipejax.parallel.stacking.StackedPipeline`): its jitted programs, and ``tick`` and ``run``
-  checked around them. A subclass gives ``_tick(state, batch, every_slot_full)`` and
-  ``check_state(state)``, and builds the programs with :meth:`_compile`.
-  """
-
-  @abc.abstractmethod
-  def _tick(self, state, batch: Batch, every_slot_full: bool = False):
-    """One tick of a checked :class:`Batch`: ``(state, metrics)``, traceable."""
-
-  @abc.abstractmethod
-  def check_state(self, state) -> None:
-    """Refuses a state of another runner, or one whose buffers an earlier run() consumed."""
-
-  def tick(self, state, inputs, labels, valid=True):
-    """One tick: stage 0 takes micro-batch ``(inputs, labels)``; returns (state, metrics).
-
-    Metrics: ``loss`` and the loss's own metrics (e.g. ``accuracy``) of the sample that met the
-    loss this tick, ``valid`` (False while the pipeline fills), ``sample`` (its index) and
-    ``finite`` (one flag per stage).
-    """
-    self.check_state(state)
-    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=None)
-    if checks.traced((state, batch)):  # inside the caller's jit, vmap or grad: its program's part
-      return self._tick(state, _varying_like(batch, state))
-    return self._jit_tick(state, batch)
-
-  def run(self, state, inputs, labels, valid=None):
-    """Advances ``T`` ticks with ``lax.scan``; inputs/labels have a leading axis of size T.
-
-    The state is donated: do not use the ``state`` passed in afterwards, nor any part of it kept
-    from before the call (the message of an attempt says so). Metrics come back stacked along T.
-    Inside ``jax.jit``, ``jax.vmap``, ``jax.grad`` or ``jax.checkpoint`` it is traced into the
-    caller's program, which donates nothing.
-
-    Once the pipeline is full and stays full (every slot in flight and every micro-batch fed is
-    real: PB after its fill), a second compiled version runs without the per-stage guard against
-    empty slots (faster: the guard is one more pass over every weight per tick). It computes the
-    same numbers up to float rounding (the two programs fuse differently); which one runs depends
-    only on the state and the stream, so a resumed run still repeats the original bit for bit.
-    """
-    self.check_state(state)
-    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True)
-    if checks.traced((state, batch)):
-      # Inside the caller's jit, vmap or grad: the guarded program, traced into the caller's
-      # (which donates nothing and compiles with the caller's options); whether every slot is
-      # full is not known there.
-      return self._run(state, _varying_like(batch, state))
-    if bool(np.all(np.asarray(batch.valid))) and self.every_slot_full(state):
-      return self._jit_run_full(state, batch)
-    return self._jit_run(state, batch)
-
-  @property
-  def programs(self) -> tuple:
-    """The two jitted programs ``run`` chooses between: ``(filling, full)``, each taking the
-    runner's state and a :class:`Batch` in its own layout (profilers read their HLO and caches)."""
-    return self._jit_run, self._jit_run_full
-
-  def lower(self, state, inputs, labels, valid=None, every_slot_full: bool = True):
-    """The program ``run`` calls on this stream, lowered (``.compile()``, ``.as_text()``):
-    the full pipeline's by default, the filling one's with ``every_slot_full=False``."""
-    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True)
-    program = self._jit_run_full if every_slot_full else self._jit_run
-    return program.lower(state, batch)
-
-  def _run(self, state, batches: Batch, every_slot_full: bool = False):
-    return jax.lax.scan(functools.partial(self._tick, every_slot_full=every_slot_full), state,
-                        batches)
-
-  def _compile(self):
-    """The runner's three programs: one tick, a stream, and a stream of a full pipeline."""
-    return (jit(self._tick), jit(self._run, donate_argnums=0),
-            jit(functools.partial(self._run, every_slot_full=True), donate_argnums=0))

@@ -107,9 +107,10 @@ class ShardedLayout:
 
   # ------------------------------------------------------------------ transfers
 
-  def place_batch(self, batch: Batch) -> Batch:
-    """A checked stream of ticks laid out over the mesh: each data replica gets its part."""
-    by_replica = NamedSharding(self.mesh, P(None, DATA))
+  def place_batch(self, batch: Batch, ticks: bool = True) -> Batch:
+    """A checked batch laid out over the mesh, each data replica given its part: a stream of
+    ticks (a leading time axis), or one tick's with ``ticks=False``."""
+    by_replica = NamedSharding(self.mesh, P(None, DATA) if ticks else P(DATA))
     return Batch(jax.tree.map(lambda a: to_global(np.asarray(a), by_replica), batch.inputs),
                  jax.tree.map(lambda a: to_global(np.asarray(a), by_replica), batch.labels),
                  to_global(np.asarray(batch.valid), self.replicated))

@@ -48,13 +48,20 @@ from pipejax.core.parts import TickOptions
 from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_global, to_host
 from pipejax.parallel.packing import SHARED, PackedState
 from pipejax.parallel.partition import check_partition, param_counts, partition_stages
-from pipejax.core.runner import Runner, jit
+from pipejax.core.runner import Runner
 from pipejax.parallel.sharded_layout import ShardedLayout
 from pipejax.core.state import Batch, Packet, PipelineState, raw_key
 
 
 class ShardedPipeline(Runner):
-  """A :class:`~pipejax.core.engine.Pipeline` run over a ``('data', 'stage')`` device mesh.
+  """A :class:`~pipejax.core.engine.Pipeline` run over a ``('data', 'stage')`` device mesh: the
+  sharded layout of :class:`~pipejax.core.runner.Runner`.
+
+  ``inputs``/``labels`` of ``run`` and ``tick`` hold the global micro-batch ``b``; each data
+  replica takes its ``b / data`` slice. Metrics come back replicated on every device (readable in
+  every process): ``loss`` and the loss's metrics averaged over the data replicas, ``valid``,
+  ``sample`` and ``finite`` (one flag per logical stage). ``run`` and ``tick`` are programs over
+  the mesh and cannot be traced into a caller's ``jax.jit``.
 
   Args:
     pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
@@ -116,10 +123,8 @@ class ShardedPipeline(Runner):
     self._max_shard = max(z - a for a, z in self.partition)
     metrics = pipeline.metric_shapes()
     self._metric_template = {k: v for k, v in metrics.items() if k != "finite"}
-    out_shardings = (self._mesh_layout.state_shardings(), self._mesh_layout.replicated)
-    self._jit_run = jit(self._run, donate_argnums=0, out_shardings=out_shardings)
-    self._jit_run_full = jit(functools.partial(self._run, every_slot_full=True),
-                             donate_argnums=0, out_shardings=out_shardings)
+    self._jit_tick, self._jit_run, self._jit_run_full = self._compile(
+        out_shardings=(self._mesh_layout.state_shardings(), self._mesh_layout.replicated))
     self._jit_weights_finite = jax.jit(self._weights_finite)
     shardings = self._mesh_layout.state_shardings()
     self._jit_init = jax.jit(self._init, out_shardings=(
@@ -233,43 +238,21 @@ class ShardedPipeline(Runner):
 
   # ------------------------------------------------------------------ running
 
-  def run(self, packed: PackedState, inputs, labels, valid=None):
-    """Advances ``T`` ticks; the same arguments and metrics as :meth:`Pipeline.run`.
+  traceable = False
 
-    ``inputs``/``labels`` have shape ``(T, b, ...)`` with the global micro-batch ``b``; each data
-    replica takes its ``b / data`` slice. ``packed`` is donated. Metrics come back replicated on
-    every device (readable in every process): ``loss`` and the loss's metrics averaged over the
-    data replicas, ``valid``, ``sample`` and ``finite`` (one flag per logical stage).
-    """
-    checks.refuse_traced("ShardedPipeline", (packed, inputs, labels, valid))
-    self.check_state(packed)
+  def _stream(self, inputs, labels, valid, ticks) -> tuple[Batch, bool]:
     if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
       # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
       batch = Batch(inputs, labels, valid)
     else:
-      batch = self.placed_batch(inputs, labels, valid)
-    if bool(np.all(to_host(batch.valid))) and self.every_slot_full(packed):
-      return self._jit_run_full(packed, batch)
-    return self._jit_run(packed, batch)
-
-  @property
-  def programs(self) -> tuple:
-    """The two jitted programs ``run`` chooses between, ``(filling, full)``, each taking the
-    packed state and a :meth:`placed_batch` (profilers read their HLO and caches)."""
-    return self._jit_run, self._jit_run_full
+      batch = self._mesh_layout.place_batch(
+          self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=ticks), ticks=ticks)
+    return batch, bool(np.all(to_host(batch.valid)))
 
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
-    """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part."""
-    return self._mesh_layout.place_batch(
-        self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=True))
-
-  def tick(self, packed: PackedState, inputs, labels, valid=True):
-    """One tick (``run`` with T = 1); metrics without the time axis."""
-    checks.refuse_traced("ShardedPipeline", (packed, inputs, labels, valid))
-    add_time = lambda tree: jax.tree.map(lambda a: np.asarray(a)[None], tree)
-    packed, metrics = self.run(packed, add_time(inputs), add_time(labels),
-                               np.asarray(valid, bool)[None])
-    return packed, jax.tree.map(lambda a: a[0], metrics)
+    """A checked stream of ``T`` ticks laid out over the mesh: each data replica gets its part
+    (what :attr:`programs` take)."""
+    return self._stream(inputs, labels, valid, ticks=True)[0]
 
   def every_slot_full(self, packed: PackedState) -> bool:
     """:meth:`Pipeline.every_slot_full` of the packed state, reading only its flags.
@@ -317,6 +300,11 @@ class ShardedPipeline(Runner):
                          check_vma=False)(buffers)
 
   # ------------------------------------------------------------------ the tick on the mesh
+
+  def _tick(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
+    """One tick: :meth:`_run` over a stream of one."""
+    packed, metrics = self._run(packed, jax.tree.map(lambda a: a[None], batch), every_slot_full)
+    return packed, jax.tree.map(lambda a: a[0], metrics)
 
   def _run(self, packed: PackedState, batch: Batch, every_slot_full: bool = False):
     buffers = self._mesh_layout.buffers(packed)

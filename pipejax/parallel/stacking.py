@@ -50,7 +50,7 @@ from pipejax.core import accounting, checks, engine, initial, parts
 from pipejax.core.engine import Pipeline
 from pipejax.core.parts import TickOptions
 from pipejax.parallel.mesh import MeshError
-from pipejax.core.runner import ScanRunner
+from pipejax.core.runner import Runner
 from pipejax.core.state import Batch, Packet, PipelineState, StageState, raw_key, slots_full
 
 PyTree = Any
@@ -270,7 +270,7 @@ def advance_shard(pipe: Pipeline, part_spans, first: int, stages: tuple[StageSta
   return tuple(new_stages), part_metrics
 
 
-class StackedPipeline(ScanRunner):
+class StackedPipeline(Runner):
   """A :class:`~pipejax.core.engine.Pipeline` whose spans of identical stages tick as stacks.
 
   The same numbers as ``pipeline`` (tests/parallel/test_stacking.py), in fewer operations per

@@ -26,6 +26,7 @@ from pipejax.parallel import partition as partition_lib
 from pipejax.models import online_norm
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
+from pipejax.core.runner import Runner
 from pipejax.parallel.mesh import MeshError, make_mesh
 from pipejax.profiling import hlo
 from pipejax.parallel.sharding import ShardedPipeline
@@ -236,7 +237,10 @@ def test_mesh_tick_and_drain_match_one_device(eight_devices):
   assert sharded.partition == [(0, 2), (2, 4)]
   x, y = make_stream(3, MICRO_BATCH)
   state = host(pipe.init(jax.random.PRNGKey(0)))
-  packed, tick_metrics = sharded.tick(sharded.from_logical(state), x[0], y[0])
+  before = sharded.from_logical(state)
+  packed, tick_metrics = sharded.tick(before, x[0], y[0])
+  # A tick donates nothing, on the mesh as on one device: the state passed in stays readable.
+  assert_states_equal(sharded.to_logical(before), state)
   packed, drain_metrics = sharded.drain(packed)
   state, expected_tick = pipe.tick(jax.tree.map(np.copy, state), x[0], y[0])
   state, expected_drain = pipe.drain(state)
@@ -631,3 +635,27 @@ def test_mesh_init_makes_each_devices_stages_on_it_with_one_devices_numbers(
   np.testing.assert_array_equal(np.asarray(made.rng), np.asarray(laid_out.rng))
   assert int(made.tick) == 0
   assert_states_equal(sharded.to_logical(made), host(pipe.init(jax.random.PRNGKey(7), np.nan)))
+
+
+def test_every_layout_runs_through_the_one_runner():
+  # run, tick, drain, to_ticks, lower and programs are written once, in Runner; a layout gives
+  # only the protocol (a layout overriding one would run its own copy of the logic).
+  shared = ("run", "tick", "drain", "to_ticks", "lower", "programs")
+  for layout in (Pipeline, StackedPipeline, ShardedPipeline):
+    assert issubclass(layout, Runner)
+    assert not layout.__abstractmethods__, layout.__name__
+    for name in shared:
+      assert getattr(layout, name) is getattr(Runner, name), (layout.__name__, name)
+  assert Runner.__abstractmethods__ == {
+      "init", "check_state", "to_logical", "from_logical", "every_slot_full", "host_params",
+      "weights_finite", "_tick"}
+
+
+def test_a_mesh_run_inside_a_callers_jit_is_refused_with_a_message(eight_devices):
+  pipe = make_pipeline("pb", widths=(5, 7, 3))
+  sharded = ShardedPipeline(pipe, make_mesh(2, 1, eight_devices[:2]), costs=[1, 1, 1, 1])
+  x, y = make_stream(2, MICRO_BATCH)
+  packed = sharded.init(jax.random.PRNGKey(0))
+  for call in (lambda xs: sharded.run(packed, xs, y), lambda xs: sharded.tick(packed, xs[0], y[0])):
+    with pytest.raises(PipelineError, match="cannot run inside jax.jit.*Call them outside"):
+      jax.jit(call)(x)
