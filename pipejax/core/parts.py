@@ -14,17 +14,10 @@ Routing follows the engine's timing (``pipejax.core.engine``): part k's inbound 
 the cotangent entering it is its downstream neighbour's ``backward_out`` (the first row of a
 stack's). Inside a stack the same holds row by row: the rows shift by one.
 
-**A stack's delay lines** come in one of two forms, which only the read of the oldest entries and
-the write of the new ones tell apart:
-
-* *rings end to end* (a :class:`Rings` on the part): one buffer per leaf holding every stage's
-  ring, stage i's ``D_i + 1`` slots at offset ``o_i``. A tick gathers each stage's oldest slot and
-  scatters its new entry: one gather and one scatter per leaf, whatever the stack's length. This is
-  how a stack's state is held (``StackedPipeline``'s layout).
-* *one line per stage* (a tuple of :class:`~pipejax.core.state.DelayLine`): how a mesh device holds
-  the piece of a stack in its shard. The mesh writes a delay line's one new slot in place after the
-  ``lax.switch`` that runs the device's code (``TickOptions.delay_line_entries``); with rings end to
-  end that one slot would be a scatter of a stack's rows into a buffer the switch cannot update.
+**A stack's delay lines** lie end to end (:class:`Rings`): one buffer per leaf holding every
+stage's ring, stage i's ``D_i + 1`` slots at offset ``o_i``. A tick gathers each stage's oldest slot
+and scatters its new entry: one gather and one scatter per leaf, whatever the stack's length. A
+single stage keeps its own :class:`~pipejax.core.state.DelayLine`.
 """
 
 from __future__ import annotations
@@ -51,8 +44,9 @@ class TickOptions:
     every_slot_full: promises that the micro-batch backwarded is a real one (see
       :meth:`~pipejax.core.runner.Runner.run`), which drops the guard that keeps empty slots
       from updating weights.
-    delay_line_entries: return, in place of each per-stage delay line, the entry this tick writes
-      into it (:meth:`DelayLine.write` of it at ``tick`` gives the line).
+    delay_line_entries: return, in place of each delay line, the entry this tick writes into it
+      (:meth:`DelayLine.write` of it at ``tick``, or :meth:`Rings.write` for a stack's rows, gives
+      the line): a mesh writes that one slot in place after its ``lax.switch``.
   """
 
   reduce_grads: Callable[[PyTree], PyTree] | None = None
@@ -76,6 +70,22 @@ class Rings(NamedTuple):
   def slots(self) -> int:
     return sum(self.lengths)
 
+  def join(self, lines: Sequence[DelayLine]) -> DelayLine:
+    """Each stage's own line, laid end to end in the first one's structure (the stages' names
+    may differ: PipeDream's stashed weights); numpy leaves stay numpy, on the host."""
+    def concatenate(column):
+      on_host = all(isinstance(a, np.ndarray) for a in column)
+      return np.concatenate(column) if on_host else jnp.concatenate(column)
+    columns = zip(*(jax.tree.leaves(line) for line in lines))
+    return jax.tree.structure(lines[0]).unflatten([concatenate(c) for c in columns])
+
+  def cut(self, line: DelayLine, treedefs: Sequence[Any]) -> tuple[DelayLine, ...]:
+    """Each stage's own line, cut from rings end to end (``treedefs``: each line's structure,
+    whose names may differ between the stages)."""
+    leaves = jax.tree.leaves(line)
+    return tuple(treedef.unflatten([a[offset:offset + length] for a in leaves])
+                 for treedef, offset, length in zip(treedefs, self.offsets, self.lengths))
+
   def read(self, line: DelayLine, tick) -> DelayLine:
     """Every stage's oldest entry (slot ``o_i + (t + 1) mod L_i``), stacked."""
     where = jnp.asarray(self.offsets) + (tick + 1) % jnp.asarray(self.lengths)
@@ -93,14 +103,21 @@ class Rings(NamedTuple):
 
 
 class Part(NamedTuple):
-  """Stages ``start .. stop-1`` advanced together: one stage (``stacked`` False), or a stack whose
-  state has a leading stage axis, its delay lines as ``rings`` (:class:`Rings`) or, where ``rings``
-  is None, as a tuple of per-stage lines."""
+  """Stages ``start .. stop-1`` advanced together: one stage (``rings`` None), or a stack whose
+  state has a leading stage axis and whose delay lines lie end to end as ``rings``."""
 
   start: int
   stop: int
-  stacked: bool = False
   rings: Rings | None = None
+
+  @classmethod
+  def stack(cls, start: int, stop: int, delays: Sequence[int]) -> Part:
+    """Stages ``start .. stop-1`` as a stack (``delays``: every stage's, by stage number)."""
+    return cls(start, stop, Rings.of(delays[start:stop]))
+
+  @property
+  def stacked(self) -> bool:
+    return self.rings is not None
 
 
 def single_stages(first: int, stop: int) -> tuple[Part, ...]:
@@ -189,31 +206,19 @@ def _advance_stack(steps: Steps, delays, part: Part, st: StageState, inbound: Pa
   cotangent = jax.tree.map(shift_back, st.backward_out, cotangent)
   numbers = jnp.arange(start, stop, dtype=jnp.int32)
   stage_delays = jnp.asarray(delays[start:stop], jnp.int32)
-  per_stage = part.rings is None  # a tuple of per-stage lines (Part)
-  # The steps take the line's structure and dtypes from the state they see; one stage's stands
-  # for all.
-  shape_line = st.delay_line[0] if per_stage else st.delay_line
-  body = st._replace(delay_line=shape_line)
   forward = jax.vmap(
       lambda st, inbound, number, delay: steps.forward_step(start, st, inbound, rng, number,
                                                             delay),
-      in_axes=(_STACKED_BODY, 0, 0, 0))(body, inbound, numbers, stage_delays)
-  if per_stage:
-    rows = [jax.tree.map(lambda a, i=i: a[i], forward.entry) for i in range(stop - start)]
-    oldest = jax.tree.map(lambda *leaves: jnp.stack(leaves),
-                          *[line.read(tick, row) for line, row in zip(st.delay_line, rows)])
-  else:
-    oldest = part.rings.read(st.delay_line, tick)
+      in_axes=(_STACKED_BODY, 0, 0, 0))(st, inbound, numbers, stage_delays)
+  oldest = part.rings.read(st.delay_line, tick)
   new, metrics = jax.vmap(
       lambda st, forward, oldest, inbound, cotangent, number, delay: steps.backward_step(
           start, st, forward, oldest, inbound, cotangent, rng, number, delay, options),
-      in_axes=(_STACKED_BODY, 0, 0, 0, 0, 0, 0))(body, forward, oldest, inbound, cotangent,
+      in_axes=(_STACKED_BODY, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent,
                                                   numbers, stage_delays)
-  if not per_stage:
-    return new._replace(delay_line=part.rings.write(st.delay_line, tick, forward.entry)), metrics
-  lines = tuple(row if options.delay_line_entries else line.write(tick, row)
-                for line, row in zip(st.delay_line, rows))
-  return new._replace(delay_line=lines), metrics
+  line = (forward.entry if options.delay_line_entries
+          else part.rings.write(st.delay_line, tick, forward.entry))
+  return new._replace(delay_line=line), metrics
 
 
 def tick_metrics(part_metrics: list[dict]) -> dict:

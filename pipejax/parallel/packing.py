@@ -6,6 +6,10 @@ padded to the largest shard's and stacked along a leading ``stage`` dimension, i
 ``shared`` buffers (the same on every data replica: weights, optimizer states, flags) and ``local``
 ones (everything with a micro-batch axis, split over the replicas). :class:`Packing` is the plan:
 which buffer and offset every leaf of every shard gets, and what the buffers cost.
+
+A shard's stages are held stage by stage, but for the delay lines of a stack's piece
+(:func:`pipejax.parallel.stacking.shard_parts`): those lie end to end, as
+:class:`~pipejax.core.parts.Rings`, like a stack's on one device.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.core import accounting
+from pipejax.core import accounting, parts
 from pipejax.core.checks import PipelineError
 from pipejax.core.state import DelayLine, Packet, PipelineState, StageState
 
@@ -34,6 +38,7 @@ class _Role:
   batch_axis: int | None
   cotangent: bool = False  # a replica holds data x the whole-micro-batch value
   ring: bool = False  # a delay line: a tick writes one slot (its leading axis) and keeps the rest
+  rings: parts.Rings | None = None  # a stack's lines end to end: a tick writes one slot per stage
 
 
 def _roles(st: StageState) -> StageState:
@@ -54,20 +59,54 @@ def _roles(st: StageState) -> StageState:
       variables=every(st.variables, shared))
 
 
-def split_shard(shard: Sequence[StageState]):
-  """(body, outgoing forward packet, outgoing cotangent) of a shard of stage states."""
-  body = list(shard)
-  outgoing_packet, outgoing_cotangent = body[-1].forward_out, body[0].backward_out
-  body[-1] = body[-1]._replace(forward_out=None)
-  body[0] = body[0]._replace(backward_out=None)
-  return tuple(body), outgoing_packet, outgoing_cotangent
+def split_registers(stages: Sequence[StageState]):
+  """(stages, outgoing forward packet, outgoing cotangent): the two registers that leave a shard
+  of stage states taken out of it."""
+  stages = list(stages)
+  outgoing_packet, outgoing_cotangent = stages[-1].forward_out, stages[0].backward_out
+  stages[-1] = stages[-1]._replace(forward_out=None)
+  stages[0] = stages[0]._replace(backward_out=None)
+  return tuple(stages), outgoing_packet, outgoing_cotangent
 
 
-def join_shard(body, outgoing_packet, outgoing_cotangent) -> tuple[StageState, ...]:
-  shard = list(body)
-  shard[-1] = shard[-1]._replace(forward_out=outgoing_packet)
-  shard[0] = shard[0]._replace(backward_out=outgoing_cotangent)
-  return tuple(shard)
+def join_registers(stages, outgoing_packet, outgoing_cotangent) -> tuple[StageState, ...]:
+  """:func:`split_registers` undone."""
+  stages = list(stages)
+  stages[-1] = stages[-1]._replace(forward_out=outgoing_packet)
+  stages[0] = stages[0]._replace(backward_out=outgoing_cotangent)
+  return tuple(stages)
+
+
+def split_lines(stages: Sequence[StageState], shard: Sequence[parts.Part], join=None):
+  """``(stages, stack_lines)``: each stack's delay lines taken out of its stages (left None) and
+  laid end to end (``join(part, lines)``; default the part's :meth:`Rings.join`)."""
+  join = join or (lambda part, lines: part.rings.join(lines))
+  stages, stack_lines, first = list(stages), [], shard[0].start
+  for part in shard:
+    if part.stacked:
+      own = range(part.start - first, part.stop - first)
+      stack_lines.append(join(part, [stages[i].delay_line for i in own]))
+      for i in own:
+        stages[i] = stages[i]._replace(delay_line=None)
+  return tuple(stages), tuple(stack_lines)
+
+
+def join_lines(stages, stack_lines, shard: Sequence[parts.Part], line_treedefs):
+  """:func:`split_lines` undone (``line_treedefs``: every stage's delay-line structure)."""
+  stages, lines, first = list(stages), iter(stack_lines), shard[0].start
+  for part in shard:
+    if part.stacked:
+      cut = part.rings.cut(next(lines), line_treedefs[part.start - first:part.stop - first])
+      for i, line in enumerate(cut, start=part.start - first):
+        stages[i] = stages[i]._replace(delay_line=line)
+  return tuple(stages)
+
+
+def split_shard(stages: Sequence[StageState], shard: Sequence[parts.Part], join=None):
+  """(body, outgoing forward packet, outgoing cotangent) of a shard of stage states, the body
+  ``(stages, stack_lines)`` of :func:`split_lines`."""
+  stages, packet, cotangent = split_registers(stages)
+  return split_lines(stages, shard, join), packet, cotangent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,48 +208,64 @@ def write_tree(buffers, placement: _Placement, tree, skip=()):
   return buffers
 
 
-def ring_windows(buffers, placement: _Placement, tree, tick, widths: dict[BufferKey, int]):
-  """What one tick writes into each delay-line buffer: ``{key: (window, start)}``.
+def ring_windows(buffers, placement: _Placement, tree, tick, plan: Packing):
+  """What one tick writes into each delay-line buffer: ``{key: (rows, starts)}``, one row per
+  stage whose line lies there, written in order (:func:`write_windows`).
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
-  (``pipejax.core.parts.advance_parts`` with ``TickOptions(delay_line_entries=True)``), which goes to slot
-  ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`). A 1-D buffer gets a window of
-  ``widths[key]`` elements: the entry, then the buffer's own elements up to the window's width (a
-  shard whose slots are narrower than another's keeps its next slot as it was). A buffer carried in
-  its leaf's own shape (``Packing.carry_shapes``) gets the entry itself, and ``start`` is the slot's
-  index.
-  A buffer that holds none of this shard's delay lines gets its first window back unchanged.
+  (``pipejax.core.parts.advance_parts`` with ``TickOptions(delay_line_entries=True)``): a single
+  stage's goes to slot ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`), a stack's
+  to one slot per stage (:meth:`pipejax.core.parts.Rings.write`). In a 1-D buffer each row is a
+  window of ``plan.ring_widths[key]`` elements: the entry, then the buffer's own elements up to
+  the window's width (a shard whose slots are narrower than another's keeps what follows as it
+  was, and a stage's row written after it rewrites its own slot). A buffer carried in its leaf's
+  own shape (``Packing.carry_shapes``) gets the entries as rows, ``starts`` their slot indices.
+  Every shard gives ``plan.ring_rows[key]`` rows: a shard with fewer stages there first rewrites
+  the buffer's first window as it was, as does one that holds none of its delay lines.
   """
   windows = {}
   for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(tree)):
-    if slot.key not in widths:
-      continue
-    index, buffer = tick % slot.shape[0], buffers[slot.key]
-    if buffer.ndim > 1:
-      windows[slot.key] = (leaf, index)
-      continue
-    row = leaf.reshape(-1)
-    start = slot.offset + index * row.size
-    if widths[slot.key] > row.size:
-      kept = jax.lax.dynamic_slice_in_dim(buffer, start + row.size, widths[slot.key] - row.size)
-      row = jnp.concatenate([row, kept])
-    windows[slot.key] = (row, start)
-  for key, width in widths.items():
-    if key not in windows:
-      buffer = buffers[key]
-      kept = buffer[0] if buffer.ndim > 1 else jax.lax.slice_in_dim(buffer, 0, width)
-      windows[key] = (kept, jnp.zeros((), jnp.int32))
+    if slot.key in plan.ring_widths:
+      windows[slot.key] = _rows(buffers[slot.key], slot, leaf, tick, plan.ring_widths[slot.key])
+  for key, rows in plan.ring_rows.items():
+    buffer = buffers[key]
+    kept = buffer[0] if buffer.ndim > 1 else jax.lax.slice_in_dim(buffer, 0, plan.ring_widths[key])
+    values, starts = windows.get(key, (kept[None][:0], jnp.zeros((0,), jnp.int32)))
+    pad = rows - values.shape[0]
+    windows[key] = (jnp.concatenate([jnp.broadcast_to(kept, (pad,) + kept.shape), values]),
+                    jnp.concatenate([jnp.zeros((pad,), jnp.int32), starts.astype(jnp.int32)]))
   return windows
 
 
+def _rows(buffer, slot: _Slot, entries, tick, width: int):
+  """``(rows, starts)`` of the entries a tick writes into ``slot``'s delay line (or rings)."""
+  if slot.role.rings is None:  # a single stage's line: a ring of its own
+    rings, entries = parts.Rings((0,), (slot.shape[0],)), entries[None]
+  else:
+    rings = slot.role.rings
+  positions = jnp.asarray(rings.offsets) + tick % jnp.asarray(rings.lengths)
+  if buffer.ndim > 1:
+    return entries, positions
+  row = slot.size // slot.shape[0]
+  starts = slot.offset + positions * row
+  values = entries.reshape(len(rings.offsets), row)
+  if width > row:
+    kept = [jax.lax.dynamic_slice_in_dim(buffer, start + row, width - row) for start in starts]
+    values = jnp.concatenate([values, jnp.stack(kept)], axis=1)
+  return values, starts
+
+
 def write_windows(buffers, windows):
-  """Writes :func:`ring_windows`' windows in place."""
+  """Writes :func:`ring_windows`' rows in place, in order."""
   buffers = dict(buffers)
-  for key, (window, start) in windows.items():
-    if buffers[key].ndim > 1:
-      buffers[key] = jax.lax.dynamic_update_index_in_dim(buffers[key], window, start, 0)
-    else:
-      buffers[key] = jax.lax.dynamic_update_slice_in_dim(buffers[key], window, start, 0)
+  for key, (rows, starts) in windows.items():
+    buffer = buffers[key]
+    for i in range(rows.shape[0]):
+      if buffer.ndim > 1:
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, rows[i], starts[i], 0)
+      else:
+        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, rows[i], starts[i], 0)
+    buffers[key] = buffer
   return buffers
 
 
@@ -260,21 +315,35 @@ class Packing:
   # largest slot any shard keeps there. A shard with smaller slots rewrites the elements after
   # its slot as they were; the buffer is padded so that a window never runs past its end.
   ring_widths: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
+  # The rows a tick writes into each delay-line buffer: the most stages whose lines any shard
+  # keeps there (a stack's lie end to end in one).
+  ring_rows: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
+  # Each shard's parts (pipejax.parallel.stacking.shard_parts): its stacks' lines lie end to end.
+  shard_parts: tuple[tuple[parts.Part, ...], ...] = ()
 
   @classmethod
   def plan(cls, abstract_state: PipelineState, partition: Sequence[tuple[int, int]],
-           num_replicas: int, policy: str = "auto") -> Packing:
+           num_replicas: int, policy: str = "auto",
+           shard_parts: Sequence[Sequence[parts.Part]] | None = None) -> Packing:
     """The packing of ``policy``: ``'per_leaf'``, ``'flat'`` or ``'auto'`` (per-leaf unless their
-    padding costs over 25% more memory than flat's)."""
+    padding costs over 25% more memory than flat's). ``shard_parts``: each shard's parts
+    (default: every stage a part of its own)."""
+    if shard_parts is None:
+      shard_parts = [parts.single_stages(a, z) for a, z in partition]
+    shard_parts = tuple(tuple(p) for p in shard_parts)
     shards = [abstract_state.stages[a:z] for a, z in partition]
-    parts = [split_shard(g) for g in shards]
-    role_parts = [split_shard([_roles(st) for st in g]) for g in shards]
+    abstract_join = lambda part, lines: jax.eval_shape(part.rings.join, lines)
+    role_join = lambda part, lines: jax.tree.map(
+        lambda role: dataclasses.replace(role, rings=part.rings), lines[0])
+    split = [split_shard(g, p, abstract_join) for g, p in zip(shards, shard_parts)]
+    role_split = [split_shard([_roles(st) for st in g], p, role_join)
+                  for g, p in zip(shards, shard_parts)]
 
     def plan_of(policy):
       def region(index, base):
         prefix = None if policy == "flat" else ("body", "packet", "cotangent")[index]
         placements = [_placement(p[index], r[index], num_replicas, base, prefix)
-                   for p, r in zip(parts, role_parts)]
+                      for p, r in zip(split, role_split)]
         end = dict(base)
         for placement in placements:
           for key, size in placement.sizes().items():
@@ -286,9 +355,11 @@ class Packing:
       packet_placements, packet_end = region(1, {})
       cotangent_placements, cotangent_end = region(2, packet_end)
       body_placements, body_end = region(0, cotangent_end)
-      windows, before_last_slot = {}, {}
+      windows, before_last_slot, rows = {}, {}, {}
       for slot in (s for placement in body_placements for s in placement.slots):
         if policy != "flat" and slot.role.ring:
+          stages = len(slot.role.rings.offsets) if slot.role.rings else 1
+          rows[slot.key] = max(rows.get(slot.key, 0), stages)
           row = slot.size // slot.shape[0]
           windows[slot.key] = max(windows.get(slot.key, 0), row)
           before_last_slot[slot.key] = max(before_last_slot.get(slot.key, 0), slot.size - row)
@@ -299,7 +370,7 @@ class Packing:
                  {k: (0, v) for k, v in packet_end.items() if v > 0},
                  {k: (packet_end.get(k, 0), v) for k, v in cotangent_end.items()
                   if v > packet_end.get(k, 0)},
-                 {k: v for k, v in body_end.items() if v > 0}, windows)
+                 {k: v for k, v in body_end.items() if v > 0}, windows, rows, shard_parts)
 
     if policy != "auto":
       return plan_of(policy)

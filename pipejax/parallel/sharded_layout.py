@@ -56,13 +56,15 @@ class ShardedLayout:
     mesh: a mesh with ``stage`` and ``data`` axes (:func:`pipejax.parallel.mesh.normalized_mesh`).
     partition: the ``(start, stop)`` shard of logical stages of each stage-axis device.
     policy: ``'per_leaf'``, ``'flat'`` or ``'auto'`` (:meth:`pipejax.parallel.packing.Packing.plan`).
+    shard_parts: each shard's parts (:func:`pipejax.parallel.stacking.shard_parts`); default every
+      stage a part of its own.
 
   Raises:
     MeshError: data replicas of a stateful stage, or of an activation whose micro-batch axis is
       not its first.
   """
 
-  def __init__(self, pipeline: Pipeline, mesh: Mesh, partition, policy: str):
+  def __init__(self, pipeline: Pipeline, mesh: Mesh, partition, policy: str, shard_parts=None):
     self.mesh = mesh
     self.partition = partition
     self.num_shards = mesh.shape[STAGE]
@@ -70,7 +72,9 @@ class ShardedLayout:
     abstract = pipeline.state_spec
     if self.num_replicas > 1:
       _check_replicable(pipeline, abstract, self.num_replicas)
-    self.packing = packing.Packing.plan(abstract, partition, self.num_replicas, policy)
+    self.packing = packing.Packing.plan(abstract, partition, self.num_replicas, policy,
+                                        shard_parts)
+    self._line_treedefs = [jax.tree.structure(st.delay_line) for st in abstract.stages]
     self.replicated = NamedSharding(mesh, P())
 
   # ------------------------------------------------------------------ buffers
@@ -119,7 +123,8 @@ class ShardedLayout:
     """Lays a logical state of the pipeline out over the mesh (every process passes the same)."""
     host = {k: np.zeros(self.global_shape(k), np.dtype(k[1])) for k in self.packing.buffer_sizes}
     for d, (a, z) in enumerate(self.partition):
-      parts = packing.split_shard(state.stages[a:z])
+      parts = packing.split_shard(jax.tree.map(np.asarray, state.stages[a:z]),
+                                  self.packing.shard_parts[d])
       for part, placement in zip(parts, self._shard_placements(d)):
         for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(part)):
           leaf = np.asarray(leaf)
@@ -144,7 +149,7 @@ class ShardedLayout:
     """The logical state; in a multi-process run every process must call it (it gathers)."""
     host = tree_to_host(self.buffers(packed))
     stages = []
-    for d in range(self.num_shards):
+    for d, (a, z) in enumerate(self.partition):
       parts = []
       for placement in self._shard_placements(d):
         leaves = []
@@ -159,7 +164,10 @@ class ShardedLayout:
             leaf = leaf / np.asarray(self.num_replicas, leaf.dtype)
           leaves.append(leaf)
         parts.append(placement.treedef.unflatten(leaves))
-      stages.extend(packing.join_shard(*parts))
+      (body, stack_lines), packet, cotangent = parts
+      stages.extend(packing.join_lines(packing.join_registers(body, packet, cotangent),
+                                       stack_lines, self.packing.shard_parts[d],
+                                       self._line_treedefs[a:z]))
     state = PipelineState(tuple(stages), to_host(packed.tick), to_host(packed.rng))
     return jax.tree.map(jnp.asarray, state)
 

@@ -27,8 +27,9 @@ that carried the state through the switch copied every weight and optimizer stat
 tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
 writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
 Delay lines (PipeDream's weight stashes among them) are not in the two sets: a tick changes one
-slot of each, so the switch returns that slot alone and the loop writes it in place after the
-switch (``packing.ring_windows``), instead of rewriting the whole line into the other set.
+slot of each stage's (a stack's piece keeps its stages' rings end to end, one slot per stage), so
+the switch returns those rows alone and the loop writes them in place after the switch
+(``packing.ring_windows``), instead of rewriting the whole line into the other set.
 """
 
 from __future__ import annotations
@@ -117,7 +118,11 @@ class ShardedPipeline(Runner):
       if len(costs) != num_stages:
         raise MeshError(f"Got {len(costs)} stage costs for a pipeline of {num_stages} stages.")
       self.partition = partition_stages(costs, self.num_shards)
-    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, packing_policy)
+    # Each device's parts: a stack cut at the devices' boundaries is a stack on each of them.
+    self.shard_parts = tuple(stacking.shard_parts(self.part_spans, pipeline.delays, a, z)
+                             for a, z in self.partition)
+    self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, packing_policy,
+                                      self.shard_parts)
     self.packing = self._mesh_layout.packing
     self.packing_policy = self.packing.policy  # "auto" resolved
     self._max_shard = max(z - a for a, z in self.partition)
@@ -193,7 +198,7 @@ class ShardedPipeline(Runner):
       stages = tuple(pipe.initial.stage_state(s, pipe.initial.weights(s, stage_keys[s]), fill)
                      for s in range(a, z))
       stages = tuple(jax.tree.map(replica_part, st, roles_of(st)) for st in stages)
-      body, packet, cotangent = packing.split_shard(stages)
+      body, packet, cotangent = packing.split_shard(stages, self.shard_parts[d])
       buffers = packing.write_tree(buffers, plan.body_placements[d], body)
       buffers = packing.write_tree(buffers, plan.packet_placements[d], packet)
       return packing.write_tree(buffers, plan.cotangent_placements[d], cotangent)
@@ -283,8 +288,8 @@ class ShardedPipeline(Runner):
 
   def _weights_finite(self, buffers):
     def branch(d, buffers):
-      body = packing.read_tree(buffers, self.packing.body_placements[d])
-      flags = jnp.stack([engine.all_finite((st.params, st.opt_state)) for st in body])
+      stages, _ = packing.read_tree(buffers, self.packing.body_placements[d])
+      flags = jnp.stack([engine.all_finite((st.params, st.opt_state)) for st in stages])
       return jnp.pad(flags, (0, self._max_shard - flags.shape[0]))
 
     def on_device(buffers):
@@ -378,9 +383,9 @@ class ShardedPipeline(Runner):
     plan = self.packing
     body_placement = plan.body_placements[d]
     packet_placement, cotangent_placement = plan.packet_placements[d], plan.cotangent_placements[d]
-    shard = packing.join_shard(packing.read_tree(buffers, body_placement),
-                               packing.read_tree(buffers, packet_placement),
-                               packing.read_tree(buffers, cotangent_placement))
+    stages, stack_lines = packing.read_tree(buffers, body_placement)
+    stages = packing.join_registers(stages, packing.read_tree(buffers, packet_placement),
+                                    packing.read_tree(buffers, cotangent_placement))
     if d == 0:
       inbound = Packet(tick_batch.inputs, tick_batch.labels, tick_batch.valid, tick)
     else:  # what shard d-1's last stage forwarded last tick, cut from its packet region
@@ -389,19 +394,20 @@ class ShardedPipeline(Runner):
     if d < self.num_shards - 1:  # what shard d+1's first stage sent back last tick
       region_starts = {k: a for k, (a, _) in plan.cotangent_region.items()}
       cotangent = packing.read_tree(cotangent_msg, plan.cotangent_placements[d + 1], region_starts)
-    start = self.partition[d][0]
-    ring_widths = plan.ring_widths
+    in_place = plan.ring_widths
     options = TickOptions(
         reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
-        every_slot_full=every_slot_full, delay_line_entries=bool(ring_widths))
-    shard, part_metrics = stacking.advance_shard(self.pipeline, self.part_spans, start, shard,
-                                                 inbound, cotangent, tick, rng, options)
-    body, packet, cotangent_out = packing.split_shard(shard)
-    windows = packing.ring_windows(buffers, body_placement, body, tick, ring_widths)
-    buffers = packing.write_tree(buffers, body_placement, body, skip=ring_widths)
+        every_slot_full=every_slot_full, delay_line_entries=bool(in_place))
+    stages, stack_lines, part_metrics = stacking.advance_shard(
+        self.pipeline, self.shard_parts[d], stages, stack_lines, inbound, cotangent, tick, rng,
+        options)
+    stages, packet, cotangent_out = packing.split_registers(stages)
+    body = (stages, stack_lines)
+    windows = packing.ring_windows(buffers, body_placement, body, tick, plan)
+    buffers = packing.write_tree(buffers, body_placement, body, skip=in_place)
     buffers = packing.write_tree(buffers, packet_placement, packet)
     buffers = packing.write_tree(buffers, cotangent_placement, cotangent_out)
-    buffers = {k: v for k, v in buffers.items() if k not in ring_widths}
+    buffers = {k: v for k, v in buffers.items() if k not in in_place}
     finite = jnp.concatenate([jnp.atleast_1d(m["finite"]) for m in part_metrics])
     finite = jnp.pad(finite, (0, self._max_shard - finite.shape[0]))
     if d == self.num_shards - 1:

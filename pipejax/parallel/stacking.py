@@ -30,10 +30,10 @@ per-stage formula's bytes and a tick reads and writes them with one gather and o
 leaf. Within its span each stage's slots are where the logical state has them, so
 :meth:`StackedPipeline.to_logical` is slicing and stacking back.
 
-**On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` keeps
-each stage's state in its per-stage buffers and advances each device's stages with
-:func:`advance_shard`: the device's piece of every stack (:func:`pieces`) is stacked for the
-tick, advanced as one part, and cut back into stages, each with its own delay line.
+**On a mesh** (docs/design.md §6.1). ``ShardedPipeline(StackedPipeline(pipe), mesh)`` cuts
+each stack at the devices' boundaries (:func:`shard_parts`): a device's piece of a stack is a stack
+of its own, whose rings lie end to end in the device's buffers as in this layout. The device keeps
+its stages' other leaves stage by stage and stacks them for the tick (:func:`advance_shard`).
 """
 
 from __future__ import annotations
@@ -223,51 +223,50 @@ def _parts_finite(part_list, states) -> jax.Array:
   return jnp.concatenate(flags)
 
 
-def pieces(spans, first: int, stop: int) -> list[tuple[int, int, bool]]:
-  """The part spans cut to stages ``first .. stop-1`` (one device's share of them on a mesh), each as
-  ``(start, stop, stacked)``: ``stacked`` when the run is a stack, however short its piece."""
+def shard_parts(spans, delays, first: int, stop: int) -> tuple[parts.Part, ...]:
+  """The parts of stages ``first .. stop-1`` (one device's share on a mesh): each part span
+  (:func:`find_stacks`; None: every stage alone) cut to the share. The piece of a stack is a stack,
+  however short, so that its delay is a traced value as in :class:`StackedPipeline` and the numbers
+  are that runner's bit for bit."""
+  if spans is None:
+    return parts.single_stages(first, stop)
   cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in spans]
-  return [(a, z, stacked) for a, z, stacked in cut if a < z]
+  return tuple(parts.Part.stack(a, z, delays) if stacked else parts.Part(a, z)
+               for a, z, stacked in cut if a < z)
 
 
-def advance_shard(pipe: Pipeline, part_spans, first: int, stages: tuple[StageState, ...],
-                  inbound: Packet, cotangent: PyTree, tick, rng,
+def advance_shard(pipe: Pipeline, shard: tuple[parts.Part, ...], stages: tuple[StageState, ...],
+                  stack_lines: tuple, inbound: Packet, cotangent: PyTree, tick, rng,
                   options: TickOptions = TickOptions()):
-  """A mesh device's tick of its shard, stages ``first ..``, kept stage by stage: each piece of a
-  stack in ``part_spans`` (:func:`find_stacks`; None: no stacks) is stacked for the tick and
-  advanced as one part (:func:`pipejax.core.parts.advance_parts`), its stages keeping their own
-  delay lines, and cut back into stages.
+  """A mesh device's tick of its parts ``shard`` (:func:`shard_parts`).
 
-  A piece of one stage runs stacked too, so that its delay is a traced value as in
-  :class:`StackedPipeline`: the numbers are that runner's bit for bit. Returns the new stages and
-  each part's metrics.
+  ``stages`` holds every stage's state, a stack's stages without their delay lines, and
+  ``stack_lines`` each stack's rings end to end (in ``shard``'s order). Each stack's stages are
+  stacked for the tick and cut back after it (:func:`pipejax.core.parts.advance_parts`).
+  Returns the new stages, the new ``stack_lines`` (or, with ``options.delay_line_entries``, each
+  stack's new entries) and each part's metrics.
   """
-  stop = first + len(stages)
-  if part_spans is None:
-    return parts.advance_parts(pipe, pipe.delays, parts.single_stages(first, stop), stages,
-                               inbound, cotangent, tick, rng, options)
-  shard_parts, states, treedefs = [], [], []
-  for a, z, stacked in pieces(part_spans, first, stop):
-    own = stages[a - first:z - first]
-    shard_parts.append(parts.Part(a, z, stacked))
-    if not stacked:
+  first = shard[0].start
+  states, lines = [], iter(stack_lines)
+  for part in shard:
+    own = stages[part.start - first:part.stop - first]
+    if not part.stacked:
       states.append(own[0])
       continue
-    treedefs.append([jax.tree.structure(_body(st)) for st in own])
-    states.append(_stack([_body(st) for st in own], treedefs[-1][0])
-                  ._replace(delay_line=tuple(st.delay_line for st in own)))
-  new_states, part_metrics = parts.advance_parts(pipe, pipe.delays, shard_parts, states, inbound,
+    states.append(_stack([_body(st) for st in own], jax.tree.structure(_body(own[0])))
+                  ._replace(delay_line=next(lines)))
+  new_states, part_metrics = parts.advance_parts(pipe, pipe.delays, shard, states, inbound,
                                                  cotangent, tick, rng, options)
-  new_stages, stacks = [], iter(treedefs)
-  for part, st in zip(shard_parts, new_states):
+  new_stages, new_lines = [], []
+  for part, st in zip(shard, new_states):
     if not part.stacked:
       new_stages.append(st)
       continue
+    new_lines.append(st.delay_line)
     leaves = jax.tree.leaves(_body(st))
-    new_stages.extend(jax.tree.unflatten(treedef, [leaf[i] for leaf in leaves])
-                      ._replace(delay_line=line)
-                      for i, (treedef, line) in enumerate(zip(next(stacks), st.delay_line)))
-  return tuple(new_stages), part_metrics
+    new_stages.extend(jax.tree.structure(_body(own)).unflatten([leaf[i] for leaf in leaves])
+                      for i, own in enumerate(stages[part.start - first:part.stop - first]))
+  return tuple(new_stages), tuple(new_lines), part_metrics
 
 
 class StackedPipeline(Runner):
@@ -305,7 +304,7 @@ class StackedPipeline(Runner):
           inits[0] if together else None,
           np.stack([p.salts for p in inits]) if together else None)
     self.parts = tuple(
-        parts.Part(start, stop, True, self._stacks[start].rings) if start in self._stacks
+        parts.Part(start, stop, self._stacks[start].rings) if start in self._stacks
         else parts.Part(start, stop) for start, stop in self.part_spans)
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
@@ -379,10 +378,7 @@ class StackedPipeline(Runner):
   def _stack_stages(stack: _Stack, stages) -> StageState:
     """A stack's stages as one stacked state, their rings laid end to end."""
     body = _stack([_body(st) for st in stages], stack.treedefs[0])
-    line_leaves = [jax.tree.leaves(st.delay_line) for st in stages]
-    line = jax.tree.unflatten(stack.line_treedefs[0],
-                              [jnp.concatenate(column) for column in zip(*line_leaves)])
-    return body._replace(delay_line=line)
+    return body._replace(delay_line=stack.rings.join([st.delay_line for st in stages]))
 
   def _unstack(self, state: StackedState) -> PipelineState:
     # Cut on the host: on the device a stage's row is a program (or a dispatch) per leaf and
@@ -398,12 +394,11 @@ class StackedPipeline(Runner):
         continue
       device = min(jax.tree.leaves(part)[0].devices(), key=lambda d: d.id)
       host = jax.device_get(part)
-      body, line = jax.tree.leaves(_body(host)), jax.tree.leaves(host.delay_line)
-      cut = []
-      for i, (offset, length) in enumerate(zip(stack.rings.offsets, stack.rings.lengths)):
-        st = jax.tree.unflatten(stack.treedefs[i], [np.array(leaf[i]) for leaf in body])
-        cut.append(st._replace(delay_line=jax.tree.unflatten(
-            stack.line_treedefs[i], [np.array(leaf[offset:offset + length]) for leaf in line])))
+      body = jax.tree.leaves(_body(host))
+      lines = stack.rings.cut(jax.tree.map(np.array, host.delay_line), stack.line_treedefs)
+      cut = [jax.tree.unflatten(treedef, [np.array(leaf[i]) for leaf in body])
+             ._replace(delay_line=line)
+             for i, (treedef, line) in enumerate(zip(stack.treedefs, lines))]
       stages.extend(jax.device_put(cut, device))
     return PipelineState(tuple(stages), jnp.copy(state.tick), jnp.copy(state.rng))
 

@@ -78,28 +78,27 @@ def _ticks(pipe, state, x, y, advance):
 
 
 @pytest.mark.parametrize("method", ["pb", "pipedream"])
-def test_a_stack_with_per_stage_lines_makes_the_numbers_of_its_rings(method):
-  # The two forms of a stack's delay lines (module docstring) differ in layout only; PipeDream
-  # also stashes weights in them. Seven ticks pass every ring's length.
+def test_a_stacks_entries_write_the_rings_its_tick_writes(method):
+  # What a mesh writes after its switch (TickOptions.delay_line_entries) is one row per stage,
+  # which Rings.write lays into the rings as the tick itself does; PipeDream's rows also stash
+  # weights. Seven ticks pass every ring's length.
   x, y = make_stream(7, 2)
   pipe = Pipeline(dense_model(EVEN), methods.make_method(method, learning_rate=LR), x[0], y[0])
   stacked = stacking.StackedPipeline(pipe)
   assert stacked.part_spans == ((0, 1), (1, 4), (4, 5))
-  start = stacked.init(jax.random.PRNGKey(3))
+  stack = stacked.parts[1]
   tick = jax.jit(stacked._tick)
-  with_rings = _ticks(pipe, start, x, y, lambda st, inbound: tick(
-      st, stacking.Batch(inbound.x, inbound.labels, inbound.valid))[0])
-  logical = pipe.init(jax.random.PRNGKey(3))
-
-  @jax.jit
-  def per_stage_lines(state, inbound):
-    stages, _ = stacking.advance_shard(pipe, stacked.part_spans, 0, state.stages, inbound, None,
-                                       state.tick, state.rng)
-    return state._replace(stages=stages, tick=state.tick + 1)
-
-  by_stage = _ticks(pipe, logical, x, y, per_stage_lines)
-  expected = jax.tree.map(np.asarray, stacked.to_logical(with_rings))
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, by_stage), expected)
+  state = stacked.init(jax.random.PRNGKey(3))
+  for t in range(len(x)):
+    inbound = Packet(x[t], y[t], jnp.array(True), state.tick)
+    advance = lambda options: parts.advance_parts(
+        pipe, pipe.delays, stacked.parts, state.parts, inbound, None, state.tick, state.rng,
+        options)[0][1]
+    entries = advance(TickOptions(delay_line_entries=True)).delay_line
+    assert jax.tree.leaves(entries)[0].shape[0] == stack.stop - stack.start
+    written = stack.rings.write(state.parts[1].delay_line, state.tick, entries)
+    state = tick(state, stacking.Batch(x[t], y[t], jnp.array(True)))[0]
+    jax.tree.map(np.testing.assert_array_equal, written, state.parts[1].delay_line)
 
 
 def test_each_stage_takes_its_neighbours_registers():
@@ -136,3 +135,17 @@ def test_each_stage_takes_its_neighbours_registers():
                       None, state.tick, state.rng)
   assert [seen["in", s] for s in range(5)] == [7, 100, 101, 102, 103]
   assert [seen["cot", s] for s in range(5)] == [201.0, 202.0, 203.0, 204.0, None]
+
+
+def test_rings_join_each_stages_line_end_to_end_and_cut_them_back():
+  rings = Rings.of([3, 1])
+  own = [DelayLine(np.full((4, 2), 1.0, np.float32), np.ones((4,), bool), np.arange(4), None),
+         DelayLine(np.full((2, 2), 2.0, np.float32), np.zeros((2,), bool), np.arange(2), None)]
+  joined = rings.join(own)
+  assert isinstance(joined.x, np.ndarray)  # host leaves stay on the host
+  np.testing.assert_array_equal(joined.x, np.concatenate([own[0].x, own[1].x]))
+  assert joined.x.shape[0] == rings.slots
+  cut = rings.cut(joined, [jax.tree.structure(line) for line in own])
+  jax.tree.map(np.testing.assert_array_equal, cut, tuple(own))
+  on_device = rings.join([jax.tree.map(jnp.asarray, line) for line in own])
+  assert isinstance(on_device.x, jax.Array)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import pipejax
-from pipejax.core import accounting
+from pipejax.core import accounting, parts
 from pipejax import methods, models
 from pipejax.parallel import stacking
 from pipejax.core.checks import PipelineError
@@ -299,14 +299,20 @@ def test_a_mesh_stacks_each_devices_piece_of_a_group():
   bit (tests/parallel/test_sharding.py splits stacks over 2 and 4 devices)."""
   from pipejax.parallel import sharding  # pylint: disable=import-outside-toplevel
   from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
-  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 0, 3) == [(0, 1, False), (1, 3, True)]
-  assert stacking.pieces(((0, 1), (1, 8), (8, 9)), 7, 9) == [(7, 8, True), (8, 9, False)]
+  spans, delays = ((0, 1), (1, 8), (8, 9)), tuple(range(16, -1, -2))
+  # A device's piece of a stack is a stack, however short, its rings laid end to end.
+  assert stacking.shard_parts(spans, delays, 0, 3) == (
+      parts.Part(0, 1), parts.Part(1, 3, parts.Rings((0, 15), (15, 13))))
+  assert stacking.shard_parts(spans, delays, 7, 9) == (
+      parts.Part(7, 8, parts.Rings((0,), (3,))), parts.Part(8, 9))
+  assert stacking.shard_parts(None, delays, 2, 4) == (parts.Part(2, 3), parts.Part(3, 4))
   x, y = make_stream(14, 2)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0],
                   y[0])
   stacked = StackedPipeline(pipe)
   sharded = sharding.ShardedPipeline(stacked, make_mesh(1, 1, jax.devices()[:1]))
   assert sharded.part_spans == stacked.part_spans and sharded.pipeline is pipe
+  assert sharded.shard_parts == (stacked.parts,)  # one device: the stacked runner's own parts
   expected, _ = stacked.run(stacked.init(1), x, y)
   actual, _ = sharded.run(sharded.init(1), x, y)
   assert_same(jax.tree.map(np.asarray, sharded.to_logical(actual)),
