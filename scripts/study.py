@@ -59,7 +59,10 @@ def main(argv):
           "--workdir=/tmp/depth_smoke.", file=sys.stderr)
     sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
-  command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
+  # One command whichever way the workdir is spelled ('docs/studies/depth/' as a shell completes
+  # it): the report that quotes it regenerates byte for byte.
+  command = (f"python scripts/study.py --study={_STUDY.value} "
+             f"--workdir={os.path.normpath(_WORKDIR.value)}")
   parallel = _PARALLEL.value or launcher.cpu_cores()
   if parallel < 1:
     print(f"error: --parallel must be at least 1; got {parallel}.", file=sys.stderr)

@@ -1035,3 +1035,31 @@ def test_records_written_with_a_renamed_field_read_under_its_new_key(tmp_path):
   report = (tmp_path / "report.md").read_text()
   assert "4 of 4 runs recorded" in report
   assert "| annealing epochs = 0.0 | 70.00 " in report
+
+
+# ------------------------------------------------------------------------ committed study reports
+
+
+@pytest.mark.slow
+def test_a_committed_study_regenerates_byte_for_byte_from_its_records(tmp_path):
+  """`--report_only` on a copy of docs/studies/batch (24 records and a figure), with the command
+  its report gives (the workdir with a trailing '/', as a shell completes it), writes its
+  report.md, results.csv and figure byte for byte as committed."""
+  committed = os.path.join(ROOT, "docs", "studies", "batch")
+  workdir = tmp_path / "docs" / "studies" / "batch"
+  workdir.mkdir(parents=True)
+  (workdir / "results.jsonl").write_bytes(open(os.path.join(committed, "results.jsonl"),
+                                               "rb").read())
+  os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "study.py"),
+       "--study=configs/studies/batch.py", "--workdir=docs/studies/batch/", "--report_only"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  names = sorted(n for n in os.listdir(committed) if not n.startswith("."))  # not .report.lock
+  assert sorted(os.listdir(workdir)) == [".report.lock", *names]
+  differ = [name for name in names if (workdir / name).read_bytes() != open(
+      os.path.join(committed, name), "rb").read()]
+  assert not differ, (f"{differ} of docs/studies/batch differ from what its records regenerate "
+                      "to: run the command of its report.md with --report_only and commit them")
