@@ -1,4 +1,5 @@
-"""Studies: grids, records, statistics over seeds, diverged runs, the runner and a real smoke study."""
+"""Studies: grids, records, statistics over seeds, diverged runs, the runner, a real smoke study and
+the committed studies' reports."""
 
 import dataclasses
 import errno
@@ -749,7 +750,8 @@ def test_a_loss_is_better_smaller_in_margin_verdicts_and_the_best_rate():
                 for s, v in enumerate((2.00, 2.10, 2.05))]
   (sentence,) = study_report.conclusions(study, base + much_worse, table)
   assert "non-inferior at margin 0.02: not shown" in sentence
-  assert "better smaller" in study_report._margin_sentence(study)  # pylint: disable=protected-access
+  margin_sentence = study_report._margin_sentence  # pylint: disable=protected-access
+  assert "better smaller" in margin_sentence(study)
   # A study with no gap table yet (a baselines phase) states its margin in its tables' unit, not
   # in accuracy points.
   cells_only = Study(name="t", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)}],
