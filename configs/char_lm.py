@@ -8,8 +8,8 @@ r"""A byte-level transformer language model on the fortunes corpus, one block pe
 Data: the Debian package ``fortunes`` (``apt-get install fortunes``; docs/lm.md), bytes as tokens,
 one fortune in ten held out for validation; one micro-batch is one sequence of
 ``data_kwargs.context`` = 64 bytes (b = 1).
-Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` = 6 blocks: blocks + 2
-stages (embedding, one block each, final norm + output projection), 8 stages in all.
+Model: causal pre-norm transformer, width 128, 4 heads, ``model_kwargs.blocks`` = 6 blocks:
+blocks + 2 stages (embedding, one block each, final norm + output projection), 8 stages in all.
 Recipe: AdamW (b1 0.9, b2 0.99, lr 1e-3, decoupled decay 0.01 on matrices and embeddings only),
 stated directly at one sequence per step (reference.batch_size = 1, so no scaling rule applies),
 cosine schedule over two thirds of an epoch of the training split (23,924 of its 35,887

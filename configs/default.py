@@ -1,4 +1,5 @@
-r"""The embedded default: Fashion-MNIST, an MLP with one weight layer per stage, PB + SC + LWP at b=1.
+r"""The embedded default: Fashion-MNIST, an MLP with one weight layer per stage, PB + SC + LWP at
+b=1.
 
     python scripts/train.py --config=configs/default.py --workdir=runs/default
     python scripts/train.py --config=configs/default.py:smoke --workdir=/tmp/smoke   # < 1 minute

@@ -1,4 +1,5 @@
-r"""ImageNet ResNet-50 (v1.5, GroupNorm), one conv per stage, micro-batch 1 on a pipeline of 54 stages.
+r"""ImageNet ResNet-50 (v1.5, GroupNorm), one conv per stage, micro-batch 1 on a pipeline of 54
+stages.
 
     python scripts/train.py --config=configs/imagenet_resnet50.py --workdir=runs/r50 \
         --config.data_dir=/data/tensorflow_datasets --config.mesh.stage=8

@@ -1,4 +1,5 @@
-"""What the absl binaries of ``scripts/`` share: how a usage error and a stop signal reach the user."""
+"""What the absl binaries of ``scripts/`` share: how a usage error and a stop signal reach the
+user."""
 
 from __future__ import annotations
 

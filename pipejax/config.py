@@ -261,7 +261,8 @@ def _flatten(config, prefix: str = "") -> list[str]:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl ``flags_parser`` for binaries with a ``--config`` file flag (``app.run(main, flags_parser=...)``).
+  """absl ``flags_parser`` for binaries with a ``--config`` file flag
+  (``app.run(main, flags_parser=...)``).
 
   * ``--config.model_kwargs.KEY=VALUE`` may add a keyword the config file did not list (any
     keyword of the model's builder, e.g. ``normalization``); the model builder checks the names.

@@ -32,9 +32,10 @@ A JSON kept as ``docs/benchmarks/NAME.json`` (``--output``) is a record:
 * ``depth``: configs/deep_mlp.py's residual MLP (width 128, LayerNorm) at b = 1 and
   ``--depth_stages`` stages, PB + momentum SGD: per depth a record with ``stacked`` True
   (``pipejax.parallel.stacking.StackedPipeline``), False (``Pipeline``) and None (the plain
-  loop: the whole network as one optax step in ``lax.scan``): build and init seconds, trace and compile seconds of
-  the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the fill, and the
-  delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when asked.
+  loop: the whole network as one optax step in ``lax.scan``): build and init seconds, trace and
+  compile seconds of the full pipeline's ``run``, its ``operations_per_tick``, samples/s after the
+  fill, and the delay lines' bytes held against the formula sum_s (D_s + 1)|x_s|. Only when
+  asked.
   Beside them, one record per method of ``--depth_methods`` stacked at each depth, timed side
   by side with ``pb``: ``cpu_relative_to_pb`` (its samples per CPU second over ``pb``'s),
   ``weight_passes_per_tick`` (the passes its definition needs, ``speed.weight_passes_per_tick``),

@@ -11,8 +11,8 @@ the figures, and keeps the numbers of ``docs/quadratic.md`` current:
     python scripts/quadratic.py --check_docs         # exit 1 if the page's numbers are stale
 
 The page carries its own prose; ``--write_docs`` rewrites only the parts between its markers
-(``pipejax/analysis/quadratic_docs.py``). The full default table (6 methods × 3 momenta × 5 delays) takes about 15 s on one CPU core, the figures about 30 s
-more.
+(``pipejax/analysis/quadratic_docs.py``). The full default table (6 methods × 3 momenta × 5
+delays) takes about 15 s on one CPU core, the figures about 30 s more.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
 
     python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
-    python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth --report_only
+    python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth \
+        --report_only
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
@@ -37,7 +38,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", None, "Trainings at a time; default
                                  "CPU cores this process may use (each training then uses one "
                                  "core). More is allowed, with a warning; each training's memory "
                                  "check then counts on 1/N of the memory.")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report from results.jsonl.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False,
+                                 "Only rewrite the report from results.jsonl.")
 _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these overrides, e.g. "
                            "--where=model_kwargs.depth=32,method=pb|pb_sc_lwp (one of the values "
                            "separated by '|'; the report covers all).")
@@ -59,7 +61,10 @@ def main(argv):
           "--workdir=/tmp/depth_smoke.", file=sys.stderr)
     sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
-  command = f"python scripts/study.py --study={_STUDY.value} --workdir={_WORKDIR.value}"
+  # One command whichever way the workdir is spelled ('docs/studies/depth/' as a shell completes
+  # it): the report that quotes it regenerates byte for byte.
+  command = (f"python scripts/study.py --study={_STUDY.value} "
+             f"--workdir={os.path.normpath(_WORKDIR.value)}")
   parallel = _PARALLEL.value or launcher.cpu_cores()
   if parallel < 1:
     print(f"error: --parallel must be at least 1; got {parallel}.", file=sys.stderr)

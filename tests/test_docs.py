@@ -104,7 +104,8 @@ def test_nothing_cites_the_developers_brief():
   assert not offenders, f"{offenders} mention {BRIEF}; cite docs/design.md's sections instead"
   root = os.path.realpath(ROOT)
   leaves = lambda base, ref: not os.path.realpath(os.path.join(base, ref)).startswith(root + os.sep)
-  # A path is read from the page's folder, or from the repository's root when it names nothing there.
+  # A path is read from the page's folder, or from the repository's root when it names nothing
+  # there.
   outside = [(page, ref) for page in DOC_PAGES
              for ref in re.findall(r"(?:\.\./)+[\w./-]+", read(page))
              if leaves(os.path.join(root, os.path.dirname(page)), ref) or (

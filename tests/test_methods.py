@@ -407,7 +407,8 @@ def test_traits_name_the_baselines_and_the_recommendation():
   assert having("plain_pipeline") == ["pb"]
   assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
   assert not methods.traits_of(methods.RECOMMENDED).delay_free
-  with pytest.raises(methods.MethodError, match="Unknown method 'gpipe'. Known methods: dcasgd, muon"):
+  with pytest.raises(methods.MethodError,
+                     match="Unknown method 'gpipe'. Known methods: dcasgd, muon"):
     methods.traits_of("gpipe")
 
 

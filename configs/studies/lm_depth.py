@@ -97,9 +97,9 @@ NOT_SHOWN = """\
   corpus) per run: far from convergence, where an asynchronous method's gap can close (or open)
   as the learning rate decays. The curves show each method's loss along the way, not where it
   would end.
-* **One corpus, byte level.** The fortunes corpus (2.3 MB of English text to train on) with a 256-symbol
-  vocabulary. Nothing here says how a sub-word tokenizer, a larger corpus or another language
-  would move the gaps.
+* **One corpus, byte level.** The fortunes corpus (2.3 MB of English text to train on) with a
+  256-symbol vocabulary. Nothing here says how a sub-word tokenizer, a larger corpus or another
+  language would move the gaps.
 * **One recipe.** AdamW at b1 0.9, b2 0.99, with the decay mask and a cosine schedule with a
   warm-up of 0.05 of an epoch (7.5% of the run). The sweeps tune the learning rate of the
   baseline, Nesterov AsyncPP and PB + Muon at 8 and 32 stages and of PB + SC + LWP at 32, not of

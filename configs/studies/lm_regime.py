@@ -14,9 +14,10 @@ Validation loss is reported in bits per byte.
 The study runs in phases, each a ``--where`` part of the grid chosen from the records of the one
 before:
 
-1. baselines (``--where=method=sgd``): Adam without a pipeline over b1 in {0.9, 0.99, 0.999} x b2 in {0.99, 0.999,
-   0.9999} where b1² < b2 (8 settings), each at the rates 1e-3, 2e-3 and 4e-3 (lm_depth's sweep
-   put the 0.9 / 0.99 baseline's best at 4e-3), seed 0; and Muon without a pipeline
+1. baselines (``--where=method=sgd``): Adam without a pipeline over b1 in {0.9, 0.99, 0.999} x
+   b2 in {0.99, 0.999, 0.9999} where b1² < b2 (8 settings), each at the rates 1e-3, 2e-3 and 4e-3
+   (lm_depth's sweep put the 0.9 / 0.99 baseline's best at 4e-3), seed 0; and Muon without a
+   pipeline
    (``--where=method=muon``: ``pb_muon``'s parameter split as one stage) at the same three rates.
    The lowest run of this phase is the baseline of every gap, whatever its optimizer.
 
@@ -74,7 +75,8 @@ def get_study(arg: str | None = None) -> Study:
   return Study(
       name="lm regime", config="configs/char_lm.py", grids=_baselines() + _muon_baselines(),
       baseline={"method": "sgd"}, margin=MARGIN,
-      labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1", "reference.b2": "b2"},
+      labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1",
+              "reference.b2": "b2"},
       tables=[Table("Adam without a pipeline: validation bits per byte by betas and rate",
                     rows="reference.lr", columns="method", kind="cells",
                     where=(("method", "sgd"),), **BITS),

@@ -1,8 +1,8 @@
 r"""MLP regime study: does a momentum memory long against the delay restore PB + SC + LWP's parity
 with SGD at 128 and 256 stages?
 
-    python scripts/study.py --study=configs/studies/mlp_regime.py --workdir=docs/studies/mlp_regime \
-        --parallel=2
+    python scripts/study.py --study=configs/studies/mlp_regime.py \
+        --workdir=docs/studies/mlp_regime --parallel=2
     python scripts/study.py --study=configs/studies/mlp_regime.py:smoke --workdir=/tmp/mlp_smoke
 
 The depth study (configs/studies/depth.py) trains configs/deep_mlp.py's residual MLP from the

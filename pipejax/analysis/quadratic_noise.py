@@ -3,10 +3,11 @@
 A step's gradient is one sample's: the mean gradient ``λ ŵ`` plus an error of variance ``σ²``.
 On ``L(w) = ½ λ w²`` every method of :mod:`pipejax.analysis.quadratic` is then a linear
 recurrence ``s_{t+1} = A s_t + η ε_t c`` (``c``:
-:func:`~pipejax.analysis.quadratic.gradient_column`), whose stationary covariance solves the discrete Lyapunov equation ``Σ = A Σ Aᵀ + c cᵀ`` (per unit
-of ``η² σ²``). The excess loss is ``½ λ E[w²] = ½ x² (σ²/λ) Σ₀₀`` with ``x = ηλ``: only ``x`` and
-``σ²/λ`` matter. :func:`pipejax.analysis.quadratic_simulation.simulated_excess_loss` measures the
-same number by stepping the rules, the independent check.
+:func:`~pipejax.analysis.quadratic.gradient_column`), whose stationary covariance solves the
+discrete Lyapunov equation ``Σ = A Σ Aᵀ + c cᵀ`` (per unit of ``η² σ²``). The excess loss is
+``½ λ E[w²] = ½ x² (σ²/λ) Σ₀₀`` with ``x = ηλ``: only ``x`` and ``σ²/λ`` matter.
+:func:`pipejax.analysis.quadratic_simulation.simulated_excess_loss` measures the same number by
+stepping the rules, the independent check.
 
 This is the suspected mechanism of the long-delay failures (issue 51): where ``D (1 − β)`` is
 not small, Spike Compensation keeps ``β^D`` of the moment, so the applied step is close to one

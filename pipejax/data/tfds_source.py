@@ -99,7 +99,8 @@ def _not_prepared_message(name: str, split: str, data_dir: str | None, error: Ex
           f"`tfds.builder('{name}', data_dir=DIR, file_format='array_record')"
           f".download_and_prepare()`), copy DIR here and point `data_dir` at it (the config "
           f"field: --config.data_dir=DIR, or pipejax.data.load('{name}', data_dir=DIR)). A data "
-          "set built in the default TFRecord format must be rebuilt with --file_format=array_record."
+          "set built in the default TFRecord format must be rebuilt with "
+          "--file_format=array_record."
           f"{manual}")
 
 

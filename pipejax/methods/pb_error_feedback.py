@@ -1,6 +1,7 @@
 """PB with error feedback for delayed updates: the weights run ``D`` updates ahead of the undelayed
-iterate, the gap estimated from the trend of the updates (:func:`pipejax.optim.delayed_error_feedback`,
-after the error-feedback correction of Zmushko et al. 2026).
+iterate, the gap estimated from the trend of the updates
+(:func:`pipejax.optim.delayed_error_feedback`, after the error-feedback correction of Zmushko et al.
+2026).
 """
 
 import dataclasses

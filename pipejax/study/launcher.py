@@ -237,8 +237,9 @@ class Outcome:
 
 def _selected(study: study_lib.Study, where: dict[str, str] | None) -> list[dict]:
   """The runs whose value of each key in ``where`` is one of its ``|``-separated values."""
+  where = where or {}
   return [o for o in study.runs()
-          if all(study_lib.format_value(o.get(k)) in v.split("|") for k, v in (where or {}).items())]
+          if all(study_lib.format_value(o.get(k)) in v.split("|") for k, v in where.items())]
 
 
 def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None = None) -> Outcome:

@@ -20,7 +20,8 @@ from pipejax import files
 from pipejax.study.spec import Overrides, Study, key_of, run_id
 
 FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
-SKIPPED = "skipped"  # not run: the same point failed at a smaller value of Study.skip_beyond_failure
+# Not run: the same point failed at a smaller value of Study.skip_beyond_failure.
+SKIPPED = "skipped"
 RESULTS_FILE = "results.jsonl"
 
 
@@ -312,7 +313,8 @@ def log_timing(path: str) -> dict | None:
     return None
   elapsed = lambda t: (t - start) % 86400  # a run may cross midnight
   (t0, n0), (t1, n1) = progress[0], progress[-1]
-  return {"setup_s": round(elapsed(model), 1), "first_chunk_s": round(elapsed(t0) - elapsed(model), 1),
+  return {"setup_s": round(elapsed(model), 1),
+          "first_chunk_s": round(elapsed(t0) - elapsed(model), 1),
           "steady_samples_per_s": round((n1 - n0) / max((t1 - t0) % 86400, 1e-9), 1)}
 
 

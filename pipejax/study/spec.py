@@ -227,7 +227,8 @@ def _check_figures(study: Study) -> None:
 
 
 def _is_list(value) -> bool:
-  """A sequence of entries, not text or a mapping (whose iteration would give characters or keys)."""
+  """A sequence of entries, not text or a mapping (whose iteration would give characters or
+  keys)."""
   return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
 
 
@@ -321,7 +322,7 @@ def _broken_file_message(spec: str, path: str, error: Exception) -> str:
           "Fix the file, or give another --study.")
 
 
-# ----------------------------------------------------------------------------- a run's identity and flags
+# ----------------------------------------------------------------------- a run's identity and flags
 
 
 def key_of(overrides: Overrides) -> tuple:
@@ -348,6 +349,7 @@ def format_value(value: Any) -> str:
 
 
 def trainer_flags(study: Study, overrides: Overrides) -> list[str]:
-  """The trainer's ``--config.KEY=VALUE`` flags of one run: the study's fixed ones, then the grid's."""
+  """The trainer's ``--config.KEY=VALUE`` flags of one run: the study's fixed ones, then the
+  grid's."""
   merged = {**study.fixed, **overrides}
   return [f"--config.{k}={format_value(v)}" for k, v in merged.items()]

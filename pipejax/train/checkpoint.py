@@ -95,7 +95,8 @@ def _meta_digest(meta: dict) -> str:
 
 
 class Checkpointer:
-  """Saves and restores (state, meta) pairs under ``directory``, keeping the last ``max_to_keep``."""
+  """Saves and restores (state, meta) pairs under ``directory``, keeping the last
+  ``max_to_keep``."""
 
   def __init__(self, directory: str, max_to_keep: int = 3, primary: bool = True,
                placement: Callable[[PyTree], PyTree] | None = None):

@@ -197,8 +197,9 @@ def model_kwargs(config) -> dict:
   kwargs = dict(config.model_kwargs)
   if methods_lib.traits_of(config.method).one_stage:
     # The reference without a pipeline: the whole network as one stage, where the engine is
-    # exactly plain optax training (tests/core/test_engine.py proves the identity). It starts from the
-    # weights of the split the config names (pipejax.train.experiment.Setup.initial_weights_from).
+    # exactly plain optax training (tests/core/test_engine.py proves the identity). It starts from
+    # the weights of the split the config names
+    # (pipejax.train.experiment.Setup.initial_weights_from).
     kwargs["layers_per_stage"] = None
   return kwargs
 

@@ -40,8 +40,8 @@ def first_non_finite(finite: np.ndarray, first_tick: int, model: Model) -> str |
 
 
 def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
-                      weights_finite: np.ndarray, finite: np.ndarray, valid: np.ndarray, first_tick: int, samples: int,
-                      checkpointer: Checkpointer | None) -> None:
+                      weights_finite: np.ndarray, finite: np.ndarray, valid: np.ndarray,
+                      first_tick: int, samples: int, checkpointer: Checkpointer | None) -> None:
   """Raises :class:`TrainingDiverged` if a chunk saw a non-finite activation or left bad weights.
 
   Activations flag a NaN within a tick of its birth; the weights are checked too, once per chunk,

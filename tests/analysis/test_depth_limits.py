@@ -51,8 +51,8 @@ def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(t
     assert r["learning_rate"] == pytest.approx(setup.recipe.learning_rate)
     assert r["lr_sharpness"] == pytest.approx(r["learning_rate"] * r["sharpness"])
   assert sorted(by_point) == [0, 240]
-  hessian = jax.jit(jax.hessian(lambda f, unflatten: model.loss(model.apply(unflatten(f), x), y)[0]),
-                    static_argnums=1)
+  loss = lambda f, unflatten: model.loss(model.apply(unflatten(f), x), y)[0]
+  hessian = jax.jit(jax.hessian(loss), static_argnums=1)
   for samples, state in ((0, initial), (240, moved)):
     params = [st.params for st in state.stages]
     flat, unflatten = jax.flatten_util.ravel_pytree(params)
@@ -121,7 +121,8 @@ def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():
   text = depth_limits.report_section(study, records)
   row = next(line for line in text.splitlines() if line.startswith("| 8 |")).split(" | ")
   assert row[2:5] == ["50.0 (14)", "2.0–4.0", "12"]  # the head (stage 7) is not a block
-  assert row[5 + depth_limits.LIMIT_METHODS.index("pb")] == "5 · −3.5 pts (n=2)"  # stage 3's limit; gaps −2 and −5 points, paired by seed
+  # Stage 3's limit; the gaps −2 and −5 points, paired by seed.
+  assert row[5 + depth_limits.LIMIT_METHODS.index("pb")] == "5 · −3.5 pts (n=2)"
   assert row[5 + depth_limits.LIMIT_METHODS.index("pb_sc")] == "9 · div. 1/1"
   assert "No curvature measured" in depth_limits.report_section(study, [])
 

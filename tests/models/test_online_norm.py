@@ -1,6 +1,7 @@
 """Online Normalization against a numpy re-derivation of the paper's equations, its statistics over
 a stream, and a normalization='online' run resuming bit-exactly after SIGTERM. (The engine against
-the naive oracle with stateful stages: tests/core/test_engine.py; on a mesh: tests/parallel/test_sharding.py.)"""
+the naive oracle with stateful stages: tests/core/test_engine.py; on a mesh:
+tests/parallel/test_sharding.py.)"""
 
 
 import jax
@@ -171,8 +172,9 @@ def test_online_norm_in_the_conv_models():
   before = jax.tree.map(np.array, [st.variables for st in state.stages])
   state, metrics = pipe.run(state, x, y)
   assert np.asarray(metrics["finite"]).all() and np.asarray(metrics["valid"]).sum() == 9
-  means = [leaf.shape for st in state.stages for path, leaf in
-           jax.tree_util.tree_leaves_with_path(st.variables) if "mean" in jax.tree_util.keystr(path)]
+  means = [leaf.shape for st in state.stages
+           for path, leaf in jax.tree_util.tree_leaves_with_path(st.variables)
+           if "mean" in jax.tree_util.keystr(path)]
   assert means == [(4,), (8,), (8,)]  # conv channels, dense features; the head has no norm
   for old, new in zip(jax.tree.leaves(before), jax.tree.leaves([st.variables
                                                                 for st in state.stages])):

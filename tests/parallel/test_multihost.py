@@ -157,7 +157,8 @@ def test_processes_reading_their_slots_see_the_one_process_stream(augment):
 
 def test_checkpoint_with_placement_saves_global_arrays_and_restores_host_copies(tmp_path):
   import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
   from pipejax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   placed = []

@@ -189,11 +189,12 @@ def test_param_counts_and_measured_costs_drive_the_partition():
 
 
 # Every mesh size and every kind of weights (current, predicted, stashed) at least once; one case
-# packs with the 'flat' packing instead of the default 'per_leaf'. PB on two devices also runs in the
-# tick-and-drain and the stacked-pieces tests below. The full cross product adds compilations and
-# nothing the layout code does not already see here.
+# packs with the 'flat' packing instead of the default 'per_leaf'. PB on two devices also runs in
+# the tick-and-drain and the stacked-pieces tests below. The full cross product adds compilations
+# and nothing the layout code does not already see here.
 @pytest.mark.parametrize("method_name, stage, packing_policy", [
-    ("pb", 4, "flat"), ("pb_sc_lwp", 2, "auto"), ("pb_sc_lwp", 8, "auto"), ("pipedream", 4, "auto")])
+    ("pb", 4, "flat"), ("pb_sc_lwp", 2, "auto"), ("pb_sc_lwp", 8, "auto"),
+    ("pipedream", 4, "auto")])
 def test_mesh_stage_axis_matches_one_device(eight_devices, method_name, stage, packing_policy):
   pipe = make_pipeline(method_name)
   mesh = make_mesh(stage, 1, eight_devices[:stage])
@@ -447,8 +448,8 @@ def stacked_and_mesh(method_name, stage, data=1, stateful=False):
   state = host(pipe.init(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
   packed, metrics = sharded.run(sharded.from_logical(state), x, y)
-  return (host(stacked.to_logical(expected)), host(expected_metrics), host(sharded.to_logical(packed)),
-          host(metrics))
+  return (host(stacked.to_logical(expected)), host(expected_metrics),
+          host(sharded.to_logical(packed)), host(metrics))
 
 
 def assert_bit_equal(actual, expected):

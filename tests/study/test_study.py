@@ -1,4 +1,5 @@
-"""Studies: grids, records, statistics over seeds, diverged runs, the runner and a real smoke study."""
+"""Studies: grids, records, statistics over seeds, diverged runs, the runner, a real smoke study and
+the committed studies' reports."""
 
 import dataclasses
 import errno
@@ -749,7 +750,8 @@ def test_a_loss_is_better_smaller_in_margin_verdicts_and_the_best_rate():
                 for s, v in enumerate((2.00, 2.10, 2.05))]
   (sentence,) = study_report.conclusions(study, base + much_worse, table)
   assert "non-inferior at margin 0.02: not shown" in sentence
-  assert "better smaller" in study_report._margin_sentence(study)  # pylint: disable=protected-access
+  margin_sentence = study_report._margin_sentence  # pylint: disable=protected-access
+  assert "better smaller" in margin_sentence(study)
   # A study with no gap table yet (a baselines phase) states its margin in its tables' unit, not
   # in accuracy points.
   cells_only = Study(name="t", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)}],
@@ -1035,3 +1037,31 @@ def test_records_written_with_a_renamed_field_read_under_its_new_key(tmp_path):
   report = (tmp_path / "report.md").read_text()
   assert "4 of 4 runs recorded" in report
   assert "| annealing epochs = 0.0 | 70.00 " in report
+
+
+# ------------------------------------------------------------------------ committed study reports
+
+
+@pytest.mark.slow
+def test_a_committed_study_regenerates_byte_for_byte_from_its_records(tmp_path):
+  """`--report_only` on a copy of docs/studies/batch (24 records and a figure), with the command
+  its report gives (the workdir with a trailing '/', as a shell completes it), writes its
+  report.md, results.csv and figure byte for byte as committed."""
+  committed = os.path.join(ROOT, "docs", "studies", "batch")
+  workdir = tmp_path / "docs" / "studies" / "batch"
+  workdir.mkdir(parents=True)
+  (workdir / "results.jsonl").write_bytes(open(os.path.join(committed, "results.jsonl"),
+                                               "rb").read())
+  os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "study.py"),
+       "--study=configs/studies/batch.py", "--workdir=docs/studies/batch/", "--report_only"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=ROOT))
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  names = sorted(n for n in os.listdir(committed) if not n.startswith("."))  # not .report.lock
+  assert sorted(os.listdir(workdir)) == [".report.lock", *names]
+  differ = [name for name in names if (workdir / name).read_bytes() != open(
+      os.path.join(committed, name), "rb").read()]
+  assert not differ, (f"{differ} of docs/studies/batch differ from what its records regenerate "
+                      "to: run the command of its report.md with --report_only and commit them")

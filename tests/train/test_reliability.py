@@ -86,8 +86,9 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
   # The largest finite rate: the first update makes weights inf before any activation shows it.
   config = digits_config(**{"micro_batch.lr": 3e38}, ticks_per_chunk=1, checkpoint_every_samples=1,
                          eval_every_samples=10**6)
-  with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) \(its weights\).*after "
-                     r"\d+ training samples.*last good checkpoint"):
+  with pytest.raises(divergence.TrainingDiverged,
+                     match=r"stage \d+ \('.*'\) \(its weights\).*after \d+ training samples.*"
+                     r"last good checkpoint"):
     trainer.train_and_evaluate(config, workdir)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
   like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
@@ -99,7 +100,8 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
 
 
 def test_divergence_message_fits_the_run(tmp_path):
-  config = digits_config(**{"micro_batch.lr": 1e30}, method="pb_sc_lwp", checkpoint_every_samples=10**6)
+  config = digits_config(**{"micro_batch.lr": 1e30}, method="pb_sc_lwp",
+                         checkpoint_every_samples=10**6)
   with pytest.raises(divergence.TrainingDiverged) as raised:
     trainer.train_and_evaluate(config, str(tmp_path / "run"))
   message = str(raised.value)

@@ -1,4 +1,5 @@
-"""The training binary's library: exact resume (in process and after SIGTERM), failure paths, configs."""
+"""The training binary's library: exact resume (in process and after SIGTERM), failure paths,
+configs."""
 
 import json
 import logging
@@ -170,7 +171,8 @@ def test_missing_data_says_how_to_install_it(tmp_path):
 
 
 def test_unknown_method_lists_the_known_ones(tmp_path):
-  with pytest.raises(config_checks.ConfigError, match="Known methods: dcasgd, muon, nesterov_asyncpp, nesterov_asyncpp_released, pb"):
+  with pytest.raises(config_checks.ConfigError, match="Known methods: dcasgd, muon, "
+                     "nesterov_asyncpp, nesterov_asyncpp_released, pb"):
     trainer.train_and_evaluate(digits_config(method="pb_fast"), str(tmp_path / "run"))
 
 
@@ -235,9 +237,10 @@ def test_mesh_run_of_the_binary_equals_the_single_device_run(tmp_path):
        f"--workdir={tmp_path / 'mesh'}", "--config.dataset=digits",
        "--config.max_train_examples=0", "--config.max_test_examples=0",
        "--config.model_kwargs.hidden=(16,12)", f"--config.epochs={240 / 1437!r}",
-       f"--config.warmup_epochs={40 / 1437!r}", "--config.ticks_per_chunk=40", "--config.eval_every_samples=80",
-       "--config.checkpoint_every_samples=40", "--config.eval_batch_size=128",
-       "--config.plot_curves=False", "--config.mesh.stage=2"], capture_output=True, text=True, env=env, timeout=300)
+       f"--config.warmup_epochs={40 / 1437!r}", "--config.ticks_per_chunk=40",
+       "--config.eval_every_samples=80", "--config.checkpoint_every_samples=40",
+       "--config.eval_batch_size=128", "--config.plot_curves=False", "--config.mesh.stage=2"],
+      capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Mesh data=1 x stage=2" in result.stderr
   mesh = json.load(open(tmp_path / "mesh" / "summary.json"))
@@ -444,7 +447,7 @@ def test_config_errors_never_create_the_workdir(tmp_path, change, error, message
   assert not (tmp_path / "run").exists()
 
 
-# ------------------------------------------------------------------ the binary: messages and signals
+# ----------------------------------------------------------------- the binary: messages and signals
 
 
 def _train_command(workdir, *overrides, config="default.py:smoke"):
