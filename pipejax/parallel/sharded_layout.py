@@ -13,9 +13,9 @@ families:
   axis (stashed inputs, forward packets' activations and labels, backward cotangents); replica r
   holds samples ``r*b/data .. (r+1)*b/data - 1`` of every micro-batch.
 
-Within a family, the ``'per_leaf'`` packing (default) gives every state leaf a buffer of its own: the
-i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can update each
-leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one dtype in one
+Within a family, the ``'per_leaf'`` packing (default) gives every state leaf a buffer of its
+own: the i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can
+update each leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one dtype in one
 buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
 registers that leave a shard (its last stage's ``forward_out`` packet and its first stage's
 ``backward_out`` cotangent) sit at the same place on every device, so every device cuts its
@@ -55,7 +55,8 @@ class ShardedLayout:
     pipeline: the single-device pipeline whose state is laid out.
     mesh: a mesh with ``stage`` and ``data`` axes (:func:`pipejax.parallel.mesh.normalized_mesh`).
     partition: the ``(start, stop)`` shard of logical stages of each stage-axis device.
-    policy: ``'per_leaf'``, ``'flat'`` or ``'auto'`` (:meth:`pipejax.parallel.packing.Packing.plan`).
+    policy: ``'per_leaf'``, ``'flat'`` or ``'auto'``
+      (:meth:`pipejax.parallel.packing.Packing.plan`).
     shard_parts: each shard's parts (:func:`pipejax.parallel.stacking.shard_parts`); default every
       stage a part of its own.
 

@@ -76,10 +76,11 @@ class ShardedPipeline(Runner):
       Default: :func:`pipejax.parallel.partition.partition_stages` on ``costs``.
     costs: per-stage costs to balance (default :func:`pipejax.parallel.partition.param_counts`; or
       :func:`pipejax.parallel.partition.measure_stage_costs`).
-    packing_policy: how a shard's state is packed: ``'per_leaf'`` (each state leaf in a buffer of its
-      own, padded to the largest leaf it shares the buffer with on other devices), ``'flat'`` (one
-      buffer per dtype) or ``'auto'`` (slots unless their padding costs over 25% more memory).
-      Results are identical; slots are faster because XLA updates them in place.
+    packing_policy: how a shard's state is packed: ``'per_leaf'`` (each state leaf in a buffer of
+      its own, padded to the largest leaf it shares the buffer with on other devices), ``'flat'``
+      (one buffer per dtype) or ``'auto'`` (per-leaf unless its padding costs over 25% more
+      memory). Results are identical; per-leaf buffers are faster because XLA updates them in
+      place.
 
   Raises:
     MeshError: more stage-axis devices than stages, a data axis that does not divide ``b``, a bad

@@ -448,8 +448,8 @@ class StackedPipeline(Runner):
     return (StackedState(new_parts, state.tick + 1, state.rng), parts.tick_metrics(part_metrics))
 
 def pipeline_and_spans(runner) -> tuple[Pipeline, tuple[tuple[int, int], ...] | None]:
-  """What a mesh ticks for ``runner``: its single-device pipeline, and the part spans whose pieces each
-  device stacks (:func:`advance_shard`), None when it runs stage by stage."""
+  """What a mesh ticks for ``runner``: its single-device pipeline, and the part spans whose
+  pieces each device stacks (:func:`shard_parts`), None when it runs stage by stage."""
   if isinstance(runner, StackedPipeline):
     return runner.pipeline, (runner.part_spans if runner.stacked else None)
   if isinstance(runner, Pipeline):
