@@ -15,8 +15,8 @@ families:
 
 Within a family, the ``'per_leaf'`` packing (default) gives every state leaf a buffer of its
 own: the i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can
-update each leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one dtype in one
-buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
+update each leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one
+dtype in one buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
 registers that leave a shard (its last stage's ``forward_out`` packet and its first stage's
 ``backward_out`` cotangent) sit at the same place on every device, so every device cuts its
 outgoing message the same way.
