@@ -13,13 +13,13 @@ families:
   axis (stashed inputs, forward packets' activations and labels, backward cotangents); replica r
   holds samples ``r*b/data .. (r+1)*b/data - 1`` of every micro-batch.
 
-Within a family, the ``'per_leaf'`` packing (default) gives every state leaf a buffer of its
-own: the i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can
-update each leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one
-dtype in one buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
+Within a family, the ``'per_leaf'`` packing (default) gives every state leaf a buffer of its own:
+the i-th largest leaf of each shard shares buffer i, so padding stays small and XLA can update each
+leaf in place as it does on one device. The ``'flat'`` packing puts all leaves of one dtype in one
+buffer at static offsets (least padding; XLA then copies the buffer every tick). In both, the two
 registers that leave a shard (its last stage's ``forward_out`` packet and its first stage's
-``backward_out`` cotangent) sit at the same place on every device, so every device cuts its
-outgoing message the same way.
+``backward_out`` cotangent) sit at the same place on every device, so every device cuts its outgoing
+message the same way.
 
 A cotangent held by a data replica is the gradient of the *replica's* mean loss, ``data`` times the
 gradient of the whole micro-batch's mean loss that the single-device state holds;
