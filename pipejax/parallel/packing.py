@@ -209,62 +209,66 @@ def write_tree(buffers, placement: _Placement, tree, skip=()):
 
 
 def ring_windows(buffers, placement: _Placement, tree, tick, plan: Packing):
-  """What one tick writes into each delay-line buffer: ``{key: (rows, starts)}``, one row per
-  stage whose line lies there, written in order (:func:`write_windows`).
+  """What one tick writes into each delay-line buffer: ``{key: [(window, start), ...]}``, one
+  window per stage whose line lies there, written in order (:func:`write_windows`).
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
   (``pipejax.core.parts.advance_parts`` with ``TickOptions(delay_line_entries=True)``): a single
   stage's goes to slot ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`), a stack's
-  to one slot per stage (:meth:`pipejax.core.parts.Rings.write`). In a 1-D buffer each row is a
-  window of ``plan.ring_widths[key]`` elements: the entry, then the buffer's own elements up to
-  the window's width (a shard whose slots are narrower than another's keeps what follows as it
-  was, and a stage's row written after it rewrites its own slot). A buffer carried in its leaf's
-  own shape (``Packing.carry_shapes``) gets the entries as rows, ``starts`` their slot indices.
-  Every shard gives ``plan.ring_rows[key]`` rows: a shard with fewer stages there first rewrites
-  the buffer's first window as it was, as does one that holds none of its delay lines.
+  to one slot per stage (:meth:`pipejax.core.parts.Rings.write`). In a 1-D buffer each window has
+  ``plan.ring_widths[key]`` elements: the entry, then the buffer's own elements up to the window's
+  width (a shard whose slots are narrower than another's keeps what follows as it was, and a
+  stage's window written after it rewrites its own slot). A buffer carried in its leaf's own shape
+  (``Packing.carry_shapes``) gets the entries themselves, and ``start`` is the slot's index. Every
+  shard gives ``plan.ring_rows[key]`` windows: a shard with fewer stages there first rewrites the
+  buffer's first window as it was, as does one that holds none of its delay lines.
   """
   windows = {}
   for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(tree)):
     if slot.key in plan.ring_widths:
-      windows[slot.key] = _rows(buffers[slot.key], slot, leaf, tick, plan.ring_widths[slot.key])
+      windows[slot.key] = _windows(buffers[slot.key], slot, leaf, tick,
+                                   plan.ring_widths[slot.key])
   for key, rows in plan.ring_rows.items():
-    buffer = buffers[key]
-    kept = buffer[0] if buffer.ndim > 1 else jax.lax.slice_in_dim(buffer, 0, plan.ring_widths[key])
-    values, starts = windows.get(key, (kept[None][:0], jnp.zeros((0,), jnp.int32)))
-    pad = rows - values.shape[0]
-    windows[key] = (jnp.concatenate([jnp.broadcast_to(kept, (pad,) + kept.shape), values]),
-                    jnp.concatenate([jnp.zeros((pad,), jnp.int32), starts.astype(jnp.int32)]))
+    own = windows.get(key, [])
+    if len(own) < rows:
+      buffer = buffers[key]
+      kept = (buffer[0] if buffer.ndim > 1
+              else jax.lax.slice_in_dim(buffer, 0, plan.ring_widths[key]))
+      windows[key] = [(kept, jnp.zeros((), jnp.int32))] * (rows - len(own)) + own
   return windows
 
 
-def _rows(buffer, slot: _Slot, entries, tick, width: int):
-  """``(rows, starts)`` of the entries a tick writes into ``slot``'s delay line (or rings)."""
-  if slot.role.rings is None:  # a single stage's line: a ring of its own
-    rings, entries = parts.Rings((0,), (slot.shape[0],)), entries[None]
+def _windows(buffer, slot: _Slot, entries, tick, width: int) -> list:
+  """The ``(window, start)`` of each entry a tick writes into ``slot``'s line (or rings)."""
+  if slot.role.rings is None:  # a single stage's line
+    rows, starts = [entries], [tick % slot.shape[0]]
   else:
     rings = slot.role.rings
-  positions = jnp.asarray(rings.offsets) + tick % jnp.asarray(rings.lengths)
+    rows = [entries[i] for i in range(len(rings.offsets))]
+    starts = [offset + tick % length for offset, length in zip(rings.offsets, rings.lengths)]
   if buffer.ndim > 1:
-    return entries, positions
-  row = slot.size // slot.shape[0]
-  starts = slot.offset + positions * row
-  values = entries.reshape(len(rings.offsets), row)
-  if width > row:
-    kept = [jax.lax.dynamic_slice_in_dim(buffer, start + row, width - row) for start in starts]
-    values = jnp.concatenate([values, jnp.stack(kept)], axis=1)
-  return values, starts
+    return list(zip(rows, starts))
+  size = slot.size // slot.shape[0]
+  windows = []
+  for row, index in zip(rows, starts):
+    start = slot.offset + index * size
+    row = row.reshape(-1)
+    if width > size:
+      row = jnp.concatenate([row, jax.lax.dynamic_slice_in_dim(buffer, start + size, width - size)])
+    windows.append((row, start))
+  return windows
 
 
 def write_windows(buffers, windows):
-  """Writes :func:`ring_windows`' rows in place, in order."""
+  """Writes :func:`ring_windows`' windows in place, in order."""
   buffers = dict(buffers)
-  for key, (rows, starts) in windows.items():
+  for key, pairs in windows.items():
     buffer = buffers[key]
-    for i in range(rows.shape[0]):
+    for window, start in pairs:
       if buffer.ndim > 1:
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, rows[i], starts[i], 0)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, window, start, 0)
       else:
-        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, rows[i], starts[i], 0)
+        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, window, start, 0)
     buffers[key] = buffer
   return buffers
 
