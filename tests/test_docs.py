@@ -447,6 +447,14 @@ def test_readme_is_an_entry_page_not_a_logbook():
   assert sum(1 for line in lines if line.startswith("|---")) == 1
 
 
+def test_no_reference_page_is_over_five_hundred_lines():
+  # Reference pages stay readable; what grows with measurements lives in generated reports
+  # (docs/studies/*/report.md, docs/benchmarks/README.md), which this leaves out.
+  long = {os.path.basename(path): n for path in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+          if (n := len(read(os.path.relpath(path, ROOT)).splitlines())) > 500}
+  assert not long, f"Split or trim these pages to at most 500 lines: {long}"
+
+
 def test_ci_runs_exactly_the_readme_test_command():
   readme = read("README.md")
   ci = read(os.path.join(".ci", "run"))
