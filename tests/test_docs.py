@@ -127,6 +127,10 @@ def test_the_module_map_names_every_module_of_the_package():
   presets = {f"methods.{name}" for name in methods.METHODS}  # the row `methods.NAME` names them
   missing = sorted(modules - named - presets)
   assert not missing, f"docs/architecture.md §2 does not name {missing}: give each its one job"
+  # And every row names a module that exists: the map never keeps one that was moved or removed.
+  rows = set(re.findall(r"^\| `([\w.]+)` \|", text[start:text.index("\n## ", start)], re.M))
+  stale = sorted(rows - modules - {"methods.NAME"})
+  assert not stale, f"docs/architecture.md §2 has rows for modules that do not exist: {stale}"
 
 
 # ----------------------------------------------------------------------------- commands
