@@ -1,0 +1,181 @@
+"""The mechanism grid in one report: does the weight mismatch order the methods as their loss does?
+
+``scripts/mechanism.py`` writes one ``mechanism.jsonl`` per run (a method at one β1): per measured
+tick and stage, the mismatch ``|w_fwd - w_bwd| / |w_bwd|`` and the cosine between the delayed and
+the current gradient (``pipejax.analysis.mechanism``). This module reads every run under a
+directory and gives:
+
+* per run, the mismatch and cosine averaged over the measured ticks of each stage, then over the
+  stages (:func:`run_summaries`);
+* per β1, the methods ordered by that mismatch beside their final loss from study records of the
+  same network, depth and rate (:func:`losses`), with Kendall's tau between the two orders and its
+  two-sided p-value (:func:`orderings`): does the mismatch ordering predict the loss ordering;
+* a figure, each stage's mean mismatch and cosine against its delay, one line per method and one
+  column of panels per β1 (:func:`plot`).
+
+With four methods a β1, tau is a statement about n = 4 (p can be no smaller than 0.083 for a
+perfect agreement); the report says n with every tau.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+from scipy import stats
+
+from pipejax import files, plotting
+
+BITS_PER_NAT = 1 / math.log(2)
+
+
+class MechanismReportError(ValueError):
+  """A directory without mechanism records, or records that cannot be summarised."""
+
+
+def load(directory: str) -> list[dict]:
+  """Every record of every ``*/mechanism.jsonl`` under ``directory``."""
+  paths = sorted(glob.glob(os.path.join(directory, "*", "mechanism.jsonl")))
+  if not paths:
+    raise MechanismReportError(
+        f"No */mechanism.jsonl under {directory}: run scripts/mechanism.py with "
+        f"--output_dir={directory}/NAME for each method and β1 first.")
+  records = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      records.extend(json.loads(line) for line in f if line.strip())
+  return records
+
+
+def _stage_means(rows: Iterable[dict], key: str) -> dict[int, float]:
+  by_stage: dict[int, list[float]] = {}
+  for r in rows:
+    by_stage.setdefault(r["stage"], []).append(r[key])
+  return {s: float(np.nanmean(v)) for s, v in sorted(by_stage.items())}
+
+
+def run_summaries(records: Sequence[dict]) -> list[dict]:
+  """One row per (method, β1): its stages' mean mismatch and cosine, averaged over the stages.
+
+  ``mismatch`` averages the stages that have one (the last stage's is 0 by construction and
+  counts); ``cosine_min`` is the lowest stage mean, and ``worst_stage`` that stage.
+  """
+  runs: dict[tuple[str, float], list[dict]] = {}
+  for r in records:
+    runs.setdefault((r["method"], float(r["momentum"])), []).append(r)
+  rows = []
+  for (method, momentum), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    mismatch, cosine = _stage_means(rs, "mismatch"), _stage_means(rs, "cosine")
+    worst = min(cosine, key=cosine.get)
+    rows.append({"method": method, "momentum": momentum, "stages": len(mismatch),
+                 "lr": rs[0].get("lr"), "num_stages": rs[0].get("num_stages"),
+                 "mismatch": float(np.mean(list(mismatch.values()))),
+                 "cosine": float(np.mean(list(cosine.values()))),
+                 "cosine_min": cosine[worst], "worst_stage": worst})
+  return rows
+
+
+def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tuple, list[float]]:
+  """Final validation loss in bits per byte of each (method, β1), one entry per finished run of
+  ``num_stages`` stages at rate ``lr`` in the study records ``result_paths``."""
+  found: dict[tuple, list[float]] = {}
+  for path in result_paths:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if not line.strip():
+          continue
+        r = json.loads(line)
+        if (r.get("status") != "finished" or r.get("num_stages") != num_stages
+            or not math.isclose(r.get("learning_rate", math.nan), lr)):
+          continue
+        found.setdefault((r["method"], float(r["momentum"])), []).append(
+            r["test_loss"] * BITS_PER_NAT)
+  return found
+
+
+def orderings(summaries: Sequence[dict], run_losses: dict[tuple, list[float]]) -> list[dict]:
+  """Per β1, the methods with both a mismatch and a loss, ordered by mismatch, and Kendall's tau
+  between mismatch and mean loss (None with fewer than 3 methods)."""
+  out = []
+  for momentum in sorted({row["momentum"] for row in summaries}):
+    methods = [dict(row, loss=float(np.mean(run_losses[row["method"], momentum])),
+                    seeds=len(run_losses[row["method"], momentum]))
+               for row in summaries
+               if row["momentum"] == momentum and (row["method"], momentum) in run_losses]
+    methods.sort(key=lambda row: row["mismatch"])
+    tau = p = None
+    if len(methods) >= 3:
+      result = stats.kendalltau([m["mismatch"] for m in methods], [m["loss"] for m in methods])
+      tau, p = float(result.statistic), float(result.pvalue)
+    out.append({"momentum": momentum, "methods": methods, "tau": tau, "p": p})
+  return out
+
+
+def plot(records: Sequence[dict], path: str) -> None:
+  """Each stage's mean mismatch (top) and cosine (bottom) against its delay, a line per method and
+  a column per β1."""
+  momenta = sorted({float(r["momentum"]) for r in records})
+  plt = plotting.pyplot()
+  fig, axes = plt.subplots(2, len(momenta), figsize=(4.5 * len(momenta), 6.5), squeeze=False)
+  for column, momentum in enumerate(momenta):
+    top, bottom = axes[0][column], axes[1][column]
+    for method in sorted({r["method"] for r in records if r["momentum"] == momentum}):
+      rows = [r for r in records if r["method"] == method and r["momentum"] == momentum]
+      delay = {r["stage"]: r["delay"] for r in rows}
+      mismatch, cosine = _stage_means(rows, "mismatch"), _stage_means(rows, "cosine")
+      top.plot([delay[s] for s in mismatch], list(mismatch.values()), marker="o", ms=2,
+               label=method)
+      bottom.plot([delay[s] for s in cosine], list(cosine.values()), marker="o", ms=2,
+                  label=method)
+    top.set_title(f"β1 = {momentum:g}")
+    top.set_yscale("log")
+    bottom.axhline(1.0, color="0.6", lw=0.8, ls=":")
+    bottom.set_xlabel("stage delay D_s")
+    top.legend(fontsize=7)
+  axes[0][0].set_ylabel("mean ‖w_fwd − w_bwd‖ / ‖w_bwd‖")
+  axes[1][0].set_ylabel("mean cos(delayed, current gradient)")
+  plotting.save(fig, path)
+
+
+def _number(value, digits: int = 3) -> str:
+  return "—" if value is None else f"{value:.{digits}g}"
+
+
+def report(directory: str, result_paths: Sequence[str]) -> str:
+  """The markdown report of the runs under ``directory`` (and ``mechanism.png`` written there)."""
+  records = load(directory)
+  summaries = run_summaries(records)
+  run_losses = losses(result_paths, summaries[0]["num_stages"], summaries[0]["lr"])
+  plot(records, os.path.join(directory, "mechanism.png"))
+  lines = [
+      "# The delay's mechanism per stage", "",
+      "Generated by `python scripts/mechanism_report.py` from each run's `mechanism.jsonl` "
+      "(`scripts/mechanism.py`); do not edit by hand.", "",
+      f"{len(summaries)} runs, {summaries[0]['num_stages']} stages, rate {summaries[0]['lr']:g}. "
+      "Mismatch: ‖w_fwd − w_bwd‖ / ‖w_bwd‖; cosine: between the delayed gradient a stage "
+      "applies and the gradient at the current weights on the same sample. Each is averaged "
+      "over a stage's measured ticks, then over the stages.", "",
+      "| method | β1 | mismatch | cosine | lowest stage cosine (stage) |", "|---|---|---|---|---|"]
+  for row in summaries:
+    lines.append(f"| {row['method']} | {row['momentum']:g} | {_number(row['mismatch'])} | "
+                 f"{_number(row['cosine'])} | {_number(row['cosine_min'])} "
+                 f"({row['worst_stage']}) |")
+  lines += ["", "## Does the mismatch ordering predict the loss ordering?", "",
+            "Final validation loss (bits per byte, mean over the finished runs of the same "
+            "network, depth and rate in " + ", ".join(f"`{p}`" for p in result_paths) + "), the "
+            "methods "
+            "ordered by mismatch; Kendall's tau between the two orders, two-sided p.", ""]
+  for block in orderings(summaries, run_losses):
+    names = ", ".join(f"{m['method']} ({_number(m['mismatch'])}; {m['loss']:.2f} bits, "
+                      f"n = {m['seeds']})" for m in block["methods"]) or "no method with a loss"
+    verdict = ("fewer than 3 methods with a loss: no test" if block["tau"] is None else
+               f"tau = {block['tau']:.2f}, p = {block['p']:.2g}, n = {len(block['methods'])}")
+    lines.append(f"- β1 = {block['momentum']:g}: {names}. {verdict}.")
+  lines += ["", "![mismatch and cosine by stage](mechanism.png)", ""]
+  text = "\n".join(lines)
+  files.write(os.path.join(directory, "report.md"), text)
+  return text
