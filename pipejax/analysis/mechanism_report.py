@@ -89,10 +89,12 @@ def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tupl
         if not line.strip():
           continue
         r = json.loads(line)
-        if (r.get("status") != "finished" or r.get("num_stages") != num_stages
+        # A study record names its method among its grid's overrides or its fixed settings.
+        method = {**r.get("fixed", {}), **r.get("overrides", {})}.get("method")
+        if (method is None or r.get("status") != "finished" or r.get("num_stages") != num_stages
             or not math.isclose(r.get("learning_rate", math.nan), lr)):
           continue
-        found.setdefault((r["method"], float(r["momentum"])), []).append(
+        found.setdefault((method, float(r["momentum"])), []).append(
             r["test_loss"] * BITS_PER_NAT)
   return found
 

@@ -41,19 +41,21 @@ def test_a_runs_summary_averages_each_stage_then_the_stages():
   np.testing.assert_allclose(row["cosine_min"], 0.5)
 
 
+def _study_record(method, num_stages=3, lr=1e-3, status="finished", test_loss=2.0, fixed=False):
+  """A record as scripts/study.py writes it: the method among the overrides or fixed settings."""
+  where = {"method": method, "seed": 0}
+  return {"overrides": {} if fixed else where, "fixed": where if fixed else {},
+          "num_stages": num_stages, "learning_rate": lr, "momentum": 0.9, "status": status,
+          "test_loss": test_loss}
+
+
 def test_losses_keep_finished_runs_of_the_same_depth_and_rate_in_bits(tmp_path):
   path = tmp_path / "results.jsonl"
-  rows = [
-      {"method": "pb", "momentum": 0.9, "num_stages": 3, "learning_rate": 1e-3,
-       "status": "finished", "test_loss": 2.0},
-      {"method": "pb", "momentum": 0.9, "num_stages": 3, "learning_rate": 1e-3,
-       "status": "finished", "test_loss": 3.0},
-      {"method": "pb", "momentum": 0.9, "num_stages": 3, "learning_rate": 1e-3,
-       "status": "diverged", "test_loss": 9.0},
-      {"method": "pb", "momentum": 0.9, "num_stages": 8, "learning_rate": 1e-3,
-       "status": "finished", "test_loss": 9.0},
-      {"method": "pb", "momentum": 0.9, "num_stages": 3, "learning_rate": 2e-3,
-       "status": "finished", "test_loss": 9.0}]
+  rows = [_study_record("pb", test_loss=2.0), _study_record("pb", test_loss=3.0, fixed=True),
+          _study_record("pb", status="diverged", test_loss=9.0),
+          _study_record("pb", num_stages=8, test_loss=9.0),
+          _study_record("pb", lr=2e-3, test_loss=9.0),
+          {**_study_record("pb"), "overrides": {}, "fixed": {}}]  # no method: not a method's
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   found = mechanism_report.losses([str(path)], 3, 1e-3)
   np.testing.assert_allclose(found["pb", 0.9], [2.0 / math.log(2), 3.0 / math.log(2)])
@@ -81,9 +83,7 @@ def test_the_report_and_its_figure_are_written_beside_the_runs(tmp_path):
   _write_run(directory, "pb_sc_b1_0.9", _records("pb_sc", 0.9, [0.6, 0.3, 0.0], [0.4, 0.6, 0.9]))
   _write_run(directory, "pb_b1_0.99", _records("pb", 0.99, [0.1, 0.1, 0.0], [0.8, 0.8, 0.9]))
   results = tmp_path / "results.jsonl"
-  results.write_text(json.dumps({"method": "pb", "momentum": 0.9, "num_stages": 3,
-                                 "learning_rate": 1e-3, "status": "finished",
-                                 "test_loss": 2.0}) + "\n")
+  results.write_text(json.dumps(_study_record("pb")) + "\n")
   text = mechanism_report.report(directory, [str(results)])
   assert os.path.getsize(os.path.join(directory, "mechanism.png")) > 0
   with open(os.path.join(directory, "report.md"), encoding="utf-8") as f:
