@@ -303,9 +303,7 @@ class StackedPipeline(Runner):
           parts.Rings.of(pipeline.delays[start:stop]),
           inits[0] if together else None,
           np.stack([p.salts for p in inits]) if together else None)
-    self.parts = tuple(
-        parts.Part(start, stop, self._stacks[start].rings) if start in self._stacks
-        else parts.Part(start, stop) for start, stop in self.part_spans)
+    self.parts = shard_parts(self.part_spans, pipeline.delays, 0, pipeline.num_stages)
     self._jit_tick, self._jit_run, self._jit_run_full = self._compile()
     self._jit_to_logical = self._unstack  # not jitted whole: see _unstack
     self._jit_from_logical = jax.jit(self._stack)
