@@ -20,11 +20,19 @@ before:
    pipeline
    (``--where=method=muon``: ``pb_muon``'s parameter split as one stage) at the same three rates.
    The lowest run of this phase is the baseline of every gap, whatever its optimizer.
+2. methods at b1 0.9, b2 0.99, seed 0: PB, PB + SC, PB + SC + LWP, PipeOptim, PB + error
+   feedback and the Nesterov AsyncPP preset at the rates 1e-4, 3e-4 and 1e-3 (lm_depth put their
+   best between 3e-5 and 6e-4); PB + Muon and PB + Muon + SC + LWP at Muon's rates 1e-3, 2e-3 and
+   4e-3; Nesterov AsyncPP as its authors released it at their b1 0.99, b2 0.999 and the Adam
+   rates. A method's pilot is ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
+   The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
+   of its best.
 
 Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers at a time on
 a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
 shared with other work (this study's), so the baselines phase (27 runs) takes 3 to 13 hours there
-with ``--parallel=2``. The later phases (methods at each usable beta setting, rate sweeps,
+with ``--parallel=2``. A pipelined 32-stage run took 575 to 1,540 s there (lm_depth's), PB +
+Muon 1,933 to 5,067 s, so the methods phase (27 runs) takes about 4 to 8 hours. The later phases (methods at each usable beta setting, rate sweeps,
 five paired seeds of the final table, the MLP at 128 and 256 stages) bring the study to about 22
 hours on this CPU; the docstring grows with each phase as it is added.
 
@@ -41,6 +49,9 @@ WIDTH = 64
 BETAS = tuple((b1, b2) for b1 in (0.9, 0.99, 0.999) for b2 in (0.99, 0.999, 0.9999)
               if b1 * b1 < b2)
 BASELINE_RATES = (1e-3, 2e-3, 4e-3)
+ADAM_METHODS = ("pb", "pb_sc", "pb_sc_lwp", "pipeoptim", "pb_error_feedback", "nesterov_asyncpp")
+ADAM_METHOD_RATES = (1e-4, 3e-4, 1e-3)
+MUON_METHODS = ("pb_muon", "pb_muon_sc_lwp")
 BITS_PER_NAT = 1 / math.log(2)
 MARGIN = 0.02 / BITS_PER_NAT  # 0.02 bits per byte, in the metric's nats
 BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
@@ -61,6 +72,14 @@ def _muon_baselines(seeds=(0,)) -> list[dict]:
            **_betas(0.9, 0.99), "reference.lr": BASELINE_RATES, "seed": tuple(seeds)}]
 
 
+def _methods(seeds=(0,)) -> list[dict]:
+  net = {"model_kwargs.blocks": (BLOCKS,), "model_kwargs.width": (WIDTH,), "seed": tuple(seeds)}
+  return [{**net, "method": ADAM_METHODS, **_betas(0.9, 0.99), "reference.lr": ADAM_METHOD_RATES},
+          {**net, "method": MUON_METHODS, **_betas(0.9, 0.99), "reference.lr": BASELINE_RATES},
+          {**net, "method": ("nesterov_asyncpp_released",), **_betas(0.99, 0.999),
+           "reference.lr": ADAM_METHOD_RATES}]
+
+
 def get_study(arg: str | None = None) -> Study:
   if arg == "smoke":
     grids = [{"method": ("sgd",), **_betas(b1, b2), "seed": (0,)}
@@ -73,7 +92,7 @@ def get_study(arg: str | None = None) -> Study:
   if arg:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
   return Study(
-      name="lm regime", config="configs/char_lm.py", grids=_baselines() + _muon_baselines(),
+      name="lm regime", config="configs/char_lm.py", grids=_baselines() + _muon_baselines() + _methods(),
       baseline={"method": "sgd"}, margin=MARGIN,
       labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1",
               "reference.b2": "b2"},
@@ -82,4 +101,7 @@ def get_study(arg: str | None = None) -> Study:
                     where=(("method", "sgd"),), **BITS),
               Table("Muon without a pipeline (b1 0.9, b2 0.99 for its AdamW leaves): validation "
                     "bits per byte by rate", rows="reference.lr", columns="method", kind="cells",
-                    where=(("method", "muon"),), **BITS)])
+                    where=(("method", "muon"),), **BITS),
+              Table("Pipelined methods at 32 stages: validation bits per byte by betas and rate, "
+                    "beside Adam's and Muon's", rows="reference.lr", columns="method",
+                    kind="cells", **BITS)])
