@@ -26,15 +26,18 @@ before:
    4e-3; Nesterov AsyncPP as its authors released it at their b1 0.99, b2 0.999 and the Adam
    rates. A method's pilot is ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
    The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
-   of its best.
+   of its best. The mechanism grid's other settings (PB, PB + SC, PB + SC + LWP and PipeOptim at
+   b1 0.99, b2 0.999 and b1 0.999, b2 0.9999, rate 1e-3) are trained to the end too, so that its
+   report can set their mismatch beside their loss at every b1.
 
 Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers at a time on
 a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
 shared with other work (this study's), so the baselines phase (27 runs) takes 3 to 13 hours there
 with ``--parallel=2``. A pipelined 32-stage run took 575 to 1,540 s there (lm_depth's), PB +
-Muon 1,933 to 5,067 s, so the methods phase (27 runs) takes about 4 to 8 hours. The later phases (methods at each usable beta setting, rate sweeps,
-five paired seeds of the final table, the MLP at 128 and 256 stages) bring the study to about 22
-hours on this CPU; the docstring grows with each phase as it is added.
+Muon 1,933 to 5,067 s, so the methods phase (35 runs) takes about 5 to 10 hours. The later
+phases (methods at each usable beta setting, five paired seeds of the final table, the MLP at 128
+and 256 stages) bring the study to about 25 hours on this CPU; the docstring grows with each
+phase as it is added.
 
 ``:smoke`` runs the 4-stage smoke network on 1,500 sequences: Adam without a pipeline at two beta
 settings and PB, one seed each (CI).
@@ -52,6 +55,9 @@ BASELINE_RATES = (1e-3, 2e-3, 4e-3)
 ADAM_METHODS = ("pb", "pb_sc", "pb_sc_lwp", "pipeoptim", "pb_error_feedback", "nesterov_asyncpp")
 ADAM_METHOD_RATES = (1e-4, 3e-4, 1e-3)
 MUON_METHODS = ("pb_muon", "pb_muon_sc_lwp")
+# The mechanism grid's (scripts/mechanism.py) other settings, trained to the end for their losses.
+MECHANISM_METHODS = ("pb", "pb_sc", "pb_sc_lwp", "pipeoptim")
+MECHANISM_BETAS = ((0.99, 0.999), (0.999, 0.9999))
 BITS_PER_NAT = 1 / math.log(2)
 MARGIN = 0.02 / BITS_PER_NAT  # 0.02 bits per byte, in the metric's nats
 BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
@@ -77,7 +83,9 @@ def _methods(seeds=(0,)) -> list[dict]:
   return [{**net, "method": ADAM_METHODS, **_betas(0.9, 0.99), "reference.lr": ADAM_METHOD_RATES},
           {**net, "method": MUON_METHODS, **_betas(0.9, 0.99), "reference.lr": BASELINE_RATES},
           {**net, "method": ("nesterov_asyncpp_released",), **_betas(0.99, 0.999),
-           "reference.lr": ADAM_METHOD_RATES}]
+           "reference.lr": ADAM_METHOD_RATES}] + [
+              {**net, "method": MECHANISM_METHODS, **_betas(b1, b2), "reference.lr": (1e-3,)}
+              for b1, b2 in MECHANISM_BETAS]
 
 
 def get_study(arg: str | None = None) -> Study:
