@@ -100,7 +100,8 @@ def get_study(arg: str | None = None) -> Study:
   if arg:
     raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
   return Study(
-      name="lm regime", config="configs/char_lm.py", grids=_baselines() + _muon_baselines() + _methods(),
+      name="lm regime", config="configs/char_lm.py",
+      grids=_baselines() + _muon_baselines() + _methods(),
       baseline={"method": "sgd"}, margin=MARGIN,
       labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1",
               "reference.b2": "b2"},
