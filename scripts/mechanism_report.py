@@ -2,7 +2,7 @@ r"""The mechanism grid's report (``pipejax.analysis.mechanism_report``); trains 
 
     python scripts/mechanism_report.py
     python scripts/mechanism_report.py --dir=docs/studies/mechanism \
-        --results=docs/studies/lm_depth/results.jsonl,docs/studies/lm_regime/results.jsonl
+        --results=docs/studies/lm_regime/results.jsonl,docs/studies/lm_depth/results.jsonl
 
 Reads every ``mechanism.jsonl`` one level under ``--dir`` (each written by ``scripts/mechanism.py
 --output_dir=DIR/NAME``, one method at one β1) and the study records ``--results`` that give each
@@ -30,8 +30,9 @@ from pipejax.analysis import mechanism_report
 
 _DIR = flags.DEFINE_string("dir", "docs/studies/mechanism", "The runs' parent directory.")
 _RESULTS = flags.DEFINE_list(
-    "results", ["docs/studies/lm_depth/results.jsonl", "docs/studies/lm_regime/results.jsonl"],
-    "Study records with the methods' final losses; those that do not exist are skipped.")
+    "results", ["docs/studies/lm_regime/results.jsonl", "docs/studies/lm_depth/results.jsonl"],
+    "Study records with the methods' final losses, in order of preference: a method's losses at "
+    "a b1 come from the first that has it; those that do not exist are skipped.")
 
 
 def main(argv):

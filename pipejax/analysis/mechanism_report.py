@@ -23,7 +23,7 @@ import glob
 import json
 import math
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 from scipy import stats
@@ -79,11 +79,22 @@ def run_summaries(records: Sequence[dict]) -> list[dict]:
   return rows
 
 
-def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tuple, list[float]]:
+class Losses(NamedTuple):
+  """A method's final validation losses at one β1, in bits per byte, and the records they are
+  from."""
+
+  bits: list[float]
+  source: str
+
+
+def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tuple, Losses]:
   """Final validation loss in bits per byte of each (method, β1), one entry per finished run of
-  ``num_stages`` stages at rate ``lr`` in the study records ``result_paths``."""
-  found: dict[tuple, list[float]] = {}
+  ``num_stages`` stages at rate ``lr``, all from one of the study records ``result_paths``: the
+  first that has the (method, β1). Studies trained on different data or from different weights
+  are not averaged together."""
+  found: dict[tuple, Losses] = {}
   for path in result_paths:
+    here: dict[tuple, Losses] = {}
     with open(path, encoding="utf-8") as f:
       for line in f:
         if not line.strip():
@@ -94,18 +105,21 @@ def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tupl
         if (method is None or r.get("status") != "finished" or r.get("num_stages") != num_stages
             or not math.isclose(r.get("learning_rate", math.nan), lr)):
           continue
-        found.setdefault((method, float(r["momentum"])), []).append(
+        here.setdefault((method, float(r["momentum"])), Losses([], path)).bits.append(
             r["test_loss"] * BITS_PER_NAT)
+    for key, value in here.items():
+      found.setdefault(key, value)
   return found
 
 
-def orderings(summaries: Sequence[dict], run_losses: dict[tuple, list[float]]) -> list[dict]:
+def orderings(summaries: Sequence[dict], run_losses: dict[tuple, Losses]) -> list[dict]:
   """Per β1, the methods with both a mismatch and a loss, ordered by mismatch, and Kendall's tau
   between mismatch and mean loss (None with fewer than 3 methods)."""
   out = []
   for momentum in sorted({row["momentum"] for row in summaries}):
-    methods = [dict(row, loss=float(np.mean(run_losses[row["method"], momentum])),
-                    seeds=len(run_losses[row["method"], momentum]))
+    methods = [dict(row, loss=float(np.mean(run_losses[row["method"], momentum].bits)),
+                    seeds=len(run_losses[row["method"], momentum].bits),
+                    source=run_losses[row["method"], momentum].source)
                for row in summaries
                if row["momentum"] == momentum and (row["method"], momentum) in run_losses]
     methods.sort(key=lambda row: row["mismatch"])
@@ -143,6 +157,11 @@ def plot(records: Sequence[dict], path: str) -> None:
   plotting.save(fig, path)
 
 
+def _study_name(path: str) -> str:
+  """A study's name from its records' path: the workdir's name."""
+  return os.path.basename(os.path.dirname(os.path.abspath(path)))
+
+
 def _number(value, digits: int = 3) -> str:
   return "—" if value is None else f"{value:.{digits}g}"
 
@@ -168,12 +187,15 @@ def report(directory: str, result_paths: Sequence[str]) -> str:
                  f"({row['worst_stage']}) |")
   lines += ["", "## Does the mismatch ordering predict the loss ordering?", "",
             "Final validation loss (bits per byte, mean over the finished runs of the same "
-            "network, depth and rate in " + ", ".join(f"`{p}`" for p in result_paths) + "), the "
-            "methods "
-            "ordered by mismatch; Kendall's tau between the two orders, two-sided p.", ""]
+            "depth and rate), each method's from the first of "
+            + ", ".join(f"`{p}`" for p in result_paths) + " that has it at that β1 (a study's "
+            "runs are not averaged with another's, trained on other data or from other weights); "
+            "the methods ordered by mismatch; Kendall's tau between the two orders, two-sided p.",
+            ""]
   for block in orderings(summaries, run_losses):
     names = ", ".join(f"{m['method']} ({_number(m['mismatch'])}; {m['loss']:.2f} bits, "
-                      f"n = {m['seeds']})" for m in block["methods"]) or "no method with a loss"
+                      f"n = {m['seeds']}, {_study_name(m['source'])})"
+                      for m in block["methods"]) or "no method with a loss"
     verdict = ("fewer than 3 methods with a loss: no test" if block["tau"] is None else
                f"tau = {block['tau']:.2f}, p = {block['p']:.2g}, n = {len(block['methods'])}")
     lines.append(f"- β1 = {block['momentum']:g}: {names}. {verdict}.")

@@ -58,22 +58,39 @@ def test_losses_keep_finished_runs_of_the_same_depth_and_rate_in_bits(tmp_path):
           {**_study_record("pb"), "overrides": {}, "fixed": {}}]  # no method: not a method's
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   found = mechanism_report.losses([str(path)], 3, 1e-3)
-  np.testing.assert_allclose(found["pb", 0.9], [2.0 / math.log(2), 3.0 / math.log(2)])
-  assert list(found) == [("pb", 0.9)]
+  np.testing.assert_allclose(found["pb", 0.9].bits, [2.0 / math.log(2), 3.0 / math.log(2)])
+  assert list(found) == [("pb", 0.9)] and found["pb", 0.9].source == str(path)
+
+
+def test_a_methods_losses_come_from_the_first_study_that_has_it(tmp_path):
+  """Two studies trained on other data are never averaged: the first path with the (method, b1)
+  gives all its losses, a later one only the keys the earlier ones lack."""
+  first, second = tmp_path / "lm_regime.jsonl", tmp_path / "lm_depth.jsonl"
+  first.write_text(json.dumps(_study_record("pb", test_loss=2.0)) + "\n")
+  second.write_text("".join(json.dumps(r) + "\n" for r in (
+      _study_record("pb", test_loss=5.0), _study_record("pb", test_loss=6.0),
+      _study_record("pb_sc", test_loss=4.0))))
+  found = mechanism_report.losses([str(first), str(second)], 3, 1e-3)
+  np.testing.assert_allclose(found["pb", 0.9].bits, [2.0 / math.log(2)])
+  assert found["pb", 0.9].source == str(first)
+  np.testing.assert_allclose(found["pb_sc", 0.9].bits, [4.0 / math.log(2)])
+  assert found["pb_sc", 0.9].source == str(second)
 
 
 def test_kendalls_tau_reads_agreement_and_reversal_of_the_two_orders():
   summaries = [{"method": m, "momentum": 0.9, "mismatch": v}
                for m, v in (("a", 0.1), ("b", 0.2), ("c", 0.3), ("d", 0.4))]
   agree = {("a", 0.9): [1.0], ("b", 0.9): [2.0], ("c", 0.9): [3.0], ("d", 0.9): [4.0, 4.2]}
+  agree = {key: mechanism_report.Losses(bits, "s.jsonl") for key, bits in agree.items()}
   [block] = mechanism_report.orderings(summaries, agree)
   assert [m["method"] for m in block["methods"]] == ["a", "b", "c", "d"]
   assert block["tau"] == pytest.approx(1.0)
   assert block["p"] == pytest.approx(2 / 24)  # exact: 1 of the 24 orders, both tails
   assert block["methods"][-1]["seeds"] == 2 and block["methods"][-1]["loss"] == pytest.approx(4.1)
-  reverse = {key: [-v[0]] for key, v in agree.items()}
+  reverse = {key: mechanism_report.Losses([-v.bits[0]], "s.jsonl") for key, v in agree.items()}
   assert mechanism_report.orderings(summaries, reverse)[0]["tau"] == pytest.approx(-1.0)
-  [few] = mechanism_report.orderings(summaries, {("a", 0.9): [1.0], ("b", 0.9): [2.0]})
+  two = {key: agree[key] for key in (("a", 0.9), ("b", 0.9))}
+  [few] = mechanism_report.orderings(summaries, two)
   assert few["tau"] is None and len(few["methods"]) == 2
 
 
