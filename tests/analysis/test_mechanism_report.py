@@ -36,6 +36,8 @@ def test_a_runs_summary_averages_each_stage_then_the_stages():
   [row] = mechanism_report.run_summaries(records)
   assert row["method"] == "pb" and row["momentum"] == 0.9 and row["stages"] == 3
   np.testing.assert_allclose(row["mismatch"], (0.4 + 0.2 + 0.0) / 3)
+  np.testing.assert_allclose(row["first_mismatch"], 0.4)
+  np.testing.assert_allclose(row["rest_mismatch"], (0.2 + 0.0) / 2)
   np.testing.assert_allclose(row["cosine"], (0.5 + 0.7 + 0.9) / 3)
   assert row["worst_stage"] == 0
   np.testing.assert_allclose(row["cosine_min"], 0.5)
