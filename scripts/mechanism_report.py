@@ -10,7 +10,8 @@ method's final loss at the same depth and rate, and writes ``report.md`` and ``m
 ``--dir``. The grid the default directory holds is 12 runs: ``--config.method`` in pb, pb_sc,
 pb_sc_lwp and pipeoptim, each at (b1, b2) = (0.9, 0.99), (0.99, 0.999) and (0.999, 0.9999), 32
 stages, 2,000 sequences at rate 1e-3, each written to ``docs/studies/mechanism/METHOD_b1_B1``
-(about 20 minutes a run on a shared 2-core CPU, 4 hours for the 12). The first of them:
+(7 to 8 minutes a run on a 2-core CPU beside one trainer, 22 at load 8; about 1.5 hours for the
+12 there). The first of them:
 
     python scripts/mechanism.py --config=configs/char_lm.py \
         --config.model_kwargs.blocks=30 --config.model_kwargs.width=64 \
