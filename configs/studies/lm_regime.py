@@ -17,10 +17,9 @@ before:
 1. baselines (``--where=method=sgd``): Adam without a pipeline over b1 in {0.9, 0.99, 0.999} x
    b2 in {0.99, 0.999, 0.9999} where b1² < b2 (8 settings), each at the rates 1e-3, 2e-3 and 4e-3
    (lm_depth's sweep put the 0.9 / 0.99 baseline's best at 4e-3), seed 0; and Muon without a
-   pipeline
-   (``--where=method=muon``: ``pb_muon``'s parameter split as one stage) at the same three rates
-   and at 8e-3, since the best of the three was the largest.
-   The lowest run of this phase is the baseline of every gap, whatever its optimizer.
+   pipeline (``--where=method=muon``: ``pb_muon``'s parameter split as one stage) at the same
+   three rates and at 8e-3, since the best of the three was the largest. The lowest run of this
+   phase is the baseline of every gap, whatever its optimizer.
 2. methods at b1 0.9, b2 0.99, seed 0: PB, PB + SC, PB + SC + LWP, PipeOptim, PB + error
    feedback and the Nesterov AsyncPP preset at the rates 1e-4, 3e-4 and 1e-3 (lm_depth put their
    best between 3e-5 and 6e-4); PB + Muon and PB + Muon + SC + LWP at Muon's rates 1e-3, 2e-3 and
