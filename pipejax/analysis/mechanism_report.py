@@ -73,12 +73,12 @@ def run_summaries(records: Sequence[dict]) -> list[dict]:
   for (method, momentum), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     mismatch, cosine = _stage_means(rs, "mismatch"), _stage_means(rs, "cosine")
     worst = min(cosine, key=cosine.get)
+    first, *rest = mismatch.values()  # _stage_means orders the stages
     rows.append({"method": method, "momentum": momentum, "stages": len(mismatch),
                  "lr": rs[0].get("lr"), "num_stages": rs[0].get("num_stages"),
                  "mismatch": float(np.mean(list(mismatch.values()))),
-                 "first_mismatch": mismatch[min(mismatch)],
-                 "rest_mismatch": float(np.mean([v for k, v in mismatch.items()
-                                                 if k != min(mismatch)] or [np.nan])),
+                 "first_mismatch": first,
+                 "rest_mismatch": float(np.mean(rest)) if rest else math.nan,
                  "cosine": float(np.mean(list(cosine.values()))),
                  "cosine_min": cosine[worst], "worst_stage": worst})
   return rows
@@ -122,11 +122,10 @@ def orderings(summaries: Sequence[dict], run_losses: dict[tuple, Losses]) -> lis
   between mismatch and mean loss (None with fewer than 3 methods)."""
   out = []
   for momentum in sorted({row["momentum"] for row in summaries}):
-    methods = [dict(row, loss=float(np.mean(run_losses[row["method"], momentum].bits)),
-                    seeds=len(run_losses[row["method"], momentum].bits),
-                    source=run_losses[row["method"], momentum].source)
-               for row in summaries
-               if row["momentum"] == momentum and (row["method"], momentum) in run_losses]
+    methods = [dict(row, loss=float(np.mean(found.bits)), seeds=len(found.bits),
+                    source=found.source)
+               for row in summaries if row["momentum"] == momentum
+               and (found := run_losses.get((row["method"], momentum))) is not None]
     methods.sort(key=lambda row: row["mismatch"])
     tau = p = None
     if len(methods) >= 3:
