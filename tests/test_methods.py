@@ -74,6 +74,8 @@ ORACLES.update({
 # On momentum SGD, error feedback around the heavy ball.
 ORACLES["pb_error_feedback"] = oracle.OracleMethod(
     lambda d: oracle.ErrorFeedback(oracle.Momentum(LR, M), d))
+ORACLES["pb_muon_error_feedback"] = oracle.OracleMethod(
+    lambda d: oracle.ErrorFeedback(oracle.Muon(ADAM_LR, B1, B2), d))
 
 
 def taking(name, **kwargs):

@@ -24,8 +24,10 @@ before:
    feedback and the Nesterov AsyncPP preset at the rates 1e-4, 3e-4 and 1e-3 (lm_depth put their
    best between 3e-5 and 6e-4); PB + Muon and PB + Muon + SC + LWP at Muon's rates 1e-3, 2e-3 and
    4e-3; Nesterov AsyncPP as its authors released it at their b1 0.99, b2 0.999 and the Adam
-   rates; PB + error feedback also with its trend smoothed (0.9 and 0.99) at 3e-4 and 1e-3. A
-   method's pilot is ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
+   rates; PB + error feedback also with its trend smoothed (0.9 and 0.99) at 3e-4 and 1e-3, and
+   PB + Muon + error feedback (the pairing Zmushko et al. 2026 found most robust) with the same
+   two smoothings at 2e-3. A method's pilot is ``--where=method=NAME,reference.lr=0.001``
+   (Muon's: ``0.002``).
    The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
    of its best. The mechanism grid's other settings (PB, PB + SC, PB + SC + LWP and PipeOptim at
    b1 0.99, b2 0.999 and b1 0.999, b2 0.9999, rate 1e-3) are trained to the end too, so that its
@@ -35,7 +37,7 @@ Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers 
 a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
 shared with other work (this study's), so the baselines phase (28 runs) takes 3 to 13 hours there
 with ``--parallel=2``. A pipelined 32-stage run took 575 to 1,540 s there (lm_depth's), PB +
-Muon 1,933 to 5,067 s, so the methods phase (39 runs) takes about 5 to 10 hours. The later
+Muon 1,933 to 5,067 s, so the methods phase (41 runs) takes about 5 to 10 hours. The later
 phases (methods at each usable beta setting, five paired seeds of the final table, the MLP at 128
 and 256 stages) bring the study to about 25 hours on this CPU; the docstring grows with each
 phase as it is added.
@@ -91,7 +93,10 @@ def _methods(seeds=(0,)) -> list[dict]:
            "reference.lr": ADAM_METHOD_RATES},
           {**net, "method": ("pb_error_feedback",), **_betas(0.9, 0.99),
            "reference.lr": (3e-4, 1e-3),
-           "method_kwargs.pb_error_feedback.smoothing": ERROR_FEEDBACK_SMOOTHING}] + [
+           "method_kwargs.pb_error_feedback.smoothing": ERROR_FEEDBACK_SMOOTHING},
+          {**net, "method": ("pb_muon_error_feedback",), **_betas(0.9, 0.99),
+           "reference.lr": (2e-3,),
+           "method_kwargs.pb_muon_error_feedback.smoothing": ERROR_FEEDBACK_SMOOTHING}] + [
               {**net, "method": MECHANISM_METHODS, **_betas(b1, b2), "reference.lr": (1e-3,)}
               for b1, b2 in MECHANISM_BETAS]
 
