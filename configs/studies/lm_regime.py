@@ -65,6 +65,9 @@ ERROR_FEEDBACK_SMOOTHING = (0.9, 0.99)
 # The mechanism grid's (scripts/mechanism.py) other settings, trained to the end for their losses.
 MECHANISM_METHODS = ("pb", "pb_sc", "pb_sc_lwp", "pipeoptim")
 MECHANISM_BETAS = ((0.99, 0.999), (0.999, 0.9999))
+# The lowest run of the baselines phase, the baseline of every gap: Muon's best rate (its table).
+BEST_BASELINE = {"method": "muon", "reference.lr": 4e-3, "reference.momentum": 0.9,
+                 "reference.b2": 0.99}
 BITS_PER_NAT = 1 / math.log(2)
 MARGIN = 0.02 / BITS_PER_NAT  # 0.02 bits per byte, in the metric's nats
 BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
@@ -115,7 +118,9 @@ def get_study(arg: str | None = None) -> Study:
   return Study(
       name="lm regime", config="configs/char_lm.py",
       grids=_baselines() + _muon_baselines() + _methods(),
-      baseline={"method": "sgd"}, margin=MARGIN,
+      baseline=BEST_BASELINE, margin=MARGIN,
+      baseline_name=(f"Muon without a pipeline at {BEST_BASELINE['reference.lr']:g}, the best "
+                     "baseline"),
       labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1",
               "reference.b2": "b2"},
       tables=[Table("Adam without a pipeline: validation bits per byte by betas and rate",

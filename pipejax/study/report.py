@@ -88,8 +88,16 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
   return best, (min(above) if above else None)
 
 
+def gap_cells(study: Study, records: Sequence[dict], table: Table) -> dict[tuple, Cell]:
+  """The paired gaps of the cells ``table.where`` selects, each against its baseline run among
+  *all* the records: a table of one method (``where``) still has its gaps to another's runs."""
+  selected = {without_seed(r["overrides"]) for r in select(records, table.where)}
+  return {key: cell for key, cell in gather_cells(records, table.metric, study.baseline).items()
+          if key in selected}
+
+
 def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  records = select(records, table.where)
+  everything, records = records, select(records, table.where)
   if not records:
     return "(no runs recorded yet)"
   rows = ordered(study, table.rows, axis_values(records, table.rows))
@@ -105,12 +113,13 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
                    f"{'none run' if fail is None else f'{fail:g}'} | {interval} |")
     return "\n".join(lines)
   if table.kind == "cells":
-    return _cells_table(study, records, table)
+    return _cells_table(study, records, table, gap_cells(study, everything, table))
   if table.kind == "tuned":
     return _tuned_table(study, records, table)
   if not rows or not columns:  # runs of the selection so far, but none that sets the table's axes
     return "(no runs recorded yet)"
-  cells = gather_cells(records, table.metric, study.baseline if table.kind == "gap" else None)
+  cells = (gap_cells(study, everything, table) if table.kind == "gap"
+           else gather_cells(records, table.metric))
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
   for rec in records:
@@ -141,9 +150,9 @@ def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
   return ", ".join(parts) or "(every run)"
 
 
-def _cells_table(study: Study, records: Sequence[dict], table: Table) -> str:
+def _cells_table(study: Study, records: Sequence[dict], table: Table,
+                 gaps: dict[tuple, Cell]) -> str:
   means = gather_cells(records, table.metric)
-  gaps = gather_cells(records, table.metric, study.baseline)
   points = {}
   for r in sorted(records, key=lambda r: r["overrides"].get("seed", 0)):
     if r["status"] in (FINISHED, DIVERGED):
@@ -210,8 +219,8 @@ def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
 
 def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str]:
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
+  cells = gap_cells(study, records, table)
   records = select(records, table.where)
-  cells = gather_cells(records, table.metric, study.baseline)
   baseline = table.baseline_label or study.baseline_label()
   unit = table.unit_name
   sentences = []

@@ -145,6 +145,9 @@ class Study:
       takes; the study runs the union of the grids' cartesian products.
     fixed: Overrides applied to every run.
     baseline: Overrides that select the baseline of gaps, e.g. {'method': 'sgd'}.
+    baseline_name: How the report names the baseline where its overrides' labels would not say
+      what it is, e.g. 'Muon without a pipeline at 4e-3, the best baseline'; default: the labels
+      of the baseline's values.
     tables, figures: What the report shows.
     sections: Parts of the report after the tables and figures, in order.
     min_accuracy: For 'stability' tables: a cell still trains when no seed diverged and its mean
@@ -165,6 +168,7 @@ class Study:
   grids: Sequence[dict[str, Sequence[Any]]]
   fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
   baseline: dict[str, Any] = dataclasses.field(default_factory=dict)
+  baseline_name: str = ""
   tables: Sequence[Table] = ()
   figures: Sequence[Figure] = ()
   min_accuracy: float = 0.0
@@ -195,7 +199,7 @@ class Study:
 
   def baseline_label(self) -> str:
     """How the report names the baseline of gaps, e.g. 'SGD'."""
-    return ", ".join(self.label(v) for v in self.baseline.values())
+    return self.baseline_name or ", ".join(self.label(v) for v in self.baseline.values())
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order), each

@@ -408,6 +408,33 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   assert lines[4].startswith("| SGD, per-layer rates = pipemare | 81.50 [")
 
 
+def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_named():
+  def run(method, lr, seed, loss, **extra):
+    overrides = {"reference.lr": lr, "method": method, "seed": seed, **extra}
+    return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
+            "status": study_records.FINISHED, "test_loss": loss, "initial_test_loss": 5.0,
+            "test_accuracy": 0.5, "fixed": {}, "init_digest": f"w{seed}"}
+  records = [run("muon", 0.004, s, 1.0 + s) for s in range(2)]
+  records += [run("muon", 0.002, s, 1.5 + s) for s in range(2)]
+  records += [run("pb", 0.001, s, 1.25 + s, **{"method_kwargs.pb.smoothing": 0.9})
+              for s in range(2)]
+  study = Study(name="b", config="c.py", grids=[{"method": ("muon",), "seed": (0, 1)}],
+                baseline={"method": "muon", "reference.lr": 0.004},
+                baseline_name="Muon at 4e-3, the best baseline",
+                tables=[Table("t", rows="", columns="", kind="cells", metric="test_loss")])
+  gaps = study_cells.gather_cells(records, "test_loss", study.baseline)
+  # Other rates and methods, with or without their own keys, pair with 4e-3 seed by seed.
+  assert study_cells.lookup(gaps, {"reference.lr": 0.002}).values == pytest.approx([0.5, 0.5])
+  assert study_cells.lookup(gaps, {"method": "pb"}).values == pytest.approx([0.25, 0.25])
+  assert "| gap to Muon at 4e-3, the best baseline |" in study_report.markdown_table(
+      study, records, study.tables[0])
+  # A table of one method alone still pairs with the baseline's runs, which it does not show.
+  alone = Table("pb alone", rows="", columns="", kind="cells", metric="test_loss",
+                where=(("method", "pb"),))
+  rows = study_report.markdown_table(study, records, alone).splitlines()[2:]
+  assert len(rows) == 1 and "| +25.00 [+25.00, +25.00] n=2" in rows[0]
+
+
 def test_tuned_tables_compare_each_method_at_its_best_value():
   def run(method, lr, seed, accuracy):
     overrides = {"reference.lr": lr, "method": method, "seed": seed}
