@@ -122,7 +122,8 @@ def get_study(arg: str | None = None) -> Study:
       baseline_name=(f"Muon without a pipeline at {BEST_BASELINE['reference.lr']:g}, the best "
                      "baseline"),
       labels={"sgd": "Adam, no pipeline", "muon": "Muon, no pipeline", "reference.momentum": "b1",
-              "reference.b2": "b2"},
+              "reference.b2": "b2", "method_kwargs.pb_error_feedback.smoothing": "trend smoothing",
+              "method_kwargs.pb_muon_error_feedback.smoothing": "trend smoothing"},
       tables=[Table("Adam without a pipeline: validation bits per byte by betas and rate",
                     rows="reference.lr", columns="method", kind="cells",
                     where=(("method", "sgd"),), **BITS),
