@@ -124,7 +124,7 @@ class NAdam:
   m_hat = a m / (1 - b1^(k+D+1)) + (1 - a) g / (1 - b1^(k+D)).
   """
 
-  lr: float
+  lr: float | Callable[[int], float]  # a schedule of the step's index from 0, or a number
   b1: float
   b2: float
   delay: int = 0
@@ -153,7 +153,7 @@ class NAdam:
     return [f / (np.sqrt(n / (1 - b2 ** k)) + self.eps) for f, n in zip(first, self.nu)]
 
   def step(self, w, g):
-    lr = self.lr
+    lr = self.lr(self.count) if callable(self.lr) else self.lr
     if self.anneal_steps is not None:
       lr /= max(self.delay, 1) ** (1 - min((self.count + 1) / self.anneal_steps, 1.0))
     return [wi - lr * (d + decay_of(wi, self.weight_decay, self.decay_mask))
@@ -219,9 +219,10 @@ def newton_schulz(x, steps=5, coefficients=(3.4445, -4.775, 2.0315), eps=1e-8):
 class Muon:
   """Muon on matrices (Nesterov EMA momentum, Newton-Schulz, RMS matched to Adam's: the update is
   rescaled by rms sqrt(max(rows, cols))), NAdamW on every other leaf; decoupled decay on both.
-  spike_compensation: both momenta compensated for ``delay`` as :func:`nesterov_moment` says."""
+  spike_compensation: both momenta compensated for ``delay`` as :func:`nesterov_moment` says.
+  ``lr``: a number, or a function of the step's index from 0 (a schedule)."""
 
-  lr: float
+  lr: float | Callable[[int], float]
   beta: float
   b2: float
   weight_decay: float = 0.0
@@ -250,7 +251,8 @@ class Muon:
         continue
       m_hat = nesterov_moment(m, gi, beta, k, self.delay if self.spike_compensation else 0)
       update = newton_schulz(m_hat, eps=self.eps) * self.rms * np.sqrt(max(wi.shape))
-      new_w.append(wi - self.lr * (update + self.weight_decay * wi))
+      lr = self.lr(k - 1) if callable(self.lr) else self.lr
+      new_w.append(wi - lr * (update + self.weight_decay * wi))
     return new_w
 
 

@@ -76,6 +76,17 @@ ORACLES["pb_error_feedback"] = oracle.OracleMethod(
     lambda d: oracle.ErrorFeedback(oracle.Momentum(LR, M), d))
 ORACLES["pb_muon_error_feedback"] = oracle.OracleMethod(
     lambda d: oracle.ErrorFeedback(oracle.Muon(ADAM_LR, B1, B2), d))
+ORACLES["pipedream_muon"] = oracle.OracleMethod(lambda d: oracle.Muon(ADAM_LR, B1, B2),
+                                                backward="stashed")
+
+
+def delay_warmup_rate(delay):
+  """PipeMare's rate written out: step k takes lr max(D, 1)^-(1 - min(k / K, 1))."""
+  return lambda k: ADAM_LR * max(delay, 1) ** -(1 - min(k / ANNEAL, 1.0))
+
+
+ORACLES["pb_muon_delay_warmup"] = oracle.OracleMethod(
+    lambda d: oracle.Muon(delay_warmup_rate(d), B1, B2))
 
 
 def taking(name, **kwargs):
