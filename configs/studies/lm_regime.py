@@ -29,8 +29,8 @@ before:
    two smoothings at 2e-3; and two PB + Muon variants at 2e-3, one for each part of the
    delay's harm: PipeDream + Muon (weight stashing removes the forward/backward mismatch) and
    PB + Muon with a delay warm-up (each stage's rate starts at η / D and anneals to η over the
-   first 4,000 steps, where PB + Muon makes most of its gap). A method's pilot is ``--where=method=NAME,reference.lr=0.001``
-   (Muon's: ``0.002``).
+   first 4,000 steps, where PB + Muon makes most of its gap). A method's pilot is
+   ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
    The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
    of its best. The mechanism grid's other settings (PB, PB + SC, PB + SC + LWP and PipeOptim at
    b1 0.99, b2 0.999 and b1 0.999, b2 0.9999, rate 1e-3) are trained to the end too, so that its
