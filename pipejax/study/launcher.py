@@ -521,6 +521,21 @@ def _config_keys(config, prefix: str = "") -> set[str]:
   return keys
 
 
+def _check_method_kwarg(study: study_lib.Study, key: str) -> None:
+  """Refuses a ``method_kwargs.METHOD.KEY`` grid key that the method's record does not let a
+  config set, as its trainers would."""
+  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
+  section, _, rest = key.partition(".")
+  name, _, field = rest.partition(".")
+  if section != "method_kwargs" or not field or "." in field:
+    return
+  try:
+    config_checks.check_method_key(name, field)
+  except config_checks.ConfigError as e:
+    raise study_lib.StudyError(f"Study {study.name!r}: {e} Every trainer would refuse it; "
+                               "nothing was run.") from None
+
+
 def check_config_keys(study: study_lib.Study) -> None:
   """Refuses a study whose config file cannot be loaded or whose grid or ``fixed`` keys are not
   fields of it, before any trainer starts: each trainer would otherwise fail alike, one by one.
@@ -538,6 +553,7 @@ def check_config_keys(study: study_lib.Study) -> None:
     raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
   known = _config_keys(config)
   for key in dict.fromkeys([*study.keys(), *study.fixed]):
+    _check_method_kwarg(study, key)
     if key in config_lib.RENAMED_FIELDS:
       raise study_lib.StudyError(f"Study {study.name!r}: " + config_lib.renamed_field_message(
           key, study.config))

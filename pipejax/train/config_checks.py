@@ -143,34 +143,44 @@ def _check_method_kwargs(config) -> None:
   sections = config.get("method_kwargs", None)
   for name in (sections.keys() if sections is not None else ()):
     if name not in methods_lib.RECORDS:
-      raise ConfigError(f"config.method_kwargs.{name}: there is no method {name!r}. Its keys are "
-                        f"methods' names, each holding that method's hyperparameters, e.g. "
-                        f"--config.method_kwargs.pb_sc_lwp.horizon=4. Known methods: "
-                        f"{', '.join(methods_lib.METHODS)}.")
+      check_method_key(name, "")
     if not hasattr(sections[name], "items"):
       raise ConfigError(f"config.method_kwargs.{name} must be a section of hyperparameters, e.g. "
                         f"--config.method_kwargs.{name}.KEY=VALUE; got {sections[name]!r}.")
     _check_method_section(config, name, method_section(config, name))
 
 
+def check_method_key(name: str, key: str) -> None:
+  """Refuses ``config.method_kwargs.{name}.{key}`` unless method ``name`` lets a config set
+  ``key``: one of its hyperparameters that the trainer does not set, or an annealing key."""
+  if name not in methods_lib.RECORDS:
+    raise ConfigError(f"config.method_kwargs.{name}: there is no method {name!r}. Its keys are "
+                      f"methods' names, each holding that method's hyperparameters, e.g. "
+                      f"--config.method_kwargs.pb_sc_lwp.horizon=4. Known methods: "
+                      f"{', '.join(methods_lib.METHODS)}.")
+  record = methods_lib.record_of(name)
+  annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
+  if key in annealing:
+    return
+  if key in TRAINER_SET:
+    raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
+                      f"--config.{TRAINER_SET[key].format(name=name)} instead.")
+  if key not in record.fields():
+    settable = [f for f in record.fields() if f not in TRAINER_SET] + list(annealing)
+    raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
+                      f"hyperparameter {key!r}, so nothing would read it. Its settable "
+                      f"hyperparameters are: {', '.join(settable) or 'none'}.")
+
+
 def _check_method_section(config, name: str, kwargs: dict) -> None:
   record = methods_lib.record_of(name)
   annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
-  settable = [f for f in record.fields() if f not in TRAINER_SET] + list(annealing)
   for key in kwargs:
-    if key in annealing:
-      if not 0 <= kwargs[key] <= (1 if key == "anneal_fraction" else math.inf):
-        raise ConfigError(f"config.method_kwargs.{name}.{key} must be in "
-                          f"{'[0, 1]' if key == 'anneal_fraction' else '[0, inf)'}; got "
-                          f"{kwargs[key]!r}.")
-      continue
-    if key in TRAINER_SET:
-      raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
-                        f"--config.{TRAINER_SET[key].format(name=name)} instead.")
-    if key not in record.fields():
-      raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
-                        f"hyperparameter {key!r}, so nothing would read it. Its settable "
-                        f"hyperparameters are: {', '.join(settable) or 'none'}.")
+    check_method_key(name, key)
+    if key in annealing and not 0 <= kwargs[key] <= (1 if key == "anneal_fraction" else math.inf):
+      raise ConfigError(f"config.method_kwargs.{name}.{key} must be in "
+                        f"{'[0, 1]' if key == 'anneal_fraction' else '[0, inf)'}; got "
+                        f"{kwargs[key]!r}.")
   if annealing and set(annealing) <= set(kwargs):
     raise ConfigError(f"config.method_kwargs.{name} sets both anneal_epochs and anneal_fraction; "
                       "set one.")

@@ -272,6 +272,23 @@ def test_a_study_that_sets_a_renamed_field_is_refused_naming_its_new_key():
       grids=[{"method": ("sync",), "method_kwargs.sync.micro_batches": (4,)}]))
 
 
+@pytest.mark.parametrize("key, message", [
+    ("method_kwargs.pipemare.anneal_steps",
+     r"pipemare\.anneal_steps is set by the trainer: use --config\.method_kwargs\.pipemare\."
+     r"anneal_epochs \(or anneal_fraction\) instead\. Every trainer would refuse it"),
+    ("method_kwargs.pb_sc_lwp.gamma", r"method 'pb_sc_lwp' has no hyperparameter 'gamma'"),
+    ("method_kwargs.pb_scc.horizon", r"there is no method 'pb_scc'")])
+def test_a_method_key_no_trainer_would_accept_is_refused_before_any_run(key, message):
+  study = study_lib.Study(name="keys", config="configs/default.py:smoke",
+                          grids=[{"method": ("pipemare",), key: (1,)}])
+  with pytest.raises(study_lib.StudyError, match=r"^Study 'keys': config\..*" + message):
+    launcher.check_config_keys(study)
+  launcher.check_config_keys(study_lib.Study(
+      name="keys", config="configs/default.py:smoke",
+      grids=[{"method": ("pipemare",), "method_kwargs.pipemare.anneal_fraction": (0.5,),
+              "method_kwargs.pipemare.gamma": (0.5,)}]))
+
+
 def test_every_study_file_passes_the_config_key_check():
   # The check refuses what a trainer would; it must not refuse a study the trainers accept.
   paths = sorted(p for p in os.listdir(os.path.join(ROOT, "configs", "studies"))
