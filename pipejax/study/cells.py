@@ -138,5 +138,8 @@ def ordered(study: Study, key: str, present: list) -> list:
 
 
 def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
-  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None)."""
-  return [r for r in records if all(r["overrides"].get(k) == v for k, v in where)]
+  """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None;
+  a tuple: any of its values; a record's own values are JSON, never tuples)."""
+  def matches(value, wanted):
+    return value in wanted if isinstance(wanted, tuple) else value == wanted
+  return [r for r in records if all(matches(r["overrides"].get(k), v) for k, v in where)]

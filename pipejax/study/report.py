@@ -131,8 +131,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   for r in rows:
     entries = []
     for c in columns:
-      if table.kind == "gap" and all({table.rows: r, table.columns: c}.get(k) == v
-                                     for k, v in study.baseline.items()):
+      if table.kind == "gap" and is_baseline_cell(study, records, {table.rows: r,
+                                                                   table.columns: c}):
         entries.append("baseline")
       elif status_by_point.get(key_of({"r": r, "c": c})) == {SKIPPED}:
         entries.append("not run (failed below)")
@@ -141,6 +141,15 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
                                    table.scale, table.kind == "gap", table.decimals))
     lines.append(f"| {r} | " + " | ".join(entries) + " |")
   return "\n".join(lines)
+
+
+def is_baseline_cell(study: Study, records: Sequence[dict], point: dict) -> bool:
+  """Whether the table cell at ``point`` ({axis: value}) holds the baseline's runs: its axes'
+  values are the baseline's, and so is every baseline key off the axes in each of its runs."""
+  in_cell = [r["overrides"] for r in records
+             if all(r["overrides"].get(k) == v for k, v in point.items())]
+  return bool(in_cell) and all(all({**o, **point}.get(k) == v for k, v in study.baseline.items())
+                               for o in in_cell)
 
 
 def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
@@ -227,7 +236,7 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
   for r in ordered(study, table.rows, axis_values(records, table.rows)):
     for c in ordered(study, table.columns, axis_values(records, table.columns)):
       point = {table.rows: r, table.columns: c}
-      if all(point.get(k) == v for k, v in study.baseline.items()):
+      if is_baseline_cell(study, records, point):
         continue
       cell = lookup(cells, point)
       if cell is None or not cell.values:

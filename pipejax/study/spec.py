@@ -64,7 +64,9 @@ class Table:
   columns: str
   kind: str = "mean"
   metric: str = "test_accuracy"
-  where: tuple = ()  # ((key, value), ...): only runs with these overrides (None: key not set)
+  # ((key, value), ...): only runs with these overrides (None: key not set; a tuple of values:
+  # any of them).
+  where: tuple = ()
   scale: float = 100.0  # cells show metric * scale (accuracy in percent)
   decimals: int = 2
   unit: str = ""  # what the gap sentences call a cell's unit; default: 'points' at scale 100

@@ -433,6 +433,20 @@ def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_na
                 where=(("method", "pb"),))
   rows = study_report.markdown_table(study, records, alone).splitlines()[2:]
   assert len(rows) == 1 and "| +25.00 [+25.00, +25.00] n=2" in rows[0]
+  # A tuple in ``where`` takes any of its values: here the baseline's rate and pb's.
+  either = Table("either", rows="", columns="", kind="cells", metric="test_loss",
+                 where=(("reference.lr", (0.004, 0.001)),))
+  rows = study_report.markdown_table(study, records, either).splitlines()[2:]
+  assert len(rows) == 2 and "| baseline |" in rows[0] and "n=2" in rows[1]
+  # A gap table whose axes leave out a baseline key (b2) still names the baseline's cell.
+  with_b2 = [run("muon", lr, s, 1.0 + lr + s, **{"reference.b2": 0.99}) for lr in (0.004, 0.002)
+             for s in range(2)]
+  gap = Table("gap", rows="reference.lr", columns="method", kind="gap", metric="test_loss")
+  study = dataclasses.replace(study, baseline={**study.baseline, "reference.b2": 0.99},
+                              tables=[gap])
+  rows = study_report.markdown_table(study, with_b2, gap).splitlines()[2:]
+  assert [row.split(" | ")[0] for row in rows if "baseline" in row] == ["| 0.004"]
+  assert len(study_report.conclusions(study, with_b2, gap)) == 1  # none of the baseline itself
 
 
 def test_tuned_tables_compare_each_method_at_its_best_value():
