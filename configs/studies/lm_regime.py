@@ -29,7 +29,8 @@ before:
    two smoothings at 2e-3; and two PB + Muon variants at 2e-3, one for each part of the
    delay's harm: PipeDream + Muon (weight stashing removes the forward/backward mismatch) and
    PB + Muon with a delay warm-up (each stage's rate starts at η / D and anneals to η over the
-   first 0.17 of the run, 4,067 steps, where PB + Muon makes most of its gap). A method's pilot is
+   first 0.17 of the run, 4,067 steps, where PB + Muon makes most of its gap); PipeDream + Muon,
+   ahead of PB + Muon at every evaluation, also at 1e-3 and 4e-3. A method's pilot is
    ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
    The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
    of its best. The mechanism grid's other settings (PB, PB + SC, PB + SC + LWP and PipeOptim at
@@ -44,7 +45,7 @@ Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers 
 a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
 shared with other work (this study's), so the baselines phase (28 runs) takes 3 to 13 hours there
 with ``--parallel=2``. A pipelined 32-stage run took 575 to 1,540 s there (lm_depth's), PB +
-Muon 1,933 to 5,067 s, so the methods phase (43 runs) takes about 5 to 10 hours. The later
+Muon 1,933 to 5,067 s, so the methods phase (45 runs) takes about 5 to 10 hours. The later
 phases (methods at each usable beta setting, five paired seeds of the final table, the MLP at 128
 and 256 stages) bring the study to about 25 hours on this CPU; the docstring grows with each
 phase as it is added.
@@ -116,7 +117,8 @@ def _methods(seeds=(0,)) -> list[dict]:
           {**net, "method": ("pb_muon_error_feedback",), **_betas(0.9, 0.99),
            "reference.lr": (2e-3,),
            "method_kwargs.pb_muon_error_feedback.smoothing": ERROR_FEEDBACK_SMOOTHING},
-          {**net, "method": ("pipedream_muon",), **_betas(0.9, 0.99), "reference.lr": (2e-3,)},
+          {**net, "method": ("pipedream_muon",), **_betas(0.9, 0.99),
+           "reference.lr": BASELINE_RATES},
           {**net, "method": ("pb_muon_delay_warmup",), **_betas(0.9, 0.99),
            "reference.lr": (2e-3,),
            "method_kwargs.pb_muon_delay_warmup.anneal_fraction": (DELAY_WARMUP_FRACTION,)}] + [
