@@ -2,9 +2,9 @@
 rate, which starts a stage of delay ``D`` at ``η / D`` and anneals it to ``η`` over ``K`` steps
 (:func:`pipejax.optim.pipemare_learning_rate`).
 
-The delayed heavy ball is stable while ``η D`` stays below a bound set by the curvature, and the
-curvature is highest early in training; so the stages with the longest delays take the smallest
-steps while it is.
+On the quadratic a delayed heavy ball is stable while ``η D`` stays below a bound set by the
+curvature (docs/quadratic.md), and the curvature is highest early in training; so the stages with
+the longest delays take the smallest steps while it is.
 """
 
 import dataclasses
