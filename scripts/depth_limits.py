@@ -23,6 +23,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from pipejax import cli
+from pipejax import config as configlib
 from pipejax.analysis import depth_limits
 from pipejax.train.checkpoint import CheckpointError
 
@@ -87,4 +88,4 @@ def _write(r: dict, config) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, flags_parser=configlib.parse_flags)

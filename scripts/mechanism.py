@@ -32,6 +32,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from pipejax import cli, files
+from pipejax import config as configlib
 from pipejax.analysis import mechanism
 from pipejax.data import stream as stream_lib
 from pipejax.train import experiment
@@ -92,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  cli.run(main, flags_parser=configlib.parse_flags)
