@@ -30,7 +30,11 @@ before:
    delay's harm: PipeDream + Muon (weight stashing removes the forward/backward mismatch) and
    PB + Muon with a delay warm-up (each stage's rate starts at η / D and anneals to η over the
    first 0.17 of the run, 4,067 steps, where PB + Muon makes most of its gap); PipeDream + Muon,
-   ahead of PB + Muon at every evaluation, also at 1e-3 and 4e-3. A method's pilot is
+   ahead of PB + Muon at every evaluation, also at 1e-3 and 4e-3; and Muon's momentum (its b1,
+   also its NAdamW leaves'), raised from 0.9 to 0.98 so that D_max (1 - b1) falls from 6.2 to
+   1.2, for Muon without a pipeline at its best rate and PipeDream + Muon and PB + Muon + SC +
+   LWP at theirs (``--where=reference.momentum=0.98``): the hypothesis says compensation and
+   prediction gain as D (1 - b1) falls. A method's pilot is
    ``--where=method=NAME,reference.lr=0.001`` (Muon's: ``0.002``).
    The other beta settings join this phase where the baselines put Adam within 0.1 bits per byte
    of its best. The mechanism grid's other settings (PB, PB + SC, PB + SC + LWP and PipeOptim at
@@ -46,7 +50,7 @@ Cost. One 32-stage run without a pipeline took 783 to 1,388 s with two trainers 
 a quiet 2-core CPU (lm_depth's records' ``wall_seconds``), and 3,345 to 3,465 s on the same CPU
 shared with other work (this study's), so the baselines phase (28 runs) takes 3 to 13 hours there
 with ``--parallel=2``. A pipelined 32-stage run took 575 to 1,540 s there (lm_depth's), PB +
-Muon 1,933 to 5,067 s, so the methods phase (45 runs) takes about 5 to 10 hours. The later
+Muon 1,933 to 5,067 s, so the methods phase (48 runs) takes about 5 to 10 hours. The later
 phases (methods at each usable beta setting, five paired seeds of the final table, the MLP at 128
 and 256 stages) bring the study to about 25 hours on this CPU; the docstring grows with each
 phase as it is added.
@@ -74,6 +78,9 @@ ERROR_FEEDBACK_SMOOTHING = (0.9, 0.99)
 # PB + Muon's gap to Muon is made in the first 4,000 sequences (0.72 bits per byte there, 0.57 at
 # the end): the delay warm-up anneals over them, 0.17 of the run's 23,924 steps.
 DELAY_WARMUP_FRACTION = 0.17
+# Muon's momentum, raised towards the hypothesis's D_max (1 - b1) < 1 (1.2 at 0.98), where the
+# b2 of 0.99 still exceeds b1².
+MUON_MOMENTA = (0.98,)
 # The mechanism grid's (scripts/mechanism.py) other settings, trained to the end for their losses.
 MECHANISM_METHODS = ("pb", "pb_sc", "pb_sc_lwp", "pipeoptim")
 MECHANISM_BETAS = ((0.99, 0.999), (0.999, 0.9999))
@@ -86,6 +93,7 @@ BEST_BASELINE = {"method": "muon", "reference.lr": 4e-3, "reference.momentum": 0
 # sweep from 1e-5 to 2e-3 never went below 3.98.
 FINAL_SEEDS = (0, 1, 2, 3, 4)
 FINAL = (("muon", 4e-3), ("pipedream_muon", 2e-3), ("pb_muon_sc_lwp", 2e-3))
+FINAL_BETAS = (0.9, 0.99)
 BITS_PER_NAT = 1 / math.log(2)
 MARGIN = 0.02 / BITS_PER_NAT  # 0.02 bits per byte, in the metric's nats
 BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
@@ -123,13 +131,15 @@ def _methods(seeds=(0,)) -> list[dict]:
           {**net, "method": ("pb_muon_delay_warmup",), **_betas(0.9, 0.99),
            "reference.lr": (2e-3,),
            "method_kwargs.pb_muon_delay_warmup.anneal_fraction": (DELAY_WARMUP_FRACTION,)}] + [
+              {**net, "method": (method,), **_betas(b1, 0.99), "reference.lr": (lr,)}
+              for b1 in MUON_MOMENTA for method, lr in FINAL] + [
               {**net, "method": MECHANISM_METHODS, **_betas(b1, b2), "reference.lr": (1e-3,)}
               for b1, b2 in MECHANISM_BETAS]
 
 
 def _final() -> list[dict]:
   return [{"model_kwargs.blocks": (BLOCKS,), "model_kwargs.width": (WIDTH,), "method": (method,),
-           **_betas(0.9, 0.99), "reference.lr": (lr,), "seed": FINAL_SEEDS}
+           **_betas(*FINAL_BETAS), "reference.lr": (lr,), "seed": FINAL_SEEDS}
           for method, lr in FINAL]
 
 
@@ -157,13 +167,16 @@ def get_study(arg: str | None = None) -> Study:
       tables=[Table("Adam without a pipeline: validation bits per byte by betas and rate",
                     rows="reference.lr", columns="method", kind="cells",
                     where=(("method", "sgd"),), **BITS),
-              Table("Muon without a pipeline (b1 0.9, b2 0.99 for its AdamW leaves): validation "
-                    "bits per byte by rate", rows="reference.lr", columns="method", kind="cells",
+              Table("Muon without a pipeline (b2 0.99 for its AdamW leaves): validation "
+                    "bits per byte by b1 and rate", rows="reference.lr", columns="method",
+                    kind="cells",
                     where=(("method", "muon"),), **BITS),
               Table("The final table at 32 stages: the gap to the best baseline, paired over "
                     "five seeds, each method at its pilot's best rate (bits per byte)",
                     rows="reference.lr", columns="method", kind="gap",
-                    where=(("method", tuple(method for method, _ in FINAL)),), **BITS),
+                    where=(("method", tuple(method for method, _ in FINAL)),
+                           ("reference.momentum", FINAL_BETAS[0]),
+                           ("reference.b2", FINAL_BETAS[1])), **BITS),
               Table("Pipelined methods at 32 stages: validation bits per byte by betas and rate, "
                     "beside Adam's and Muon's", rows="reference.lr", columns="method",
                     kind="cells", **BITS)])
