@@ -95,7 +95,7 @@ class Adam:
 
   def rate(self):
     """The learning rate of the last update counted."""
-    return self.lr(self.count - 1) if callable(self.lr) else self.lr
+    return rate_at(self.lr, self.count - 1)
 
   def forward_view(self, w, horizon):
     """PipeOptim's prediction w - lr s m_hat / (sqrt(v_hat) + eps) after the last step."""
@@ -105,6 +105,11 @@ class Adam:
     return [wi - self.rate() * horizon * (m / (1 - b1 ** k)) / (np.sqrt(n / (1 - b2 ** k))
                                                                 + self.eps)
             for wi, m, n in zip(w, self.mu, self.nu)]
+
+
+def rate_at(lr, index):
+  """``lr`` at the update of index ``index`` from 0: a number, or a schedule of that index."""
+  return lr(index) if callable(lr) else lr
 
 
 def decay_of(w, weight_decay, masked):
@@ -153,7 +158,7 @@ class NAdam:
     return [f / (np.sqrt(n / (1 - b2 ** k)) + self.eps) for f, n in zip(first, self.nu)]
 
   def step(self, w, g):
-    lr = self.lr(self.count) if callable(self.lr) else self.lr
+    lr = rate_at(self.lr, self.count)
     if self.anneal_steps is not None:
       lr /= max(self.delay, 1) ** (1 - min((self.count + 1) / self.anneal_steps, 1.0))
     return [wi - lr * (d + decay_of(wi, self.weight_decay, self.decay_mask))
@@ -251,7 +256,7 @@ class Muon:
         continue
       m_hat = nesterov_moment(m, gi, beta, k, self.delay if self.spike_compensation else 0)
       update = newton_schulz(m_hat, eps=self.eps) * self.rms * np.sqrt(max(wi.shape))
-      lr = self.lr(k - 1) if callable(self.lr) else self.lr
+      lr = rate_at(self.lr, k - 1)
       new_w.append(wi - lr * (update + self.weight_decay * wi))
     return new_w
 
