@@ -57,7 +57,7 @@ ORACLES = {
 
 # The presets defined for Adam only, against their update rules written out in numpy.
 ADAM_KWARGS = {"learning_rate": ADAM_LR, "momentum": B1, "b2": B2, "optimizer": "adam",
-               "anneal_steps": ANNEAL}
+               "anneal_steps": ANNEAL, "micro_batches": 2}
 MAX_DELAY = 2 * (make_model().num_stages - 1)
 ORACLES.update({
     "pipeoptim": oracle.OracleMethod(lambda d: oracle.Adam(ADAM_LR, B1, B2), forward="rule"),
@@ -76,8 +76,14 @@ ORACLES["pb_error_feedback"] = oracle.OracleMethod(
     lambda d: oracle.ErrorFeedback(oracle.Momentum(LR, M), d))
 ORACLES["pb_muon_error_feedback"] = oracle.OracleMethod(
     lambda d: oracle.ErrorFeedback(oracle.Muon(ADAM_LR, B1, B2), d))
-ORACLES["pipedream_muon"] = oracle.OracleMethod(lambda d: oracle.Muon(ADAM_LR, B1, B2),
-                                                backward="stashed")
+def pipedream_muon_oracle(micro_batches):
+  """PipeDream + Muon written out: the numpy Muon on the mean of each M stashed gradients."""
+  return oracle.OracleMethod(
+      lambda d: oracle.Accumulate(oracle.Muon(ADAM_LR, B1, B2), micro_batches),
+      backward="stashed")
+
+
+ORACLES["pipedream_muon"] = pipedream_muon_oracle(ADAM_KWARGS["micro_batches"])
 
 
 def delay_warmup_rate(delay):
@@ -182,6 +188,30 @@ def test_adam_presets_match_naive_oracle(name):
   expected, _ = oracle.run_oracle(model, ADAM_ORACLES[name], stage_params(state), x, y)
   state, _ = pipe.run(state, x, y)
   assert_trees_close(stage_params(state), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_pipedream_muon_accumulates_each_micro_batches_gradients_asynchronously(micro_batches):
+  """M = 1 is the plain method, M = 3 a stage updates once per three of its backwards; the
+  pipeline never flushes, so stage 0's gradients come from weights up to D / M updates old."""
+  method = methods.make_method("pipedream_muon", learning_rate=ADAM_LR, momentum=B1, b2=B2,
+                               optimizer="adam", micro_batches=micro_batches)
+  assert method.micro_batches_per_step is None and method.micro_batches_per_update == micro_batches
+  model = make_model()
+  x, y = make_stream(4 * model.num_stages + 3, 2)
+  pipe = Pipeline(model, method, x[0], y[0])
+  state = pipe.init(jax.random.PRNGKey(3))
+  expected, _ = oracle.run_oracle(model, pipedream_muon_oracle(micro_batches),
+                                  stage_params(state), x, y)
+  state, _ = pipe.run(state, x, y)
+  assert_trees_close(stage_params(state), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_accumulating_method_refuses_a_count_of_micro_batches_that_is_not_a_positive_int():
+  for bad in (0, -2, 1.5, True, "4"):
+    with pytest.raises(methods.MethodError, match="micro_batches must be an int >= 1"):
+      methods.make_method("pipedream_muon", learning_rate=ADAM_LR, optimizer="adam",
+                          micro_batches=bad)
 
 
 @pytest.mark.parametrize("name", ["spectrain", "pipemare"])
@@ -407,8 +437,8 @@ def test_traits_agree_with_the_built_method(name):
   kwargs = ({"learning_rate": LR, "micro_batches": 3} if "sgd" in methods.optimizers_of(name)
             else dict(ADAM_KWARGS, num_stages=4, micro_batches=3))
   method = methods.make_method(name, **taking(name, **kwargs))
-  assert traits.micro_batches_per_step(3) == (method.micro_batches_per_step or 1)
-  assert traits.accumulates_micro_batches == (method.micro_batches_per_step == 3)
+  assert traits.micro_batches_per_step(3) == method.micro_batches_per_update
+  assert traits.accumulates_micro_batches == (method.micro_batches_per_update == 3)
   # Only a method that drains between steps never computes on stale weights.
   assert traits.delay_free == (method.micro_batches_per_step is not None)
 
@@ -416,7 +446,7 @@ def test_traits_agree_with_the_built_method(name):
 def test_traits_name_the_baselines_and_the_recommendation():
   having = lambda field: [n for n in methods.METHODS if getattr(methods.traits_of(n), field)]
   assert having("one_stage") == ["muon", "sgd"]
-  assert having("accumulates_micro_batches") == ["sync"]
+  assert having("accumulates_micro_batches") == ["pipedream_muon", "sync"]
   assert having("plain_pipeline") == ["pb"]
   assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
   assert not methods.traits_of(methods.RECOMMENDED).delay_free

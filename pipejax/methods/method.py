@@ -14,6 +14,9 @@ for
 * ``micro_batches_per_step``: an int M means synchronous (GPipe / 1F1B-flush) training: the stream
   is fed M micro-batches a step, separated by 2(S-1) empty ticks, and each stage accumulates M
   gradients before one step.
+* ``micro_batches_per_update``: the micro-batches whose mean gradient one update applies (the
+  optimizer accumulates them, ``optax.MultiSteps``): the synchronous M, or an asynchronous
+  method's accumulation, where the pipeline stays full.
 
 :func:`pb`, :func:`pipedream` and :func:`sync` build a method around any optax transformation;
 the presets by name are one module each in this package (:func:`pipejax.methods.make_method`).
@@ -51,6 +54,7 @@ class Method:
   backward_weights: WeightView = current_weights
   stash_forward_weights: bool = False
   micro_batches_per_step: int | None = None  # None: asynchronous, never drains.
+  micro_batches_per_update: int = 1
   pass_gradient_weights: bool = False
 
 
@@ -81,7 +85,8 @@ def check_micro_batches(micro_batches) -> int:
   """``micro_batches`` as an int >= 1 (the M of GPipe), or a :class:`MethodError`."""
   if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) or \
       micro_batches < 1:
-    raise MethodError(f"sync needs micro_batches >= 1 (the M of GPipe); got {micro_batches!r}.")
+    raise MethodError(f"micro_batches must be an int >= 1 (the micro-batches whose mean gradient "
+                      f"one update applies: GPipe's M); got {micro_batches!r}.")
   return int(micro_batches)  # a NumPy integer too
 
 
@@ -101,4 +106,5 @@ def sync(optimizer, micro_batches: int) -> Method:
     return optax.MultiSteps(stage_optimizer(delay),
                             every_k_schedule=micro_batches).gradient_transformation()
 
-  return Method("sync", accumulate, micro_batches_per_step=micro_batches)
+  return Method("sync", accumulate, micro_batches_per_step=micro_batches,
+                micro_batches_per_update=micro_batches)

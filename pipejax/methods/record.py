@@ -25,7 +25,8 @@ class Traits:
   learning-rate schedule that :func:`pipejax.methods.make_method` builds the transformations from.
   """
 
-  # One step per ``micro_batches`` micro-batches (the M of its hyperparameters): synchronous.
+  # One step per ``micro_batches`` micro-batches (the M of its hyperparameters), the mean of their
+  # gradients: synchronous (GPipe), or asynchronous where the method has no flush.
   accumulates_micro_batches: bool = False
   # The reference without a pipeline: the whole network trains as one stage.
   one_stage: bool = False

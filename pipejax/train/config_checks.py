@@ -52,10 +52,13 @@ def validate(config) -> None:
   _refuse_unread_fields(config)
   _check_method_kwargs(config)
   per_step = micro_batches_per_step(config)
-  if config.ticks_per_chunk % per_step:
+  # A synchronous chunk holds whole steps with their flushes; an asynchronous stage carries its
+  # partial sum of gradients from one chunk to the next in its optimizer state.
+  synchronous = methods_lib.traits_of(config.method).delay_free
+  if synchronous and config.ticks_per_chunk % per_step:
     raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
-                      f"config.method_kwargs.{config.method}.micro_batches ({per_step}) in the "
-                      "synchronous mode.")
+                      f"config.method_kwargs.{config.method}.micro_batches ({per_step}), so "
+                      "that a chunk ends on an update.")
   if config.warmup_epochs > config.epochs:
     raise ConfigError(
         f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
@@ -90,7 +93,7 @@ def method_setting(config, key: str):
 
 
 def micro_batches_per_step(config) -> int:
-  """The micro-batches one optimizer step of ``config``'s method sees: the synchronous method's
+  """The micro-batches one optimizer step of ``config``'s method sees: an accumulating method's
   ``micro_batches`` (M), else 1."""
   traits = methods_lib.traits_of(config.method)
   return traits.micro_batches_per_step(
@@ -329,15 +332,16 @@ def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
   """
   updates = 2 if config.schedule == "cosine" or config.warmup_epochs > 0 else 1
   m = pipeline.method.micro_batches_per_step
+  per_update = pipeline.method.micro_batches_per_update
   stages = pipeline.num_stages
-  needed = updates * m if m is not None else 2 * (stages - 1) + updates
+  needed = updates * m if m is not None else 2 * (stages - 1) + updates * per_update
   if run_ticks >= needed:
     return
   b = config.micro_batch_size
   why = (f"a synchronous step takes config.method_kwargs.{config.method}.micro_batches = {m} "
          "micro-batches" if m is not None else
          f"the first of its {stages} stages applies its first update only once the pipeline is "
-         f"full, at micro-batch {2 * (stages - 1) + 1}")
+         f"full, at micro-batch {2 * (stages - 1) + per_update}")
   raise ConfigError(
       f"This run is too short to train every stage: it trains {run_ticks} micro-batch"
       f"{'es' if run_ticks != 1 else ''} of {b} ({run_ticks * b} samples: config.epochs times "

@@ -230,8 +230,8 @@ def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, val
 
 @pytest.mark.parametrize("micro_batches", [0, -2])
 def test_sync_micro_batches_must_be_positive(micro_batches):
-  with pytest.raises(config_checks.ConfigError, match=r"config\.method_kwargs\.sync: sync needs "
-                     r"micro_batches >= 1 \(the M of GPipe\)"):
+  with pytest.raises(config_checks.ConfigError, match=r"config\.method_kwargs\.sync: "
+                     r"micro_batches must be an int >= 1 .*GPipe's M"):
     config_checks.validate(digits_config(method="sync",
                                          method_kwargs={"sync": {"micro_batches": micro_batches}}))
 

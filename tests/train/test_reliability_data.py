@@ -280,18 +280,20 @@ def test_a_run_too_short_to_fill_its_pipeline_is_refused_before_training(tmp_pat
   assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("overrides, shortest", [
-    ({}, 6),  # 3 stages: stage 0's first update at tick 4, its second (rate > 0) at tick 5
-    ({"schedule": "constant", "warmup_epochs": 0.0}, 5),
-    ({"method": "sync", "method_kwargs": {"sync": {"micro_batches": 4}}}, 8),  # two sync steps
-    ({"method": "sgd"}, 2)])  # one stage
-def test_the_shortest_run_that_moves_every_stage_passes(overrides, shortest):
+@pytest.mark.parametrize("overrides, shortest, too_short", [
+    ({}, 6, 5),  # 3 stages: stage 0's first update at tick 4, its second (rate > 0) at tick 5
+    ({"schedule": "constant", "warmup_epochs": 0.0}, 5, 4),
+    ({"method": "sync", "method_kwargs": {"sync": {"micro_batches": 4}}}, 8, 4),  # 2 sync steps
+    # Stage 0's first backward at tick 4, its updates after every third: ticks 6 and 9.
+    ({"method": "pipedream_muon", "optimizer": "adam", "decay_mask": True,
+      "method_kwargs": {"pipedream_muon": {"micro_batches": 3}}}, 10, 9),
+    ({"method": "sgd"}, 2, 1)])  # one stage
+def test_the_shortest_run_that_moves_every_stage_passes(overrides, shortest, too_short):
   config = digits_config(**overrides)
   pipe = experiment.build(config).pipeline
   config_checks.check_pipeline_fills(config, pipe, shortest)
   with pytest.raises(config_checks.ConfigError, match="too short to train every stage"):
-    config_checks.check_pipeline_fills(config, pipe, shortest - (4 if "method_kwargs" in
-                                                                 overrides else 1))
+    config_checks.check_pipeline_fills(config, pipe, too_short)
 
 
 # ------------------------------------------------------------------ 6. the LM over processes

@@ -51,6 +51,20 @@ def test_mid_flight_checkpoint_resumes_bit_exactly(tmp_path):
                              one_call_metrics["loss"], rtol=1e-5)
 
 
+def test_an_asynchronous_method_that_accumulates_schedules_its_rate_per_update(tmp_path):
+  """PipeDream + Muon at M = 3: one update per three micro-batches, so the recipe is that of a
+  batch of 3 b and the schedule counts updates; a chunk need not end on an update (40 ticks)."""
+  config = digits_config(method="pipedream_muon", optimizer="adam", decay_mask=True,
+                         method_kwargs={"pipedream_muon": {"micro_batches": 3}})
+  setup = experiment.build(config)
+  assert setup.recipe.batch_size == 3 * config.micro_batch_size
+  steps, _ = experiment.optimizer_steps(config, setup.recipe, 1437)
+  assert steps == experiment.run_ticks(config, 1437) // 3
+  summary = trainer.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["samples"] == experiment.run_ticks(config, 1437) * config.micro_batch_size
+  assert np.isfinite(summary["test_loss"]) and summary["test_loss"] < summary["initial_test_loss"]
+
+
 @pytest.mark.slow
 def test_training_resumes_exactly_after_sigterm(tmp_path):
   """A real kill: SIGTERM to the binary mid-run, rerun, and compare with a run never stopped.
