@@ -8,7 +8,8 @@ cell of a pipelined method (every run with the same settings but the seed):
 * ``S``, the stages the run recorded; ``D_max``, the largest of
   :func:`pipejax.core.accounting.stage_delays` (the stem's); ``β``, the momentum the run resolved
   and recorded (under Adam that is b1: :func:`pipejax.train.experiment.resolved_optimizer`); and
-  ``x = D_max (1 − β)``;
+  ``x = D_max (1 − β)``, the delay counted in updates (``D_max / M`` where the method applies one
+  update per ``M`` micro-batches, its ``micro_batches``);
 * its gap to the **best baseline** of the same study and network: among the runs of a one-stage
   method (:class:`pipejax.methods.Traits`), over every rate and beta, the cell with the best mean.
   A seed the baseline cell has is paired with it (same starting weights, where both records name
@@ -255,6 +256,7 @@ class Row:
   baseline: Baseline | None
   record: dict  # one run of the cell: what the cell's runs share (config, optimizer, network)
   borrowed: bool = False  # S, β and the rate from the cell's finished siblings (none finished)
+  micro_batches_per_update: int = 1
   prediction: float | None = None
   prediction_note: str = ""
 
@@ -264,8 +266,9 @@ class Row:
 
   @property
   def delay_memory(self) -> float:
-    """``x = D_max (1 − β)``: the stem's delay over the momentum's memory ``1 / (1 − β)``."""
-    return self.max_delay * (1.0 - self.momentum)
+    """``x = (D_max / M) (1 − β)``: the stem's delay in updates (M micro-batches each) over the
+    momentum's memory ``1 / (1 − β)``."""
+    return self.max_delay / self.micro_batches_per_update * (1.0 - self.momentum)
 
   @property
   def interval(self) -> statistics.Interval:
@@ -285,6 +288,19 @@ def gap_of(record: dict, baseline: Baseline, unit: Unit) -> tuple[float, bool] |
   if twin is not None and (None in digests or digests[0] == digests[1]):
     return unit.gap(value, baseline.value(seed_of(record), unit)), True
   return unit.gap(value, baseline.mean), False
+
+
+def micro_batches_per_update(record: dict) -> int:
+  """The micro-batches one update of the run applies: its method's ``micro_batches`` where the
+  method accumulates them (:class:`pipejax.methods.Traits`), as its study set it or by default."""
+  method = method_of(record)
+  if method not in methods_lib.RECORDS or \
+      not methods_lib.traits_of(method).accumulates_micro_batches:
+    return 1
+  settings = {**record.get("fixed", {}), **record["overrides"]}
+  fields = dataclasses.fields(methods_lib.record_of(method).hyperparameters)
+  default = next(f.default for f in fields if f.name == "micro_batches")
+  return int(settings.get(f"method_kwargs.{method}.micro_batches", default))
 
 
 def _facts(runs: Sequence[dict], records: Sequence[dict]) -> tuple[int, float, float | None,
@@ -326,7 +342,8 @@ def rows_of(source: Source) -> list[Row]:
     rows.append(Row(source.name, source.unit, method_of(runs[0]), settings_of(runs[0]),
                     int(stages), float(momentum), rate, [g for g, _ in found],
                     sum(p for _, p in found), sum(value_of(r, source.unit) is None for r in runs),
-                    len(runs), baseline, runs[0], borrowed))
+                    len(runs), baseline, runs[0], borrowed,
+                    micro_batches_per_update(runs[0])))
   return sorted(rows, key=lambda row: (row.method, row.num_stages, settings_text(row.settings)))
 
 
@@ -375,6 +392,8 @@ def prediction(row: Row, form: str | None, curvature: Sequence[dict]) -> tuple[f
   rate, with ``λ`` the study's stem reading at its depth; None with the reason where there is
   none. A reading taken of one base update (heavy ball, or Adam's preconditioned curvature)
   predicts nothing for a run of the other."""
+  if row.micro_batches_per_update > 1:
+    return None, f"{row.micro_batches_per_update} micro-batches per update: no quadratic form"
   if row.method not in quadratic.PIPELINE_METHODS:
     return None, "no quadratic form"
   reading = stem_reading(curvature, row.num_stages)

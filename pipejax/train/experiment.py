@@ -205,11 +205,12 @@ def resolved_optimizer(config, recipe: optim.Recipe) -> dict:
 
 
 def delay_memory(config, recipe: optim.Recipe, delays) -> float | None:
-  """``D_max (1 − β)`` of a run whose stages have ``delays``: the stem's delay over the
-  momentum's memory (β the momentum, or Adam's b1); None for a method with no delay."""
+  """``(D_max / M) (1 − β)`` of a run whose stages have ``delays``: the stem's delay in updates
+  (M micro-batches per update, 1 unless the method accumulates) over the momentum's memory (β
+  the momentum, or Adam's b1); None for a method with no delay."""
   if methods_lib.traits_of(config.method).delay_free:
     return None
-  return max(delays) * (1.0 - recipe.momentum)
+  return max(delays) / micro_batches_per_step(config) * (1.0 - recipe.momentum)
 
 
 def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
@@ -220,9 +221,12 @@ def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
   if safe is None or product is None or product <= safe:
     return None
   beta = "b1" if config.optimizer == "adam" else "momentum"
-  return (f"{methods_lib.DISPLAY_NAMES[config.method]} at D_max (1 - {beta}) = {max(delays)} x "
-          f"(1 - {recipe.momentum:.6g}) = {product:.3g} (D_max = 2(S - 1), S = {len(delays)} "
-          f"stages), beyond {safe:g}, the largest at which a study found it level with its "
+  per_update = micro_batches_per_step(config)
+  over = f" / {per_update}" if per_update > 1 else ""
+  return (f"{methods_lib.DISPLAY_NAMES[config.method]} at D_max{over} (1 - {beta}) = "
+          f"{max(delays)}{over} x (1 - {recipe.momentum:.6g}) = {product:.3g} (D_max = 2(S - 1), "
+          f"S = {len(delays)} stages{f', {per_update} micro-batches per update' if over else ''}"
+          f"), beyond {safe:g}, the largest at which a study found it level with its "
           "baseline: expect a gap to it. See docs/lm.md, \"How to choose β and the rate for a "
           "pipeline of S stages\".")
 

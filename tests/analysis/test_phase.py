@@ -63,6 +63,22 @@ def test_x_is_the_stems_delay_over_the_momentums_memory(tmp_path):
   assert pb_sc.delay_memory == pytest.approx(14 * 0.01)
 
 
+def test_an_accumulating_method_counts_its_delay_in_updates_and_has_no_quadratic_form(tmp_path):
+  # PipeDream + Muon at 32 stages: D_max = 62 ticks, 62 / 8 updates at 8 micro-batches each.
+  source = study(tmp_path, [
+      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9,
+          **{"method_kwargs.pipedream_muon.micro_batches": 8}),
+      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9, **{"reference.lr": 0.002})])
+  rows = rows_by(source)
+  accumulating = rows["pipedream_muon", 32, (("method_kwargs.pipedream_muon.micro_batches", 8),)]
+  plain = rows["pipedream_muon", 32, (("reference.lr", 0.002),)]
+  assert accumulating.max_delay == plain.max_delay == 62
+  assert accumulating.delay_memory == pytest.approx(62 / 8 * 0.1)
+  assert plain.delay_memory == pytest.approx(62 * 0.1)
+  assert phase.prediction(accumulating, "ema", []) == (
+      None, "8 micro-batches per update: no quadratic form")
+
+
 def test_gaps_pair_by_seed_else_take_the_baselines_mean_and_the_interval_is_students(tmp_path):
   source = study(tmp_path, [
       run("sgd", 0, 0.80), run("sgd", 1, 0.82),

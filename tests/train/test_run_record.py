@@ -1,6 +1,7 @@
 """What a run says about its optimizer: the warning on a delay beyond its method's safe range at
 start, and the resolved b1, b2 and rate in summary.json and the HParams."""
 
+import dataclasses
 import logging
 import os
 
@@ -49,6 +50,25 @@ def test_an_8_stage_mlp_at_its_scaled_momentum_is_within_the_safe_range():
   config.micro_batch.momentum = 0.9
   recipe = experiment.resolve_recipe(config)
   assert "= 1.4 " in experiment.delay_memory_warning(config, recipe, _delays(config))
+
+
+def test_an_accumulating_method_counts_its_delay_in_updates(monkeypatch):
+  """PipeDream + Muon at 8 sequences per update: D_max = 62 ticks is 7.75 updates."""
+  config = load_config("char_lm")
+  config.model_kwargs.blocks = 30
+  config.method = "pipedream_muon"
+  config.reference.batch_size = 8
+  config.method_kwargs = {"pipedream_muon": {"micro_batches": 8}}
+  recipe = experiment.resolve_recipe(config)
+  assert recipe.momentum == 0.9 and recipe.batch_size == 8
+  delays = accounting.stage_delays(32)
+  assert experiment.delay_memory(config, recipe, delays) == pytest.approx(62 / 8 * 0.1)
+  record = methods.record_of("pipedream_muon")
+  monkeypatch.setattr(methods, "RECORDS", {**methods.RECORDS, "pipedream_muon": dataclasses.replace(
+      record, safe_delay_memory=0.5)})
+  warning = experiment.delay_memory_warning(config, recipe, delays)
+  assert "D_max / 8 (1 - b1) = 62 / 8 x (1 - 0.9) = 0.775" in warning
+  assert "8 micro-batches per update" in warning
 
 
 def test_a_method_with_no_delay_or_no_measured_range_is_never_warned():
