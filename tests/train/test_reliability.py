@@ -236,6 +236,18 @@ def test_sync_micro_batches_must_be_positive(micro_batches):
                                          method_kwargs={"sync": {"micro_batches": micro_batches}}))
 
 
+def test_only_a_synchronous_chunk_must_hold_whole_steps():
+  # A synchronous chunk of 40 ticks cannot hold whole steps of 3 micro-batches with their flushes;
+  # an asynchronous stage carries its partial sum of gradients over to the next chunk.
+  with pytest.raises(config_checks.ConfigError, match=r"config\.ticks_per_chunk \(40\) must be a "
+                     r"multiple of config\.method_kwargs\.sync\.micro_batches \(3\)"):
+    config_checks.validate(digits_config(method="sync", ticks_per_chunk=40,
+                                         method_kwargs={"sync": {"micro_batches": 3}}))
+  config_checks.validate(digits_config(method="pipedream_muon", optimizer="adam", decay_mask=True,
+                                       ticks_per_chunk=40,
+                                       method_kwargs={"pipedream_muon": {"micro_batches": 3}}))
+
+
 def test_one_training_example_gives_a_valid_learning_rate_schedule():
   config = digits_config(max_train_examples=1, epochs=1.0)
   recipe = experiment.resolve_recipe(config)
