@@ -641,8 +641,9 @@ def draw(rows: Sequence[Row], path: str) -> str:
 INTRODUCTION = """\
 Every cell of a pipelined method in the studies below (every run with the same settings but the
 seed), set against **x = D_max (1 − β)**: the pipeline's longest delay, the stem's
-D_max = 2(S − 1) (`pipejax.core.accounting.stage_delays`), over the momentum's memory
-1 / (1 − β), with β the momentum the run resolved and recorded (the deep MLP's momentum from the
+D_max = 2(S − 1) (`pipejax.core.accounting.stage_delays`) counted in updates (D_max / M where
+a method applies one update per M micro-batches), over the momentum's memory 1 / (1 − β), with
+β the momentum the run resolved and recorded (the deep MLP's momentum from the
 batch-128 recipe's scaling rule, 0.9^(1/128) at micro-batch 1; Adam's b1 on the language model).
 Issue 51's hypothesis is that delay compensation holds while x ≪ 1.
 

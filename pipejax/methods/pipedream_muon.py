@@ -6,7 +6,8 @@ function at the weights it was evaluated at), and keeps the delay of the gradien
 With ``micro_batches = M > 1`` each stage applies one update per M micro-batches, the mean of
 their gradients, while the pipeline stays asynchronous and full (PipeDream-2BW's gradient
 accumulation, Narayanan et al. 2021). A gradient is then stale by about D / M updates rather
-than D, at the price of M samples per update.
+than D, at the price of M samples per update. Its delay in samples is unchanged: where one
+update of M samples makes the progress of M updates of one, the weights move as far during it.
 """
 
 import dataclasses
