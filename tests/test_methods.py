@@ -258,7 +258,7 @@ def test_sync_takes_a_numpy_integer_group_size():
 @pytest.mark.parametrize("kwargs, message", [
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
     ({"horizon": -1}, "horizon must be an int >= 0"),
-    ({"micro_batches": 0}, "micro_batches >= 1"),
+    ({"micro_batches": 0}, "micro_batches must be an int >= 1"),
     ({"learning_rate": -0.1}, r"learning_rate must be in \[0, inf\); got -0.1"),
     ({"learning_rate": float("nan")}, r"learning_rate must be in \[0, inf\); got nan"),
     ({"learning_rate": "0.1"}, "learning_rate must be a number; got '0.1' \\(str\\)"),
