@@ -15,6 +15,7 @@ from typing import Any, Callable
 import optax
 
 from pipejax import optim
+from pipejax.methods import method as method_lib
 from pipejax.methods.method import MethodError
 from pipejax.methods.record import BASE_OPTIMIZERS
 from pipejax.optim import adam_family
@@ -109,6 +110,21 @@ class Hyperparameters:
       return optim.adam_sc(self.learning_rate, delay, self.momentum, self.b2, self.eps,
                            self.weight_decay)
     return optim.sgd_sc(self.learning_rate, delay, self.momentum, weight_decay=self.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulating(Hyperparameters):
+  """Hyperparameters of a method that applies one update per ``micro_batches`` micro-batches.
+
+  Attributes:
+    micro_batches: M, the micro-batches whose mean gradient one update applies (GPipe's M).
+  """
+
+  micro_batches: int = 1
+
+  def check(self) -> None:
+    super().check()
+    method_lib.check_micro_batches(self.micro_batches)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,13 +98,15 @@ def sync(optimizer, micro_batches: int) -> Method:
   2(S-1) empty ticks between steps let every backward finish first.
   """
   micro_batches = check_micro_batches(micro_batches)
+  return Method("sync", accumulating(optimizer, micro_batches),
+                micro_batches_per_step=micro_batches, micro_batches_per_update=micro_batches)
+
+
+def accumulating(optimizer, micro_batches: int) -> Callable[[int], optax.GradientTransformation]:
+  """``optimizer`` (a transformation or a ``delay -> tx`` factory) applying one update per
+  ``micro_batches`` gradients, their mean (``optax.MultiSteps``); unchanged at 1."""
   stage_optimizer = per_stage(optimizer)
-
-  def accumulate(delay):
-    if micro_batches == 1:
-      return stage_optimizer(delay)
-    return optax.MultiSteps(stage_optimizer(delay),
-                            every_k_schedule=micro_batches).gradient_transformation()
-
-  return Method("sync", accumulate, micro_batches_per_step=micro_batches,
-                micro_batches_per_update=micro_batches)
+  if micro_batches == 1:
+    return stage_optimizer
+  return lambda delay: optax.MultiSteps(
+      stage_optimizer(delay), every_k_schedule=micro_batches).gradient_transformation()

@@ -10,37 +10,17 @@ than D, at the price of M samples per update. Its delay in samples is unchanged:
 update of M samples makes the progress of M updates of one, the weights move as far during it.
 """
 
-import dataclasses
-
-import optax
-
 from pipejax.methods import method as method_lib
-from pipejax.methods.hyperparameters import Hyperparameters
+from pipejax.methods.hyperparameters import Accumulating
 from pipejax.methods.pb_muon import muon
 from pipejax.methods.record import Record, Traits
 
 
-@dataclasses.dataclass(frozen=True)
-class AccumulatingHyperparameters(Hyperparameters):
-  """Attributes: micro_batches: M, the micro-batches whose mean gradient one update applies."""
-
-  micro_batches: int = 1
-
-  def check(self) -> None:
-    super().check()
-    method_lib.check_micro_batches(self.micro_batches)
+def build(h: Accumulating) -> method_lib.Method:
+  # Muon's update does not depend on the stage's delay.
+  return method_lib.Method("pipedream_muon", method_lib.accumulating(muon(h), h.micro_batches),
+                           stash_forward_weights=True, micro_batches_per_update=h.micro_batches)
 
 
-def build(h: AccumulatingHyperparameters) -> method_lib.Method:
-  def stage_optimizer(delay):
-    del delay  # Muon's update does not depend on it
-    if h.micro_batches == 1:
-      return muon(h)
-    return optax.MultiSteps(muon(h), every_k_schedule=h.micro_batches).gradient_transformation()
-
-  return method_lib.Method("pipedream_muon", stage_optimizer, stash_forward_weights=True,
-                           micro_batches_per_update=h.micro_batches)
-
-
-RECORD = Record("pipedream_muon", "PipeDream + Muon", AccumulatingHyperparameters, build,
+RECORD = Record("pipedream_muon", "PipeDream + Muon", Accumulating, build,
                 Traits(accumulates_micro_batches=True), optimizers=("adam",), color="darkcyan")
