@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 
 from pipejax import config as config_lib
 from pipejax import methods as methods_lib
-from pipejax.analysis import depth_limits, quadratic, quadratic_noise
+from pipejax.analysis import depth_limits, quadratic, quadratic_noise, safe_range
 from pipejax.core import accounting
 from pipejax.study import statistics
 from pipejax.study.cells import is_diverged, without_seed
@@ -60,11 +60,13 @@ class PhaseError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-  """How a study reports its metric: ``metric`` (a record field) times ``scale`` is in ``name``."""
+  """How a study reports its metric: ``metric`` (a record field) times ``scale`` is in ``name``;
+  ``margin`` (in ``name``) is its non-inferiority margin, None where it declares none."""
 
   metric: str
   scale: float
   name: str
+  margin: float | None = None
 
   @property
   def higher_is_better(self) -> bool:
@@ -78,12 +80,14 @@ class Unit:
 
 def unit_of(study: Study) -> Unit:
   """The unit of ``study``'s gaps: its first gap table's metric, scale and unit (points for an
-  accuracy at scale 100), else its first table's; an accuracy in points without tables."""
+  accuracy at scale 100), else its first table's, an accuracy in points without tables; and the
+  study's margin in that unit."""
   tables = [t for t in study.tables if t.kind == "gap"] or list(study.tables)
-  if not tables:
-    return Unit("test_accuracy", 100.0, "points")
-  table = tables[0]
-  return Unit(table.metric, table.scale, table.unit_name)
+  metric, scale, name = ((tables[0].metric, tables[0].scale, tables[0].unit_name) if tables
+                         else ("test_accuracy", 100.0, "points"))
+  # Rounded, so that two studies stating one margin in different units share a Unit.
+  margin = None if study.margin is None else round(study.margin * scale, 9)
+  return Unit(metric, scale, name, margin)
 
 
 @dataclasses.dataclass
@@ -668,15 +672,32 @@ radius of at least 1. It needs the curvature λ: the stem's own, read by
 has no such reading there has none. The figure draws it on its own right-hand axis."""
 
 
+SAFE_RANGE_INTRODUCTION = """\
+Each cell below gets one verdict at its studies' margin (`pipejax.analysis.safe_range`):
+**non-inferior** where, over at least two seeds, the one-sided t-test at 5% rejects a gap of the
+margin or more (the verdict of the studies' own reports); **behind** where the gap's 95% interval
+lies wholly above the margin; **not shown** otherwise; a one-seed pilot makes no claim. A
+method's cells at one x (several rates or betas) count by their best verdict. It **holds up to**
+the largest x before the first x, from two or more seeds, where it is not non-inferior; one-seed
+cells neither extend nor end that range. The last column is the product's threshold (the
+method's `safe_delay_memory`): a run beyond it is warned at its start."""
+
+
 def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str) -> str:
   """The phase diagram's markdown: how to regenerate it, what it shows, the notes on studies
-  that gave no rows, the baselines, one table per unit, and ``figure`` with its caption."""
+  that gave no rows, the baselines, where each method holds and the gaps (one table of each per
+  unit), and ``figure`` with its caption."""
   parts = ["# The phase diagram: the gap to the best baseline against D_max (1 − β)", "",
            "Regenerate from the studies' records (trains nothing):", "", "```bash", command,
            "```", "", INTRODUCTION, ""]
   if notes:
     parts += ["Studies and runs left out:", ""] + [f"- {note}" for note in notes] + [""]
   parts += ["## The baselines", "", baselines_table(rows), ""]
+  for unit in dict.fromkeys(row.unit for row in rows):
+    if unit.margin is not None:
+      parts += [f"## Where each method holds, in {unit.name}", "", SAFE_RANGE_INTRODUCTION, "",
+                safe_range.table([r for r in rows if r.unit == unit], unit.margin, unit.name),
+                ""]
   for unit in dict.fromkeys(row.unit for row in rows):
     parts += [f"## Gaps in {unit.name}", "", rows_table([r for r in rows if r.unit == unit],
                                                        unit), ""]

@@ -201,6 +201,10 @@ def test_the_unit_is_the_study_files(tmp_path):
                                             "bits per byte")
   mlp = phase.unit_of(load_study(os.path.join(ROOT, "configs", "studies", "depth.py")))
   assert (mlp.metric, mlp.scale, mlp.name) == ("test_accuracy", 100.0, "points")
+  # Each study's margin in its own unit: 0.02 bits per byte (declared in nats), half a point.
+  assert (lm.margin, mlp.margin) == (pytest.approx(0.02), pytest.approx(0.5))
+  regime = phase.unit_of(load_study(os.path.join(ROOT, "configs", "studies", "lm_regime.py")))
+  assert regime == lm  # one unit, so one table of gaps and one of ranges for both studies
   assert BITS.gap(2.0, 1.0) > 0 and POINTS.gap(0.8, 0.9) > 0  # worse is positive either way
 
 

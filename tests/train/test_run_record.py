@@ -34,6 +34,18 @@ def test_a_32_stage_adam_lm_is_warned_with_its_numbers():
   assert "S = 32 stages" in warning and "beyond 0.104" in warning
 
 
+def test_pb_muon_is_warned_at_32_stages_and_not_at_8():
+  # lm_depth found PB + Muon level with Adam at 8 stages (62 → 14: 14 x 0.1 = 1.4) and behind
+  # at 32 (6.2).
+  config = load_config("char_lm")
+  config.method = "pb_muon"
+  recipe = experiment.resolve_recipe(config)
+  assert experiment.delay_memory_warning(config, recipe, accounting.stage_delays(8)) is None
+  warning = experiment.delay_memory_warning(config, recipe, accounting.stage_delays(32))
+  assert "PB + Muon at D_max (1 - b1) = 62 x (1 - 0.9) = 6.2" in warning
+  assert "beyond 1.4" in warning
+
+
 def test_an_8_stage_mlp_at_its_scaled_momentum_is_within_the_safe_range():
   # Momentum 0.9 at the reference batch 128 is 0.9^(1/128) = 0.99918 at micro-batch 1:
   # D_max (1 - m) = 14 x 0.00082 = 0.0115, within PB + SC + LWP's 0.104 (and PB's 0.012).
