@@ -92,8 +92,8 @@ def gap_cells(study: Study, records: Sequence[dict], table: Table) -> dict[tuple
   """The paired gaps of the cells ``table.where`` selects, each against its baseline run among
   *all* the records: a table of one method (``where``) still has its gaps to another's runs."""
   selected = {without_seed(r["overrides"]) for r in select(records, table.where)}
-  return {key: cell for key, cell in gather_cells(records, table.metric, study.baseline).items()
-          if key in selected}
+  return {key: cell for key, cell in
+          gather_cells(records, table.metric, study.baseline_of(table)).items() if key in selected}
 
 
 def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
@@ -131,8 +131,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   for r in rows:
     entries = []
     for c in columns:
-      if table.kind == "gap" and is_baseline_cell(study, records, {table.rows: r,
-                                                                   table.columns: c}):
+      if table.kind == "gap" and is_baseline_cell(study.baseline_of(table), records,
+                                                  {table.rows: r, table.columns: c}):
         entries.append("baseline")
       elif status_by_point.get(key_of({"r": r, "c": c})) == {SKIPPED}:
         entries.append("not run (failed below)")
@@ -143,12 +143,13 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   return "\n".join(lines)
 
 
-def is_baseline_cell(study: Study, records: Sequence[dict], point: dict) -> bool:
-  """Whether the table cell at ``point`` ({axis: value}) holds the baseline's runs: its axes'
-  values are the baseline's, and so is every baseline key off the axes in each of its runs."""
+def is_baseline_cell(baseline: Overrides, records: Sequence[dict], point: dict) -> bool:
+  """Whether the table cell at ``point`` ({axis: value}) holds the runs of ``baseline`` (the
+  overrides that select it): its axes' values are the baseline's, and so is every baseline key
+  off the axes in each of its runs."""
   in_cell = [r["overrides"] for r in records
              if all(r["overrides"].get(k) == v for k, v in point.items())]
-  return bool(in_cell) and all(all({**o, **point}.get(k) == v for k, v in study.baseline.items())
+  return bool(in_cell) and all(all({**o, **point}.get(k) == v for k, v in baseline.items())
                                for o in in_cell)
 
 
@@ -169,11 +170,12 @@ def _cells_table(study: Study, records: Sequence[dict], table: Table,
                         {k: v for k, v in r["overrides"].items() if k != "seed"})
   common = dict(set.intersection(*(set(key_of(p)) for p in points.values()))) if points else {}
   common = {k: json_value for k, json_value in ((k, json.loads(v)) for k, v in common.items())}
-  lines = [f"| run | {table.metric.replace('_', ' ')} | gap to {study.baseline_label()} |",
+  baseline = study.baseline_of(table)
+  lines = [f"| run | {table.metric.replace('_', ' ')} | gap to {study.baseline_label_of(table)} |",
            "|---|---|---|"]
   for key, overrides in points.items():
-    is_baseline = all(overrides.get(k) == v for k, v in study.baseline.items()) and \
-        not set(overrides) - set(study.baseline) - set(common)
+    is_baseline = all(overrides.get(k) == v for k, v in baseline.items()) and \
+        not set(overrides) - set(baseline) - set(common)
     lines.append(f"| {describe_cell(study, overrides, common)} | "
                  f"{format_cell(means.get(key), table.scale, decimals=table.decimals)} | "
                  + ("baseline" if is_baseline else
@@ -195,7 +197,7 @@ def best_value(study: Study, records: Sequence[dict], table: Table, column_value
 
 
 def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  baseline_column = study.baseline.get(table.columns)
+  baseline_column = study.baseline_of(table).get(table.columns)
   baseline_best = best_value(study, records, table, baseline_column)
   by_point = {}
   for r in records:
@@ -230,13 +232,13 @@ def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
   cells = gap_cells(study, records, table)
   records = select(records, table.where)
-  baseline = table.baseline_label or study.baseline_label()
+  baseline = study.baseline_label_of(table)
   unit = table.unit_name
   sentences = []
   for r in ordered(study, table.rows, axis_values(records, table.rows)):
     for c in ordered(study, table.columns, axis_values(records, table.columns)):
       point = {table.rows: r, table.columns: c}
-      if is_baseline_cell(study, records, point):
+      if is_baseline_cell(study.baseline_of(table), records, point):
         continue
       cell = lookup(cells, point)
       if cell is None or not cell.values:

@@ -73,6 +73,9 @@ class Table:
   # How the gap sentences name the baseline, where the study's own name for it would mislead
   # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
   baseline_label: str = ""
+  # ((key, value), ...): this table's baseline of gaps where it is not the study's, e.g. the best
+  # of another optimizer beside the best of all; default: study.baseline.
+  baseline: tuple = ()
 
   @property
   def unit_name(self) -> str:
@@ -191,6 +194,7 @@ class Study:
       raise StudyError(f"Study {self.name!r}: margin must be a fraction in (0, 1) of the metric "
                        f"(0.005 is half a point of accuracy); got {self.margin!r}.")
     _check_grids(self)
+    _check_tables(self)
 
   def label(self, value: Any) -> str:
     """How the report names a grid key or value: ``labels``, then a method's display name, else
@@ -202,6 +206,19 @@ class Study:
   def baseline_label(self) -> str:
     """How the report names the baseline of gaps, e.g. 'SGD'."""
     return self.baseline_name or ", ".join(self.label(v) for v in self.baseline.values())
+
+  def baseline_of(self, table: Table) -> dict[str, Any]:
+    """The overrides that select ``table``'s baseline: its own, else the study's."""
+    return dict(table.baseline) or self.baseline
+
+  def baseline_label_of(self, table: Table) -> str:
+    """How ``table``'s gaps name their baseline: its ``baseline_label``, else the labels of its
+    own baseline's values, else the study's name for its baseline."""
+    if table.baseline_label:
+      return table.baseline_label
+    if table.baseline:
+      return ", ".join(self.label(value) for _, value in table.baseline)
+    return self.baseline_label()
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order), each
@@ -254,6 +271,16 @@ def _check_sections(study: Study) -> None:
     if not (isinstance(section.body, str) or callable(section.body)):
       raise StudyError(f"{where}: the body of section {section.title!r} must be markdown text or "
                        f"a function (records, workdir) -> text; got {section.body!r}.")
+
+
+def _check_tables(study: Study) -> None:
+  """Refuses a table baseline that is not (config key, value) pairs."""
+  for table in study.tables:
+    pairs = table.baseline
+    if not isinstance(pairs, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+      raise StudyError(f"Study {study.name!r}: table {table.title!r}'s baseline must be a tuple "
+                       f"of (config key, value) pairs, e.g. (('method', 'sgd'),); got {pairs!r}.")
 
 
 def _check_grids(study: Study) -> None:

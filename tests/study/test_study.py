@@ -408,6 +408,42 @@ def test_control_arms_pair_with_their_seeds_baseline_and_list_as_cells():
   assert lines[4].startswith("| SGD, per-layer rates = pipemare | 81.50 [")
 
 
+def test_a_table_with_its_own_baseline_pairs_with_that_baseline_and_names_it():
+  # The study's baseline is Muon; a second table sets PipeDream + Muon against Adam's best.
+  def run(method, seed, loss):
+    overrides = {"method": method, "reference.lr": 0.002, "seed": seed}
+    return {"run": study_lib.run_id(overrides), "overrides": overrides, "config": "c.py",
+            "status": study_records.FINISHED, "test_loss": loss, "initial_test_loss": 5.0,
+            "test_accuracy": 0.5, "fixed": {}, "init_digest": f"w{seed}"}
+  adam = {0: 2.0, 1: 2.2, 2: 2.1}
+  muon = {0: 1.7, 1: 1.8, 2: 1.75}
+  pipelined = {0: 2.05, 1: 2.2, 2: 2.2}
+  records = [run(m, s, v) for m, values in (("sgd", adam), ("muon", muon), ("pb", pipelined))
+             for s, v in values.items()]
+  against_adam = Table("against Adam", rows="reference.lr", columns="method", kind="gap",
+                       metric="test_loss", scale=1.0, where=(("method", ("sgd", "pb")),),
+                       baseline=(("method", "sgd"),))
+  study = Study(name="b", config="c.py", grids=[{"method": ("muon",), "seed": (0,)}],
+                baseline={"method": "muon"}, labels={"sgd": "Adam"}, margin=0.1,
+                tables=[Table("against Muon", rows="reference.lr", columns="method", kind="gap",
+                              metric="test_loss", scale=1.0), against_adam])
+  by_adam = study_report.gap_cells(study, records, against_adam)
+  by_muon = study_report.gap_cells(study, records, study.tables[0])
+  assert study_cells.lookup(by_adam, {"method": "pb"}).values == pytest.approx(
+      [pipelined[s] - adam[s] for s in range(3)])
+  assert study_cells.lookup(by_muon, {"method": "pb"}).values == pytest.approx(
+      [pipelined[s] - muon[s] for s in range(3)])
+  lines = study_report.markdown_table(study, records, against_adam).splitlines()
+  assert lines[0] == "| reference lr | PB | Adam |"
+  assert lines[2].startswith("| 0.002 | +0.05 [") and lines[2].endswith("| baseline |")
+  (sentence,) = study_report.conclusions(study, records, against_adam)
+  assert sentence.startswith("PB at reference lr = 0.002: no difference from Adam shown (+0.05")
+  with pytest.raises(study_lib.StudyError, match="baseline must be a tuple of .config key, "
+                                                 "value. pairs"):
+    Study(name="b", config="c.py", grids=[], tables=[dataclasses.replace(
+        against_adam, baseline={"method": "sgd"})])
+
+
 def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_named():
   def run(method, lr, seed, loss, **extra):
     overrides = {"reference.lr": lr, "method": method, "seed": seed, **extra}
