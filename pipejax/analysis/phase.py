@@ -672,17 +672,6 @@ radius of at least 1. It needs the curvature λ: the stem's own, read by
 has no such reading there has none. The figure draws it on its own right-hand axis."""
 
 
-SAFE_RANGE_INTRODUCTION = """\
-Each cell below gets one verdict at its studies' margin (`pipejax.analysis.safe_range`):
-**non-inferior** where, over at least two seeds, the one-sided t-test at 5% rejects a gap of the
-margin or more (the verdict of the studies' own reports); **behind** where the gap's 95% interval
-lies wholly above the margin; **not shown** otherwise; a one-seed pilot makes no claim. A
-method's cells at one x (several rates or betas) count by their best verdict. It **holds up to**
-the largest x before the first x, from two or more seeds, where it is not non-inferior; one-seed
-cells neither extend nor end that range. The last column is the product's threshold (the
-method's `safe_delay_memory`): a run beyond it is warned at its start."""
-
-
 def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str) -> str:
   """The phase diagram's markdown: how to regenerate it, what it shows, the notes on studies
   that gave no rows, the baselines, where each method holds and the gaps (one table of each per
@@ -695,7 +684,7 @@ def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str)
   parts += ["## The baselines", "", baselines_table(rows), ""]
   for unit in dict.fromkeys(row.unit for row in rows):
     if unit.margin is not None:
-      parts += [f"## Where each method holds, in {unit.name}", "", SAFE_RANGE_INTRODUCTION, "",
+      parts += [f"## Where each method holds, in {unit.name}", "", safe_range.INTRODUCTION, "",
                 safe_range.table([r for r in rows if r.unit == unit], unit.margin, unit.name),
                 ""]
   for unit in dict.fromkeys(row.unit for row in rows):

@@ -37,6 +37,17 @@ NO_GAP = "no gap"
 RANK = (NON_INFERIOR, NOT_SHOWN, BEHIND, DIVERGED, ONE_SEED, NO_GAP)
 DECIDED = (NON_INFERIOR, NOT_SHOWN, BEHIND, DIVERGED)
 
+# What the phase report says above the table.
+INTRODUCTION = """\
+Each cell below gets one verdict at its studies' margin (`pipejax.analysis.safe_range`):
+**non-inferior** where, over at least two seeds, the one-sided t-test at 5% rejects a gap of the
+margin or more (the verdict of the studies' own reports); **behind** where the gap's 95% interval
+lies wholly above the margin; **not shown** otherwise; a one-seed pilot makes no claim. A
+method's cells at one x (several rates or betas) count by their best verdict. It **holds up to**
+the largest x before the first x, from two or more seeds, where it is not non-inferior; one-seed
+cells neither extend nor end that range. The last column is the product's threshold (the
+method's `safe_delay_memory`): a run beyond it is warned at its start."""
+
 
 def verdict(gaps: Sequence[float], diverged: int, margin: float) -> str:
   """The cell's verdict (module docstring) from its gaps (positive when worse) at ``margin``."""
