@@ -68,7 +68,7 @@ settings and PB, one seed each (CI).
 
 import math
 
-from pipejax.study import Study, Table
+from pipejax.study import Figure, Study, Table
 
 BLOCKS = 30
 WIDTH = 64
@@ -167,6 +167,13 @@ def _final() -> list[dict]:
           for method, lr in (*FINAL, FINAL_ADAM)]
 
 
+def _final_cells(methods) -> tuple:
+  """A table's or figure's ``where`` for the final table's runs of ``methods`` ((method, rate)
+  pairs): each method at its own rate, at the final betas and batch 1."""
+  return ((("method", "reference.lr"), tuple(methods)), ("reference.momentum", FINAL_BETAS[0]),
+          ("reference.b2", FINAL_BETAS[1]), ("reference.batch_size", None))
+
+
 def get_study(arg: str | None = None) -> Study:
   if arg == "smoke":
     grids = [{"method": ("sgd",), **_betas(b1, b2), "seed": (0,)}
@@ -200,20 +207,19 @@ def get_study(arg: str | None = None) -> Study:
               Table("The final table at 32 stages: the gap to the best baseline, paired over "
                     "five seeds, each method at its pilot's best rate (bits per byte)",
                     rows="reference.lr", columns="method", kind="gap",
-                    where=(("method", tuple(method for method, _ in FINAL)),
-                           ("reference.momentum", FINAL_BETAS[0]),
-                           ("reference.b2", FINAL_BETAS[1]), ("reference.batch_size", None)),
-                    **BITS),
+                    where=_final_cells(FINAL), **BITS),
               Table("The final table against Adam's best without a pipeline (b1 0.9, b2 0.99, "
                     f"{FINAL_ADAM[1]:g}), paired over five seeds (bits per byte)",
                     rows="reference.lr", columns="method", kind="gap",
-                    where=(("method", (FINAL_ADAM[0], *(m for m, _ in FINAL[1:]))),
-                           ("reference.momentum", FINAL_BETAS[0]),
-                           ("reference.b2", FINAL_BETAS[1]), ("reference.batch_size", None)),
+                    where=_final_cells((FINAL_ADAM, *FINAL[1:])),
                     baseline=(("method", FINAL_ADAM[0]), ("reference.lr", FINAL_ADAM[1]),
                               ("reference.momentum", FINAL_BETAS[0]),
                               ("reference.b2", FINAL_BETAS[1])),
                     baseline_label=f"Adam without a pipeline at {FINAL_ADAM[1]:g}", **BITS),
               Table("Pipelined methods at 32 stages: validation bits per byte by betas and rate, "
                     "beside Adam's and Muon's", rows="reference.lr", columns="method",
-                    kind="cells", **BITS)])
+                    kind="cells", **BITS)],
+      figures=[Figure("final_curves.png", x="samples", series="method", kind="curves",
+                      where=_final_cells((*FINAL, FINAL_ADAM)), metric="test_loss",
+                      title="The final table's methods over training, 32 stages, mean of the "
+                      "seeds", scale=BITS_PER_NAT, unit="bits per byte")])

@@ -139,7 +139,12 @@ def ordered(study: Study, key: str, present: list) -> list:
 
 def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
   """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None;
-  a tuple: any of its values; a record's own values are JSON, never tuples)."""
+  a tuple: any of its values; a record's own values are JSON, never tuples). A tuple of keys
+  takes a tuple of their values' combinations, any of which matches: ``(('method',
+  'reference.lr'), (('muon', 4e-3), ('pb', 1e-3)))`` is Muon at 4e-3 and PB at 1e-3."""
+  def value_of(overrides, key):
+    return tuple(overrides.get(k) for k in key) if isinstance(key, tuple) else overrides.get(key)
+
   def matches(value, wanted):
     return value in wanted if isinstance(wanted, tuple) else value == wanted
-  return [r for r in records if all(matches(r["overrides"].get(k), v) for k, v in where)]
+  return [r for r in records if all(matches(value_of(r["overrides"], k), v) for k, v in where)]

@@ -65,7 +65,7 @@ class Table:
   kind: str = "mean"
   metric: str = "test_accuracy"
   # ((key, value), ...): only runs with these overrides (None: key not set; a tuple of values:
-  # any of them).
+  # any of them; a tuple of keys: any of a tuple of their values' combinations, cells.select).
   where: tuple = ()
   scale: float = 100.0  # cells show metric * scale (accuracy in percent)
   decimals: int = 2

@@ -474,6 +474,11 @@ def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_na
                  where=(("reference.lr", (0.004, 0.001)),))
   rows = study_report.markdown_table(study, records, either).splitlines()[2:]
   assert len(rows) == 2 and "| baseline |" in rows[0] and "n=2" in rows[1]
+  # A tuple of keys takes combinations: Muon at 2e-3 and pb at 1e-3, not Muon at 4e-3.
+  joint = study_cells.select(records, ((("method", "reference.lr"),
+                                        (("muon", 0.002), ("pb", 0.001))),))
+  assert sorted((r["overrides"]["method"], r["overrides"]["reference.lr"]) for r in joint) == [
+      ("muon", 0.002), ("muon", 0.002), ("pb", 0.001), ("pb", 0.001)]
   # A gap table whose axes leave out a baseline key (b2) still names the baseline's cell.
   with_b2 = [run("muon", lr, s, 1.0 + lr + s, **{"reference.b2": 0.99}) for lr in (0.004, 0.002)
              for s in range(2)]
