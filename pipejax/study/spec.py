@@ -273,8 +273,27 @@ def _check_sections(study: Study) -> None:
                        f"a function (records, workdir) -> text; got {section.body!r}.")
 
 
+def _check_where(where: tuple, what: str) -> None:
+  """Refuses a ``where`` that is not (key, value) pairs, or a tuple of keys whose value is not a
+  tuple of combinations of as many values (it would match no run, silently)."""
+  for pair in where if isinstance(where, tuple) else (where,):
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+      raise StudyError(f"{what}: where must be a tuple of (config key, value) pairs, e.g. "
+                       f"(('method', 'sgd'),); got {where!r}.")
+    key, value = pair
+    if isinstance(key, tuple) and not (isinstance(value, tuple) and all(
+        isinstance(v, tuple) and len(v) == len(key) for v in value)):
+      raise StudyError(f"{what}: where's keys {key!r} take a tuple of combinations of "
+                       f"{len(key)} values each, e.g. ({tuple('…' for _ in key)!r},); got "
+                       f"{value!r}.")
+
+
 def _check_tables(study: Study) -> None:
-  """Refuses a table baseline that is not (config key, value) pairs."""
+  """Refuses a table baseline that is not (config key, value) pairs, and a malformed
+  ``where`` of a table or figure."""
+  for item in (*study.tables, *study.figures):
+    _check_where(item.where, f"Study {study.name!r}, "
+                 f"{getattr(item, 'title', '') or getattr(item, 'file', '')!r}")
   for table in study.tables:
     pairs = table.baseline
     if not isinstance(pairs, tuple) or not all(
