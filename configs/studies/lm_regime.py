@@ -167,22 +167,22 @@ def _final() -> list[dict]:
           for method, lr in (*FINAL, FINAL_ADAM)]
 
 
-ELSEWHERE = """\
+OTHER_PARTS = """\
 The study's other parts are reported beside this one:
 
 * where each method holds, by D_max (1 − β), over this study's runs and those of `lm_depth`,
-  `depth` and `mlp_regime`, with the non-inferiority verdicts at 0.02 bits per byte and the
-  product's warning thresholds beside them: [the phase diagram](../phase/report.md);
+  `depth` and `mlp_regime`, with the non-inferiority verdicts at each study's margin (0.02 bits
+  per byte here, half a point on the MLP) and the product's warning thresholds beside them: [the phase diagram](../phase/report.md);
 * the mechanism per stage (forward/backward weight mismatch and the delayed gradient's cosine
   with the current one): on Adam at b1 0.9, 0.99 and 0.999,
   [mechanism](../mechanism/report.md); on Muon, [mechanism_muon](../mechanism_muon/report.md);
 * the deep MLP at 128 and 256 stages: [mlp_regime](../mlp_regime/report.md)."""
 
 
-def _final_cells(methods) -> tuple:
-  """A table's or figure's ``where`` for the final table's runs of ``methods`` ((method, rate)
-  pairs): each method at its own rate, at the final betas and batch 1."""
-  return ((("method", "reference.lr"), tuple(methods)), ("reference.momentum", FINAL_BETAS[0]),
+def _final_cells(method_rates) -> tuple:
+  """A table's or figure's ``where`` for the final table's runs of ``method_rates`` ((method,
+  rate) pairs): each method at its own rate, at the final betas and batch 1."""
+  return ((("method", "reference.lr"), tuple(method_rates)), ("reference.momentum", FINAL_BETAS[0]),
           ("reference.b2", FINAL_BETAS[1]), ("reference.batch_size", None))
 
 
@@ -235,4 +235,4 @@ def get_study(arg: str | None = None) -> Study:
                       where=_final_cells((*FINAL, FINAL_ADAM)), metric="test_loss",
                       title="The final table's methods over training, 32 stages, mean of the "
                       "seeds", scale=BITS_PER_NAT, unit="bits per byte")],
-      sections=[Section("The rest of the study", ELSEWHERE)])
+      sections=[Section("The rest of the study", OTHER_PARTS)])

@@ -11,7 +11,8 @@ cell of a pipelined method (every run with the same settings but the seed):
   ``x = D_max (1 − β)``, the delay counted in updates (``D_max / M`` where the method applies one
   update per ``M`` micro-batches, its ``micro_batches``);
 * its gap to the **best baseline** of the same study and network: among the runs of a one-stage
-  method (:class:`pipejax.methods.Traits`), over every rate and beta, the cell with the best mean.
+  method (:class:`pipejax.methods.Traits`), over every rate and beta, the cell with the best mean
+  among those of two or more seeds where there is one (a better one-seed cell is named beside it).
   A seed the baseline cell has is paired with it (same starting weights, where both records name
   them); another seed is set against the baseline cell's mean. The gap is in the study's own
   unit (its first gap table's, :func:`unit_of`) and **positive when the run is worse** than the
@@ -66,7 +67,9 @@ class Unit:
   metric: str
   scale: float
   name: str
-  margin: float | None = None
+  # Not part of a unit's identity: studies in one unit share its tables and its figure's panel,
+  # and each row's verdict takes its own study's margin.
+  margin: float | None = dataclasses.field(default=None, compare=False)
 
   @property
   def higher_is_better(self) -> bool:
@@ -85,7 +88,8 @@ def unit_of(study: Study) -> Unit:
   tables = [t for t in study.tables if t.kind == "gap"] or list(study.tables)
   metric, scale, name = ((tables[0].metric, tables[0].scale, tables[0].unit_name) if tables
                          else ("test_accuracy", 100.0, "points"))
-  # Rounded, so that two studies stating one margin in different units share a Unit.
+  # Rounded: a margin declared in nats comes out of the conversion to bits a float error away
+  # from the one it states.
   margin = None if study.margin is None else round(study.margin * scale, 9)
   return Unit(metric, scale, name, margin)
 
@@ -206,36 +210,54 @@ def seed_of(record: dict) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Baseline:
-  """The baseline cell with the best mean: its runs by seed, and that mean (metric units)."""
+  """The baseline cell: its runs by seed and their mean (metric units); and ``better_pilot``,
+  a one-seed cell with a better value where there is one, which a reader should know of."""
 
   method: str
   settings: dict
   runs: dict  # seed -> record
   mean: float
+  better_pilot: Baseline | None = None
 
   def value(self, seed: int, unit: Unit) -> float:
     return value_of(self.runs[seed], unit)
 
 
 def best_baselines(records: Sequence[dict], unit: Unit) -> dict[tuple, Baseline]:
-  """Per network, the baseline cell with the best mean ``unit.metric`` over its seeds. A cell
-  where a seed diverged is no baseline: its mean would hide the failure."""
+  """Per network, the baseline cell with the best mean ``unit.metric`` over its seeds, among the
+  cells of two or more seeds where there is one: a one-seed cell's noise would shift every
+  unpaired gap alike, and pair with one seed only. A one-seed cell that is better still is kept
+  as ``better_pilot``. A cell where a seed diverged is no baseline: its mean would hide the
+  failure."""
   cells = collections.defaultdict(list)
   for r in usable(records):
     if is_baseline(r):
       cells[(network_of(r), without_seed(training_overrides(r)))].append(r)
-  best = {}
+  seeded, pilots = {}, {}
   for (network, _), runs in cells.items():
     values = [value_of(r, unit) for r in runs]
     if any(v is None for v in values):
       continue
-    mean = sum(values) / len(values)
+    found = Baseline(method_of(runs[0]), settings_of(runs[0]), {seed_of(r): r for r in runs},
+                     sum(values) / len(values))
+    best = seeded if len(runs) > 1 else pilots
     held = best.get(network)
-    better = held is None or (mean > held.mean if unit.higher_is_better else mean < held.mean)
-    if better:
-      best[network] = Baseline(method_of(runs[0]), settings_of(runs[0]),
-                               {seed_of(r): r for r in runs}, mean)
-  return best
+    if held is None or _better(found.mean, held.mean, unit):
+      best[network] = found
+  chosen = {}
+  for network in {*seeded, *pilots}:
+    baseline, pilot = seeded.get(network), pilots.get(network)
+    if baseline is None:
+      chosen[network] = pilot
+    elif pilot is not None and _better(pilot.mean, baseline.mean, unit):
+      chosen[network] = dataclasses.replace(baseline, better_pilot=pilot)
+    else:
+      chosen[network] = baseline
+  return chosen
+
+
+def _better(value: float, than: float, unit: Unit) -> bool:
+  return value > than if unit.higher_is_better else value < than
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +276,7 @@ class Row:
   momentum: float
   learning_rate: float | None
   gaps: list[float]
-  paired: int  # gaps taken against the baseline's run of the same seed
+  paired_gaps: list[float]  # those of ``gaps`` taken against the baseline's run of the same seed
   diverged: int
   runs: int
   baseline: Baseline | None
@@ -345,7 +367,8 @@ def rows_of(source: Source) -> list[Row]:
     found = [g for g in found if g is not None]
     rows.append(Row(source.name, source.unit, method_of(runs[0]), settings_of(runs[0]),
                     int(stages), float(momentum), rate, [g for g, _ in found],
-                    sum(p for _, p in found), sum(value_of(r, source.unit) is None for r in runs),
+                    [g for g, paired in found if paired],
+                    sum(value_of(r, source.unit) is None for r in runs),
                     len(runs), baseline, runs[0], borrowed,
                     micro_batches_per_update(runs[0])))
   return sorted(rows, key=lambda row: (row.method, row.num_stages, settings_text(row.settings)))
@@ -507,7 +530,8 @@ def value_text(value: float, unit: Unit) -> str:
 
 
 def _row_line(row: Row) -> str:
-  seeds = f"{len(row.gaps)}" + (f" ({row.paired} paired)" if row.paired != len(row.gaps) else "")
+  paired = len(row.paired_gaps)
+  seeds = f"{len(row.gaps)}" + (f" ({paired} paired)" if paired != len(row.gaps) else "")
   beta = f"{row.momentum:.6g}" + ("*" if row.borrowed else "")
   return (f"| {methods_lib.DISPLAY_NAMES.get(row.method, row.method)} | {row.study} | "
           f"{settings_text(row.settings)} | {row.num_stages} | {beta} | {row.max_delay} | "
@@ -540,7 +564,7 @@ def baseline_name(baseline: Baseline) -> str:
 def baselines_table(rows: Sequence[Row]) -> str:
   """Per study and network, the baseline every gap of that network is taken to."""
   lines = ["| study | network | S of its pipelined runs | best baseline | its settings | seeds | "
-           "mean |", "|" + "---|" * 7]
+           "mean | a better cell of one seed |", "|" + "---|" * 8]
   seen = set()
   for row in sorted(rows, key=lambda r: (r.study, r.num_stages)):
     key = (row.study, network_of(row.record))
@@ -549,9 +573,13 @@ def baselines_table(rows: Sequence[Row]) -> str:
     seen.add(key)
     b = row.baseline
     seeds = ", ".join(map(str, sorted(b.runs)))
+    pilot = b.better_pilot
+    better = "—" if pilot is None else (
+        f"{baseline_name(pilot)}, {settings_text(pilot.settings)}: "
+        f"{value_text(pilot.mean, row.unit)}")
     lines.append(f"| {row.study} | {_network_text(key[1])} | {row.num_stages} | "
                  f"{baseline_name(b)} | {settings_text(b.settings)} | {seeds} | "
-                 f"{value_text(b.mean, row.unit)} |")
+                 f"{value_text(b.mean, row.unit)} | {better} |")
   return "\n".join(lines)
 
 
@@ -653,7 +681,9 @@ Issue 51's hypothesis is that delay compensation holds while x ≪ 1.
 
 The **gap** is taken to the best baseline of the same study and network: among the runs
 without a pipeline (SGD or Adam as one stage, Muon as one stage where the study has it), over
-every rate and beta, the cell with the best mean. A seed the baseline cell has is paired with
+every rate and beta, the cell with the best mean among those of two or more seeds where there
+is one; a one-seed cell that is better still is named beside it, since one seed's noise would
+shift every unpaired gap alike. A seed the baseline cell has is paired with
 its run (same starting weights); another seed is set against the baseline cell's mean, so its
 spread does not enter the interval. Gaps are in each study's own unit, **positive when the
 pipelined run is worse**: accuracy points on the deep MLP, bits per byte (nats / ln 2) of
@@ -683,10 +713,8 @@ def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str)
     parts += ["Studies and runs left out:", ""] + [f"- {note}" for note in notes] + [""]
   parts += ["## The baselines", "", baselines_table(rows), ""]
   for unit in dict.fromkeys(row.unit for row in rows):
-    if unit.margin is not None:
-      parts += [f"## Where each method holds, in {unit.name}", "", safe_range.INTRODUCTION, "",
-                safe_range.table([r for r in rows if r.unit == unit], unit.margin, unit.name),
-                ""]
+    parts += [f"## Where each method holds, in {unit.name}", "", safe_range.INTRODUCTION, "",
+              safe_range.table([r for r in rows if r.unit == unit]), ""]
   for unit in dict.fromkeys(row.unit for row in rows):
     parts += [f"## Gaps in {unit.name}", "", rows_table([r for r in rows if r.unit == unit],
                                                        unit), ""]

@@ -2,20 +2,23 @@
 non-inferior to the best baseline, and where they found it behind.
 
 Each cell of the phase diagram (:class:`pipejax.analysis.phase.Row`) gets one verdict at its
-study's margin (``Study.margin``, in the unit of its gaps):
+study's margin (``Study.margin``, in the unit of its gaps), from its **paired** gaps only (those
+taken against the baseline's run of the same seed), since an unpaired gap carries the noise of
+the baseline's mean, which no interval over the cell's seeds sees:
 
-* **non-inferior**: over at least two seeds, the one-sided t-test rejects a gap of the margin or
-  more at 5% (:func:`pipejax.study.statistics.margin_tests`, the verdict the studies' own reports
-  give);
-* **behind**: the 95% interval of the gap lies wholly above the margin;
-* **not shown**: at least two seeds, and neither of the above;
-* **one seed**: a pilot, from which no claim is made;
-* **diverged**: a run of the cell diverged.
+* **non-inferior**: over at least two paired seeds, the one-sided t-test rejects a gap of the
+  margin or more at 5% (:func:`pipejax.study.statistics.margin_tests`, the test the studies'
+  own reports make of their gap tables);
+* **behind**: the 95% interval of the paired gaps lies wholly above the margin;
+* **not shown**: at least two paired seeds, and neither of the above;
+* **diverged**: at least two runs, and one of them diverged;
+* **no claim**: fewer than two paired seeds (a pilot, or a cell whose baseline has one seed), or
+  a single run that diverged, or a study without a margin.
 
 A method's cells at one ``x`` (several rates, betas or studies) count by their best verdict, so a
 rate that was too high does not hide one that held. The method **holds up to** the largest ``x``
-before the first ``x`` whose best verdict from two or more seeds (or a divergence) is not
-non-inferior; one-seed cells neither extend nor end it.
+before the first ``x`` whose best verdict is decided (non-inferior, not shown, behind or
+diverged) and is not non-inferior; cells of no claim neither extend nor end it.
 """
 
 from __future__ import annotations
@@ -31,48 +34,52 @@ NON_INFERIOR = "non-inferior"
 NOT_SHOWN = "not shown"
 BEHIND = "behind"
 DIVERGED = "diverged"
-ONE_SEED = "one seed"
-NO_GAP = "no gap"
+NO_CLAIM = "no claim"
 # Best first: the order in which a method's cells at one x stand for it there.
-RANK = (NON_INFERIOR, NOT_SHOWN, BEHIND, DIVERGED, ONE_SEED, NO_GAP)
+RANK = (NON_INFERIOR, NOT_SHOWN, BEHIND, DIVERGED, NO_CLAIM)
 DECIDED = (NON_INFERIOR, NOT_SHOWN, BEHIND, DIVERGED)
 
 # What the phase report says above the table.
 INTRODUCTION = """\
-Each cell below gets one verdict at its studies' margin (`pipejax.analysis.safe_range`):
-**non-inferior** where, over at least two seeds, the one-sided t-test at 5% rejects a gap of the
-margin or more (the verdict of the studies' own reports); **behind** where the gap's 95% interval
-lies wholly above the margin; **not shown** otherwise; a one-seed pilot makes no claim. A
-method's cells at one x (several rates or betas) count by their best verdict. It **holds up to**
-the largest x before the first x, from two or more seeds, where it is not non-inferior; one-seed
-cells neither extend nor end that range. The last column is the product's threshold (the
-method's `safe_delay_memory`): a run beyond it is warned at its start."""
+Each cell below gets one verdict at its study's margin (`pipejax.analysis.safe_range`), from its
+gaps paired by seed with the baseline's runs only: **non-inferior** where, over at least two
+paired seeds, the one-sided t-test at 5% rejects a gap of the margin or more (the test of the
+studies' own gap tables); **behind** where the paired gaps' 95% interval lies wholly above the
+margin; **not shown** otherwise; **diverged** where a run of a cell of two or more diverged.
+Fewer than two paired seeds (a pilot, or a baseline of one seed) make no claim. A method's cells
+at one x (several rates or betas) count by their best verdict. It **holds up to** the largest x
+before the first x with a decided verdict other than non-inferior; cells of no claim neither
+extend nor end that range. The last column is the product's threshold (the method's
+`safe_delay_memory`): a run beyond it is warned at its start."""
 
 
-def verdict(gaps: Sequence[float], diverged: int, margin: float) -> str:
-  """The cell's verdict (module docstring) from its gaps (positive when worse) at ``margin``."""
+def verdict(paired_gaps: Sequence[float], runs: int, diverged: int,
+            margin: float | None) -> str:
+  """The cell's verdict (module docstring) from its ``runs``, how many ``diverged`` and its
+  gaps paired by seed (positive when worse), at ``margin`` (None: the study declares none)."""
+  if margin is None:
+    return NO_CLAIM
   if diverged:
-    return DIVERGED
-  if not gaps:
-    return NO_GAP
-  if len(gaps) < 2:
-    return ONE_SEED
+    return DIVERGED if runs >= 2 else NO_CLAIM
+  if len(paired_gaps) < 2:
+    return NO_CLAIM
   # margin_tests asks whether a difference is above -margin: a gap's sign is the other way.
-  if statistics.margin_tests([-g for g in gaps], margin).non_inferior:
+  if statistics.margin_tests([-g for g in paired_gaps], margin).non_inferior:
     return NON_INFERIOR
-  if statistics.interval(gaps).low > margin:
+  if statistics.interval(paired_gaps).low > margin:
     return BEHIND
   return NOT_SHOWN
 
 
 @dataclasses.dataclass(frozen=True)
-class Cell:
-  """One phase-diagram cell as this module needs it."""
+class CellVerdict:
+  """One phase-diagram cell's place and verdict."""
 
   x: float
   study: str
   num_stages: int
   verdict: str
+  diverged: bool = False  # a run of the cell diverged (shown beside a verdict of no claim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +87,7 @@ class MethodRange:
   """One method's cells in one unit, and the range where it holds."""
 
   method: str
-  cells: tuple[Cell, ...]
+  cells: tuple[CellVerdict, ...]
 
   def best_by_x(self) -> dict[float, str]:
     """Each measured ``x``, ascending, with its cells' best verdict."""
@@ -106,44 +113,52 @@ class MethodRange:
 
   @property
   def behind_from(self) -> float | None:
-    """The smallest ``x`` whose best decided verdict is behind or diverged."""
+    """The smallest ``x`` whose best verdict is behind or diverged."""
     return next((x for x, best in self.best_by_x().items() if best in (BEHIND, DIVERGED)), None)
 
 
-def ranges(rows: Sequence, margin: float) -> list[MethodRange]:
-  """Per method, its cells among ``rows`` (phase rows of one unit) with their verdicts."""
+def ranges(rows: Sequence) -> list[MethodRange]:
+  """Per method, its cells among ``rows`` (phase rows of one unit) with their verdicts, each at
+  its own study's margin."""
   cells = collections.defaultdict(list)
   for row in rows:
-    cells[row.method].append(Cell(float(f"{row.delay_memory:.3g}"), row.study, row.num_stages,
-                                  verdict(row.gaps, row.diverged, margin)))
+    cells[row.method].append(CellVerdict(
+        float(f"{row.delay_memory:.3g}"), row.study, row.num_stages,
+        verdict(row.paired_gaps, row.runs, row.diverged, row.unit.margin), bool(row.diverged)))
   return [MethodRange(method, tuple(found)) for method, found in sorted(cells.items())]
 
 
-def _places(cells: Sequence[Cell], wanted: str) -> str:
-  """'0.0049 (depth, S 4); 6.2 (lm depth, S 32) ×3': the cells with one verdict, by x."""
-  counts = collections.Counter((c.x, c.study, c.num_stages) for c in cells
-                               if c.verdict == wanted)
-  return "; ".join(f"{x:g} ({study}, S {stages})" + (f" ×{n}" if n > 1 else "")
-                   for (x, study, stages), n in sorted(counts.items())) or "—"
+def _cells_with(cells: Sequence[CellVerdict], wanted: str) -> str:
+  """'0.0049 (depth, S 4); 6.2 (lm depth, S 32) ×3': the cells of one verdict, by x; a cell of no
+  claim whose run diverged is marked so."""
+  counts = collections.Counter((c.x, c.study, c.num_stages, c.diverged and wanted == NO_CLAIM)
+                               for c in cells if c.verdict == wanted)
+  return "; ".join(f"{x:g} ({study}, S {stages}{', diverged' if diverged else ''})"
+                   + (f" ×{n}" if n > 1 else "")
+                   for (x, study, stages, diverged), n in sorted(counts.items())) or "—"
 
 
-def table(rows: Sequence, margin: float, unit_name: str) -> str:
+def table(rows: Sequence) -> str:
   """The markdown table of every method's verdicts by ``x`` and the range where it holds, beside
   the threshold beyond which the product warns (its record's ``safe_delay_memory``)."""
-  lines = [f"| method | non-inferior at x (margin {margin:g} {unit_name}) | not shown (≥ 2 seeds) "
-           "| behind, or diverged | one seed: no claim | holds up to x | behind from x | the "
-           "product warns beyond x |", "|" + "---|" * 8]
-  for found in ranges(rows, margin):
-    record = methods_lib.RECORDS.get(found.method)
+  margins = sorted({row.unit.margin for row in rows if row.unit.margin is not None})
+  unit = rows[0].unit.name if rows else ""
+  margin = " or ".join(f"{m:g}" for m in margins) or "none"
+  lines = [f"| method | non-inferior at x (margin {margin} {unit}) | not shown | behind, or "
+           "diverged | no claim (fewer than two paired seeds) | holds up to x | behind from x | "
+           "the product warns beyond x |", "|" + "---|" * 8]
+  for method_range in ranges(rows):
+    record = methods_lib.RECORDS.get(method_range.method)
     warns = record.safe_delay_memory if record is not None else None
-    behind = "; ".join(text for text in (_places(found.cells, BEHIND),
-                                         _places(found.cells, DIVERGED)) if text != "—")
+    cells = method_range.cells
+    behind = "; ".join(text for text in (_cells_with(cells, BEHIND), _cells_with(cells, DIVERGED))
+                       if text != "—")
     lines.append(
-        f"| {methods_lib.DISPLAY_NAMES.get(found.method, found.method)} | "
-        f"{_places(found.cells, NON_INFERIOR)} | {_places(found.cells, NOT_SHOWN)} | "
-        f"{behind or '—'} | "
-        f"{_places(found.cells, ONE_SEED)} | {_number(found.holds_up_to)} | "
-        f"{_number(found.behind_from)} | {_number(warns)} |")
+        f"| {methods_lib.DISPLAY_NAMES.get(method_range.method, method_range.method)} | "
+        f"{_cells_with(cells, NON_INFERIOR)} | {_cells_with(cells, NOT_SHOWN)} | "
+        f"{behind or '—'} | {_cells_with(cells, NO_CLAIM)} | "
+        f"{_number(method_range.holds_up_to)} | {_number(method_range.behind_from)} | "
+        f"{_number(warns)} |")
   return "\n".join(lines)
 
 

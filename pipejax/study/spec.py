@@ -73,8 +73,8 @@ class Table:
   # How the gap sentences name the baseline, where the study's own name for it would mislead
   # (the sgd method under Adam is "Adam without a pipeline"); default: study.baseline_label().
   baseline_label: str = ""
-  # ((key, value), ...): this table's baseline of gaps where it is not the study's, e.g. the best
-  # of another optimizer beside the best of all; default: study.baseline.
+  # ((key, value), ...): a 'gap' or 'cells' table's baseline where it is not the study's, e.g.
+  # the best of another optimizer beside the best of all; default: study.baseline.
   baseline: tuple = ()
 
   @property
@@ -300,6 +300,9 @@ def _check_tables(study: Study) -> None:
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
       raise StudyError(f"Study {study.name!r}: table {table.title!r}'s baseline must be a tuple "
                        f"of (config key, value) pairs, e.g. (('method', 'sgd'),); got {pairs!r}.")
+    if pairs and table.kind not in ("gap", "cells"):
+      raise StudyError(f"Study {study.name!r}: table {table.title!r} of kind {table.kind!r} takes "
+                       "the study's baseline; only a 'gap' or 'cells' table sets its own.")
 
 
 def _check_grids(study: Study) -> None:

@@ -88,7 +88,7 @@ def test_gaps_pair_by_seed_else_take_the_baselines_mean_and_the_interval_is_stud
   # Positive is worse: seeds 0 and 1 against their own baseline run, seed 2 against the mean.
   expected = [(0.80 - 0.78) * 100, (0.82 - 0.81) * 100, (0.81 - 0.75) * 100]
   np.testing.assert_allclose(row.gaps, expected)
-  assert row.paired == 2
+  assert row.paired_gaps == pytest.approx(expected[:2])
   low, high = stats.t.interval(0.95, len(expected) - 1, loc=np.mean(expected),
                                scale=stats.sem(expected))
   assert row.interval.mean == pytest.approx(np.mean(expected))
@@ -101,7 +101,7 @@ def test_a_seed_from_other_starting_weights_is_not_paired(tmp_path):
   other = {**run("sgd", 1, 0.90), "init_digest": "b"}
   pipelined = {**run("pb", 0, 0.70, stages=4), "init_digest": "c"}
   (row,) = phase.rows_of(study(tmp_path, [baseline, other, pipelined]))
-  assert row.paired == 0
+  assert row.paired_gaps == []
   assert row.gaps == [pytest.approx((0.85 - 0.70) * 100)]
 
 
@@ -121,6 +121,19 @@ def test_the_baseline_is_the_best_cell_of_sgd_and_muon_and_never_one_that_diverg
   assert row.baseline.mean == pytest.approx(1.85)
   np.testing.assert_allclose(row.gaps, [(2.5 - 1.8) / math.log(2), (2.6 - 1.85) / math.log(2)])
   assert phase.baseline_name(row.baseline) == "Muon without a pipeline"
+
+
+def test_a_better_cell_of_one_seed_is_named_beside_the_baseline_not_made_it(tmp_path):
+  source = study(tmp_path, [
+      run("sgd", 0, 0.80), run("sgd", 1, 0.82),
+      run("sgd", 0, 0.90, **{"reference.lr": 1.0}),  # better, but one seed
+      run("pb", 0, 0.78, stages=4), run("pb", 1, 0.80, stages=4)])
+  (row,) = phase.rows_of(source)
+  assert row.baseline.settings == {} and row.baseline.mean == pytest.approx(0.81)
+  assert row.baseline.better_pilot.settings == {"reference.lr": 1.0}
+  np.testing.assert_allclose(row.paired_gaps, [2.0, 2.0])
+  assert "| momentum SGD without a pipeline, reference.lr = 1.0: 90.00% |" in \
+      phase.baselines_table([row])
 
 
 def test_on_accuracy_the_best_baseline_is_the_highest(tmp_path):

@@ -442,6 +442,9 @@ def test_a_table_with_its_own_baseline_pairs_with_that_baseline_and_names_it():
                                                  "value. pairs"):
     Study(name="b", config="c.py", grids=[], tables=[dataclasses.replace(
         against_adam, baseline={"method": "sgd"})])
+  with pytest.raises(study_lib.StudyError, match="of kind 'tuned' takes the study's baseline"):
+    Study(name="b", config="c.py", grids=[], tables=[dataclasses.replace(
+        against_adam, kind="tuned")])
 
 
 def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_named():
