@@ -45,7 +45,8 @@ before:
    b1 0.99, b2 0.999 and b1 0.999, b2 0.9999, rate 1e-3) are trained to the end too, so that its
    report can set their mismatch beside their loss at every b1.
 3. the final table (``--where=seed=1|2|3|4``): the baseline (Muon at 4e-3), the best
-   asynchronous method of the pilots (PipeDream + Muon, 2.90 at 2e-3 against PB + Muon's 3.06)
+   asynchronous method of the pilots (PipeDream + Muon, 2.90 at 2e-3 against PB + Muon's 3.06;
+   2.98 at 1e-3 and 3.06 at 4e-3)
    and the paper's method at its best setting (PB + Muon + SC + LWP: on Adam,
    lm_depth's sweep never took it below 3.98), each at its pilot's best rate, five paired seeds
    (12 runs beyond the pilots', about 6 hours on this CPU two at a time); and Adam's best without
