@@ -46,6 +46,12 @@ def rate_at(batch: int) -> float:
   return RECIPE_LR * batch / 128
 
 
+# Each reference batch at the rate of its scaling rule (the recipe's at B = 128), not the SGD
+# tuning's half and double, which would share the batch's cell.
+RULE_RATES = (("reference.batch_size", "reference.lr"),
+              tuple((batch, rate_at(batch)) for batch in (RECIPE_BATCH, *BATCHES)))
+
+
 def get_study(arg: str | None = None) -> Study:
   if arg == "smoke":
     return Study(
@@ -70,8 +76,9 @@ def get_study(arg: str | None = None) -> Study:
       name="mlp regime", config="configs/deep_mlp.py", grids=grids,
       baseline={"method": "sgd"}, margin=0.005,
       labels={"reference.batch_size": "reference batch B"},
-      tables=[Table(f"Test accuracy (%) at {depth} stages", rows="reference.batch_size",
-                    columns="method", where=(("model_kwargs.depth", depth),))
+      tables=[Table(f"Test accuracy (%) at {depth} stages, each B at its rule's rate",
+                    rows="reference.batch_size", columns="method",
+                    where=(("model_kwargs.depth", depth), RULE_RATES))
               for depth in DEPTHS] +
              [Table(f"Gap to SGD at {depth} stages, paired by seed (points)",
                     rows="reference.batch_size", columns="method", kind="gap",
