@@ -173,7 +173,8 @@ The study's other parts are reported beside this one:
 
 * where each method holds, by D_max (1 − β), over this study's runs and those of `lm_depth`,
   `depth` and `mlp_regime`, with the non-inferiority verdicts at each study's margin (0.02 bits
-  per byte here, half a point on the MLP) and the product's warning thresholds beside them: [the phase diagram](../phase/report.md);
+  per byte here, half a point on the MLP) and the product's warning thresholds beside them:
+  [the phase diagram](../phase/report.md);
 * the mechanism per stage (forward/backward weight mismatch and the delayed gradient's cosine
   with the current one): on Adam at b1 0.9, 0.99 and 0.999,
   [mechanism](../mechanism/report.md); on Muon, [mechanism_muon](../mechanism_muon/report.md);
