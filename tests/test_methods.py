@@ -108,6 +108,13 @@ def test_every_preset_has_a_name_for_reports():
   assert set(methods.METHODS) <= set(methods.DISPLAY_NAMES)
 
 
+def test_no_two_presets_share_a_colour():
+  # A figure with one series per method (the phase diagram draws every preset a study ran) must
+  # tell each apart.
+  colours = [record.color for record in methods.RECORDS.values()]
+  assert len(colours) == len(set(colours)), sorted(c for c in colours if colours.count(c) > 1)
+
+
 def tolerance(name):
   """How close the preset stays to its oracle."""
   if "sgd" in methods.optimizers_of(name):

@@ -23,4 +23,4 @@ def build(h: Accumulating) -> method_lib.Method:
 
 
 RECORD = Record("pipedream_muon", "PipeDream + Muon", Accumulating, build,
-                Traits(accumulates_micro_batches=True), optimizers=("adam",), color="darkcyan")
+                Traits(accumulates_micro_batches=True), optimizers=("adam",), color="goldenrod")
