@@ -438,6 +438,12 @@ def test_a_table_with_its_own_baseline_pairs_with_that_baseline_and_names_it():
   assert lines[2].startswith("| 0.002 | +0.05 [") and lines[2].endswith("| baseline |")
   (sentence,) = study_report.conclusions(study, records, against_adam)
   assert sentence.startswith("PB at reference lr = 0.002: no difference from Adam shown (+0.05")
+  # A 'cells' table with the same baseline: Adam's line is the baseline, PB's gap is to Adam.
+  cells = dataclasses.replace(against_adam, kind="cells", baseline_label="")
+  lines = study_report.markdown_table(study, records, cells).splitlines()
+  assert lines[0] == "| run | test loss | gap to Adam |"
+  assert len(lines) == 4 and lines[2].startswith("| Adam |") and lines[2].endswith("| baseline |")
+  assert lines[3].startswith("| PB |") and "| +0.05 [" in lines[3]
   with pytest.raises(study_lib.StudyError, match="baseline must be a tuple of .config key, "
                                                  "value. pairs"):
     Study(name="b", config="c.py", grids=[], tables=[dataclasses.replace(
