@@ -64,11 +64,11 @@ and 256 stages) bring the study to about 25 hours on this CPU; the docstring gro
 phase as it is added.
 
 Measured beside three other trainers on the 2-core CPU, a pipelined Muon-family run trains for
-6,000 to 7,600 s and a one-stage run for 3,300 to 4,900 s (the records' ``train_seconds``).
-With 22 runs recorded, the grid holds 76 more: 12 of the final table (8 pipelined, 4
-one-stage), 21 of Adam at the other seven beta settings and 43 of the methods phase (about 50
-pipelined and 26 one-stage in all): about 125 hours of trainers at those times, or about 42 hours
-with three at a time. The order is the final table, then each other beta setting's Adam at 2e-3
+6,000 to 7,600 s, a one-stage Muon run for 3,300 to 4,900 s and a one-stage Adam run for 1,200
+to 3,300 s (the records' ``train_seconds``). With 22 runs recorded, the grid holds 76 more: 12
+of the final table (8 pipelined, 4 one-stage), 21 of Adam at the other seven beta settings and
+43 of the methods phase (about 50 pipelined and 26 one-stage, mostly Adam, in all): about 110
+hours of trainers at those times, or about 37 hours with three at a time. The order is the final table, then each other beta setting's Adam at 2e-3
 alone (its other two rates only where that run is within 0.1 bits per byte of Adam's best), then
 the rest.
 
