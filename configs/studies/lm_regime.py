@@ -68,9 +68,9 @@ Measured beside three other trainers on the 2-core CPU, a pipelined Muon-family 
 to 3,300 s (the records' ``train_seconds``). With 22 runs recorded, the grid holds 76 more: 12
 of the final table (8 pipelined, 4 one-stage), 21 of Adam at the other seven beta settings and
 43 of the methods phase (about 50 pipelined and 26 one-stage, mostly Adam, in all): about 110
-hours of trainers at those times, or about 37 hours with three at a time. The order is the final table, then each other beta setting's Adam at 2e-3
-alone (its other two rates only where that run is within 0.1 bits per byte of Adam's best), then
-the rest.
+hours of trainers at those times, or about 37 hours with three at a time. The order is the
+final table, then each other beta setting's Adam at 2e-3 alone (its other two rates only where
+that run is within 0.1 bits per byte of Adam's best), then the rest.
 
 ``:smoke`` runs the 4-stage smoke network on 1,500 sequences: Adam without a pipeline at two beta
 settings and PB, one seed each (CI).
