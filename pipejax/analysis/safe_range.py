@@ -8,8 +8,12 @@ the baseline's mean, which no interval over the cell's seeds sees:
 
 * **non-inferior**: over at least two paired seeds, the one-sided t-test rejects a gap of the
   margin or more at 5% (:func:`pipejax.study.statistics.margin_tests`, the test the studies'
-  own reports make of their gap tables);
-* **behind**: the 95% interval of the paired gaps lies wholly above the margin;
+  own reports make of their gap tables, here against the phase diagram's baseline: the best
+  cell without a pipeline of the same network, which need not be a study's own baseline, so a
+  verdict here can differ from that study's);
+* **behind**: the two-sided 95% interval of the paired gaps lies wholly above the margin (at
+  2.5% one-sided, stricter than non-inferiority's 5%, so that a cell is not called behind on
+  weaker evidence than it would be called level on);
 * **not shown**: at least two paired seeds, and neither of the above;
 * **diverged**: at least two runs, and one of them diverged;
 * **no claim**: fewer than two paired seeds (a pilot, or a cell whose baseline has one seed), or
@@ -44,9 +48,11 @@ INTRODUCTION = """\
 Each cell below gets one verdict at its study's margin (`pipejax.analysis.safe_range`), from its
 gaps paired by seed with the baseline's runs only: **non-inferior** where, over at least two
 paired seeds, the one-sided t-test at 5% rejects a gap of the margin or more (the test of the
-studies' own gap tables); **behind** where the paired gaps' 95% interval lies wholly above the
-margin; **not shown** otherwise; **diverged** where a run of a cell of two or more diverged.
-Fewer than two paired seeds (a pilot, or a baseline of one seed) make no claim. A method's cells
+studies' own gap tables, here against this diagram's baseline, which need not be the study's
+own: a verdict here can differ from the study's report); **behind** where the paired gaps'
+two-sided 95% interval lies wholly above the margin; **not shown** otherwise; **diverged** where
+a run of a cell of two or more diverged. Fewer than two paired seeds (a pilot, or a baseline of
+one seed), a single run that diverged, or a study without a margin make no claim. A method's cells
 at one x (several rates or betas) count by their best verdict. It **holds up to** the largest x
 before the first x with a decided verdict other than non-inferior; cells of no claim neither
 extend nor end that range. The last column is the product's threshold (the method's
@@ -129,9 +135,10 @@ def ranges(rows: Sequence) -> list[MethodRange]:
 
 
 def _cells_with(cells: Sequence[CellVerdict], wanted: str) -> str:
-  """'0.0049 (depth, S 4); 6.2 (lm depth, S 32) ×3': the cells of one verdict, by x; a cell of no
-  claim whose run diverged is marked so."""
-  counts = collections.Counter((c.x, c.study, c.num_stages, c.diverged and wanted == NO_CLAIM)
+  """'0.0049 (depth, S 4); 6.2 (lm depth, S 32) ×3': the cells of one verdict, by x; a cell whose
+  run diverged is marked so, since the table shows diverged cells beside those behind."""
+  counts = collections.Counter((c.x, c.study, c.num_stages,
+                                 c.diverged and wanted in (NO_CLAIM, DIVERGED))
                                for c in cells if c.verdict == wanted)
   return "; ".join(f"{x:g} ({study}, S {stages}{', diverged' if diverged else ''})"
                    + (f" ×{n}" if n > 1 else "")
@@ -145,7 +152,7 @@ def table(rows: Sequence) -> str:
   unit = rows[0].unit.name if rows else ""
   margin = " or ".join(f"{m:g}" for m in margins) or "none"
   lines = [f"| method | non-inferior at x (margin {margin} {unit}) | not shown | behind, or "
-           "diverged | no claim (fewer than two paired seeds) | holds up to x | behind from x | "
+           "diverged | no claim | holds up to x | behind from x | "
            "the product warns beyond x |", "|" + "---|" * 8]
   for method_range in ranges(rows):
     record = methods_lib.RECORDS.get(method_range.method)

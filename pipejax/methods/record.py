@@ -83,8 +83,10 @@ class Record:
     color: its colour in figures.
     safe_delay_memory: the largest ``D_max (1 − β)`` (the stem's delay ``2(S − 1)`` over the
       momentum's memory ``1 / (1 − β)``, β the momentum or Adam's b1) at which a study found the
-      method level with its baseline; a run beyond it is warned at its start. None: no study
-      has measured it (no warning).
+      method level with its baseline, below every one at which a study found it behind; a run
+      beyond it is warned at its start. The phase report's range can end lower, where a cell
+      at a smaller x was not shown level against that report's baseline. None: no study has
+      measured it (no warning).
   """
 
   name: str

@@ -197,7 +197,8 @@ def best_value(study: Study, records: Sequence[dict], table: Table, column_value
 
 
 def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
-  baseline_column = study.baseline_of(table).get(table.columns)
+  # A tuned table has no baseline of its own (spec._check_tables refuses one).
+  baseline_column = study.baseline.get(table.columns)
   baseline_best = best_value(study, records, table, baseline_column)
   by_point = {}
   for r in records:

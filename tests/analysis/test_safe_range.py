@@ -61,8 +61,28 @@ def test_the_range_ends_at_the_first_decided_x_that_does_not_hold():
       is None
 
 
+def test_a_range_with_nothing_decided_or_first_diverged_holds_nowhere():
+  cell = safe_range.CellVerdict
+  undecided = safe_range.MethodRange("pb", (cell(0.01, "a", 4, safe_range.NO_CLAIM),))
+  assert (undecided.holds_up_to, undecided.behind_from) == (None, None)
+  diverged_first = safe_range.MethodRange("pb", (
+      cell(0.01, "a", 4, safe_range.DIVERGED, diverged=True),
+      cell(0.02, "a", 8, safe_range.NON_INFERIOR)))
+  assert (diverged_first.holds_up_to, diverged_first.behind_from) == (None, 0.01)
+  assert safe_range.ranges([]) == []
+
+
+def test_the_table_marks_the_diverged_cells_beside_those_behind():
+  unit = phase.Unit("test_accuracy", 100.0, "points", margin=0.5)
+  row = lambda x, gaps, diverged: type("Row", (), dict(  # the fields ranges() reads
+      method="pb", delay_memory=x, study="s", num_stages=4, paired_gaps=gaps, runs=2,
+      diverged=diverged, unit=unit))
+  line = safe_range.table([row(0.1, [3.0, 3.2], 0), row(0.2, [3.0], 1)]).splitlines()[-1]
+  assert "| 0.1 (s, S 4); 0.2 (s, S 4, diverged) |" in line
+
+
 def test_the_report_gives_each_units_table_from_paired_gaps_only(tmp_path):
-  # PB's three seeds hold against the baseline's; PB + SC's third seed has no baseline twin, so
+  # PB's two seeds hold against the baseline's; PB + SC's third seed has no baseline twin, so
   # its verdict rests on two paired seeds; SpecTrain's one paired seed makes no claim.
   unit = phase.Unit("test_accuracy", 100.0, "points", margin=0.5)
   workdir = tmp_path / "s"
