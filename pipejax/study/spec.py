@@ -289,17 +289,20 @@ def _check_where(where: tuple, what: str) -> None:
 
 
 def _check_tables(study: Study) -> None:
-  """Refuses a table baseline that is not (config key, value) pairs, and a malformed
-  ``where`` of a table or figure."""
-  for item in (*study.tables, *study.figures):
-    _check_where(item.where, f"Study {study.name!r}, "
-                 f"{getattr(item, 'title', '') or getattr(item, 'file', '')!r}")
+  """Refuses a malformed ``where`` of a table or figure, a table baseline that is not (config
+  key, value) pairs, and a baseline on a table whose kind takes the study's."""
+  for table in study.tables:
+    _check_where(table.where, f"Study {study.name!r}, table {table.title!r}")
+  for figure in study.figures:
+    _check_where(figure.where, f"Study {study.name!r}, figure {figure.file!r}")
   for table in study.tables:
     pairs = table.baseline
     if not isinstance(pairs, tuple) or not all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+      # Pairs, not a mapping as the study's baseline is: a Table is frozen and hashable.
       raise StudyError(f"Study {study.name!r}: table {table.title!r}'s baseline must be a tuple "
-                       f"of (config key, value) pairs, e.g. (('method', 'sgd'),); got {pairs!r}.")
+                       f"of (config key, value) pairs, e.g. (('method', 'sgd'),), not a mapping "
+                       f"as the study's baseline is; got {pairs!r}.")
     if pairs and table.kind not in ("gap", "cells"):
       raise StudyError(f"Study {study.name!r}: table {table.title!r} of kind {table.kind!r} takes "
                        "the study's baseline; only a 'gap' or 'cells' table sets its own.")

@@ -489,8 +489,9 @@ def test_a_baseline_fixed_at_its_best_rate_pairs_every_run_of_its_seed_and_is_na
   assert sorted((r["overrides"]["method"], r["overrides"]["reference.lr"]) for r in joint) == [
       ("muon", 0.002), ("muon", 0.002), ("pb", 0.001), ("pb", 0.001)]
   # A combination of keys given one value would match nothing: refused.
-  with pytest.raises(study_lib.StudyError, match=r"where's keys \('method', 'reference.lr'\) "
-                                                 r"take a tuple of combinations of 2 values"):
+  with pytest.raises(study_lib.StudyError, match=r"Study 'b', table 'either': where's keys "
+                                                 r"\('method', 'reference.lr'\) take a tuple of "
+                                                 r"combinations of 2 values"):
     Study(name="b", config="c.py", grids=[], tables=[dataclasses.replace(
         either, where=((("method", "reference.lr"), ("muon", 0.002)),))])
   # A gap table whose axes leave out a baseline key (b2) still names the baseline's cell.
