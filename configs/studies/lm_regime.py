@@ -56,11 +56,13 @@ before:
 Cost. Measured beside two to five other trainers on the 2-core CPU (the records'
 ``train_seconds``), a pipelined Muon-family run trains for 5,000 to 7,600 s, a one-stage Muon
 run for 3,300 to 4,900 s and a one-stage Adam run for 1,200 to 3,300 s; with two trainers at a
-time on a quiet CPU, lm_depth's one-stage and pipelined Adam runs took 575 to 1,540 s. The whole
-grid (98 runs) is about 130 hours of trainers at those times. The study was given about 20 hours
-of this CPU; the runs its records hold took about 36 hours. The report's section "What the grid
-did not train" says which runs were left and why: each was either decided by a run that was
-trained (a pruning rule, or lm_depth's cells of the same network), or left for the budget.
+time on a quiet CPU, lm_depth's one-stage and pipelined Adam runs took 575 to 1,540 s. At the
+medians of this study's records (``wall_seconds``: about 4,900 s for a Muon-family run, one
+stage or pipelined, 2,300 s for a one-stage Adam run) the whole grid (98 runs) is about 80 hours
+of trainers. The study was given about 20 hours of this CPU; its records hold about 36 hours of
+run time, and the runs left about 40 hours more. The report's section "What the grid did not
+train" says which runs were left and why: each was decided by a run that was trained (a pruning
+rule, or lm_depth's cells of the same network), or left for the budget.
 
 ``:smoke`` runs the 4-stage smoke network on 1,500 sequences: Adam without a pipeline at two beta
 settings and PB, one seed each (CI).
