@@ -59,7 +59,7 @@ run for 3,300 to 4,900 s and a one-stage Adam run for 1,200 to 3,300 s; with two
 time on a quiet CPU, lm_depth's one-stage and pipelined Adam runs took 575 to 1,540 s. At the
 medians of this study's records (``wall_seconds``: about 4,900 s for a Muon-family run, one
 stage or pipelined, 2,300 s for a one-stage Adam run) the whole grid (98 runs) is about 80 hours
-of trainers. The study was given about 20 hours of this CPU; its records hold about 36 hours of
+of trainers. The study was given about 20 hours of this CPU; its records hold about 38 hours of
 run time, and the runs left about 40 hours more. The report's section "What the grid did not
 train" says which runs were left and why: each was decided by a run that was trained (a pruning
 rule, or lm_depth's cells of the same network), or left for the budget.
@@ -221,8 +221,7 @@ not trained, for these reasons:
 * **Decided by a rule and a run.** Adam at each other beta setting is trained at 2e-3 first, its
   other two rates only where that run ends within 0.1 bits per byte of Adam's best, and the
   Adam-family methods at a setting only where Adam does: the next section gives each setting's
-  pilot. Single runs outside the grid at 1e-3 (docs/lm.md, "How to choose β") put b1 0.999 at
-  4.08 and 4.40.
+  pilot.
 * **Decided by `lm_depth`.** It trained PB, PB + SC, PB + SC + LWP, PipeOptim and Nesterov
   AsyncPP on this network, data and schedule at 32 stages, at 1e-3 over three to five seeds
   (0.47 to 1.46 bits per byte behind Adam there), and PB + SC + LWP and Nesterov AsyncPP over
@@ -233,8 +232,11 @@ not trained, for these reasons:
   run time its records hold): PB + Muon + SC + LWP's seeds 2 to 4 in the final table (two put
   it 1.23 bits per byte above the baseline, 60 times the margin), Nesterov AsyncPP as released
   at its other rates, PB + Muon + SC + LWP at 1e-3 and 4e-3, error feedback's smoothed variants,
-  Muon's momentum at 0.98, accumulation at 4e-3 and 1.6e-2, and the mechanism grid's other
-  settings trained to the end."""
+  Muon's momentum at 0.98, accumulation at 4e-3 and 1.6e-2, the mechanism grid's other
+  settings trained to the end, Adam's pilots at b1 0.999 (single runs outside the grid at 1e-3,
+  in docs/lm.md's "How to choose β", put them at 4.08 and 4.40), and what the rule makes due at
+  b1 0.99, b2 0.99, whose pilot ended within 0.1 of Adam's best: Adam's other two rates there
+  and the methods."""
 
 
 def _final_cells(method_rates) -> tuple:
