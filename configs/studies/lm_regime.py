@@ -71,6 +71,7 @@ settings and PB, one seed each (CI).
 import math
 
 from pipejax.study import Figure, Section, Study, Table
+from pipejax.study import cells as study_cells
 
 BLOCKS = 30
 WIDTH = 64
@@ -190,12 +191,11 @@ BETA_PRUNING = 0.1  # bits per byte
 def _beta_pruning(records, _workdir) -> str:
   """Each beta setting's Adam pilot at 2e-3 (seed 0) against Adam's best seed-0 run, and what the
   pruning rule makes of it."""
-  pilots = {}
-  for r in records:
-    o = r["overrides"]
-    if (o.get("method"), o.get("reference.lr"), o.get("seed")) == ("sgd", FINAL_ADAM[1], 0) and \
-        "micro_batch_size" not in o and r.get("status") == "finished":
-      pilots[(o["reference.momentum"], o["reference.b2"])] = r["test_loss"] * BITS_PER_NAT
+  where = (("method", FINAL_ADAM[0]), ("reference.lr", FINAL_ADAM[1]), ("seed", 0),
+           ("micro_batch_size", None))
+  pilots = {(r["overrides"]["reference.momentum"], r["overrides"]["reference.b2"]):
+            r["test_loss"] * BITS_PER_NAT
+            for r in study_cells.select(records, where) if r.get("status") == "finished"}
   if not pilots:
     return "No beta setting's pilot is recorded yet."
   best = min(pilots.values())
