@@ -231,6 +231,10 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   curve = test_curve(run_dir)
   if curve:
     record["test_curve"] = curve
+    train = train_curve(run_dir, [row[0] for row in curve])
+    if train:
+      record["train_curve"] = train
+      record["train_loss"] = train[-1][1]
   staleness = _mean_staleness(run_dir)
   if staleness is not None:
     record["weight_discrepancy"] = staleness
@@ -324,6 +328,28 @@ def test_curve(run_dir: str) -> list[list[float]]:
   rows = {r["samples"]: [r["samples"], r.get("accuracy"), r.get("loss")]
           for r in metrics_lib.read_records(run_dir) if r.get("split") == "test"}
   return [rows[k] for k in sorted(rows)]
+
+
+def train_curve(run_dir: str, evaluations: list[int]) -> list[list[float]]:
+  """The run's training loss as ``[samples, loss]`` rows, one per interval between consecutive
+  ``evaluations`` (sample counts): the mean of the chunks' losses that ended in it, weighted by
+  the chunks' lengths, at the interval's end. Beside the test curve it shows repeated data: past
+  one epoch the training loss falls below the validation loss."""
+  from pipejax.train import metrics as metrics_lib  # no JAX: plain JSONL reading
+  chunks = sorted((r["samples"], r["loss"]) for r in metrics_lib.read_records(run_dir)
+                  if r.get("split") == "train" and is_number(r.get("samples"))
+                  and is_number(r.get("loss")) and math.isfinite(r["loss"]))
+  rows, previous = [], 0
+  for end in sorted(evaluations):
+    total = weight = 0.0
+    start = previous
+    for samples, loss in chunks:
+      if start < samples <= end:
+        length = samples - previous
+        total, weight, previous = total + loss * length, weight + length, samples
+    if weight:
+      rows.append([end, total / weight])
+  return rows
 
 
 def samples_to_reach(record: dict, accuracy: float) -> int | None:

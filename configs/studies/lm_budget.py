@@ -1,0 +1,161 @@
+r"""The price of asynchrony at 32 stages: the sequences each method needs to reach a target loss,
+from one run per budget, and the token tax against synchronous Muon.
+
+    python scripts/study.py --study=configs/studies/lm_budget.py --workdir=docs/studies/lm_budget \
+        --parallel=2 --where=epochs=1.333333,seed=0
+    python scripts/study.py --study=configs/studies/lm_budget.py:smoke --workdir=/tmp/budget_smoke
+
+The network, data and recipe are configs/studies/lm_regime.py's: the 32-stage transformer (30
+blocks of width 64, one block per stage, delays up to 62), micro-batch 1, Muon (b1 0.9, b2 0.99
+for its AdamW leaves), cosine with warm-up. The budget is the run's length in epochs of the
+training split (35,887 sequences of 64 bytes): x0.5, x1, x2 and x4 of lm_regime's 23,924
+sequences. A cosine schedule is shaped by its end, so each budget is its own run with the whole
+schedule scaled to it: the warm-up stays 7.5% of the run.
+
+The x1 cells are lm_regime's runs, copied into this study's records with their run identities
+(the same overrides on the same config): Muon at 4e-3 (its best) and 2e-3, PipeDream + Muon at
+2e-3 (its best) and 1e-3, PB + Muon at 2e-3 and 1e-3, and both at 8 sequences per update. Their
+workdirs are gone, so they carry no training curve.
+
+Each budget's rates: the x1 best and half of it at x2 and x4 (the best rate falls as runs
+lengthen), the x1 best and twice it at x0.5. The methods:
+
+* synchronous Muon at batch 1 (``method=muon``) and at batch 8 (``micro_batch_size=8``), the
+  baselines: at 8 sequences per update a GPipe or 1F1B flush idles 31 of every 39 device-slots
+  on 32 devices, which is the price the time-to-target section sets against the token tax;
+* PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
+* PB + Muon, the pipeline without stashing.
+
+Order: x2 on seed 0 first (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2
+decides the rest; then x0.5 on seed 0; then seed 1 at every budget for the baseline and the best
+asynchronous method at their best rates; then x4 where the budget allows.
+
+Cost, from lm_regime's records (wall seconds at x1 beside one to five other trainers on the
+2-core CPU): a 32-stage pipelined run 2,900 to 9,400 s (median about 5,000 s), one-stage Muon
+at batch 1 2,000 to 6,000 s, one-stage Muon at batch 8 120 to 3,400 s (it takes an eighth of
+the optimizer steps). Run time scales with the budget. The grid below, without the x1 cells it
+copies, is 10 runs at x2 (about 5,000 s x 2 each: 28 trainer-hours), 10 at x0.5 (7 hours), 4
+seed-1 runs at x2 and x0.5 for the baseline and the best asynchronous method (8 hours) and 4 at
+x4 (22 hours): about 65 trainer-hours, or 33 hours of this CPU at two trainers at a time, five
+to six sessions. x2 and x0.5 on seed 0 alone are about 18 hours of this CPU.
+
+``:smoke`` runs the 4-stage smoke network at two budgets: Muon without a pipeline and PB + Muon,
+one seed each, with the tokens-to-target section (CI).
+"""
+
+import math
+
+from pipejax.study import Section, Study, Table
+from pipejax.study import budget as study_budget
+
+BLOCKS = 30
+WIDTH = 64
+EPOCHS_X1 = 2 / 3  # lm_regime's 23,924 of 35,887 sequences
+WARMUP_FRACTION = 0.075  # of the run: lm_regime's 0.05 of an epoch over its 2/3
+# Budget multipliers besides x1, whose runs are lm_regime's. Epochs are written to six places so
+# that a run's identity and a --where read as typed.
+BUDGETS = (0.5, 2.0, 4.0)
+SEQUENCES_PER_UPDATE = 8
+# (method, extra overrides, x1 best rate); the x1 best of each from lm_regime's records.
+MUON = ("muon", {}, 4e-3)
+MUON_BATCH = ("muon", {"micro_batch_size": (SEQUENCES_PER_UPDATE,),
+                       "reference.batch_size": (SEQUENCES_PER_UPDATE,)}, 8e-3)
+PIPEDREAM = ("pipedream_muon", {}, 2e-3)
+PIPEDREAM_BATCH = ("pipedream_muon", {
+    "method_kwargs.pipedream_muon.micro_batches": (SEQUENCES_PER_UPDATE,),
+    "reference.batch_size": (SEQUENCES_PER_UPDATE,)}, 8e-3)
+PB_MUON = ("pb_muon", {}, 2e-3)
+METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
+# Seed 1 at every budget for the baseline and the best asynchronous method.
+SECOND_SEED = (MUON, PIPEDREAM)
+# x4 only for these: 2.7 epochs of the training split at about 5.5 hours a run.
+LONGEST = (MUON, PIPEDREAM)
+BITS_PER_NAT = 1 / math.log(2)
+BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
+# Target losses of the tokens-to-target table, in bits per byte: from the x1 baseline's 2.50 up
+# to where the pipelines' x1 runs end.
+TARGETS_BITS = (2.50, 2.55, 2.6, 2.7, 2.8, 2.9, 3.0)
+
+
+def epochs(multiplier: float) -> float:
+  return round(EPOCHS_X1 * multiplier, 6)
+
+
+def _rates(multiplier: float, best: float) -> tuple:
+  return (best, best * 2) if multiplier < 1 else (best, best / 2)
+
+
+def _schedule(multiplier: float) -> dict:
+  return {"epochs": (epochs(multiplier),),
+          "warmup_epochs": (round(epochs(multiplier) * WARMUP_FRACTION, 6),)}
+
+
+def _cell(method, extra: dict, rates: tuple, seeds: tuple, schedule: dict) -> dict:
+  return {"model_kwargs.blocks": (BLOCKS,), "model_kwargs.width": (WIDTH,), "method": (method,),
+          "reference.momentum": (0.9,), "reference.b2": (0.99,), **extra, **schedule,
+          "reference.lr": rates, "seed": seeds}
+
+
+def _grids() -> list[dict]:
+  grids = []
+  for multiplier in (2.0, 0.5):
+    grids += [_cell(m, extra, _rates(multiplier, best), (0,), _schedule(multiplier))
+              for m, extra, best in METHODS]
+  for multiplier in (2.0, 0.5):
+    grids += [_cell(m, extra, (best,), (1,), _schedule(multiplier))
+              for m, extra, best in SECOND_SEED]
+  grids += [_cell(m, extra, (best,), (1,), {}) for m, extra, best in SECOND_SEED]
+  grids += [_cell(m, extra, (best,), (0, 1), _schedule(4.0)) for m, extra, best in LONGEST]
+  # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
+  grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
+  return grids
+
+
+def _series() -> tuple:
+  """The tokens-to-target table's rows: (label, where) of each method at each batch."""
+  def where(method, extra):
+    batch = extra.get("micro_batch_size") or extra.get(
+        "method_kwargs.pipedream_muon.micro_batches")
+    pairs = [("method", method), ("reference.batch_size", batch[0] if batch else None)]
+    return tuple(pairs)
+  return (("Muon, no pipeline, batch 1", where(*MUON[:2])),
+          (f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}", where(*MUON_BATCH[:2])),
+          ("PipeDream + Muon, 1 sequence per update", where(*PIPEDREAM[:2])),
+          (f"PipeDream + Muon, {SEQUENCES_PER_UPDATE} sequences per update",
+           where(*PIPEDREAM_BATCH[:2])),
+          ("PB + Muon", where(*PB_MUON[:2])))
+
+
+def _smoke() -> Study:
+  cell = {"model_kwargs.blocks": (2,), "seed": (0,)}
+  grids = [{**cell, "method": (m,), "epochs": (e,), "warmup_epochs": (round(e * 0.075, 6),)}
+           for m in ("muon", "pb_muon") for e in (0.5, 1.0)]
+  series = (("Muon, no pipeline", (("method", "muon"),)), ("PB + Muon", (("method", "pb_muon"),)))
+  return Study(name="lm budget (smoke)", config="configs/char_lm.py:smoke", grids=grids,
+               baseline={"method": "muon"},
+               tables=[Table("Validation bits per byte, every run", rows="method",
+                             columns="method", kind="cells", **BITS)],
+               sections=[Section("Tokens to a target loss", study_budget.TokensToTarget(
+                   series=series, baseline="Muon, no pipeline", targets=(4.0, 4.5),
+                   scale=BITS_PER_NAT, unit="bits per byte"))])
+
+
+def get_study(arg: str | None = None) -> Study:
+  if arg == "smoke":
+    return _smoke()
+  if arg:
+    raise ValueError(f"Unknown study argument {arg!r}; known: smoke.")
+  tokens = study_budget.TokensToTarget(
+      series=_series(), baseline="Muon, no pipeline, batch 1",
+      synchronous=("Muon, no pipeline, batch 1",
+                   f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}"),
+      targets=TARGETS_BITS, scale=BITS_PER_NAT, unit="bits per byte")
+  return Study(
+      name="lm budget", config="configs/char_lm.py", grids=_grids(),
+      baseline={"method": "muon", "reference.lr": MUON[2], "reference.batch_size": None},
+      baseline_name=f"Muon without a pipeline at {MUON[2]:g}, batch 1",
+      labels={"muon": "Muon, no pipeline", "epochs": "budget (epochs)",
+              "reference.batch_size": "sequences per update"},
+      tables=[Table("Validation bits per byte, every run", rows="method", columns="method",
+                    kind="cells", **BITS)],
+      sections=[Section("Tokens to a target loss", tokens)])

@@ -1,0 +1,296 @@
+"""Tokens to a target loss: what a method's final loss at several budgets says about the data it
+needs, and the token tax of an asynchronous method against the best synchronous one.
+
+A cosine schedule is shaped by its end, so a run's loss part-way through is not what a shorter
+run would reach: each budget is its own run. For one series (a method at one batch), at each
+budget the best learning rate of that budget is taken (budgets are tuned separately: the best
+rate falls as runs lengthen), and the final loss at that rate, mean of its seeds, is a point of
+the series' curve of loss against log training samples. The samples needed to reach a target
+loss are read off that curve by linear interpolation in log samples between the two budgets
+that bracket the target; a target below the longest budget's loss is 'not reached', one above
+the shortest budget's loss 'reached by' that budget (no extrapolation either way).
+
+Where a seed has runs at two or more budgets, the same reading of its own runs gives one value
+per seed, and the table gives their geometric mean's 95% Student-t interval (in log samples).
+The token tax at a target is a series' samples over those of the best synchronous series there;
+its interval is paired by seed where both have that seed's crossing.
+
+:class:`TokensToTarget` is a report section (``Section(title, TokensToTarget(...))``): it renders
+the table, the tax and a figure of loss against budget from the study's records alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Sequence
+
+from pipejax.study import statistics
+from pipejax.study.cells import select
+from pipejax.study.records import FINISHED, is_number
+
+# One series: (label, where), where is the ``cells.select`` filter of its runs.
+Series = tuple[str, tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPoint:
+  """One budget of a series: its best rate and the final losses of that rate's seeds."""
+
+  samples: int
+  rate: float | None
+  losses: dict[int, float]  # seed -> final test loss (nats)
+  train_losses: dict[int, float]  # seed -> the last evaluation interval's training loss
+
+  @property
+  def mean(self) -> float:
+    return sum(self.losses.values()) / len(self.losses)
+
+
+def budget_points(records: Sequence[dict], where: tuple) -> list[BudgetPoint]:
+  """A series' points, shortest budget first: at each budget (a run's ``samples``) the rate with
+  the lowest mean final loss over its seeds (the rate tuned per budget)."""
+  runs = [r for r in select(records, where) if r.get("status") == FINISHED
+          and is_number(r.get("test_loss")) and is_number(r.get("samples"))]
+  by_budget: dict[int, dict] = {}
+  for r in runs:
+    rate = r["overrides"].get("reference.lr", r.get("learning_rate"))
+    seed = r["overrides"].get("seed", 0)
+    by_budget.setdefault(int(r["samples"]), {}).setdefault(rate, []).append((seed, r))
+  points = []
+  for samples in sorted(by_budget):
+    rates = by_budget[samples]
+    best = min(rates, key=lambda rate: sum(r["test_loss"] for _, r in rates[rate])
+               / len(rates[rate]))
+    points.append(BudgetPoint(
+        samples, best, {seed: r["test_loss"] for seed, r in rates[best]},
+        {seed: r["train_loss"] for seed, r in rates[best] if is_number(r.get("train_loss"))}))
+  return points
+
+
+def crossing(curve: Sequence[tuple[int, float]], target: float) -> tuple[str, float | None]:
+  """Where a curve of (samples, loss) points, shortest budget first, first reaches ``target``.
+
+  Returns ('reached', samples) interpolated linearly in log samples between the bracketing
+  budgets; ('before', shortest budget) when the shortest already is at or below the target;
+  ('not reached', None) when no budget reaches it. A curve that rises again after reaching the
+  target (an overlong budget that overfits) keeps its first crossing.
+  """
+  if not curve:
+    return "not reached", None
+  if curve[0][1] <= target:
+    return "before", float(curve[0][0])
+  for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+    if l1 <= target < l0:
+      fraction = (l0 - target) / (l0 - l1)
+      return "reached", math.exp(math.log(s0) + fraction * (math.log(s1) - math.log(s0)))
+  return "not reached", None
+
+
+def seed_crossings(points: Sequence[BudgetPoint], target: float) -> dict[int, float]:
+  """Per seed with runs at two or more budgets, the samples its own runs take to ``target``
+  (only where the target lies between its budgets)."""
+  seeds = sorted({seed for p in points for seed in p.losses})
+  found = {}
+  for seed in seeds:
+    curve = [(p.samples, p.losses[seed]) for p in points if seed in p.losses]
+    if len(curve) >= 2:
+      kind, samples = crossing(curve, target)
+      if kind == "reached":
+        found[seed] = samples
+  return found
+
+
+def log_interval(values: Sequence[float]) -> statistics.Interval:
+  """The interval of ``values`` (all positive) in log space, mapped back: a geometric mean."""
+  result = statistics.interval([math.log(v) for v in values])
+  return dataclasses.replace(result, mean=math.exp(result.mean), low=math.exp(result.low),
+                             high=math.exp(result.high))
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+  kind: str  # 'reached', 'before' or 'not reached'
+  samples: float | None  # from the seeds' mean curve
+  per_seed: dict[int, float]
+
+
+def crossings(points: Sequence[BudgetPoint], target: float) -> Crossing:
+  kind, samples = crossing([(p.samples, p.mean) for p in points], target)
+  return Crossing(kind, samples, seed_crossings(points, target))
+
+
+def token_tax(method: Crossing, baseline: Crossing) -> tuple[float | None, statistics.Interval]:
+  """A series' samples over the baseline's at one target, and the paired-by-seed interval of
+  that ratio (geometric); None where either did not reach the target inside its budgets."""
+  if method.kind != "reached" or baseline.kind != "reached":
+    return None, statistics.interval([])
+  seeds = sorted(set(method.per_seed) & set(baseline.per_seed))
+  ratios = [method.per_seed[s] / baseline.per_seed[s] for s in seeds]
+  interval = log_interval(ratios) if ratios else statistics.interval([])
+  return method.samples / baseline.samples, interval
+
+
+def _rate_text(rate) -> str:
+  return "—" if rate is None else f"{rate:g}"
+
+
+def _samples_text(c: Crossing) -> str:
+  if c.kind == "not reached":
+    return "not reached"
+  if c.kind == "before":
+    return f"≤ {c.samples:,.0f}"
+  text = f"{c.samples:,.0f}"
+  if len(c.per_seed) >= 2:
+    iv = log_interval(list(c.per_seed.values()))
+    text += f" [{iv.low:,.0f}, {iv.high:,.0f}], n = {iv.n}"
+  return text
+
+
+def _tax_text(tax: float | None, interval: statistics.Interval) -> str:
+  if tax is None:
+    return "—"
+  text = f"{tax:.2f}×"
+  if interval.n >= 2:
+    text += f" [{interval.low:.2f}, {interval.high:.2f}], n = {interval.n}"
+  return text
+
+
+def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
+  """A sentence on how the tax moves with the baseline's samples to the target, and, fitting
+  log tax linearly in log samples, at what samples it would cross ``goal``."""
+  points = [(s, t) for s, t in taxes if t and t > 0]
+  if len(points) < 2:
+    return ""
+  xs = [math.log(s) for s, _ in points]
+  ys = [math.log(t) for _, t in points]
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  sxx = sum((x - mx) ** 2 for x in xs)
+  if sxx == 0:
+    return ""
+  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+  text = (f"Fitted over {len(points)} targets, the tax scales as samples^{slope:+.2f} "
+          "(log tax linear in the baseline's log samples to the target)")
+  if points[-1][1] <= goal:
+    return text + f"; it is already at or below {goal:g}× at the longest target reached."
+  if slope >= 0:
+    return text + f"; it does not fall, so the fit never reaches {goal:g}×."
+  cross = math.exp(mx + (math.log(goal) - my) / slope)
+  return text + (f"; extrapolated, it would reach {goal:g}× at about {cross:,.0f} samples of "
+                 "the baseline (an extrapolation of the fit, not a measurement).")
+
+
+def _figure(path: str, curves: dict[str, list[BudgetPoint]], targets: Sequence[float],
+            scale: float, unit: str) -> str | None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  drawn = False
+  for label, points in curves.items():
+    if points:
+      ax.plot([p.samples for p in points], [p.mean * scale for p in points], "o-", label=label)
+      drawn = True
+  if not drawn:
+    plt.close(fig)
+    return None
+  for target in targets:
+    ax.axhline(target, color="grey", lw=0.5, ls=":")
+  ax.set_xscale("log")
+  ax.set_xlabel("training sequences (one run per budget, each at its best rate)")
+  ax.set_ylabel(f"final validation loss ({unit})" if unit else "final validation loss")
+  ax.legend(fontsize=8)
+  ax.set_title("Loss against budget: the token tax is the horizontal distance")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return os.path.basename(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensToTarget:
+  """A report section: per series, the samples to each target loss and the token tax.
+
+  series: (label, where) of each method at its batch. baseline: the label whose loss at the
+  middle budget is quoted. synchronous: the labels of the synchronous series; the tax at a
+  target is taken against the one of them that needs the fewest samples there (default: the
+  baseline alone). targets: in the report's unit (the metric times ``scale``).
+  """
+
+  series: tuple[Series, ...]
+  baseline: str
+  targets: tuple[float, ...]
+  synchronous: tuple[str, ...] = ()
+  scale: float = 1.0
+  unit: str = ""
+  goal: float = 1.1  # the tax the study asks for
+  figure: str = "tokens_to_target.png"
+
+  def __post_init__(self):
+    labels = [label for label, _ in self.series]
+    for name in (self.baseline, *self.synchronous):
+      if name not in labels:
+        raise ValueError(f"TokensToTarget: {name!r} is not one of its series {labels}.")
+
+  def points(self, records: Sequence[dict]) -> dict[str, list[BudgetPoint]]:
+    return {label: budget_points(records, where) for label, where in self.series}
+
+  def __call__(self, records: Sequence[dict], workdir: str) -> str:
+    curves = self.points(records)
+    if not any(curves.values()):
+      return "No finished run of these series is recorded yet."
+    lines = [self._budgets_table(curves), "", self._targets_table(curves)]
+    figure = _figure(os.path.join(workdir, self.figure), curves, self.targets, self.scale,
+                     self.unit) if workdir and os.path.isdir(workdir) else None
+    if figure:
+      lines += ["", f"![Loss against budget]({figure})"]
+    return "\n".join(lines)
+
+  def _budgets_table(self, curves) -> str:
+    lines = ["Each budget's best rate and its final losses (validation, and training over the "
+             "last evaluation interval where the record has it: below the validation loss past "
+             "an epoch, repeated data shows).", "",
+             f"| series | sequences | best rate | validation ({self.unit}) | n | training |",
+             "|---|---|---|---|---|---|"]
+    for label, points in curves.items():
+      for p in points:
+        iv = statistics.interval([v * self.scale for v in p.losses.values()])
+        value = f"{iv.mean:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.n >= 2 else "")
+        train = (f"{sum(p.train_losses.values()) / len(p.train_losses) * self.scale:.3f}"
+                 if p.train_losses else "—")
+        lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {value} | {iv.n} | {train} |")
+    return "\n".join(lines)
+
+  def _targets_table(self, curves) -> str:
+    synchronous = self.synchronous or (self.baseline,)
+    header = " | ".join(f"{t:g}" for t in self.targets)
+    lines = [f"Sequences to reach each target loss ({self.unit}), interpolated in log sequences "
+             "between budgets (geometric mean [95% CI] over seeds with their own crossing); "
+             "then the token tax, each series' sequences over the best synchronous series' at "
+             "that target (paired by seed).", "",
+             f"| series | {header} |", "|---|" + "---|" * len(self.targets)]
+    found = {label: [crossings(points, t / self.scale) for t in self.targets]
+             for label, points in curves.items()}
+    for label in found:
+      lines.append(f"| {label} | " + " | ".join(_samples_text(c) for c in found[label]) + " |")
+    lines += ["", f"| token tax | {header} |", "|---|" + "---|" * len(self.targets)]
+    trends = []
+    for label in found:
+      if label in synchronous:
+        continue
+      cells, taxes = [], []
+      for i, _ in enumerate(self.targets):
+        reached = [found[s][i] for s in synchronous if found[s][i].kind == "reached"]
+        best = min(reached, key=lambda c: c.samples) if reached else None
+        tax, interval = token_tax(found[label][i], best) if best else (None, None)
+        cells.append(_tax_text(tax, interval) if best else "—")
+        if tax is not None:
+          taxes.append((best.samples, tax))
+      lines.append(f"| {label} | " + " | ".join(cells) + " |")
+      trend = tax_trend(taxes, self.goal)
+      if trend:
+        trends.append(f"* {label}: {trend}")
+    if trends:
+      lines += ["", *trends]
+    return "\n".join(lines)
