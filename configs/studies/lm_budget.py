@@ -98,9 +98,10 @@ def _cell(method, extra: dict, rates: tuple, seeds: tuple, schedule: dict) -> di
 
 def _grids() -> list[dict]:
   grids = []
-  for multiplier in (2.0, 0.5):
-    grids += [_cell(m, extra, _rates(multiplier, best), (0,), _schedule(multiplier))
-              for m, extra, best in METHODS]
+  for multiplier in (2.0, 0.5):  # every method at the x1 best rate first, then the other rate
+    for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
+      grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))
+                for m, extra, best in METHODS]
   for multiplier in (2.0, 0.5):
     grids += [_cell(m, extra, (best,), (1,), _schedule(multiplier))
               for m, extra, best in SECOND_SEED]
