@@ -93,6 +93,20 @@ def delay_warmup_rate(delay):
 
 ORACLES["pb_muon_delay_warmup"] = oracle.OracleMethod(
     lambda d: oracle.Muon(delay_warmup_rate(d), B1, B2))
+# Prediction along Muon's applied step, with and without stashing the predicted weights.
+ORACLES["pb_muon_lwp"] = oracle.OracleMethod(lambda d: oracle.Muon(ADAM_LR, B1, B2),
+                                             forward="predicted_update")
+ORACLES["pipedream_muon_lwp"] = oracle.OracleMethod(
+    lambda d: oracle.Muon(ADAM_LR, B1, B2), forward="predicted_update", backward="stashed")
+
+
+def asyncpp_b1(delay):
+  """AsyncPP's per-stage first moment written out: b1 + D (0.99 - b1) / (D_max + 1)."""
+  return B1 + delay * (0.99 - B1) / (MAX_DELAY + 1)
+
+
+ORACLES["pipedream_muon_delay_adaptive"] = oracle.OracleMethod(
+    lambda d: oracle.Muon(delay_warmup_rate(d), asyncpp_b1(d), B2), backward="stashed")
 
 
 def taking(name, **kwargs):
