@@ -1,0 +1,109 @@
+"""Tokens to a target loss (pipejax.study.budget) against hand computations."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from pipejax.study import budget
+
+
+def record(method, samples, loss, seed=0, lr=1e-3, train_loss=None, status="finished"):
+  r = {"run": f"{method},{samples},{seed},{lr}", "status": status, "test_loss": loss,
+       "samples": samples,
+       "overrides": {"method": method, "seed": seed, "reference.lr": lr, "epochs": samples}}
+  if train_loss is not None:
+    r["train_loss"] = train_loss
+  return r
+
+
+def test_crossing_interpolates_linearly_in_log_samples():
+  # Between (1000, 3.0) and (4000, 2.0), the loss 2.5 lies halfway: at sqrt(1000 * 4000).
+  kind, samples = budget.crossing([(1000, 3.0), (4000, 2.0)], 2.5)
+  assert kind == "reached"
+  assert samples == pytest.approx(2000.0)
+  # A quarter of the way down: 1000 * 4 ** 0.25.
+  assert budget.crossing([(1000, 3.0), (4000, 2.0)], 2.75)[1] == pytest.approx(1000 * 4 ** 0.25)
+
+
+def test_crossing_never_extrapolates():
+  assert budget.crossing([(1000, 3.0), (4000, 2.0)], 1.5) == ("not reached", None)
+  assert budget.crossing([(1000, 3.0), (4000, 2.0)], 3.5) == ("before", 1000.0)
+  assert budget.crossing([], 3.0) == ("not reached", None)
+
+
+def test_a_curve_that_rises_again_keeps_its_first_crossing():
+  # Overfitting at the longest budget: the first budget pair that brackets the target counts.
+  kind, samples = budget.crossing([(1000, 3.0), (2000, 2.0), (4000, 2.4)], 2.5)
+  assert kind == "reached" and samples == pytest.approx(1000 * 2 ** 0.5)
+
+
+def test_each_budget_takes_its_own_best_rate_over_the_seeds_mean():
+  records = [record("a", 1000, 3.0, seed=0, lr=1e-3), record("a", 1000, 3.2, seed=1, lr=1e-3),
+             record("a", 1000, 2.9, seed=0, lr=2e-3), record("a", 1000, 3.4, seed=1, lr=2e-3),
+             record("a", 2000, 2.0, lr=1e-3), record("a", 2000, 1.8, lr=5e-4),
+             record("a", 2000, 0.1, lr=1e-4, status="diverged"), record("b", 2000, 0.5)]
+  points = budget.budget_points(records, (("method", "a"),))
+  assert [p.samples for p in points] == [1000, 2000]
+  assert points[0].rate == 1e-3  # mean 3.1 against 3.15
+  assert points[0].losses == {0: 3.0, 1: 3.2}
+  assert points[1].rate == 5e-4  # the diverged run is no candidate
+
+
+def test_per_seed_crossings_give_a_geometric_interval():
+  records = [record("a", 1000, 3.0, seed=0), record("a", 4000, 2.0, seed=0),
+             record("a", 1000, 3.2, seed=1), record("a", 4000, 2.2, seed=1),
+             record("a", 1000, 2.8, seed=2), record("a", 4000, 1.9, seed=2)]
+  points = budget.budget_points(records, (("method", "a"),))
+  c = budget.crossings(points, 2.5)
+  expected = {0: 2000.0, 1: 1000 * 4 ** 0.7, 2: 1000 * 4 ** (0.3 / 0.9)}
+  assert c.per_seed == pytest.approx(expected)
+  logs = np.log(list(expected.values()))
+  half = stats.t.ppf(0.975, 2) * logs.std(ddof=1) / math.sqrt(3)
+  interval = budget.log_interval(list(c.per_seed.values()))
+  assert interval.mean == pytest.approx(math.exp(logs.mean()))
+  assert interval.low == pytest.approx(math.exp(logs.mean() - half))
+  assert interval.high == pytest.approx(math.exp(logs.mean() + half))
+
+
+def test_token_tax_is_the_ratio_and_its_interval_is_paired_by_seed():
+  base = budget.Crossing("reached", 1000.0, {0: 1000.0, 1: 1100.0, 2: 900.0})
+  method = budget.Crossing("reached", 1500.0, {0: 1600.0, 1: 1650.0, 2: 1400.0, 3: 9e9})
+  tax, interval = budget.token_tax(method, base)
+  assert tax == pytest.approx(1.5)
+  ratios = np.log([1.6, 1.5, 1400 / 900])  # seed 3 has no baseline: unpaired, left out
+  assert interval.n == 3
+  assert interval.mean == pytest.approx(math.exp(ratios.mean()))
+  assert budget.token_tax(budget.Crossing("not reached", None, {}), base)[0] is None
+
+
+def test_tax_trend_extrapolates_a_falling_tax_to_the_goal():
+  # tax = 2 (s / 1000) ** -0.5: reaches 1.1 at s = 1000 (2 / 1.1) ** 2.
+  taxes = [(1000.0, 2.0), (4000.0, 1.0 * 2 / 2)]
+  text = budget.tax_trend(taxes, 1.1)
+  assert "samples^-0.50" in text and "already" in text
+  taxes = [(1000.0, 2.0), (4000.0, 1.5)]
+  slope = math.log(0.75) / math.log(4)
+  cross = 1000 * math.exp(math.log(1.1 / 2) / slope)
+  assert f"{cross:,.0f}" in budget.tax_trend(taxes, 1.1)
+  assert "does not fall" in budget.tax_trend([(1000.0, 1.5), (4000.0, 1.6)], 1.1)
+
+
+def test_the_section_renders_tables_a_figure_and_the_tax(tmp_path):
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0, train_loss=1.7),
+             record("async", 1000, 3.5), record("async", 4000, 2.4)]
+  section = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=(2.5,), unit="nats")
+  text = section(records, str(tmp_path))
+  assert "| Sync | 4,000 | 0.001 | 2.000 | 1 | 1.700 |" in text
+  async_samples = 1000 * 4 ** (1.0 / 1.1)
+  assert f"| Async | {async_samples:,.0f} |" in text
+  assert f"| Async | {async_samples / 2000:.2f}× |" in text
+  assert (tmp_path / "tokens_to_target.png").exists()
+
+
+def test_a_series_name_the_section_does_not_have_is_refused():
+  with pytest.raises(ValueError, match="not one of its series"):
+    budget.TokensToTarget(series=(("A", ()),), baseline="B", targets=(1.0,))
