@@ -44,7 +44,9 @@ one seed each, with the tokens-to-target section (CI).
 """
 
 import math
+import os
 
+from pipejax.analysis import price
 from pipejax.study import Section, Study, Table
 from pipejax.study import budget as study_budget
 
@@ -75,6 +77,10 @@ BITS = {"metric": "test_loss", "scale": BITS_PER_NAT, "unit": "bits per byte"}
 # Target losses of the tokens-to-target table, in bits per byte: from the x1 baseline's 2.50 up
 # to where the pipelines' x1 runs end.
 TARGETS_BITS = (2.50, 2.55, 2.6, 2.7, 2.8, 2.9, 3.0)
+NUM_DEVICES = 32
+# The stage costs of this network (scripts/price.py), beside this study's records.
+STAGE_COSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                           "studies", "lm_budget", "stage_costs.json")
 
 
 def epochs(multiplier: float) -> float:
@@ -127,6 +133,18 @@ def _series() -> tuple:
           ("PB + Muon", where(*PB_MUON[:2])))
 
 
+def _time_to_target(tokens: study_budget.TokensToTarget) -> price.TimeToTarget:
+  """Each synchronous series under every synchronous schedule at its batch; PipeDream at 1
+  sequence per update under PipeDream's schedule, at 8 under PipeDream-2BW's; PB under PB's."""
+  labels = [label for label, _ in tokens.series]
+  batch_one, batch_many, pipedream, pipedream_many, pb = labels
+  runs = ([(batch_one, s, 1) for s in price.SYNCHRONOUS] +
+          [(batch_many, s, SEQUENCES_PER_UPDATE) for s in price.SYNCHRONOUS] +
+          [(pipedream, "pipedream", 1), (pipedream_many, "2bw", SEQUENCES_PER_UPDATE),
+           (pb, "pb", 1)])
+  return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES)
+
+
 def _smoke() -> Study:
   cell = {"model_kwargs.blocks": (2,), "seed": (0,)}
   grids = [{**cell, "method": (m,), "epochs": (e,), "warmup_epochs": (round(e * 0.075, 6),)}
@@ -159,4 +177,6 @@ def get_study(arg: str | None = None) -> Study:
               "reference.batch_size": "sequences per update"},
       tables=[Table("Validation bits per byte, every run", rows="method", columns="method",
                     kind="cells", **BITS)],
-      sections=[Section("Tokens to a target loss", tokens)])
+      sections=[Section("Tokens to a target loss", tokens),
+                Section(f"Time to a target loss on {NUM_DEVICES} devices",
+                        _time_to_target(tokens))])

@@ -78,3 +78,24 @@ def layer_costs(model: Model, example_input: PyTree, transfer_flops_per_byte: fl
         transfer=transfer_flops_per_byte * accounting.tree_bytes(output),
         activation_bytes=accounting.tree_bytes(stage_input), name=stage.name))
   return layers
+
+
+def update_costs(model: Model, example_input: PyTree, optimizer_for_delay,
+                 rng: jax.Array | None = None) -> list[float]:
+  """The FLOPs of one optimizer update of each stage of ``model``, as XLA's cost analysis counts
+  them on the lowered HLO: ``optimizer_for_delay(D)`` is the stage's optax transformation at its
+  delay ``D_s = 2 (S - 1 - s)`` (a :class:`pipejax.methods.Method`'s ``optimizer``).
+
+  A loop the update runs with ``lax.fori_loop`` is counted once, not once per iteration; optax's
+  Muon unrolls its Newton-Schulz steps, so they are all counted.
+  """
+  rng = jax.random.key(0) if rng is None else rng
+  params, _ = model.trace_shapes(rng, example_input)
+  num_stages = len(params)
+  found = []
+  for s, stage_params in enumerate(params):
+    tx = optimizer_for_delay(2 * (num_stages - 1 - s))
+    state = jax.eval_shape(tx.init, stage_params)
+    found.append(_flops(lambda g, st, p, tx=tx: tx.update(g, st, p),
+                        (stage_params, state, stage_params), compiled=False))
+  return found

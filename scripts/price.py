@@ -1,0 +1,62 @@
+r"""The stage costs behind the time-to-target section of the budget study (pipejax.analysis.price).
+
+Measures, with XLA's cost analysis (nothing is run), the forward, backward and weight-gradient
+FLOPs of each stage of the 32-stage language model at one sequence, and the FLOPs of one update
+of each stage's optimizer, and writes them as JSON:
+
+    python scripts/price.py --output=docs/studies/lm_budget/stage_costs.json
+
+The network is configs/studies/lm_budget.py's (``--blocks`` blocks of ``--width``, one block a
+stage, ``--context`` bytes a sequence); the optimizer is ``--method``'s at stage delays.
+"""
+
+import json
+import os
+
+from absl import app, flags
+
+from pipejax import cli, files
+
+_OUTPUT = flags.DEFINE_string("output", None, "Where to write the stage costs (JSON).")
+_BLOCKS = flags.DEFINE_integer("blocks", 30, "Transformer blocks (stages: blocks + 2).")
+_WIDTH = flags.DEFINE_integer("width", 64, "Model width.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
+_CONTEXT = flags.DEFINE_integer("context", 64, "Bytes a sequence.")
+_METHOD = flags.DEFINE_string("method", "pb_muon", "The preset whose optimizer updates are "
+                              "counted.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments {argv[1:]}: every setting is a --flag.")
+  if not _OUTPUT.value:
+    raise app.UsageError("Give --output=PATH for the stage costs (JSON).")
+  folder = os.path.dirname(os.path.abspath(_OUTPUT.value))
+  if os.path.isdir(_OUTPUT.value) or not os.access(folder, os.W_OK):
+    raise app.UsageError(f"--output={_OUTPUT.value} cannot be written: it is a folder, or its "
+                         "folder does not exist or is not writable. Give another path.")
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from pipejax import methods, models  # pylint: disable=import-outside-toplevel
+  from pipejax.schedules import measure  # pylint: disable=import-outside-toplevel
+  model = models.build("transformer_lm", num_classes=256, width=_WIDTH.value,
+                       blocks=_BLOCKS.value, heads=_HEADS.value, layers_per_stage=1)
+  example = jnp.zeros((1, _CONTEXT.value), jnp.int32)
+  layers = measure.layer_costs(model, example)
+  method = methods.make_method(_METHOD.value, learning_rate=1e-3, momentum=0.9, b2=0.99,
+                               optimizer="adam")
+  updates = measure.update_costs(model, example, method.optimizer)
+  description = (f"the transformer LM of {_BLOCKS.value} blocks of width {_WIDTH.value}, "
+                 f"{len(layers)} stages, one sequence of {_CONTEXT.value} bytes; "
+                 f"{_METHOD.value}'s update; FLOPs by XLA's cost analysis")
+  data = {"description": description,
+          "stages": [{"name": l.name, "forward": l.forward, "input_grad": l.input_grad,
+                      "weight_grad": l.weight_grad, "update": u}
+                     for l, u in zip(layers, updates)]}
+  files.write(_OUTPUT.value, json.dumps(data, indent=1) + "\n")
+  print(f"{len(layers)} stages; forward {sum(l.forward for l in layers):.3g}, backward "
+        f"{sum(l.input_grad + l.weight_grad for l in layers):.3g}, updates {sum(updates):.3g} "
+        f"FLOPs: {_OUTPUT.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main)
