@@ -6,6 +6,11 @@ of each stage's optimizer, and writes them as JSON:
 
     python scripts/price.py --output=docs/studies/lm_budget/stage_costs.json
 
+and rewrites the generated part of docs/lm.md's section "When the pipeline pays" from the budget
+study's records and those costs (no JAX):
+
+    python scripts/price.py --docs=docs/lm.md
+
 The network is configs/studies/lm_budget.py's (``--blocks`` blocks of ``--width``, one block a
 stage, ``--context`` bytes a sequence); the optimizer is ``--method``'s at stage delays.
 """
@@ -24,11 +29,42 @@ _HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
 _CONTEXT = flags.DEFINE_integer("context", 64, "Bytes a sequence.")
 _METHOD = flags.DEFINE_string("method", "pb_muon", "The preset whose optimizer updates are "
                               "counted.")
+_DOCS = flags.DEFINE_string("docs", None, "Rewrite this page's generated block instead.")
+_STUDY = flags.DEFINE_string("study", "configs/studies/lm_budget.py", "--docs: the study file.")
+_RECORDS = flags.DEFINE_string("records", "docs/studies/lm_budget", "--docs: its workdir.")
+
+
+def write_docs(page_path: str) -> None:
+  """The page's block from the study's records (its two sections' objects)."""
+  from pipejax.analysis import price  # pylint: disable=import-outside-toplevel
+  from pipejax.study import budget, records, spec  # pylint: disable=import-outside-toplevel
+  try:
+    study = spec.load_study(_STUDY.value)
+    with open(page_path) as f:
+      page = f.read()
+  except (spec.StudyError, OSError) as e:
+    raise app.UsageError(str(e)) from e
+  bodies = [section.body for section in study.sections]
+  tokens = next((b for b in bodies if isinstance(b, budget.TokensToTarget)), None)
+  timing = next((b for b in bodies if isinstance(b, price.TimeToTarget)), None)
+  if tokens is None or timing is None:
+    raise app.UsageError(f"--study={_STUDY.value} has no tokens-to-target and time-to-target "
+                         "sections to write the page from.")
+  block = price.docs_section(tokens, timing, records.read_results(_RECORDS.value),
+                             _RECORDS.value)
+  try:
+    files.write(page_path, price.render_docs(page, block))
+  except price.PriceError as e:
+    raise app.UsageError(f"{page_path}: {e}") from e
+  print(f"Rewrote the generated block of {page_path}.")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: every setting is a --flag.")
+  if _DOCS.value:
+    write_docs(_DOCS.value)
+    return
   if not _OUTPUT.value:
     raise app.UsageError("Give --output=PATH for the stage costs (JSON).")
   folder = os.path.dirname(os.path.abspath(_OUTPUT.value))

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Sequence
 
 from pipejax import schedules
@@ -104,13 +105,11 @@ def time_per_sample(schedule: str, costs: StageCosts, num_devices: int, batch: i
   return 1.0 / report.throughput
 
 
-@dataclasses.dataclass(frozen=True)
-class Priced:
-  """One series run under one schedule: (label, schedule, batch)."""
-
-  series: str
-  schedule: str
-  batch: int
+def schedule_name(schedule: str, costs: StageCosts, num_devices: int) -> str:
+  """How tables name ``schedule``: interleaving with one layer a device says it is 1F1B."""
+  if schedule == INTERLEAVED and costs.num_stages < 2 * num_devices:
+    return "interleaved (= 1f1b: one layer a device)"
+  return schedule
 
 
 def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
@@ -145,7 +144,8 @@ class TimeToTarget:
                          "schedule and a positive batch.")
 
   def __call__(self, records: Sequence[dict], workdir: str) -> str:
-    costs = read_costs(os.path.join(workdir, self.costs))
+    costs = read_costs(self.costs if os.path.isabs(self.costs) else
+                       os.path.join(workdir, self.costs))
     curves = self.tokens.points(records)
     targets = [t / self.tokens.scale for t in self.tokens.targets]
     header = " | ".join(f"{t:g}" for t in self.tokens.targets)
@@ -159,14 +159,13 @@ class TimeToTarget:
     for series, schedule, batch in self.runs:
       per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
       found = [budget.crossings(curves[series], t) for t in targets]
-      name = schedule if schedule != INTERLEAVED or costs.num_stages >= 2 * self.num_devices \
-          else "interleaved (= 1f1b: one layer a device)"
+      name = schedule_name(schedule, costs, self.num_devices)
       lines.append(f"| {series} | {name} | {batch} | {per_sample / 1e6:,.2f}·10⁶ | " +
                    " | ".join(_time_text(c.samples, per_sample, c.kind) for c in found) + " |")
       times = [c.samples * per_sample if c.kind == "reached" else math.inf for c in found]
       best[f"{series} ({name})"] = (per_sample, times, series)
     lines += ["", *self._fastest(best)]
-    figure = self._figure(os.path.join(workdir, self.figure), best)
+    figure = self._figure(os.path.join(workdir, self.figure), best) if workdir else None
     if figure:
       lines += ["", f"![Time to target]({figure})"]
     return "\n".join(lines)
@@ -217,3 +216,60 @@ class TimeToTarget:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return os.path.basename(path)
+
+
+def break_even(section: TimeToTarget, costs: StageCosts) -> str:
+  """The largest token tax at which each asynchronous run still reaches a target first: the
+  fastest synchronous run's time per sample over its own (the cost model's, no training)."""
+  synchronous = set(section.tokens.synchronous or (section.tokens.baseline,))
+  timed = [(series, schedule, batch,
+            time_per_sample(schedule, costs, section.num_devices, batch))
+           for series, schedule, batch in section.runs]
+  sync = [t for t in timed if t[0] in synchronous]
+  if not sync:
+    return ""
+  fastest = min(sync, key=lambda t: t[3])
+  lines = [f"Time per sequence on {section.num_devices} devices (FLOPs at one rate on every "
+           "device, by XLA's cost analysis), and for each "
+           "asynchronous run the token tax at which it would tie with the fastest synchronous "
+           f"run ({fastest[0]} under {fastest[1]}): below it, the asynchronous run reaches a "
+           "target first.", "",
+           "| series | schedule | batch | time per sequence | break-even token tax |",
+           "|---|---|---|---|---|"]
+  for series, schedule, batch, per_sample in timed:
+    tie = "—" if series in synchronous else f"{fastest[3] / per_sample:.2f}×"
+    lines.append(f"| {series} | {schedule_name(schedule, costs, section.num_devices)} | {batch} "
+                 f"| {per_sample / 1e6:,.2f}·10⁶ | {tie} |")
+  return "\n".join(lines)
+
+
+def docs_section(tokens: budget.TokensToTarget, section: TimeToTarget, records: Sequence[dict],
+                 workdir: str) -> str:
+  """The part of docs/lm.md on when the pipeline pays, from the budget study's records and its
+  stage costs: the break-even tax by schedule, the tokens to each target with the tax, and which
+  side reaches each target first."""
+  costs = read_costs(section.costs if os.path.isabs(section.costs) else
+                     os.path.join(workdir, section.costs))
+  tables = tokens(records, "")  # no figure: the report has it
+  timing = section(records, "")
+  fastest = timing[timing.index("\n\n* ") + 2:] if "\n\n* " in timing else \
+      timing.rsplit("\n\n", 1)[-1]
+  return "\n\n".join([break_even(section, costs), tables, fastest])
+
+
+DOCS_BLOCK = "when-the-pipeline-pays"
+_BLOCK = re.compile(rf"(<!-- begin {DOCS_BLOCK} -->\n)(?:.*?\n)?(<!-- end {DOCS_BLOCK} -->)", re.S)
+
+
+def render_docs(page: str, block: str) -> str:
+  """``page`` with its generated block (between ``<!-- begin when-the-pipeline-pays -->`` and
+  ``<!-- end when-the-pipeline-pays -->``) replaced by ``block``.
+
+  Raises:
+    PriceError: the page has no such block, or more than one.
+  """
+  found = len(_BLOCK.findall(page))
+  if found != 1:
+    raise PriceError(f"The page must hold one generated block between <!-- begin {DOCS_BLOCK} "
+                     f"--> and <!-- end {DOCS_BLOCK} --> lines; it holds {found}.")
+  return _BLOCK.sub(lambda m: m[1] + block.rstrip("\n") + "\n" + m[2], page)

@@ -83,3 +83,28 @@ def test_a_run_of_an_unknown_series_or_schedule_is_refused():
     price.TimeToTarget(tokens, (("B", "pb", 1),), "c.json", 4)
   with pytest.raises(price.PriceError, match="known schedule"):
     price.TimeToTarget(tokens, (("A", "pbx", 1),), "c.json", 4)
+
+
+def test_the_docs_block_is_rewritten_between_its_markers_only():
+  page = "a\n<!-- begin when-the-pipeline-pays -->\nold\n<!-- end when-the-pipeline-pays -->\nb"
+  assert price.render_docs(page, "new\n") == \
+      "a\n<!-- begin when-the-pipeline-pays -->\nnew\n<!-- end when-the-pipeline-pays -->\nb"
+  with pytest.raises(price.PriceError, match="holds 0"):
+    price.render_docs("a\nb", "new")
+
+
+def test_docs_lm_md_holds_the_block_the_budget_study_records_make():
+  """docs/lm.md's section is generated: regenerate it (scripts/price.py --docs=docs/lm.md)
+  whenever the budget study's records or stage costs change."""
+  import os
+  from pipejax.study import records, spec
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  study = spec.load_study(os.path.join(root, "configs/studies/lm_budget.py"))
+  bodies = [section.body for section in study.sections]
+  tokens = next(b for b in bodies if isinstance(b, budget.TokensToTarget))
+  timing = next(b for b in bodies if isinstance(b, price.TimeToTarget))
+  workdir = os.path.join(root, "docs/studies/lm_budget")
+  block = price.docs_section(tokens, timing, records.read_results(workdir), workdir)
+  with open(os.path.join(root, "docs/lm.md")) as f:
+    page = f.read()
+  assert price.render_docs(page, block) == page
