@@ -107,3 +107,37 @@ def test_the_section_renders_tables_a_figure_and_the_tax(tmp_path):
 def test_a_series_name_the_section_does_not_have_is_refused():
   with pytest.raises(ValueError, match="not one of its series"):
     budget.TokensToTarget(series=(("A", ()),), baseline="B", targets=(1.0,))
+
+
+def test_a_records_training_curve_is_the_length_weighted_mean_of_its_chunks(tmp_path):
+  from pipejax.study import records as study_records
+  lines = [{"split": "train", "samples": 300, "loss": 3.0},
+           {"split": "train", "samples": 500, "loss": 2.0},   # 200 samples
+           {"split": "train", "samples": 1000, "loss": 1.0},  # 500 samples
+           {"split": "train", "samples": 1200, "loss": float("nan")},
+           {"split": "test", "samples": 500, "loss": 9.0}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(__import__("json").dumps(l) for l in lines))
+  curve = study_records.train_curve(str(tmp_path), [0, 500, 1000])
+  assert curve == [[500, pytest.approx((3.0 * 300 + 2.0 * 200) / 500)], [1000, 1.0]]
+
+
+@pytest.mark.slow
+def test_the_budget_studys_smoke_records_train_losses_and_reads_tokens_to_target(tmp_path):
+  """configs/studies/lm_budget.py:smoke end to end: two budgets of real trainer runs."""
+  import os
+  import subprocess
+  import sys
+  from pipejax.study import records as study_records
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  command = [sys.executable, os.path.join(root, "scripts", "study.py"),
+             "--study=configs/studies/lm_budget.py:smoke", f"--workdir={tmp_path}",
+             "--parallel=2"]
+  done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  records = study_records.read_results(str(tmp_path))
+  assert sorted(r["samples"] for r in records) == [750, 750, 1500, 1500]
+  assert all(r["train_curve"][-1][0] == r["samples"] and r["train_loss"] > 0 for r in records)
+  report = (tmp_path / "report.md").read_text()
+  section = report.split("## Tokens to a target loss")[1]
+  assert "| Muon, no pipeline | 1,500 |" in section and "| token tax |" in section
+  assert (tmp_path / "tokens_to_target.png").exists()
