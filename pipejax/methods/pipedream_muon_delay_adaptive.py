@@ -11,31 +11,14 @@ best asynchronous method of the 32-stage language model without either rule.
 import dataclasses
 
 from pipejax import optim
-from pipejax.methods.hyperparameters import Hyperparameters, check_number, check_positive_int
 from pipejax.methods.method import Method, MethodError
+from pipejax.methods.nesterov_asyncpp import NesterovAsyncPPHyperparameters
 from pipejax.methods.pb_muon import muon
 from pipejax.methods.record import Record
 
 
-@dataclasses.dataclass(frozen=True)
-class DelayAdaptiveHyperparameters(Hyperparameters):
-  """Attributes:
-    num_stages: the pipeline's number of stages S (the momentum rule divides by the largest
-      delay + 1); the trainer passes its model's.
-    anneal_steps: K, the steps over which a stage's rate anneals from ``η / D`` to ``η``.
-  """
-
-  num_stages: int | None = None
-  anneal_steps: int = 1000
-
-  def check(self) -> None:
-    super().check()
-    check_number("anneal_steps", self.anneal_steps)
-    if self.num_stages is not None:
-      check_positive_int("num_stages", self.num_stages, "the pipeline's S")
-
-
-def build(h: DelayAdaptiveHyperparameters) -> Method:
+# Nesterov AsyncPP's fields: the pipeline's S for the momentum rule, and K for the rate's.
+def build(h: NesterovAsyncPPHyperparameters) -> Method:
   if h.num_stages is None:
     raise MethodError("Method 'pipedream_muon_delay_adaptive' sets each stage's momentum from its "
                       "delay and the pipeline's largest delay: pass make_method(..., "
@@ -50,4 +33,5 @@ def build(h: DelayAdaptiveHyperparameters) -> Method:
 
 
 RECORD = Record("pipedream_muon_delay_adaptive",
-                "PipeDream + Muon + delay-adaptive momentum and rate", DelayAdaptiveHyperparameters, build, optimizers=("adam",), color="sienna")
+                "PipeDream + Muon + delay-adaptive momentum and rate",
+                NesterovAsyncPPHyperparameters, build, optimizers=("adam",), color="sienna")
