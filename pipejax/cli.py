@@ -1,5 +1,5 @@
-"""What the absl binaries of ``scripts/`` share: how a usage error and a stop signal reach the
-user."""
+"""What the absl binaries of ``scripts/`` share: how a usage error, an output that cannot be
+written and a stop signal reach the user."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import signal
 import stat
 import sys
 import threading
-from typing import Callable
+from typing import Callable, NoReturn
 
-from absl import app
+from absl import app, flags
+
+from pipejax import files
 
 EXIT_USAGE = 2  # a bad command line, as the shell's own builtins and scripts/train.py use it
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal, not finished; rerunning resumes
@@ -39,21 +41,54 @@ def honoured(signals=STOP_SIGNALS) -> tuple[signal.Signals, ...]:
   return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
 
 
-def run(main: Callable[[list[str]], None], **kwargs) -> None:
-  """``absl.app.run(main)``, with a usage error said in one line.
+def run(main: Callable[[list[str]], None], flags_parser=None, **kwargs) -> None:
+  """``absl.app.run(main)``, with every usage error said in one line and exit 2.
 
   absl prints the binary's whole help (its docstring and every flag: a hundred lines for
-  scripts/schedule.py) above an ``app.UsageError``'s message, which then scrolls out of sight.
-  Here the message comes alone, with the way to the help.
+  scripts/schedule.py) above an ``app.UsageError``'s message, which then scrolls out of sight,
+  and ends a flag it cannot parse (``--paralel=2``, ``--parallel=two``, a required flag left
+  out) with exit 1, the code of a run that failed. Here either is the message alone, with the
+  way to the help, and :data:`EXIT_USAGE`.
   """
+  parse = flags_parser or flags.FLAGS
+
+  def parse_with_usage_errors(argv):
+    try:
+      return parse(argv)
+    except flags.Error as e:
+      usage_error(str(e))
+
   def main_with_usage_errors(argv):
     try:
       return main(argv)
     except app.UsageError as e:
-      print(f"error: {e} (--help lists the flags.)", file=sys.stderr)
-      sys.exit(EXIT_USAGE)
+      usage_error(str(e))
 
-  app.run(main_with_usage_errors, **kwargs)
+  app.run(main_with_usage_errors, flags_parser=parse_with_usage_errors, **kwargs)
+
+
+def usage_error(message: str) -> NoReturn:
+  """Ends the binary with ``message`` and :data:`EXIT_USAGE`."""
+  print(f"error: {message.rstrip()} (--help lists the flags.)", file=sys.stderr)
+  sys.exit(EXIT_USAGE)
+
+
+def check_output(flag: str, path: str, directory: bool = False,
+                 suffixes: tuple[str, ...] = ()) -> None:
+  """Raises an ``app.UsageError`` (exit 2 under :func:`run`) when ``--flag=path`` cannot be
+  written (``pipejax.files.unwritable``: a directory with ``directory``, else a file ending in
+  one of ``suffixes``), and otherwise makes the directories it needs. A binary calls it at
+  start-up, for every output, so that a typo costs no work."""
+  problem = files.unwritable(path, directory=directory, suffixes=suffixes)
+  if problem is None:
+    try:
+      os.makedirs(path if directory else os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as e:
+      problem = f"its directory cannot be made ({e.strerror or e})"
+  if problem is not None:
+    raise app.UsageError(
+        f"--{flag}={path} cannot be written: {problem}. Nothing was run; give a "
+        f"{'directory' if directory else 'file'} path that can be written.")
 
 
 class SignalWatch:

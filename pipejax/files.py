@@ -78,6 +78,61 @@ def append(path: str, data: bytes | str, sync: bool = True) -> None:
     os.close(fd)
 
 
+def unwritable(path: str, directory: bool = False, suffixes: tuple[str, ...] = ()) -> str | None:
+  """Why ``path`` cannot be written as a file (with ``directory``: made a directory that files
+  are written into), or None when it can. Checked before the work that would fill it, and
+  creating nothing: the directories it needs exist or can be made (no file stands in their
+  way, every new name fits the file system), the nearest one that exists takes a new file, and
+  the path itself is not a directory (a file for ``directory``) nor a file that cannot be
+  written. ``suffixes`` (lowercase, with the dot) are the endings a file may have."""
+  if not path:
+    return "it is empty"
+  if directory and os.path.lexists(path) and not os.path.isdir(path):
+    return "it is a file, not a directory"
+  if not directory:
+    if path.endswith(os.sep) or os.path.isdir(path):
+      return "it is a directory; give the path of a file in it"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffixes and suffix not in suffixes:
+      return (f"its ending {suffix or '(none)'!r} is not one this writes; "
+              f"give one of {', '.join(suffixes)}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+      return "it is a file that cannot be written"
+  return _unwritable_directory(os.path.abspath(path) if directory else
+                               os.path.dirname(os.path.abspath(path)),
+                               None if directory else os.path.basename(path))
+
+
+# files.replacing names its temporary file '.NAME.XXXXXXXX.tmpSUFFIX' beside NAME.
+_TEMPORARY_NAME_EXTRA = len("..XXXXXXXX.tmp") + 8
+
+
+def _unwritable_directory(directory: str, file_name: str | None) -> str | None:
+  """Why ``directory`` cannot be made (if missing) and take ``file_name``, or None."""
+  existing, missing = directory, []
+  while not os.path.lexists(existing):
+    existing, name = os.path.split(existing)
+    missing.append(name)
+  if not os.path.isdir(existing):
+    return f"{existing} is not a directory, so nothing can be made under it"
+  try:
+    longest = os.pathconf(existing, "PC_NAME_MAX")
+  except (OSError, ValueError):
+    longest = 255
+  names = missing + ([] if file_name is None else [file_name + "x" * _TEMPORARY_NAME_EXTRA])
+  for name in names:
+    if len(os.fsencode(name)) > longest:
+      return (f"the name {name[:40]!r}... is longer than the {longest} bytes the file system "
+              "takes")
+  try:
+    fd, probe = tempfile.mkstemp(prefix=".pipejax-probe.", dir=existing)
+  except OSError as e:
+    return f"{existing} cannot be written ({e.strerror or e})"
+  os.close(fd)
+  os.remove(probe)
+  return None
+
+
 def sync(path: str) -> None:
   """Puts what was written to ``path`` on disk."""
   _sync(path)

@@ -1,5 +1,5 @@
 """What every figure of the project shares: a display-free pyplot, text every glyph of which is
-drawn, and an atomic save.
+drawn, and an atomic save in the format its file name ends in (``.png``, ``.pdf``, ``.svg``...).
 
 A figure is written to a temporary file of its own beside its destination and renamed over it
 (``pipejax.files``), so a reader, a kill mid-write or a second writer of the same figure (a study
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from pipejax import files
 
@@ -30,15 +31,26 @@ def pyplot():
   return plt
 
 
+def figure_suffixes() -> tuple[str, ...]:
+  """The endings of the file names :func:`save` writes, each in its own format (a name without
+  one is a PNG). PGF is left out: matplotlib writes it through a LaTeX installation."""
+  from matplotlib import backend_bases  # pylint: disable=import-outside-toplevel
+  return tuple(sorted(f".{name}" for name in backend_bases.FigureCanvasBase
+                      .get_supported_filetypes() if name != "pgf"))
+
+
 def save(fig, path: str, dpi: int = 110, rect: tuple = (0.0, 0.0, 1.0, 1.0)) -> None:
   """Makes every text of ``fig`` drawable (:func:`drawable_text`), lays it out within ``rect``
-  (``tight_layout``'s, in figure coordinates), writes it to ``path`` atomically and closes it.
-  The layout comes after the text is made drawable: laying out draws the text."""
+  (``tight_layout``'s, in figure coordinates), writes it to ``path`` atomically, in the format
+  its ending names (:func:`figure_suffixes`; PNG without one), and closes it. The layout comes
+  after the text is made drawable: laying out draws the text."""
+  suffix = os.path.splitext(path)[1].lower() or ".png"
   try:
     drawable_text(fig)
     fig.tight_layout(rect=rect)
-    with files.replacing(path, suffix=".png") as tmp:
-      fig.savefig(tmp, dpi=dpi, bbox_inches="tight")  # so that a long axis label is not cut off
+    with files.replacing(path, suffix=suffix) as tmp:
+      # bbox_inches: so that a long axis label is not cut off
+      fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format=suffix[1:])
   finally:
     pyplot().close(fig)
 

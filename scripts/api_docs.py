@@ -107,6 +107,13 @@ def build(modules, output_dir: str) -> list[str]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_output("output_dir", _OUTPUT_DIR.value, directory=True)
+  for module_name in _MODULES.value:
+    try:
+      importlib.import_module(module_name)
+    except ImportError as e:
+      raise app.UsageError(f"--modules names {module_name!r}, which cannot be imported ({e}); "
+                           f"give modules of pipejax, e.g. {','.join(PACKAGES[:2])}.") from None
   problems = [f"no docstring: {name}" for module_name in _MODULES.value
               for name in undocumented(module_name)]
   problems += [f"pdoc: {message}" for message in build(_MODULES.value, _OUTPUT_DIR.value)]

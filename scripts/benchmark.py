@@ -85,11 +85,11 @@ import os
 import platform
 import time
 
-from absl import flags, logging
+from absl import app, flags, logging
 import jax
 import numpy as np
 
-from pipejax import cli, methods
+from pipejax import cli, files, methods
 from pipejax.profiling import memory, meshes, speed, trainer, workloads
 
 BENCHMARKS = ["throughput", "compile", "methods", "conv", "memory", "normalization", "sharding",
@@ -142,8 +142,34 @@ _STACKED_MESH_DEVICES = flags.DEFINE_integer("stacked_mesh_devices", 4,
                                              "Stage-axis devices for 'stacked_mesh'.")
 
 
+_INTEGER_LISTS = (_MICRO_BATCH_SIZES, _COMPILE_STAGES, _CONV_MICRO_BATCH_SIZES, _LM_BLOCKS,
+                  _DEPTH_STAGES, _DELAY_LINE_STAGES, _TRAINER_STAGES)
+CONV_IMPLS = ("auto", "xla", "sliced")
+
+
+def check_flags(argv) -> None:
+  """Refuses, before anything is measured, a command line that would fail after it: an output
+  that cannot be written, a method no preset has, a list of whole numbers that holds another."""
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _OUTPUT.value is not None:
+    cli.check_output("output", _OUTPUT.value)
+  for holder in (_METHODS, _DEPTH_METHODS):
+    unknown = [name for name in holder.value if name not in methods.RECORDS]
+    if unknown:
+      raise app.UsageError(f"--{holder.name} names {', '.join(unknown)}, which no method preset "
+                           f"is; the presets: {', '.join(methods.RECORDS)}.")
+  for holder in _INTEGER_LISTS:
+    if not all(value.isdigit() and int(value) > 0 for value in holder.value):
+      raise app.UsageError(f"--{holder.name} takes positive whole numbers, comma-separated; got "
+                           f"{','.join(holder.value)!r}.")
+  unknown = [impl for impl in _CONV_IMPLS.value if impl not in CONV_IMPLS]
+  if unknown:
+    raise app.UsageError(f"--conv_impls takes {', '.join(CONV_IMPLS)}; got {', '.join(unknown)}.")
+
+
 def main(argv):
-  del argv
+  check_flags(argv)
   result = {
       "device": str(jax.devices()[0].device_kind),
       "backend": jax.default_backend(),
@@ -227,8 +253,7 @@ def main(argv):
       logging.info("benchmark %r: done in %.0f s", name, time.perf_counter() - start)
       result["load_average_at_end"] = os.getloadavg()
       if _OUTPUT.value:  # after every section, so that a long run keeps what it measured
-        with open(_OUTPUT.value, "w") as f:
-          f.write(json.dumps(result, indent=2) + "\n")
+        files.write(_OUTPUT.value, json.dumps(result, indent=2) + "\n")
   print(json.dumps(result, indent=2))
 
 

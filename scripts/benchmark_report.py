@@ -32,6 +32,8 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   path = report.report_path(_FOLDER.value)
+  if not _CHECK.value:
+    cli.check_output("folder", _FOLDER.value, directory=True)
   try:
     current = report.is_current(_FOLDER.value) if _CHECK.value else None
     if _CHECK.value and not current:

@@ -83,6 +83,7 @@ _TWO_PROCESS_TRIALS = flags.DEFINE_integer(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_output("workdir", _WORKDIR.value, directory=True)
   rng = random.Random(_SEED.value)
   workdir = _WORKDIR.value
   shutil.rmtree(workdir, ignore_errors=True)

@@ -58,6 +58,8 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/deep_mlp.py.")
+  if _OUTPUT.value is not None:
+    cli.check_output("output", _OUTPUT.value)
   try:
     samples = [int(v) for v in _AT_SAMPLES.value]
   except ValueError:

@@ -46,19 +46,24 @@ _CHUNK = flags.DEFINE_integer("chunk", 100, "Ticks a scan runs between measureme
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where the records and figures go.")
 
 
-def measured_ticks(num_ticks: int, fill: int, points: int) -> list[int]:
-  """``points`` ticks spread evenly over ``[fill, num_ticks)`` (fewer where it is shorter)."""
-  start = min(fill, num_ticks - 1)
-  return sorted({int(t) for t in np.linspace(start, num_ticks - 1, points).round()})
-
-
-def main(argv):
-  del argv
-  config = _CONFIG.value
-  if config is None:
+def check_flags(argv) -> None:
+  """Refuses what the flags alone show cannot work, before the config is built."""
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None:
     raise app.UsageError("--config is required, e.g. --config=configs/char_lm.py.")
   if not _OUTPUT_DIR.value:
     raise app.UsageError("--output_dir is required: the records and figures are written there.")
+  if _POINTS.value > _SEQUENCES.value:
+    raise app.UsageError(f"--points={_POINTS.value} ticks to measure among the ticks of "
+                         f"--sequences={_SEQUENCES.value}: give --points of at most --sequences "
+                         "(less the pipeline's fill).")
+  cli.check_output("output_dir", _OUTPUT_DIR.value, directory=True)
+
+
+def main(argv):
+  check_flags(argv)
+  config = _CONFIG.value
   config.diagnostics = True
   config.stack_stages = False
   started = time.perf_counter()
@@ -69,9 +74,9 @@ def main(argv):
   pipe = setup.pipeline
   stream = stream_lib.DataStream(setup.train_source, config.micro_batch_size, config.seed)
   x, y, valid = pipe.to_ticks(*stream.next_chunk(_SEQUENCES.value))
-  at = measured_ticks(len(valid), 2 * (pipe.num_stages - 1), _POINTS.value)
-  state = setup.runner.to_logical(setup.init(jax.random.PRNGKey(config.seed)))
   try:
+    at = mechanism.measured_ticks(len(valid), 2 * (pipe.num_stages - 1), _POINTS.value)
+    state = setup.runner.to_logical(setup.init(jax.random.PRNGKey(config.seed)))
     _, records = mechanism.measure(pipe, state, x, y, valid, at=at, chunk=_CHUNK.value)
   except mechanism.MechanismError as e:
     raise app.UsageError(str(e)) from None

@@ -39,6 +39,8 @@ _RESULTS = flags.DEFINE_list(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: give the directory with --dir.")
+  if os.path.isdir(_DIR.value):  # one without runs is refused naming the command that makes them
+    cli.check_output("dir", _DIR.value, directory=True)
   results = [path for path in _RESULTS.value if os.path.exists(path)]
   try:
     text = mechanism_report.report(_DIR.value, results)

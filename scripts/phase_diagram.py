@@ -36,6 +36,7 @@ _OUT = flags.DEFINE_string("out", "docs/studies/phase", "Where report.md and pha
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: give the studies with --studies.")
+  cli.check_output("out", _OUT.value, directory=True)
   sources, notes = phase.read_studies(_STUDIES.value)
   for note in notes:
     print(note, file=sys.stderr)

@@ -16,12 +16,13 @@ import sys
 
 from absl import app, flags
 
-from pipejax import cli
+from pipejax import cli, plotting
 from pipejax.train import metrics
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Training workdirs to compare.")
 _LABELS = flags.DEFINE_list("labels", None, "Legend labels (default: the workdirs' names).")
-_OUTPUT = flags.DEFINE_string("output", "curves.png", "The PNG to write.")
+_OUTPUT = flags.DEFINE_string("output", "curves.png", "The figure to write, in the format its "
+                              "name ends in (.png, .pdf, .svg, ...).")
 _TITLE = flags.DEFINE_string("title", None, "Figure title.")
 _X = flags.DEFINE_enum("x", "epochs", ["epochs", "samples"], "Unit of the x axis.")
 _Y = flags.DEFINE_enum("y", "zoom", ["zoom", "full"],
@@ -34,6 +35,7 @@ flags.mark_flag_as_required("workdirs")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.check_output("output", _OUTPUT.value, suffixes=plotting.figure_suffixes())
   labels = _LABELS.value or [os.path.basename(os.path.normpath(w)) for w in _WORKDIRS.value]
   if len(labels) != len(_WORKDIRS.value):
     raise app.UsageError(f"{len(labels)} labels for {len(_WORKDIRS.value)} workdirs.")

@@ -62,6 +62,11 @@ def _parse_ints(values: Sequence[str], name: str) -> list[int]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _OUTPUT_DIR.value is not None:
+    cli.check_output("output_dir", _OUTPUT_DIR.value, directory=True)
+  if _WRITE_DOCS.value:
+    cli.check_output("write_docs", DOCS_PATH)
+    cli.check_output("write_docs", FIGURES_DIR, directory=True)
   methods = list(_METHODS.value)
   momenta = _parse_floats(_MOMENTA.value, "momenta")
   delays = _parse_ints(_DELAYS.value, "delays")

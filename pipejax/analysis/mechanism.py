@@ -77,6 +77,19 @@ def check_pipeline(pipe: Pipeline) -> None:
                          "without them.")
 
 
+def measured_ticks(num_ticks: int, fill: int, points: int) -> list[int]:
+  """``points`` ticks spread evenly over ``[fill, num_ticks)``, the ticks after the pipeline's
+  fill of a stream of ``num_ticks``; refused when fewer than ``points`` ticks follow the fill,
+  since the records would then hold fewer points than asked."""
+  if num_ticks - fill < points:
+    raise MechanismError(
+        f"{points} ticks to measure, but the stream's {num_ticks} ticks leave "
+        f"{max(num_ticks - fill, 0)} after the pipeline's fill of {fill} (2 (S - 1) for its "
+        f"{fill // 2 + 1} stages): measure at most that many (--points), or train on at least "
+        f"{fill + points} micro-batches (--sequences).")
+  return sorted({int(t) for t in np.linspace(fill, num_ticks - 1, points).round()})
+
+
 def backward_sample(pipe: Pipeline, tick: int, s: int) -> int:
   """The index of the sample stage ``s`` backwards at ``tick`` (negative: none yet)."""
   return tick - 2 * (pipe.num_stages - 1) + s

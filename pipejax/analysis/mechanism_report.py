@@ -15,6 +15,12 @@ directory and gives:
 
 With four methods a β1, tau is a statement about n = 4 (p can be no smaller than 0.083 for a
 perfect agreement); the report says n with every tau.
+
+Inputs are read defensively: a run's ``mechanism.jsonl`` is written whole, so a line of it that
+is not a record, or a file that is not text, is refused naming the run to measure again; a run
+whose file holds no record is left out and named in the report; a study record that cannot be
+read is skipped and named (a study's log may end in a line cut short), and a file of study
+records that is not text is refused. Nothing here ends in a traceback.
 """
 
 from __future__ import annotations
@@ -37,18 +43,89 @@ class MechanismReportError(ValueError):
   """A directory without mechanism records, or records that cannot be summarised."""
 
 
-def load(directory: str) -> list[dict]:
-  """Every record of every ``*/mechanism.jsonl`` under ``directory``."""
+# The fields of a mechanism record this report reads, and the types each must have.
+_NUMBER = (int, float)
+_RECORD_FIELDS = {"stage": int, "delay": _NUMBER, "mismatch": _NUMBER, "cosine": _NUMBER,
+                  "method": str, "momentum": _NUMBER}
+
+
+def _field_problem(value, fields: dict) -> str | None:
+  """Why a parsed line is not a record with ``fields`` (name: type), or None."""
+  if not isinstance(value, dict):
+    return f"it is {type(value).__name__}, not an object"
+  for name, kind in fields.items():
+    if isinstance(value.get(name), bool) or not isinstance(value.get(name), kind):
+      return f"its {name!r} is {value.get(name)!r}"
+  return None
+
+
+def _text_lines(path: str) -> list[str]:
+  """The lines of ``path``; a file that cannot be read or is not UTF-8 text is refused."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise MechanismReportError(f"{path} cannot be read ({e.strerror or e}).") from None
+  nul = data.find(b"\0")
+  try:
+    if nul >= 0:
+      raise UnicodeError(f"a NUL byte at byte {nul}")
+    return data.decode("utf-8").split("\n")
+  except UnicodeError as e:
+    raise MechanismReportError(f"{path} is not text ({e}): it holds no JSON lines.") from None
+
+
+class Runs(NamedTuple):
+  """The records of every run under a directory, and a sentence for each run left out."""
+
+  records: list[dict]
+  notes: list[str]
+
+
+def load_runs(directory: str) -> Runs:
+  """Every record of every ``*/mechanism.jsonl`` under ``directory``, and a note for each run
+  whose file holds none. A line that is not a record, or a file that is not text, is refused
+  naming the run to measure again (scripts/mechanism.py writes each file whole, so either is a
+  damaged file, never a run still being written)."""
   paths = sorted(glob.glob(os.path.join(directory, "*", "mechanism.jsonl")))
   if not paths:
     raise MechanismReportError(
         f"No */mechanism.jsonl under {directory}: run scripts/mechanism.py with "
         f"--output_dir={directory}/NAME for each method and β1 first.")
-  records = []
+  records, notes = [], []
   for path in paths:
-    with open(path, encoding="utf-8") as f:
-      records.extend(json.loads(line) for line in f if line.strip())
-  return records
+    run_dir = os.path.dirname(path)
+    again = (f"measure the run again (scripts/mechanism.py --output_dir={run_dir}) or move "
+             f"{run_dir} out of {directory}")
+    try:
+      lines = _text_lines(path)
+    except MechanismReportError as e:
+      raise MechanismReportError(f"{e} It is damaged: {again}.") from None
+    found = []
+    for number, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      try:
+        problem = _field_problem(record := json.loads(line), _RECORD_FIELDS)
+      except json.JSONDecodeError:
+        problem = "it is not JSON"
+      if problem is not None:
+        raise MechanismReportError(f"{path} line {number} is not a mechanism record: {problem} "
+                                   f"({line[:80]!r}). The file is damaged: {again}.")
+      found.append(record)
+    if not found:
+      notes.append(f"{run_dir} is left out of the table and the rank correlations: its "
+                   f"mechanism.jsonl holds no record; {again}.")
+    records.extend(found)
+  if not records:
+    raise MechanismReportError(f"Every */mechanism.jsonl under {directory} is empty: "
+                               "run scripts/mechanism.py again for the runs.")
+  return Runs(records, notes)
+
+
+def load(directory: str) -> list[dict]:
+  """Every record of every ``*/mechanism.jsonl`` under ``directory`` (see :func:`load_runs`)."""
+  return load_runs(directory).records
 
 
 def _stage_means(rows: Iterable[dict], key: str) -> dict[int, float]:
@@ -92,26 +169,56 @@ class Losses(NamedTuple):
   source: str
 
 
-def losses(result_paths: Sequence[str], num_stages: int, lr: float) -> dict[tuple, Losses]:
+# What this report reads of a finished study record of the depth and rate it looks for.
+_LOSS_FIELDS = {"momentum": _NUMBER, "test_loss": _NUMBER}
+
+
+def _study_record(line: str) -> tuple[dict | None, str | None]:
+  """A line of study records parsed, or None and why it is not a record."""
+  try:
+    r = json.loads(line)
+  except json.JSONDecodeError:
+    return None, "it is not JSON"
+  if not isinstance(r, dict):
+    return None, f"it is {type(r).__name__}, not an object"
+  if not all(isinstance(r.get(key, {}), dict) for key in ("fixed", "overrides")):
+    return None, "its 'fixed' or 'overrides' is not an object"
+  return r, None
+
+
+def losses(result_paths: Sequence[str], num_stages: int, lr: float,
+           notes: list[str] | None = None) -> dict[tuple, Losses]:
   """Final validation loss in bits per byte of each (method, β1), one entry per finished run of
   ``num_stages`` stages at rate ``lr``, all from one of the study records ``result_paths``: the
   first that has the (method, β1). Studies trained on different data or from different weights
-  are not averaged together."""
+  are not averaged together. A line that is not such a record is skipped, with a sentence in
+  ``notes`` when given; a file that is not text is refused."""
   found: dict[tuple, Losses] = {}
   for path in result_paths:
     here: dict[tuple, Losses] = {}
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        if not line.strip():
-          continue
-        r = json.loads(line)
+    try:
+      lines = _text_lines(path)
+    except MechanismReportError as e:
+      raise MechanismReportError(f"{e} Give study records (a study's results.jsonl) with "
+                                 "--results.") from None
+    for number, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      r, problem = _study_record(line)
+      if r is not None:
         # A study record names its method among its grid's overrides or its fixed settings.
         method = {**r.get("fixed", {}), **r.get("overrides", {})}.get("method")
+        rate = r.get("learning_rate")
         if (method is None or r.get("status") != "finished" or r.get("num_stages") != num_stages
-            or not math.isclose(r.get("learning_rate", math.nan), lr)):
+            or not isinstance(rate, _NUMBER) or not math.isclose(rate, lr)):
           continue
-        here.setdefault((method, float(r["momentum"])), Losses([], path)).bits.append(
-            r["test_loss"] * BITS_PER_NAT)
+        problem = _field_problem(r, _LOSS_FIELDS)
+      if problem is not None:
+        if notes is not None:
+          notes.append(f"{path} line {number} is skipped: {problem} ({line[:80]!r}).")
+        continue
+      here.setdefault((method, float(r["momentum"])), Losses([], path)).bits.append(
+          r["test_loss"] * BITS_PER_NAT)
     for key, value in here.items():
       found.setdefault(key, value)
   return found
@@ -172,10 +279,9 @@ def _number(value, digits: int = 3) -> str:
 
 def report(directory: str, result_paths: Sequence[str]) -> str:
   """The markdown report of the runs under ``directory`` (and ``mechanism.png`` written there)."""
-  records = load(directory)
+  records, notes = load_runs(directory)
   summaries = run_summaries(records)
-  run_losses = losses(result_paths, summaries[0]["num_stages"], summaries[0]["lr"])
-  plot(records, os.path.join(directory, "mechanism.png"))
+  run_losses = losses(result_paths, summaries[0]["num_stages"], summaries[0]["lr"], notes)
   lines = [
       "# The delay's mechanism per stage", "",
       f"Generated by `python scripts/mechanism_report.py --dir={directory} "
@@ -209,6 +315,13 @@ def report(directory: str, result_paths: Sequence[str]) -> str:
                f"tau = {block['tau']:.2f}, p = {block['p']:.2g}, n = {len(block['methods'])}")
     lines.append(f"- β1 = {block['momentum']:g}: {names}. {verdict}.")
   lines += ["", "![mismatch and cosine by stage](mechanism.png)", ""]
+  if notes:
+    lines += ["## Left out", "", *(f"- {note}" for note in notes), ""]
   text = "\n".join(lines)
-  files.write(os.path.join(directory, "report.md"), text)
+  try:
+    plot(records, os.path.join(directory, "mechanism.png"))
+    files.write(os.path.join(directory, "report.md"), text)
+  except OSError as e:
+    raise MechanismReportError(f"The report cannot be written to {directory} "
+                               f"({e.strerror or e}); give a --dir that can be written.") from None
   return text
