@@ -31,7 +31,7 @@ import math
 from absl import app, flags
 
 from pipejax.core import accounting
-from pipejax import cli, schedules
+from pipejax import cli, plotting, schedules
 from pipejax.schedules import compare, drawing
 
 _NUM_STAGES = flags.DEFINE_integer("num_stages", 4, "Number of pipeline stages (devices).")
@@ -47,7 +47,8 @@ _ACTIVATION_SIZE = flags.DEFINE_integer("activation_size", 256,
                                         "Tick grid: numbers per sample in every stage's input.")
 _DTYPE_BYTES = flags.DEFINE_integer("dtype_bytes", 4, "Tick grid: bytes per number.")
 _FORMAT = flags.DEFINE_enum("format", "text", ["text", "json"], "Output format.")
-_OUTPUT = flags.DEFINE_string("output", None, "Also draw the grid or Gantt chart into this PNG.")
+_OUTPUT = flags.DEFINE_string("output", None, "Also draw the grid or Gantt chart into this "
+                              "figure, in the format its name ends in (.png, .pdf, .svg, ...).")
 
 _SCHEDULE = flags.DEFINE_enum("schedule", None, [*schedules.NAMES, "layerpipe_inter"],
                               "Simulate this schedule (unset: the engine's tick grid).")
@@ -63,7 +64,8 @@ _TRANSFER_FLOPS_PER_BYTE = flags.DEFINE_float(
 _LAYER_COSTS = flags.DEFINE_list(
     "layer_costs", None, "Your own per-layer costs F:B:W or F:B:W:transfer, one per layer in "
     "network order, e.g. 1:1:1,2:2:2,1:0:1 (instead of identical layers or --model).")
-_NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "Identical layers (default num_stages).")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "Identical layers (default num_stages).",
+                                   lower_bound=1)
 _FORWARD = flags.DEFINE_float("forward", 1.0, "Identical layers: forward cost F.")
 _INPUT_GRAD = flags.DEFINE_float("input_grad", 1.0, "Identical layers: activation gradient B.")
 _WEIGHT_GRAD = flags.DEFINE_float("weight_grad", 1.0, "Identical layers: weight gradient W.")
@@ -135,7 +137,7 @@ def layer_costs():
     raise app.UsageError(f"--model={_MODEL.value} is not a pipejax model; known: "
                          f"{', '.join(models.names())}.")
   default_shape = (28, 28, 1) if _MODEL.value in ("mlp", "small_cnn") else (32, 32, 3)
-  shape = tuple(int(n) for n in _INPUT_SHAPE.value) if _INPUT_SHAPE.value else default_shape
+  shape = tuple(_integers(_INPUT_SHAPE)) if _INPUT_SHAPE.value else default_shape
   kwargs = {} if _MODEL.value == "mlp" else {"conv_impl": "xla"}
   model = models.build(_MODEL.value, **kwargs)
   example = jnp.zeros((_MICRO_BATCH_SIZE.value, *shape), jnp.float32)
@@ -197,7 +199,7 @@ def schedules_table():
 
 def layerpipe_table():
   layers, _ = layer_costs()
-  rows = _usage_errors(compare.layerpipe_rows, layers, [int(n) for n in _DEVICE_COUNTS.value],
+  rows = _usage_errors(compare.layerpipe_rows, layers, _integers(_DEVICE_COUNTS),
                        _MICRO_BATCHES.value or 8)
   print_table(rows, ["devices", "LayerPipe intra-layer", "LayerPipe intra + inter-layer",
                      "perfect balance"],
@@ -221,8 +223,103 @@ def staleness_table():
                            f"{sum(row['test_accuracy']) / len(row['test_accuracy']):.3f}"])
 
 
+# ------------------------------------------------------------ the flags each mode reads
+
+# How the layer costs are given, and the flags each way reads.
+_LAYER_SOURCES = {
+    "--layer_costs": (_LAYER_COSTS,),
+    "--model": (_MODEL, _INPUT_SHAPE, _TRANSFER_FLOPS_PER_BYTE, _MICRO_BATCH_SIZE),
+    "identical layers (no --model or --layer_costs)": (_NUM_LAYERS, _FORWARD, _INPUT_GRAD,
+                                                       _WEIGHT_GRAD, _TRANSFER),
+}
+_LAYERS = "the layer costs"  # stands for the flags of whichever way gives them
+_TICK_GRID = "the tick grid (no --schedule or --table)"
+# Each mode, and the flags it reads besides --num_stages, --micro_batches and --format.
+_MODES = {
+    _TICK_GRID: (_TICKS, _MICRO_BATCH_SIZE, _ACTIVATION_SIZE, _DTYPE_BYTES, _OUTPUT),
+    "--schedule": (_SCHEDULE, _OUTPUT, _LAYERS, _LAYERS_PER_STAGE),
+    "--table=schedules": (_TABLE, _LAYERS, _LAYERS_PER_STAGE),
+    "--table=layerpipe": (_TABLE, _LAYERS, _DEVICE_COUNTS),
+    "--table=staleness": (_TABLE, _SCHEDULES, _TRAIN_SAMPLES, _EPOCHS, _SEEDS, _LEARNING_RATE,
+                          _MOMENTUM, _TRAIN_MICRO_BATCH),
+}
+
+
+def _mode() -> str:
+  """The mode the command line chose (a table wins over a schedule: --schedule is then unread)."""
+  if _TABLE.value is not None:
+    return f"--table={_TABLE.value}"
+  return "--schedule" if _SCHEDULE.value is not None else _TICK_GRID
+
+
+def _layer_source() -> str:
+  names = list(_LAYER_SOURCES)
+  if _LAYER_COSTS.value:
+    return names[0]
+  return names[1] if _MODEL.value is not None else names[2]
+
+
+def _name(holder) -> str:
+  return holder if isinstance(holder, str) else holder.name
+
+
+def _read_flags(mode: str) -> set[str]:
+  """The names of the flags ``mode`` reads on this command line."""
+  read = {_name(h) for h in (_NUM_STAGES, _MICRO_BATCHES, _FORMAT, *_MODES[mode])}
+  if _LAYERS in read:
+    read |= {h.name for h in _LAYER_SOURCES[_layer_source()]}
+  if mode == "--schedule" and _SCHEDULE.value != "pb":
+    read.discard(_LAYERS_PER_STAGE.name)  # only PB's own split takes k layers per stage
+  return read - {_LAYERS}
+
+
+def _where_read(name: str) -> str:
+  """Where the flag ``name`` is read, as the rest of a sentence that begins with it."""
+  if name == _LAYERS_PER_STAGE.name:
+    return "is read by --schedule=pb and --table=schedules"
+  modes = [mode.split(" (")[0] for mode, holders in _MODES.items()
+           if name in map(_name, holders)]
+  places = [f"is read by {' and '.join(modes)}"] if modes else []
+  places += [f"sets the layer costs of {source}, which --schedule, --table=schedules and "
+             "--table=layerpipe read" for source, holders in _LAYER_SOURCES.items()
+             if name in map(_name, holders)]
+  return ", and ".join(places)
+
+
+def check_unread_flags() -> None:
+  """Refuses a flag given on the command line that the chosen mode would not read (``--model``
+  beside the tick grid, ``--num_layers`` beside ``--layer_costs``), so that no setting given is
+  silently dropped."""
+  mode = _mode()
+  read = _read_flags(mode)
+  given = [name for name in dict.fromkeys(
+      _name(h) for holders in [*_MODES.values(), *_LAYER_SOURCES.values()] for h in holders)
+           if name != _LAYERS and name not in read and flags.FLAGS[name].present]
+  if given:
+    reads_layers = _LAYERS in map(_name, _MODES[mode])
+    layers = f" with the layer costs of {_layer_source()}" if reads_layers else ""
+    raise app.UsageError(
+        f"{', '.join(f'--{name}' for name in given)} {'is' if len(given) == 1 else 'are'} not "
+        f"read by {mode}{layers}: " + "; ".join(f"--{name} {_where_read(name)}"
+                                                 for name in given)
+        + ". Drop what this command does not read, or choose the mode that reads it.")
+
+
+def _integers(holder) -> list[int]:
+  """A list flag's whole numbers; anything else is a usage error."""
+  try:
+    return [int(n) for n in holder.value]
+  except ValueError:
+    raise app.UsageError(f"--{holder.name} takes whole numbers, comma-separated; got "
+                         f"{','.join(holder.value)!r}.") from None
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  check_unread_flags()
+  if _OUTPUT.value is not None:
+    cli.check_output("output", _OUTPUT.value, suffixes=plotting.figure_suffixes())
   num_stages, m = _NUM_STAGES.value, _MICRO_BATCHES.value
   if num_stages < 1:
     raise app.UsageError(f"--num_stages must be at least 1; got {num_stages}.")
