@@ -82,7 +82,7 @@ def check_output(flag: str, path: str, directory: bool = False,
   problem = files.unwritable(path, directory=directory, suffixes=suffixes)
   if problem is None:
     try:
-      os.makedirs(path if directory else os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      os.makedirs(path if directory else os.path.dirname(path) or os.curdir, exist_ok=True)
     except OSError as e:
       problem = f"its directory cannot be made ({e.strerror or e})"
   if problem is not None:

@@ -30,8 +30,9 @@ def replacing(path: str, suffix: str = "") -> Iterator[str]:
   ``suffix`` ends the temporary name, for writers that choose a format by it (``.png``).
   """
   directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=f".tmp{suffix}",
-                             dir=directory)
+  # The name's first bytes only: a name that fits the file system leaves room for the rest.
+  start = os.fsencode(os.path.basename(path))[:64].decode(errors="ignore")
+  fd, tmp = tempfile.mkstemp(prefix=f".{start}.", suffix=f".tmp{suffix}", dir=directory)
   os.close(fd)
   os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make the file private to this user
   try:
@@ -84,13 +85,16 @@ def unwritable(path: str, directory: bool = False, suffixes: tuple[str, ...] = (
   creating nothing: the directories it needs exist or can be made (no file stands in their
   way, every new name fits the file system), the nearest one that exists takes a new file, and
   the path itself is not a directory (a file for ``directory``) nor a file that cannot be
-  written. ``suffixes`` (lowercase, with the dot) are the endings a file may have."""
+  written. ``suffixes`` (lowercase, with the dot) are the endings a file may have.
+
+  The path is walked as the system resolves it, not normalised: ``a-file/../out`` cannot be
+  written however ``os.path.normpath`` reads it."""
   if not path:
     return "it is empty"
   if directory and os.path.lexists(path) and not os.path.isdir(path):
     return "it is a file, not a directory"
   if not directory:
-    if path.endswith(os.sep) or os.path.isdir(path):
+    if os.path.basename(path) in ("", os.curdir, os.pardir) or os.path.isdir(path):
       return "it is a directory; give the path of a file in it"
     suffix = os.path.splitext(path)[1].lower()
     if suffixes and suffix not in suffixes:
@@ -98,36 +102,43 @@ def unwritable(path: str, directory: bool = False, suffixes: tuple[str, ...] = (
               f"give one of {', '.join(suffixes)}")
     if os.path.exists(path) and not os.access(path, os.W_OK):
       return "it is a file that cannot be written"
-  return _unwritable_directory(os.path.abspath(path) if directory else
-                               os.path.dirname(os.path.abspath(path)),
+  return _unwritable_directory(path if directory else os.path.dirname(path) or os.curdir,
                                None if directory else os.path.basename(path))
 
 
-# files.replacing names its temporary file '.NAME.XXXXXXXX.tmpSUFFIX' beside NAME.
-_TEMPORARY_NAME_EXTRA = len("..XXXXXXXX.tmp") + 8
-
-
 def _unwritable_directory(directory: str, file_name: str | None) -> str | None:
-  """Why ``directory`` cannot be made (if missing) and take ``file_name``, or None."""
-  existing, missing = directory, []
-  while not os.path.lexists(existing):
-    existing, name = os.path.split(existing)
-    missing.append(name)
-  if not os.path.isdir(existing):
-    return f"{existing} is not a directory, so nothing can be made under it"
+  """Why ``directory`` cannot be made (if missing) and take ``file_name``, or None.
+
+  The path is followed a name at a time as ``os.makedirs`` and the system would follow it: a
+  name that exists must be a directory; below the first that does not, everything is made, and
+  a ``..`` there leaves a directory that would be made, back towards those that exist."""
+  current = os.sep if os.path.isabs(directory) else os.curdir
+  made: list[str] = []  # the names that would be made below ``current``, in order
+  for name in directory.split(os.sep):
+    if name in ("", os.curdir):
+      continue
+    if made:
+      made.pop() if name == os.pardir else made.append(name)
+      continue
+    candidate = os.path.join(current, name)
+    if not os.path.lexists(candidate):
+      made.append(name)
+    elif not os.path.isdir(candidate):
+      return f"{candidate} is not a directory, so nothing can be made under it"
+    else:
+      current = candidate
   try:
-    longest = os.pathconf(existing, "PC_NAME_MAX")
+    longest = os.pathconf(current, "PC_NAME_MAX")
   except (OSError, ValueError):
     longest = 255
-  names = missing + ([] if file_name is None else [file_name + "x" * _TEMPORARY_NAME_EXTRA])
-  for name in names:
+  for name in made + ([] if file_name is None else [file_name]):
     if len(os.fsencode(name)) > longest:
       return (f"the name {name[:40]!r}... is longer than the {longest} bytes the file system "
               "takes")
   try:
-    fd, probe = tempfile.mkstemp(prefix=".pipejax-probe.", dir=existing)
+    fd, probe = tempfile.mkstemp(prefix=".pipejax-probe.", dir=current)
   except OSError as e:
-    return f"{existing} cannot be written ({e.strerror or e})"
+    return f"{current} cannot be written ({e.strerror or e})"
   os.close(fd)
   os.remove(probe)
   return None
