@@ -46,7 +46,7 @@ class MechanismReportError(ValueError):
 # The fields of a mechanism record this report reads, and the types each must have.
 _NUMBER = (int, float)
 _RECORD_FIELDS = {"stage": int, "delay": _NUMBER, "mismatch": _NUMBER, "cosine": _NUMBER,
-                  "method": str, "momentum": _NUMBER}
+                  "method": str, "momentum": _NUMBER, "num_stages": int, "lr": _NUMBER}
 
 
 def _field_problem(value, fields: dict) -> str | None:
