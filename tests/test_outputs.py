@@ -268,3 +268,17 @@ def test_fuzz_an_output_that_cannot_be_written_is_exit_2_before_any_work(tmp_pat
   assert f"--{flag}=" in result.stderr and "Nothing was run" in result.stderr, result.stderr
   assert "Traceback" not in result.stderr
   assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("name,args,says", [
+    ("benchmark.py", ["--only=methods", "--methods=pb,pb_nope"], "--methods names pb_nope"),
+    ("benchmark.py", ["--only=throughput", "--micro_batch_sizes=1,one"],
+     "--micro_batch_sizes takes positive whole numbers"),
+    ("api_docs.py", ["--modules=pipejax.no_such_module"], "--modules names "
+                                                          "'pipejax.no_such_module'")])
+def test_a_name_a_script_does_not_know_is_exit_2_before_any_work(tmp_path, name, args, says):
+  result = run_script(name, *args, f"--output_dir={tmp_path / 'api'}" if name == "api_docs.py"
+                      else f"--output={tmp_path / 'out.json'}", timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.startswith("error: ") and says in result.stderr, result.stderr
+  assert "Traceback" not in result.stderr and not (tmp_path / "out.json").exists()

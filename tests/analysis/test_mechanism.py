@@ -205,3 +205,26 @@ def test_the_script_writes_records_and_a_figure_per_stage(tmp_path):
   assert all(-1 <= r["cosine"] <= 1 + 1e-6 and r["mismatch"] >= 0 for r in records)
   assert sorted(os.listdir(tmp_path / "figures")) == [
       *(f"stage_{s:03d}.png" for s in range(stages)), "stages.png"]
+
+
+def test_the_measured_ticks_are_as_many_as_asked_or_refused():
+  assert mechanism.measured_ticks(16, 6, 2) == [6, 15]
+  assert mechanism.measured_ticks(16, 6, 10) == list(range(6, 16))
+  with pytest.raises(mechanism.MechanismError, match=r"11 ticks to measure, but the stream's 16 "
+                     r"ticks leave 10 after the pipeline's fill of 6 .* at least 17 micro-batches"):
+    mechanism.measured_ticks(16, 6, 11)
+  with pytest.raises(mechanism.MechanismError, match="leave 0 after"):
+    mechanism.measured_ticks(4, 6, 1)
+
+
+def test_the_script_refuses_more_points_than_sequences_before_any_work(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(helpers.ROOT, "scripts", "mechanism.py"),
+       "--config=" + os.path.join(helpers.ROOT, "configs", "char_lm.py") + ":smoke",
+       "--sequences=2", "--points=3", f"--output_dir={tmp_path / 'out'}"],
+      capture_output=True, text=True, timeout=300, cwd=helpers.ROOT,
+      env={**os.environ, "PYTHONPATH": helpers.ROOT})
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.startswith("error: --points=3 ticks to measure among the ticks of "
+                                  "--sequences=2")
+  assert not (tmp_path / "out").exists()
