@@ -16,7 +16,6 @@ stage, ``--context`` bytes a sequence); the optimizer is ``--method``'s at stage
 """
 
 import json
-import os
 
 from absl import app, flags
 
@@ -63,14 +62,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: every setting is a --flag.")
   if _DOCS.value:
+    cli.check_output("docs", _DOCS.value)
     write_docs(_DOCS.value)
     return
   if not _OUTPUT.value:
     raise app.UsageError("Give --output=PATH for the stage costs (JSON).")
-  folder = os.path.dirname(os.path.abspath(_OUTPUT.value))
-  if os.path.isdir(_OUTPUT.value) or not os.access(folder, os.W_OK):
-    raise app.UsageError(f"--output={_OUTPUT.value} cannot be written: it is a folder, or its "
-                         "folder does not exist or is not writable. Give another path.")
+  cli.check_output("output", _OUTPUT.value)
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from pipejax import methods, models  # pylint: disable=import-outside-toplevel
   from pipejax.schedules import measure  # pylint: disable=import-outside-toplevel

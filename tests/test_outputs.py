@@ -184,15 +184,17 @@ def test_a_flag_absl_cannot_parse_is_exit_2_in_one_line(tmp_path):
   assert run("--study=a", "--parallel=3").stdout == "ran 3\n"
 
 
-# A flag of each script that takes a typed value, and one it takes: a value of another type is a
-# malformed flag; a misspelling of a flag's name is an unknown one.
-TYPED_FLAG = {"api_docs.py": "output_dir", "benchmark.py": "samples", "benchmark_report.py": "check",
-              "chaos.py": "trials", "depth_limits.py": "batch", "mechanism.py": "points",
+# A flag of each script, and for those that take a typed value a value of another type: a
+# malformed flag. A misspelling of a flag's name is an unknown one.
+TYPED_FLAG = {"api_docs.py": "output_dir", "benchmark.py": "samples",
+              "benchmark_report.py": "check", "chaos.py": "trials", "depth_limits.py": "batch", "mechanism.py": "points",
               "mechanism_report.py": "dir", "phase_diagram.py": "out", "plot.py": "x",
+              "price.py": "blocks",
               "quadratic.py": "format", "schedule.py": "num_stages", "study.py": "parallel",
               "train.py": "workdir"}
 MALFORMED = {"samples": "two", "check": "maybe", "trials": "ten", "batch": "1.5", "points": "x",
-             "x": "minutes", "format": "yaml", "num_stages": "four", "parallel": "two"}
+             "x": "minutes", "format": "yaml", "num_stages": "four", "parallel": "two",
+             "blocks": "thirty"}
 FAST_SCRIPTS = ("study.py", "schedule.py", "mechanism_report.py")  # the others: slow
 
 
@@ -234,6 +236,7 @@ OUTPUTS = {
     "quadratic.py": ("output_dir", True, ["--methods=sgd", "--momenta=0.9", "--delays=0"]),
     "benchmark_report.py": ("folder", True, []),
     "chaos.py": ("workdir", True, ["--cases=trainer", "--trials=1"]),
+    "price.py": ("output", False, ["--blocks=2"]),
 }
 DATA_LOSS = ("benchmark.py", "mechanism.py")  # they measured for hours before looking
 
