@@ -94,14 +94,12 @@ def unwritable(path: str, directory: bool = False, suffixes: tuple[str, ...] = (
   if directory and os.path.lexists(path) and not os.path.isdir(path):
     return "it is a file, not a directory"
   if not directory:
-    if os.path.basename(path) in ("", os.curdir, os.pardir) or os.path.isdir(path):
+    if os.path.basename(path) in ("", os.curdir, os.pardir):
       return "it is a directory; give the path of a file in it"
     suffix = os.path.splitext(path)[1].lower()
     if suffixes and suffix not in suffixes:
       return (f"its ending {suffix or '(none)'!r} is not one this writes; "
               f"give one of {', '.join(suffixes)}")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-      return "it is a file that cannot be written"
   return _unwritable_directory(path if directory else os.path.dirname(path) or os.curdir,
                                None if directory else os.path.basename(path))
 
@@ -114,24 +112,32 @@ def _unwritable_directory(directory: str, file_name: str | None) -> str | None:
   a ``..`` there leaves a directory that would be made, back towards those that exist."""
   current = os.sep if os.path.isabs(directory) else os.curdir
   made: list[str] = []  # the names that would be made below ``current``, in order
+  new_names = []  # every name that would be made, those a ``..`` leaves again included
   for name in directory.split(os.sep):
     if name in ("", os.curdir):
       continue
-    if made:
-      made.pop() if name == os.pardir else made.append(name)
+    if made and name == os.pardir:
+      made.pop()
       continue
     candidate = os.path.join(current, name)
-    if not os.path.lexists(candidate):
+    if made or not os.path.lexists(candidate):
       made.append(name)
+      new_names.append(name)
     elif not os.path.isdir(candidate):
       return f"{candidate} is not a directory, so nothing can be made under it"
     else:
       current = candidate
+  if file_name is not None and not made:  # the file's directory exists: what is there now
+    existing = os.path.join(current, file_name)
+    if os.path.isdir(existing):
+      return "it is a directory; give the path of a file in it"
+    if os.path.exists(existing) and not os.access(existing, os.W_OK):
+      return "it is a file that cannot be written"
   try:
     longest = os.pathconf(current, "PC_NAME_MAX")
   except (OSError, ValueError):
     longest = 255
-  for name in made + ([] if file_name is None else [file_name]):
+  for name in new_names + ([] if file_name is None else [file_name]):
     if len(os.fsencode(name)) > longest:
       return (f"the name {name[:40]!r}... is longer than the {longest} bytes the file system "
               "takes")

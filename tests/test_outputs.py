@@ -68,6 +68,8 @@ def test_an_output_that_cannot_be_written_is_named_and_the_check_makes_nothing(t
   assert "longer than" in files.unwritable(str(tmp_path / ("x" * 252 + ".json")))
   assert "longer than" in files.unwritable(str(tmp_path / ("d" * 300) / "out"), directory=True)
   assert "'.txt'" in files.unwritable(str(tmp_path / "curves.txt"), suffixes=(".png", ".pdf"))
+  assert "not a directory" in files.unwritable(str(tmp_path / "new" / ".." / "a-file" / "x"))
+  assert "longer than" in files.unwritable(str(tmp_path / ("d" * 300) / ".." / "out.json"))
   assert files.unwritable(str(tmp_path / "new" / "deeper" / "out.json")) is None
   assert files.unwritable(str(tmp_path / "new" / "deeper"), directory=True) is None
   assert files.unwritable(str(tmp_path / "curves.PDF"), suffixes=(".png", ".pdf")) is None
