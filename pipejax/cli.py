@@ -48,7 +48,7 @@ def run(main: Callable[[list[str]], None], flags_parser=None, **kwargs) -> None:
   scripts/schedule.py) above an ``app.UsageError``'s message, which then scrolls out of sight,
   and ends a flag it cannot parse (``--paralel=2``, ``--parallel=two``, a required flag left
   out) with exit 1, the code of a run that failed. Here either is the message alone, with the
-  way to the help, and :data:`EXIT_USAGE`.
+  way to the help, and :data:`EXIT_USAGE`; the help itself, asked for, ends with exit 0.
   """
   parse = flags_parser or flags.FLAGS
 
@@ -57,6 +57,11 @@ def run(main: Callable[[list[str]], None], flags_parser=None, **kwargs) -> None:
       return parse(argv)
     except flags.Error as e:
       usage_error(str(e))
+    except SystemExit as e:
+      # absl's --help, --helpshort and --helpfull print the help and exit 1, a failure's code.
+      if e.code == 1 and asks_for_help(argv):
+        sys.exit(0)
+      raise
 
   def main_with_usage_errors(argv):
     try:
@@ -65,6 +70,19 @@ def run(main: Callable[[list[str]], None], flags_parser=None, **kwargs) -> None:
       usage_error(str(e))
 
   app.run(main_with_usage_errors, flags_parser=parse_with_usage_errors, **kwargs)
+
+
+HELP_FLAGS = ("help", "helpshort", "helpfull", "?")
+
+
+def asks_for_help(argv: list[str]) -> bool:
+  """Whether ``argv`` gives one of absl's help flags (before a ``--`` that ends the flags)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      return False
+    if arg.startswith("-") and arg.lstrip("-").split("=", 1)[0] in HELP_FLAGS:
+      return True
+  return False
 
 
 def usage_error(message: str) -> NoReturn:

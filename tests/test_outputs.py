@@ -184,16 +184,18 @@ def test_a_flag_absl_cannot_parse_is_exit_2_in_one_line(tmp_path):
     assert line.startswith("error: ") and line.endswith("(--help lists the flags.)"), line
     assert "ran" not in result.stdout
   assert run("--study=a", "--parallel=3").stdout == "ran 3\n"
+  for asked in ("--help", "--helpfull", "-?"):  # absl's help exits 1, as a failure would
+    result = run(asked)
+    assert result.returncode == 0 and "--parallel" in result.stdout, (asked, result.stderr)
 
 
 # A flag of each script, and for those that take a typed value a value of another type: a
 # malformed flag. A misspelling of a flag's name is an unknown one.
 TYPED_FLAG = {"api_docs.py": "output_dir", "benchmark.py": "samples",
-              "benchmark_report.py": "check", "chaos.py": "trials", "depth_limits.py": "batch", "mechanism.py": "points",
-              "mechanism_report.py": "dir", "phase_diagram.py": "out", "plot.py": "x",
-              "price.py": "blocks",
-              "quadratic.py": "format", "schedule.py": "num_stages", "study.py": "parallel",
-              "train.py": "workdir"}
+              "benchmark_report.py": "check", "chaos.py": "trials", "depth_limits.py": "batch",
+              "mechanism.py": "points", "mechanism_report.py": "dir", "phase_diagram.py": "out",
+              "plot.py": "x", "price.py": "blocks", "quadratic.py": "format",
+              "schedule.py": "num_stages", "study.py": "parallel", "train.py": "workdir"}
 MALFORMED = {"samples": "two", "check": "maybe", "trials": "ten", "batch": "1.5", "points": "x",
              "x": "minutes", "format": "yaml", "num_stages": "four", "parallel": "two",
              "blocks": "thirty"}
