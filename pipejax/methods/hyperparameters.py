@@ -44,8 +44,8 @@ def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
                       "schedule's value.")
   try:
     number = optim_checks.scalar(value, name, owner)
-  except ValueError as error:
-    raise MethodError(str(error)) from None
+  except ValueError as error:  # a list, a mapping, an array of many values: said in one line
+    raise MethodError(" ".join(str(error).split())) from None
   if number is None:  # traced: see the docstring
     return
   inside = low <= number < high if high_open else low <= number <= high
