@@ -428,9 +428,9 @@ def _escape(text: str) -> str:
 
 
 _ESCAPED = frozenset("%/\x7f")
-# The longest file name (in bytes) the common file systems take (ext4, XFS, APFS, NTFS's 255
-# UTF-16 units).
 NAME_MAX = 255
+"""The longest file name, in bytes, that the common file systems take (ext4, XFS, APFS; NTFS
+counts 255 UTF-16 units): the longest run directory name."""
 _DIGEST_MARK = "%sha256="  # '%' followed by no hex digits: in no escaped id
 _DIGEST_CHARS = 16
 
