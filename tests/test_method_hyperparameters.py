@@ -37,6 +37,13 @@ def test_every_preset_refuses_an_array_or_a_schedule_out_of_its_range(name, kwar
     methods.make_method(name, **{"learning_rate": 0.1, **_base(name), **kwargs})
 
 
+def test_a_momentum_rounded_to_one_in_bfloat16_says_how_to_keep_it():
+  with pytest.raises(methods.MethodError, match=r"got 1.0. It is a bfloat16 array.*"
+                     r"hyperparam_dtype=jnp.float32"):
+    methods.make_method("pb_muon", learning_rate=0.1, optimizer="adam",
+                        momentum=jnp.asarray(0.999, jnp.bfloat16))
+
+
 @pytest.mark.parametrize("name", OPTAX_BUILT)
 def test_a_preset_under_inject_hyperparams_is_checked_at_init_and_trains_under_jit(name):
   """The values optax.inject_hyperparams hands over: concrete at init (checked), traced inside

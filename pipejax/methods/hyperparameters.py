@@ -12,6 +12,7 @@ import math
 import numbers
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -51,7 +52,17 @@ def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
   inside = low <= number < high if high_open else low <= number <= high
   if not inside or not math.isfinite(number):
     interval = f"[{low:g}, {high:g}{')' if high_open or math.isinf(high) else ']'}"
-    raise MethodError(f"{owner}: {name} must be in {interval}; got {number!r}.")
+    raise MethodError(f"{owner}: {name} must be in {interval}; got {number!r}.{_rounded(value)}")
+
+
+def _rounded(value) -> str:
+  """Why an array's number may not be the one given: inject_hyperparams stores hyperparameters
+  in the params' dtype unless told otherwise, and bfloat16 holds 0.999 as 1.0."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+    return ""
+  return (f" It is a {dtype} array, so it may have been rounded; under "
+          "optax.inject_hyperparams pass hyperparam_dtype=jnp.float32.")
 
 
 def check_steps(name: str, value, owner: str = "make_method") -> None:
