@@ -19,6 +19,7 @@ run this file: type checkers, IDEs and the API reference (``scripts/api_docs.py`
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,7 +58,9 @@ __all__ = sorted(_NAMES) + list(_NAMESPACES)
 def __getattr__(name):
   if name in _NAMES:
     value = getattr(importlib.import_module(_NAMES[name]), name)
-  elif name in _NAMESPACES:
+  elif name in _NAMESPACES or importlib.util.find_spec(f"pipejax.{name}") is not None:
+    # Any package of pipejax by its attribute (pipejax.methods.make_method after `import
+    # pipejax`), as it would be once something else had imported it.
     value = importlib.import_module(f"pipejax.{name}")
   else:
     raise AttributeError(f"module 'pipejax' has no attribute {name!r}")

@@ -212,11 +212,18 @@ def layerpipe_table():
 
 def staleness_table():
   from pipejax.analysis import staleness  # pylint: disable=import-outside-toplevel
-  rows = staleness.schedule_accuracies(
-      _SCHEDULES.value, _NUM_STAGES.value, _MICRO_BATCHES.value or 8,
-      train_samples=_TRAIN_SAMPLES.value, seeds=[int(s) for s in _SEEDS.value],
-      learning_rate=_LEARNING_RATE.value, momentum=_MOMENTUM.value,
-      micro_batch=_TRAIN_MICRO_BATCH.value, epochs=_EPOCHS.value)
+  try:
+    seeds = [int(s) for s in _SEEDS.value]
+  except ValueError:
+    raise app.UsageError(f"--seeds must be integers; got {','.join(_SEEDS.value)}.") from None
+  try:
+    rows = _usage_errors(
+        staleness.schedule_accuracies, _SCHEDULES.value, _NUM_STAGES.value,
+        _MICRO_BATCHES.value or 8, train_samples=_TRAIN_SAMPLES.value, seeds=seeds,
+        learning_rate=_LEARNING_RATE.value, momentum=_MOMENTUM.value,
+        micro_batch=_TRAIN_MICRO_BATCH.value, epochs=_EPOCHS.value)
+  except staleness.StalenessError as e:
+    raise app.UsageError(str(e)) from None
   print_table(rows, ["schedule", "delays D_s", "test accuracy per seed", "mean"],
               lambda row: [row["schedule"], row["delays"],
                            ", ".join(f"{a:.3f}" for a in row["test_accuracy"]),

@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Sequence
 
 import jax
@@ -82,6 +84,48 @@ def train(model: Model, delays: Sequence[int], train_data: tuple[np.ndarray, np.
   return float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(test_labels)))
 
 
+class StalenessError(ValueError):
+  """Settings under which the staleness table cannot train as asked; the message says why."""
+
+
+def check_settings(num_stages: int, *, train_samples: int, seeds: Sequence[int],
+                   learning_rate: float, momentum: float, micro_batch: int, epochs: int) -> int:
+  """Refuses settings that would train nothing or no stage of the pipeline; returns the run's
+  updates. Checked before a schedule is simulated (which takes minutes for a hundred stages) or
+  the data are loaded."""
+  for name, value in (("train_micro_batch", micro_batch), ("epochs", epochs),
+                      ("num_stages", num_stages)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise StalenessError(f"--{name} must be an integer >= 1; got {value!r}.")
+  updates = epochs * (train_samples // micro_batch)
+  if updates < 1:
+    raise StalenessError(f"--train_samples={train_samples} with --train_micro_batch="
+                         f"{micro_batch} makes no update: give at least {micro_batch} training "
+                         "samples.")
+  if num_stages > updates:
+    raise StalenessError(f"--num_stages={num_stages} is more stages than the run's {updates} "
+                         f"updates (--epochs x --train_samples / --train_micro_batch): a "
+                         "schedule's deepest stage would receive none of its delayed gradients. "
+                         "Give fewer stages or a longer run.")
+  if not seeds or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or
+                      not 0 <= s < 2**32 for s in seeds):
+    raise StalenessError(f"--seeds must be one or more integers in [0, 2**32); got {seeds!r}.")
+  if not (math.isfinite(learning_rate) and learning_rate >= 0 and 0 <= momentum < 1):
+    raise StalenessError(f"--learning_rate must be a finite number >= 0 and --momentum in [0, 1); "
+                         f"got {learning_rate!r} and {momentum!r}.")
+  return updates
+
+
+def check_delays(schedule: str, delays: Sequence[int], updates: int) -> None:
+  """Refuses a schedule whose longest delay reaches the run's end: that stage would never be
+  updated, and its accuracy would say nothing of staleness."""
+  if max(delays) >= updates:
+    raise StalenessError(f"Schedule {schedule!r} delays stage {list(delays).index(max(delays))}'s "
+                         f"gradients by {max(delays)} updates, but the run makes only {updates}: "
+                         "that stage would never be updated. Give a longer run (--epochs, "
+                         "--train_samples) or fewer stages.")
+
+
 def schedule_accuracies(schedules_: Sequence[str], num_stages: int, micro_batches: int, *,
                         train_samples: int, seeds: Sequence[int], learning_rate: float,
                         momentum: float, micro_batch: int, epochs: int) -> list[dict]:
@@ -90,6 +134,13 @@ def schedule_accuracies(schedules_: Sequence[str], num_stages: int, micro_batche
 
   Returns one row per schedule: ``schedule``, ``delays`` and ``test_accuracy`` (one per seed).
   """
+  check_settings(num_stages, train_samples=train_samples, seeds=seeds, learning_rate=learning_rate,
+                 momentum=momentum, micro_batch=micro_batch, epochs=epochs)
+  if not schedules_:
+    raise StalenessError(f"--schedules names no schedule; give one or more of "
+                         f"{', '.join(schedules.NAMES)}.")
+  delays_of = {name: schedules.delay_profile(name, num_stages, micro_batches)
+               for name in schedules_}
   train_source, test_source = fashion_mnist.load_fashion_mnist_idx()
   mean, std = fashion_mnist.NORMALIZATION.mean[0], fashion_mnist.NORMALIZATION.std[0]
 
@@ -99,9 +150,11 @@ def schedule_accuracies(schedules_: Sequence[str], num_stages: int, micro_batche
 
   train_data = prepare(train_source, train_samples)
   test_data = prepare(test_source, len(test_source))
+  updates = epochs * (len(train_data[0]) // micro_batch)  # the split may hold fewer samples
+  for name, delays in delays_of.items():
+    check_delays(name, delays, updates)
   rows = []
-  for name in schedules_:
-    delays = schedules.delay_profile(name, num_stages, micro_batches)
+  for name, delays in delays_of.items():
     accuracies = [
         train(models.build("mlp", hidden=(128,) * (num_stages - 1), normalization="layer"),
               delays, train_data, test_data, learning_rate=learning_rate, momentum=momentum,

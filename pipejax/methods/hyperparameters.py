@@ -12,30 +12,69 @@ import math
 import numbers
 from typing import Any, Callable
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pipejax import optim
 from pipejax.methods import method as method_lib
 from pipejax.methods.method import MethodError
 from pipejax.methods.record import BASE_OPTIMIZERS
+from pipejax.optim import _checks as optim_checks
 from pipejax.optim import adam_family
 
 
 def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
-                 high_open: bool = True) -> None:
-  """Refuses a ``value`` that is not a real number in ``[low, high)`` (``[low, high]``).
+                 high_open: bool = True, owner: str = "make_method") -> None:
+  """Refuses a ``value`` that is not a finite real number in ``[low, high)`` (``[low, high]``).
 
-  A jax array is let through: the transformation that takes it checks it where it is concrete.
+  The one check of every preset's numbers, whatever form they arrive in: a Python or NumPy
+  number, or a 0-d array as ``optax.inject_hyperparams`` hands it over (concrete when ``init``
+  runs eagerly), is checked as its number. Only a traced value (the preset built inside ``jit``,
+  as ``inject_hyperparams`` builds it at every ``update``) cannot be compared and is let through,
+  as the transformations of :mod:`pipejax.optim` let it through. A function is refused: optax's
+  own transforms take a schedule for the learning rate alone.
   """
-  if value is None or isinstance(value, (str, bytes, bool)):
-    raise MethodError(f"make_method: {name} must be a number; got {value!r} "
+  if value is None or isinstance(value, (str, bytes, bool, np.bool_)):
+    raise MethodError(f"{owner}: {name} must be a number; got {value!r} "
                       f"({type(value).__name__}).")
-  if not isinstance(value, numbers.Real):
+  if callable(value):
+    raise MethodError(f"{owner}: {name} must be a number; got the function {value!r}. Only "
+                      f"learning_rate may be a schedule; for a {name} that changes in training, "
+                      "build the optimizer inside optax.inject_hyperparams, which passes the "
+                      "schedule's value.")
+  try:
+    number = optim_checks.scalar(value, name, owner)
+  except ValueError as error:  # a list, a mapping, an array of many values: said in one line
+    raise MethodError(" ".join(str(error).split())) from None
+  if number is None:  # traced: see the docstring
     return
-  inside = low <= value < high if high_open else low <= value <= high
-  if not inside:
-    interval = f"[{low:g}, {high:g}{')' if high_open else ']'}"
-    raise MethodError(f"make_method: {name} must be in {interval}; got {value!r}.")
+  inside = low <= number < high if high_open else low <= number <= high
+  if not inside or not math.isfinite(number):
+    interval = f"[{low:g}, {high:g}{')' if high_open or math.isinf(high) else ']'}"
+    raise MethodError(f"{owner}: {name} must be in {interval}; got {number!r}.{_rounded(value)}")
+
+
+def _rounded(value) -> str:
+  """Why an array's number may not be the one given: inject_hyperparams stores hyperparameters
+  in the params' dtype unless told otherwise, and bfloat16 holds 0.999 as 1.0."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+    return ""
+  return (f" It is a {dtype} array, so it may have been rounded; under "
+          "optax.inject_hyperparams pass hyperparam_dtype=jnp.float32.")
+
+
+def check_steps(name: str, value, owner: str = "make_method") -> None:
+  """Refuses a number of steps (an annealing length) that is not a whole number ``>= 0``.
+
+  2.0 counts as 2; an array must be of an integer dtype, as :mod:`pipejax.optim` takes a delay.
+  """
+  check_number(name, value, owner=owner)
+  try:
+    optim_checks.check_count(value, name, owner)
+  except ValueError as error:
+    raise MethodError(str(error)) from None
 
 
 def check_positive_int(name: str, value, why: str) -> None:

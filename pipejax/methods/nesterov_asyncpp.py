@@ -6,7 +6,7 @@ Each stage's momentum follows from its delay and the pipeline's largest delay
 
 import dataclasses
 
-from pipejax.methods.hyperparameters import Hyperparameters, check_number, check_positive_int
+from pipejax.methods.hyperparameters import Hyperparameters, check_positive_int, check_steps
 from pipejax.methods.method import Method, MethodError
 from pipejax.methods.record import Record
 from pipejax.optim import adam_family
@@ -25,7 +25,7 @@ class NesterovAsyncPPHyperparameters(Hyperparameters):
 
   def check(self) -> None:
     super().check()
-    check_number("anneal_steps", self.anneal_steps)
+    check_steps("anneal_steps", self.anneal_steps)
     if self.num_stages is not None:
       check_positive_int("num_stages", self.num_stages, "the pipeline's S")
 

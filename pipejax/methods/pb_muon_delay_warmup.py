@@ -10,7 +10,7 @@ the longest delays take the smallest steps while it is.
 import dataclasses
 
 from pipejax import optim
-from pipejax.methods.hyperparameters import Hyperparameters, check_number
+from pipejax.methods.hyperparameters import Hyperparameters, check_steps
 from pipejax.methods.method import Method
 from pipejax.methods.pb_muon import muon
 from pipejax.methods.record import Record
@@ -26,7 +26,7 @@ class DelayWarmupHyperparameters(Hyperparameters):
 
   def check(self) -> None:
     super().check()
-    check_number("anneal_steps", self.anneal_steps)
+    check_steps("anneal_steps", self.anneal_steps)
 
 
 def build(h: DelayWarmupHyperparameters) -> Method:

@@ -9,7 +9,7 @@ import dataclasses
 import optax
 
 from pipejax import optim
-from pipejax.methods.hyperparameters import Hyperparameters, check_number
+from pipejax.methods.hyperparameters import Hyperparameters, check_number, check_steps
 from pipejax.methods.method import Method
 from pipejax.methods.record import QuadraticForm, Record
 
@@ -26,7 +26,7 @@ class PipeMareHyperparameters(Hyperparameters):
 
   def check(self) -> None:
     super().check()
-    check_number("anneal_steps", self.anneal_steps)
+    check_steps("anneal_steps", self.anneal_steps)
     check_number("gamma", self.gamma, 0.0, 1.0)
 
 

@@ -4,7 +4,7 @@ import dataclasses
 from typing import Mapping
 
 from pipejax.methods import method as method_lib
-from pipejax.methods.hyperparameters import Hyperparameters, check_number
+from pipejax.methods.hyperparameters import Hyperparameters, check_steps
 from pipejax.methods.record import QuadraticForm, Record, Traits
 from pipejax.methods.stage_rates import STAGE_RATES
 
@@ -26,7 +26,7 @@ class SGDHyperparameters(Hyperparameters):
 
   def check(self) -> None:
     super().check()
-    check_number("anneal_steps", self.anneal_steps)
+    check_steps("anneal_steps", self.anneal_steps)
     if self.stage_rates not in ("", *STAGE_RATES):
       raise method_lib.MethodError(
           f"make_method: stage_rates must be '' (one rate) or one of {', '.join(STAGE_RATES)} "

@@ -417,10 +417,10 @@ def parallel_warning(at_once: int) -> str | None:
 
 
 def run_directory(workdir: str, overrides: dict) -> str:
-  """``WORKDIR/runs/RUN_ID``. A run stopped before run ids were the same whatever the order of a
-  grid's keys has its directory under its grid's order: it is renamed, so the run resumes from
-  its checkpoints."""
-  path = os.path.join(workdir, "runs", study_lib.run_id(overrides))
+  """``WORKDIR/runs/RUN_ID`` (a long id's start and digest: ``spec.directory_name``). A run
+  stopped before run ids were the same whatever the order of a grid's keys has its directory
+  under its grid's order: it is renamed, so the run resumes from its checkpoints."""
+  path = os.path.join(workdir, "runs", study_lib.directory_name(study_lib.run_id(overrides)))
   old = os.path.join(workdir, "runs", ",".join(
       f"{k}={study_lib.format_value(v)}" for k, v in overrides.items()).replace(
           "/", "_").replace(" ", ""))

@@ -13,6 +13,7 @@ workdirs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -195,6 +196,7 @@ class Study:
                        f"(0.005 is half a point of accuracy); got {self.margin!r}.")
     _check_grids(self)
     _check_tables(self)
+    self.runs()  # two grid points of one run id are refused here, before anything runs
 
   def label(self, value: Any) -> str:
     """How the report names a grid key or value: ``labels``, then a method's display name, else
@@ -222,15 +224,27 @@ class Study:
 
   def runs(self) -> list[Overrides]:
     """Every run's grid overrides, in a stable order (grids in order, products in order), each
-    grid point once (:func:`run_id`)."""
-    seen, runs = set(), []
+    grid point once: one point listed twice, in any order of keys, runs once.
+
+    Raises:
+      StudyError: two different grid points would have one :func:`run_id` (a value holding ','
+        or '=', or 0.1 beside '0.1'), so one of them would never run.
+    """
+    seen, runs = {}, []
     for grid in self.grids:
       keys = list(grid)
       for values in itertools.product(*(grid[k] for k in keys)):
         run = dict(zip(keys, values))
-        if run_id(run) not in seen:  # one point listed twice, in any order of keys, runs once
-          seen.add(run_id(run))
+        rid, identity = run_id(run), key_of(run)
+        if rid not in seen:
+          seen[rid] = (identity, run)
           runs.append(run)
+        elif seen[rid][0] != identity:
+          raise StudyError(
+              f"Study {self.name!r}: the grid points {seen[rid][1]!r} and {run!r} would have "
+              f"one run id, {rid!r}, so one of them would never run and their records would be "
+              "one. Give each value once, of one type, without ',' or '=' that reads as another "
+              "key.")
     return runs
 
   def keys(self) -> list[str]:
@@ -393,10 +407,44 @@ def key_of(overrides: Overrides) -> tuple:
 def run_id(overrides: Overrides) -> str:
   """A run's identity as a file-name-safe name, e.g. 'method=pb,model_kwargs.depth=32,seed=0':
   its overrides in the order of their keys, so that one grid point has one id whichever order a
-  grid lists its keys in. The launcher names runs, their directories and their records by it,
-  and the report counts runs by it (``pipejax.study.records.load_results``)."""
-  parts = [f"{k}={format_value(overrides[k])}" for k in sorted(overrides)]
-  return ",".join(parts).replace("/", "_").replace(" ", "")
+  grid lists its keys in. The launcher names runs and their records by it (their directories by
+  :func:`directory_name`), and the report counts runs by it
+  (``pipejax.study.records.load_results``).
+
+  A character a file name cannot hold or a shell would split ('/', white space, control
+  characters) is written as ``%XX``, and '%' itself as ``%25``, so that two values that differ
+  only there ('a/b' and 'a_b', 'a b' and 'ab') keep two ids. A value or key that holds ',' or
+  '=' could still make two grid points one id: :meth:`Study.runs` refuses such a grid.
+  """
+  return ",".join(f"{_escape(k)}={_escape(format_value(overrides[k]))}"
+                  for k in sorted(overrides))
+
+
+def _escape(text: str) -> str:
+  """``text`` with each character of :data:`_ESCAPED`, control character or white space as the
+  ``%XX`` of each of its UTF-8 bytes (a URL's percent-encoding, which decodes one way only)."""
+  return "".join("".join(f"%{b:02X}" for b in c.encode())
+                 if c in _ESCAPED or ord(c) < 0x20 or c.isspace() else c for c in text)
+
+
+_ESCAPED = frozenset("%/\x7f")
+NAME_MAX = 255
+"""The longest file name, in bytes, that the common file systems take (ext4, XFS, APFS; NTFS
+counts 255 UTF-16 units): the longest run directory name."""
+_DIGEST_MARK = "%sha256="  # '%' followed by no hex digits: in no escaped id
+_DIGEST_CHARS = 16
+
+
+def directory_name(rid: str) -> str:
+  """The name of run ``rid``'s directory: the id itself, or, for an id over :data:`NAME_MAX`
+  bytes, its readable start and a digest of the whole id (``results.jsonl`` keeps the whole id).
+  The two forms never meet: a digest's mark is in no escaped id."""
+  if len(rid.encode()) <= NAME_MAX:
+    return rid
+  digest = hashlib.sha256(rid.encode()).hexdigest()[:_DIGEST_CHARS]
+  room = NAME_MAX - len(_DIGEST_MARK) - _DIGEST_CHARS
+  prefix = rid.encode()[:room].decode(errors="ignore")  # whole characters only
+  return f"{prefix}{_DIGEST_MARK}{digest}"
 
 
 def format_value(value: Any) -> str:

@@ -28,6 +28,7 @@ from pipejax import data as data_lib
 from pipejax import config as configlib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
+from pipejax.methods.hyperparameters import check_number
 from pipejax.train.checkpoint import CheckpointError
 from pipejax.data import fingerprint as data_fingerprint
 from pipejax.core.stages import ModelError
@@ -180,10 +181,12 @@ def _check_method_section(config, name: str, kwargs: dict) -> None:
   annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
   for key in kwargs:
     check_method_key(name, key)
-    if key in annealing and not 0 <= kwargs[key] <= (1 if key == "anneal_fraction" else math.inf):
-      raise ConfigError(f"config.method_kwargs.{name}.{key} must be in "
-                        f"{'[0, 1]' if key == 'anneal_fraction' else '[0, inf)'}; got "
-                        f"{kwargs[key]!r}.")
+    if key in annealing:
+      try:
+        check_number(key, kwargs[key], high=1 if key == "anneal_fraction" else math.inf,
+                     high_open=False, owner=f"config.method_kwargs.{name}")
+      except methods_lib.MethodError as e:
+        raise ConfigError(str(e)) from None
   if annealing and set(annealing) <= set(kwargs):
     raise ConfigError(f"config.method_kwargs.{name} sets both anneal_epochs and anneal_fraction; "
                       "set one.")
