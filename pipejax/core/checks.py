@@ -1,7 +1,7 @@
 """The pipeline's boundary: every error a user can cause is refused here, before anything runs.
 
 :class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch,
-loss) and on every call (state, stream, labels); the runners over a mesh or in stacks reuse
+loss) and on every call (state, stream, labels); the runners over a mesh or with stacked parts reuse
 them. Each check reads shapes and dtypes, or host arrays, never device results, so it costs
 nothing per tick.
 """
@@ -56,8 +56,9 @@ def refuse_traced(runner: str, tree: PyTree) -> None:
     raise PipelineError(
         f"{runner}.run and tick cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "
         "transform (its arguments are traced here): they are compiled programs over a device "
-        "mesh already. Call them outside the transform, or transform a Pipeline or "
-        "StackedPipeline on one device, whose run and tick become part of the caller's program.")
+        "mesh already. Call them outside the transform, or transform a Pipeline on one device "
+        "(with or without stacked parts), whose run and tick become part of the caller's "
+        "program.")
 
 
 def spec(tree) -> PyTree:
