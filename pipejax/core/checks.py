@@ -274,3 +274,15 @@ def check_class_labels(labels, valid, num_classes: int | None) -> None:
           f"Labels must be class indices in [0, {num_classes}) for this model's "
           f"{num_classes} outputs; got values from {values.min()} to {values.max()}. Map the "
           "labels to 0..classes-1, or build the model with more classes.")
+
+
+def check_part_spans(part_spans, num_stages: int) -> None:
+  """Refuses parts that are not contiguous ``(start, stop)`` stages covering every stage."""
+  starts = [a for a, _ in part_spans]
+  if (not part_spans or starts != [0] + [z for _, z in part_spans[:-1]]
+      or part_spans[-1][1] != num_stages or any(z <= a for a, z in part_spans)):
+    raise PipelineError(
+        f"stack takes True, False or each part's (start, stop) stages, in order, contiguous and "
+        f"covering stages 0 .. {num_stages - 1}, e.g. ((0, 1), (1, {num_stages})); got "
+        f"{tuple(part_spans)}.")
+

@@ -81,6 +81,7 @@ class Pipeline(Runner):
     elif stack is False or stack is None:
       stack = [(s, s + 1) for s in range(spec.num_stages)]
     self.part_spans = tuple((int(a), int(z)) for a, z in stack)
+    checks.check_part_spans(self.part_spans, spec.num_stages)
     self.parts = parts.cut_parts(self.part_spans, spec.delays, 0, spec.num_stages)
     self._stacked = StackedLayout(initial, self.part_spans) if self.stacked else None
     self._logical = None if self.stacked else self

@@ -345,6 +345,9 @@ def test_the_old_stacked_runner_is_an_alias_that_says_what_replaced_it():
   assert stacked.spec is pipe.spec and stacked.initial is pipe.initial  # nothing traced again
   assert pipe.restacked(False) is pipe and stacked.restacked(False) is stacked.restacked(False)
   assert not stacked.restacked(False).stacked
+  for wrong in (((0, 1), (2, 5)), ((0, 3), (3, 4)), ((0, 0), (0, 5))):
+    with pytest.raises(PipelineError, match=r"contiguous and covering stages 0 \.\. 4"):
+      pipe.restacked(wrong)
   from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   with pytest.warns(DeprecationWarning, match="find_parts"):
     assert stacking.find_stacks(pipe) == [(0, 1), (1, 4), (4, 5)]
