@@ -250,7 +250,7 @@ class ShardedPipeline(Runner):
 
   def _stream(self, inputs, labels, valid, ticks) -> tuple[Batch, bool]:
     if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
-      # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
+      # Already on the mesh, each process having filled its own devices (host_feed.HostFeed).
       batch = Batch(inputs, labels, valid)
     else:
       batch = self._mesh_layout.place_batch(
