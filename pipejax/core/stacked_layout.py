@@ -58,6 +58,17 @@ def without_line(st: StageState) -> StageState:
   return st._replace(delay_line=None)
 
 
+def _check_alike(logical: PipelineState, start: int, stop: int) -> None:
+  """Refuses a stacked part whose stages' states differ in their leaves' shapes or dtypes."""
+  leaves = lambda s: [(a.shape, a.dtype) for a in jax.tree.leaves(without_line(logical.stages[s]))]
+  for s in range(start + 1, stop):
+    if leaves(s) != leaves(start):
+      raise checks.PipelineError(
+          f"Stages {start} .. {stop - 1} are given as one stacked part, but stage {s}'s state "
+          f"differs from stage {start}'s in its shapes or dtypes: only identical stages stack. "
+          f"Pass stack=True to find the identical runs, or give stage {s} a part of its own.")
+
+
 class StackedLayout:
   """Where a local pipeline's stacked parts keep their stages, and the moves between this layout
   and the logical one.
@@ -75,6 +86,7 @@ class StackedLayout:
     for start, stop in self.part_spans:
       if stop - start < 2:
         continue
+      _check_alike(logical, start, stop)
       programs = []
       for s in range(start, stop):
         programs.append(programs[-1] if programs and spec.model.repeats(s)

@@ -340,14 +340,16 @@ def test_the_old_stacked_runner_is_an_alias_that_says_what_replaced_it():
   x, y = make_stream(1, 1)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
   with pytest.warns(DeprecationWarning, match=r"pipe\.restacked"):
-    stacked = pipejax.StackedPipeline(pipe, ((0, 1), (1, 3), (3, 5)))
-  assert type(stacked) is Pipeline and stacked.part_spans == ((0, 1), (1, 3), (3, 5))
+    stacked = pipejax.StackedPipeline(pipe, ((0, 1), (1, 3), (3, 4), (4, 5)))
+  assert type(stacked) is Pipeline and stacked.part_spans == ((0, 1), (1, 3), (3, 4), (4, 5))
   assert stacked.spec is pipe.spec and stacked.initial is pipe.initial  # nothing traced again
   assert pipe.restacked(False) is pipe and stacked.restacked(False) is stacked.restacked(False)
   assert not stacked.restacked(False).stacked
   for wrong in (((0, 1), (2, 5)), ((0, 3), (3, 4)), ((0, 0), (0, 5))):
     with pytest.raises(PipelineError, match=r"contiguous and covering stages 0 \.\. 4"):
       pipe.restacked(wrong)
+  with pytest.raises(PipelineError, match="stage 4's state differs from stage 3's"):
+    pipe.restacked(((0, 1), (1, 3), (3, 5)))  # the head is not a block
   from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   with pytest.warns(DeprecationWarning, match="find_parts"):
     assert stacking.find_stacks(pipe) == [(0, 1), (1, 4), (4, 5)]
