@@ -2,9 +2,10 @@
 
 What a user needs is a name of this package:
 
-* the runners: :class:`Pipeline` (one device, stage by stage), :class:`StackedPipeline` (runs of
-  identical stages as one stack) and :class:`ShardedPipeline` (over a device mesh from
-  :func:`make_mesh`); :class:`PipelineError` is what they refuse a bad input with;
+* the runners: :class:`Pipeline` (one device, stage by stage, or with identical stages stacked:
+  ``stack=True``) and :class:`ShardedPipeline` (over a device mesh from :func:`make_mesh`);
+  :class:`PipelineError` is what they refuse a bad input with (:func:`StackedPipeline` is the
+  old spelling of ``pipe.restacked()``);
 * the methods: :func:`make_method` and :class:`Method`;
 * the model: :class:`Model` of :class:`Stage` s, :func:`from_flax`, the loss
   :func:`softmax_cross_entropy`, and the project's networks in :mod:`pipejax.models`
@@ -28,28 +29,29 @@ if TYPE_CHECKING:
   from pipejax import models as models
   from pipejax import optim as optim
   from pipejax.core.checks import PipelineError as PipelineError
+  from pipejax.core.flax_bridge import from_flax as from_flax
   from pipejax.core.engine import Pipeline as Pipeline
+  from pipejax.core.engine import StackedPipeline as StackedPipeline
   from pipejax.core.stages import Model as Model
   from pipejax.core.stages import ModelError as ModelError
   from pipejax.core.stages import Stage as Stage
-  from pipejax.core.stages import from_flax as from_flax
   from pipejax.core.stages import softmax_cross_entropy as softmax_cross_entropy
   from pipejax.methods import Method as Method
   from pipejax.methods import make_method as make_method
   from pipejax.parallel.mesh import make_mesh as make_mesh
   from pipejax.parallel.sharding import ShardedPipeline as ShardedPipeline
-  from pipejax.parallel.stacking import StackedPipeline as StackedPipeline
 
 _NAMES = {
     "Pipeline": "pipejax.core.engine",
     "PipelineError": "pipejax.core.checks",
-    "StackedPipeline": "pipejax.parallel.stacking",
+    "StackedPipeline": "pipejax.core.engine",
     "ShardedPipeline": "pipejax.parallel.sharding",
     "make_mesh": "pipejax.parallel.mesh",
     "Method": "pipejax.methods",
     "make_method": "pipejax.methods",
+    "from_flax": "pipejax.core.flax_bridge",
     **{name: "pipejax.core.stages" for name in
-       ("Model", "ModelError", "Stage", "from_flax", "softmax_cross_entropy")},
+       ("Model", "ModelError", "Stage", "softmax_cross_entropy")},
 }
 _NAMESPACES = ("config", "data", "models", "optim")
 __all__ = sorted(_NAMES) + list(_NAMESPACES)

@@ -50,6 +50,7 @@ from absl import logging
 
 from pipejax import plotting
 from pipejax.core.engine import Pipeline
+from pipejax.core.stage_maths import stage_key
 from pipejax.core.state import Packet, PipelineState
 
 PyTree = Any
@@ -99,7 +100,7 @@ def _sample_loss(pipe: Pipeline, params: Sequence[PyTree], x: PyTree, labels: Py
                  index) -> jax.Array:
   """One sample's loss through every stage at ``params``, with the pipeline's keys for it."""
   for s, stage in enumerate(pipe.model.stages):
-    x = stage.apply(params[s], x, pipe.stage_key(rng, index, s))
+    x = stage.apply(params[s], x, stage_key(rng, index, s))
   loss, _ = pipe.model.loss(x, labels)
   return loss
 
@@ -124,7 +125,7 @@ def delayed_gradient(pipe: Pipeline, state: PipelineState, inbound: Packet, s: i
   oldest = st.delay_line.read(state.tick, st.delay_line.entry(packet, forward_params))
   backward_params = (oldest.weights if method.stash_forward_weights
                      else method.backward_weights(st.params, st.opt_state, delay))
-  key = pipe.stage_key(state.rng, oldest.index, s)
+  key = stage_key(state.rng, oldest.index, s)
   if last:
     grads = jax.grad(lambda w: pipe.model.loss(stage.apply(w, oldest.x, key), packet.labels)[0])(
         backward_params)

@@ -59,7 +59,7 @@ def stash_bytes(stage_input_shapes: Sequence[PyTree]) -> int:
 
 def held_stash_bytes(stage_states) -> int:
   """Bytes of stashed activations the delay lines of ``stage_states`` (one stage's or a
-  stack's each) hold: what :func:`stash_bytes` predicts, read off a state."""
+  stacked part's each) hold: what :func:`stash_bytes` predicts, read off a state."""
   return sum(tree_bytes(st.delay_line.x) for st in stage_states)
 
 

@@ -1,7 +1,7 @@
 """The pipeline's boundary: every error a user can cause is refused here, before anything runs.
 
 :class:`pipejax.core.engine.Pipeline` calls these when it is built (model, method, micro-batch,
-loss) and on every call (state, stream, labels); the runners over a mesh or in stacks reuse
+loss) and on every call (state, stream, labels); the runners over a mesh or with stacked parts reuse
 them. Each check reads shapes and dtypes, or host arrays, never device results, so it costs
 nothing per tick.
 """
@@ -56,8 +56,9 @@ def refuse_traced(runner: str, tree: PyTree) -> None:
     raise PipelineError(
         f"{runner}.run and tick cannot run inside jax.jit, jax.vmap, jax.grad or another JAX "
         "transform (its arguments are traced here): they are compiled programs over a device "
-        "mesh already. Call them outside the transform, or transform a Pipeline or "
-        "StackedPipeline on one device, whose run and tick become part of the caller's program.")
+        "mesh already. Call them outside the transform, or transform a Pipeline on one device "
+        "(with or without stacked parts), whose run and tick become part of the caller's "
+        "program.")
 
 
 def spec(tree) -> PyTree:
@@ -273,3 +274,15 @@ def check_class_labels(labels, valid, num_classes: int | None) -> None:
           f"Labels must be class indices in [0, {num_classes}) for this model's "
           f"{num_classes} outputs; got values from {values.min()} to {values.max()}. Map the "
           "labels to 0..classes-1, or build the model with more classes.")
+
+
+def check_part_spans(part_spans, num_stages: int) -> None:
+  """Refuses parts that are not contiguous ``(start, stop)`` stages covering every stage."""
+  starts = [a for a, _ in part_spans]
+  if (not part_spans or starts != [0] + [z for _, z in part_spans[:-1]]
+      or part_spans[-1][1] != num_stages or any(z <= a for a, z in part_spans)):
+    raise PipelineError(
+        f"stack takes True, False or each part's (start, stop) stages, in order, contiguous and "
+        f"covering stages 0 .. {num_stages - 1}, e.g. ((0, 1), (1, {num_stages})); got "
+        f"{tuple(part_spans)}.")
+

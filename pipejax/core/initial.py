@@ -1,7 +1,7 @@
 """A pipeline's initial state: weights, optimizer states, empty registers and delay lines.
 
 :class:`StateInit` is the compiled init of a :class:`~pipejax.core.spec.PipelineSpec`. It is
-built from small pieces that the stacked layout reuses (``pipejax.parallel.stacking``): a stage's
+built from small steps that the stacked layout reuses (``pipejax.core.stacked_layout``): a stage's
 key, its initial weights, the state around them, its empty delay line, and the stage's whole
 initialization as one program with the delay as an input, so that identical stages initialize
 together under ``vmap``.
@@ -160,7 +160,7 @@ class StateInit:
     """
     last = self.spec.num_stages - 1
     if s not in self._programs and 1 < s < last and self.spec.model.repeats(s):
-      # A declared stack (pipejax.Model): a middle stage's init is its predecessor's program.
+      # A repeated stage (pipejax.Model): a middle stage's init is its predecessor's program.
       program, shapes = self.stage_program(s - 1)
       if program is not None:
         self._programs[s] = program, shapes

@@ -1,61 +1,43 @@
 """One tick over a pipeline's parts: the only place that routes registers between neighbours.
 
-A *part* is a single stage or a *stack*: contiguous identical stages whose states are stacked on a
-leading stage axis and advanced as one under ``vmap`` (``pipejax.parallel.stacking`` finds them).
-Every layout ticks through :func:`advance_parts`:
+A *part* is consecutive stages a tick advances as one: a single stage, or a *stacked* part of
+identical stages whose states are stacked on a leading stage axis and advanced as one under
+``vmap`` (``pipejax.core.stackable`` finds them). Every layout ticks through
+:func:`advance_parts`:
 
-* the per-stage :class:`~pipejax.core.engine.Pipeline`: every stage a part of its own;
-* :class:`~pipejax.parallel.stacking.StackedPipeline`: its stacks and single stages;
+* :class:`~pipejax.core.engine.Pipeline`, the local runner: every stage a part of its own, or its
+  stacked parts and single stages;
 * each device of :class:`~pipejax.parallel.sharding.ShardedPipeline`: the parts of its shard, the
   packet and cotangent that the mesh delivered from its neighbour devices entering at its ends.
 
 Routing follows the engine's timing (``pipejax.core.engine``): part k's inbound packet is the
-``forward_out`` register its upstream neighbour wrote last tick (the last row of a stack's), and
-the cotangent entering it is its downstream neighbour's ``backward_out`` (the first row of a
-stack's). Inside a stack the same holds row by row: the rows shift by one.
+``forward_out`` register its upstream neighbour wrote last tick (the last row of a stacked
+part's), and the cotangent entering it is its downstream neighbour's ``backward_out`` (the first
+row of a stacked part's). Inside a stacked part the same holds row by row: the rows shift by one.
 
-**A stack's delay lines** lie end to end (:class:`Rings`): one buffer per leaf holding every
-stage's ring, stage i's ``D_i + 1`` slots at offset ``o_i``. A tick gathers each stage's oldest slot
-and scatters its new entry: one gather and one scatter per leaf, whatever the stack's length. A
-single stage keeps its own :class:`~pipejax.core.state.DelayLine`.
+**A stacked part's delay lines** lie end to end (:class:`Rings`): one buffer per leaf holding
+every stage's ring, stage i's ``D_i + 1`` slots at offset ``o_i``. A tick gathers each stage's
+oldest slot and scatters its new entry: one gather and one scatter per leaf, whatever the part's
+length. A single stage keeps its own :class:`~pipejax.core.state.DelayLine`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+import functools
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipejax.core.state import DelayLine, Forward, Packet, StageState
+from pipejax.core.stage_maths import StageMaths, TickOptions, all_finite
+from pipejax.core.state import DelayLine, Packet, StageState
 
 PyTree = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class TickOptions:
-  """How a tick advances its parts: fixed when the tick is traced, the same for every stage.
-
-  Attributes:
-    reduce_grads: combines the weight gradient across pipeline replicas (``lax.pmean`` over a
-      ``data`` mesh axis); None on one replica.
-    every_slot_full: promises that the micro-batch backwarded is a real one (see
-      :meth:`~pipejax.core.runner.Runner.run`), which drops the guard that keeps empty slots
-      from updating weights.
-    delay_line_entries: return, in place of each delay line, the entry this tick writes into it
-      (:meth:`DelayLine.write` of it at ``tick``, or :meth:`Rings.write` for a stack's rows, gives
-      the line): a mesh writes that one slot in place after its ``lax.switch``.
-  """
-
-  reduce_grads: Callable[[PyTree], PyTree] | None = None
-  every_slot_full: bool = False
-  delay_line_entries: bool = False
-
-
 class Rings(NamedTuple):
-  """Where each stage of a stack keeps its ring in buffers that hold them end to end."""
+  """Where each stage of a stacked part keeps its ring in buffers that hold them end to end."""
 
   offsets: tuple[int, ...]  # o_i = L_0 + ... + L_{i-1}
   lengths: tuple[int, ...]  # L_i = D_i + 1
@@ -89,7 +71,7 @@ class Rings(NamedTuple):
   def read(self, line: DelayLine, tick) -> DelayLine:
     """Every stage's oldest entry (slot ``o_i + (t + 1) mod L_i``), stacked."""
     where = jnp.asarray(self.offsets) + (tick + 1) % jnp.asarray(self.lengths)
-    # Every index lies in its own stage's span. Indexing's default mode guards each with a
+    # Every index lies in its own stage's ring. Indexing's default mode guards each with a
     # select, which writes the gathered slots out once more: a pass over the stashed weights.
     return jax.tree.map(lambda ring: ring.at[where].get(
         mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True), line)
@@ -103,8 +85,8 @@ class Rings(NamedTuple):
 
 
 class Part(NamedTuple):
-  """Stages ``start .. stop-1`` advanced together: one stage (``rings`` None), or a stack whose
-  state has a leading stage axis and whose delay lines lie end to end as ``rings``."""
+  """Stages ``start .. stop-1`` advanced together: one stage (``rings`` None), or a stacked part
+  whose state has a leading stage axis and whose delay lines lie end to end as ``rings``."""
 
   start: int
   stop: int
@@ -112,7 +94,7 @@ class Part(NamedTuple):
 
   @classmethod
   def stack(cls, start: int, stop: int, delays: Sequence[int]) -> Part:
-    """Stages ``start .. stop-1`` as a stack (``delays``: every stage's, by stage number)."""
+    """Stages ``start .. stop-1`` as a stacked part (``delays``: every stage's, by stage number)."""
     return cls(start, stop, Rings.of(delays[start:stop]))
 
   @property
@@ -125,17 +107,37 @@ def single_stages(first: int, stop: int) -> tuple[Part, ...]:
   return tuple(Part(s, s + 1) for s in range(first, stop))
 
 
-class Steps(Protocol):
-  """The two halves of a stage's tick (:class:`~pipejax.core.engine.Pipeline`'s)."""
+def cut_parts(part_spans: Sequence[tuple[int, int]] | None, delays: Sequence[int], first: int,
+              stop: int) -> tuple[Part, ...]:
+  """The parts of stages ``first .. stop-1`` (a mesh device's shard, or every stage).
 
-  def forward_step(self, s: int, st: StageState, inbound: Packet, rng, number=None,
-                   delay=None) -> Forward:
-    ...
+  ``part_spans`` are the pipeline's parts as contiguous ``(start, stop)`` pairs, those of two or
+  more stages stacked (None: every stage alone), cut here to the stages asked for. A stacked part
+  cut short stays stacked, however short, so that its delay stays a traced value and the numbers
+  are the whole part's bit for bit.
+  """
+  if part_spans is None:
+    return single_stages(first, stop)
+  cut = [(max(a, first), min(z, stop), z - a > 1) for a, z in part_spans]
+  return tuple(Part.stack(a, z, delays) if stacked else Part(a, z) for a, z, stacked in cut
+               if a < z)
 
-  def backward_step(self, s: int, st: StageState, forward: Forward, oldest: DelayLine,
-                    inbound: Packet, cotangent: PyTree, rng, number=None, delay=None,
-                    options: TickOptions = TickOptions()):
-    ...
+
+@functools.partial(jax.jit, static_argnums=0)
+def parts_finite(parts: tuple[Part, ...], states) -> jax.Array:
+  """One flag per stage of ``parts``: are its weights and optimizer state finite (a stacked
+  part's flags row by row)."""
+  flags = []
+  for part, st in zip(parts, states):
+    trees = (st.params, st.opt_state)
+    if not part.stacked:
+      flags.append(all_finite(trees)[None])
+      continue
+    rows = [jnp.all(jnp.isfinite(a), axis=tuple(range(1, a.ndim)))
+            for a in jax.tree.leaves(trees) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    flags.append(jnp.all(jnp.stack(rows), axis=0) if rows
+                 else jnp.ones((part.stop - part.start,), bool))
+  return jnp.concatenate(flags)
 
 
 def _last_row(part: Part, tree):
@@ -146,45 +148,45 @@ def _first_row(part: Part, tree):
   return jax.tree.map(lambda a: a[0], tree) if part.stacked else tree
 
 
-def advance_parts(steps: Steps, delays: Sequence[int], parts: Sequence[Part],
+def advance_parts(maths: StageMaths, delays: Sequence[int], parts: Sequence[Part],
                   states: Sequence[StageState], inbound: Packet, cotangent: PyTree, tick, rng,
                   options: TickOptions = TickOptions()):
   """Advances contiguous parts by one tick.
 
   Args:
-    steps: the engine whose :meth:`forward_step` and :meth:`backward_step` advance a stage.
+    maths: the :class:`~pipejax.core.stage_maths.StageMaths` that advances a stage.
     delays: every stage's delay D_s (indexed by stage number).
     parts: the parts, contiguous, in stage order.
-    states: each part's state (stacked for a stack).
+    states: each part's state (stacked for a stacked part).
     inbound: the packet entering the first part (the micro-batch, on the first stage).
     cotangent: the gradient entering the last part (None when it holds the model's last stage).
     tick, rng: the tick and the run's key.
     options: the tick's :class:`TickOptions`.
 
   Returns:
-    The new states, and each part's metrics (stacked along the stage axis for a stack).
+    The new states, and each part's metrics (stacked along the stage axis for a stacked part).
   """
   new_states, part_metrics = [], []
   for k, (part, st) in enumerate(zip(parts, states)):
     part_in = inbound if k == 0 else _last_row(parts[k - 1], states[k - 1].forward_out)
     part_cotangent = (cotangent if k == len(parts) - 1
                       else _first_row(parts[k + 1], states[k + 1].backward_out))
-    advance = _advance_stack if part.stacked else _advance_stage
-    new, metrics = advance(steps, delays, part, st, part_in, part_cotangent, tick, rng, options)
+    advance = _advance_stacked if part.stacked else _advance_stage
+    new, metrics = advance(maths, delays, part, st, part_in, part_cotangent, tick, rng, options)
     new_states.append(new)
     part_metrics.append(metrics)
   return tuple(new_states), part_metrics
 
 
-def _advance_stage(steps: Steps, delays, part: Part, st: StageState, inbound: Packet,
+def _advance_stage(maths: StageMaths, delays, part: Part, st: StageState, inbound: Packet,
                    cotangent: PyTree, tick, rng, options: TickOptions):
   """A single stage's tick: forward, delay line, backward and update."""
   s = part.start
-  forward = steps.forward_step(s, st, inbound, rng)
+  forward = maths.forward_step(s, st, inbound, rng)
   oldest = st.delay_line.read(tick, forward.entry)
   line = (forward.entry if options.delay_line_entries
           else st.delay_line.write(tick, forward.entry))
-  new, metrics = steps.backward_step(s, st, forward, oldest, inbound, cotangent, rng,
+  new, metrics = maths.backward_step(s, st, forward, oldest, inbound, cotangent, rng,
                                      options=options)
   return new._replace(delay_line=line), metrics
 
@@ -192,12 +194,13 @@ def _advance_stage(steps: Steps, delays, part: Part, st: StageState, inbound: Pa
 _STACKED_BODY = StageState(0, 0, None, 0, 0, 0)  # vmap axes: every leaf but the delay line's
 
 
-def _advance_stack(steps: Steps, delays, part: Part, st: StageState, inbound: Packet,
+def _advance_stacked(maths: StageMaths, delays, part: Part, st: StageState, inbound: Packet,
                    cotangent: PyTree, tick, rng, options: TickOptions):
-  """A stack's tick: the engine's two steps under ``vmap``, the delay lines between them.
+  """A stacked part's tick: the stage maths' two steps under ``vmap``, the delay lines between
+  them.
 
   Stage number and delay enter as arrays over the stage axis (the rng fold-in, and the methods'
-  delay-dependent coefficients), the code as the stack's first stage's.
+  delay-dependent coefficients), the code as the part's first stage's.
   """
   start, stop = part.start, part.stop
   shift_in = lambda first, own: jnp.concatenate([first[None], own[:-1]])
@@ -207,12 +210,12 @@ def _advance_stack(steps: Steps, delays, part: Part, st: StageState, inbound: Pa
   numbers = jnp.arange(start, stop, dtype=jnp.int32)
   stage_delays = jnp.asarray(delays[start:stop], jnp.int32)
   forward = jax.vmap(
-      lambda st, inbound, number, delay: steps.forward_step(start, st, inbound, rng, number,
+      lambda st, inbound, number, delay: maths.forward_step(start, st, inbound, rng, number,
                                                             delay),
       in_axes=(_STACKED_BODY, 0, 0, 0))(st, inbound, numbers, stage_delays)
   oldest = part.rings.read(st.delay_line, tick)
   new, metrics = jax.vmap(
-      lambda st, forward, oldest, inbound, cotangent, number, delay: steps.backward_step(
+      lambda st, forward, oldest, inbound, cotangent, number, delay: maths.backward_step(
           start, st, forward, oldest, inbound, cotangent, rng, number, delay, options),
       in_axes=(_STACKED_BODY, 0, 0, 0, 0, 0, 0))(st, forward, oldest, inbound, cotangent,
                                                   numbers, stage_delays)
@@ -223,7 +226,7 @@ def _advance_stack(steps: Steps, delays, part: Part, st: StageState, inbound: Pa
 
 def tick_metrics(part_metrics: list[dict]) -> dict:
   """One tick's metrics from its parts': the last stage's, with the per-stage flags in stage
-  order (a stack's stacked along its stage axis)."""
+  order (a stacked part's along its stage axis)."""
   metrics = dict(part_metrics[-1])
   for per_stage in ("finite", "weight_discrepancy"):
     if per_stage in part_metrics[0]:

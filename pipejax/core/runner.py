@@ -1,10 +1,9 @@
 """The one pipeline runner, :class:`Runner`: what training code calls, whatever the layout.
 
 A layout keeps the state its own way and gives the runner a small protocol: make, check and
-translate a state, say whether every slot is full, and advance one tick. Three layouts exist:
-:class:`pipejax.core.engine.Pipeline` (one device, stage by stage: the logical layout),
-:class:`pipejax.parallel.stacking.StackedPipeline` (runs of identical stages as stacks) and
-:class:`pipejax.parallel.sharding.ShardedPipeline` (over a device mesh).
+translate a state, say whether every slot is full, and advance one tick. Two runners give it:
+:class:`pipejax.core.engine.Pipeline` on one device (stage by stage, the logical layout, or with
+stacked parts) and :class:`pipejax.parallel.sharding.ShardedPipeline` over a device mesh.
 :meth:`Runner.to_logical` gives the device-independent
 :class:`~pipejax.core.state.PipelineState` that checkpoints hold, so any layout resumes any other's.
 :func:`jit` is how every pipeline program is compiled.
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,45 +21,26 @@ import numpy as np
 from pipejax.core import accounting, checks
 from pipejax.core.spec import PipelineSpec
 from pipejax.core.state import Batch, PipelineState
-from pipejax.methods import Method
 
 PyTree = Any
 State = Any  # a runner's state in its own layout
 
 
-class TickedPipeline(Protocol):
-  """What a runner reads from the single-device :class:`~pipejax.core.engine.Pipeline` it runs.
-
-  A protocol rather than the class itself, so that the engine imports this module and not the
-  other way round.
-  """
-
-  spec: PipelineSpec
-  method: Method
-  example_inputs: PyTree
-  example_labels: PyTree
-
-  @property
-  def num_stages(self) -> int:
-    ...
-
-
 class Runner(abc.ABC):
   """The one pipeline runner: ``tick``, ``run``, ``drain`` and ``to_ticks`` over a state layout.
 
-  ``pipeline`` is the single-device :class:`~pipejax.core.engine.Pipeline` with the model, the
-  method and the micro-batch shape. A layout is a subclass that gives the small protocol below
-  (the abstract methods, and ``_tick``); everything a user calls to advance a pipeline is written
-  here once. The layouts are :class:`~pipejax.core.engine.Pipeline` (the logical one: stage by
-  stage on one device), :class:`~pipejax.parallel.stacking.StackedPipeline` (runs of identical
-  stages as stacks) and :class:`~pipejax.parallel.sharding.ShardedPipeline` (over a device mesh).
+  ``spec`` is the :class:`~pipejax.core.spec.PipelineSpec` with the model, the method and the
+  micro-batch shape. A runner is a subclass that gives the small protocol below (the abstract
+  methods, and ``_tick``); everything a user calls to advance a pipeline is written here once.
+  The runners are :class:`~pipejax.core.engine.Pipeline` on one device (stage by stage, or with
+  stacked parts) and :class:`~pipejax.parallel.sharding.ShardedPipeline` over a device mesh.
 
   Metrics (of :meth:`tick`, and of :meth:`run` stacked along the time axis): ``loss`` and the
   loss's own metrics (e.g. ``accuracy``) of the sample that met the loss this tick, ``valid``
   (False while the pipeline fills), ``sample`` (its index) and ``finite`` (one flag per stage).
   """
 
-  pipeline: TickedPipeline
+  spec: PipelineSpec
   # Whether run and tick may be traced into a caller's jit, vmap or grad (a mesh's may not: they
   # are programs over the mesh already).
   traceable: bool = True
@@ -69,7 +49,8 @@ class Runner(abc.ABC):
 
   @abc.abstractmethod
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> State:
-    """A fresh state in the runner's layout: the same numbers as ``pipeline.init(rng)``."""
+    """A fresh state in the runner's layout: the logical init's numbers
+    (:class:`~pipejax.core.initial.StateInit`)."""
 
   @abc.abstractmethod
   def check_state(self, state: State) -> None:
@@ -117,7 +98,7 @@ class Runner(abc.ABC):
   def _stream(self, inputs, labels, valid, ticks) -> tuple[Batch, bool]:
     """The checked :class:`Batch` in the layout's placement (a time axis when ``ticks``), and
     whether every micro-batch in it is real."""
-    batch = self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=ticks)
+    batch = self.spec.checked_batch(inputs, labels, valid, ticks=ticks)
     return batch, not checks.traced(batch.valid) and bool(np.all(np.asarray(batch.valid)))
 
   def _compile(self, **jit_kwargs):
@@ -187,13 +168,13 @@ class Runner(abc.ABC):
 
   def drain(self, state: State) -> tuple[State, dict | None]:
     """Finishes every backward in flight by feeding 2(S-1) empty ticks; ``(state, metrics)``."""
-    pipeline = self.pipeline
-    ticks = accounting.fill_ticks(pipeline.num_stages)
+    spec = self.spec
+    ticks = accounting.fill_ticks(spec.num_stages)
     if ticks == 0:
       return state, None
     empty = lambda spec: np.zeros((ticks,) + spec.shape, spec.dtype)
-    return self.run(state, jax.tree.map(empty, pipeline.example_inputs),
-                    jax.tree.map(empty, pipeline.example_labels), np.zeros((ticks,), bool))
+    return self.run(state, jax.tree.map(empty, spec.example_inputs),
+                    jax.tree.map(empty, spec.example_labels), np.zeros((ticks,), bool))
 
   def to_ticks(self, inputs, labels) -> tuple[PyTree, PyTree, np.ndarray]:
     """Lays a stream of K micro-batches (leading axis K) onto ticks for this method.
@@ -209,11 +190,11 @@ class Runner(abc.ABC):
           "transform, and pass the (inputs, labels, valid) it returns to run, which may run "
           "inside one.")
     count = checks.stream_length(inputs, labels)
-    m = self.pipeline.method.micro_batches_per_step
+    m = self.spec.method.micro_batches_per_step
     if m is None:
       return inputs, labels, np.ones((count,), bool)
     checks.check_whole_steps(count, m)
-    gap = accounting.bubble_ticks(self.pipeline.num_stages, m)
+    gap = accounting.bubble_ticks(self.spec.num_stages, m)
     steps = count // m
 
     def spread(a):

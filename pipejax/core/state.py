@@ -87,9 +87,16 @@ class StageState(NamedTuple):
 
 
 class PipelineState(NamedTuple):
+  """The logical state: one entry per stage, whatever layout a runner keeps it in."""
+
   stages: tuple[StageState, ...]
   tick: jax.Array  # int32: ticks done so far; the next micro-batch is sample number `tick`.
   rng: jax.Array  # uint32 key; per-sample, per-stage keys are folded from it.
+
+  @property
+  def parts(self) -> tuple[StageState, ...]:
+    """Each part's state, as a tick reads it: here every stage is a part of its own."""
+    return self.stages
 
 
 class Batch(NamedTuple):
@@ -112,7 +119,7 @@ class Forward(NamedTuple):
 
 def slots_full(stage_states) -> bool:
   """Whether the delay lines and forward registers of ``stage_states`` (one stage's or a
-  stack's each) hold only real micro-batches."""
+  stacked part's each) hold only real micro-batches."""
   flags = [(st.delay_line.valid, st.forward_out.valid if st.forward_out is not None else True)
            for st in stage_states]
   return all(bool(np.all(v)) for v in jax.tree.leaves(jax.device_get(flags)))

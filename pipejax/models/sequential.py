@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 
-from pipejax.core.stages import (LossFn, Model, ModelError, Stage, from_flax,
-                                 softmax_cross_entropy)
+from pipejax.core.flax_bridge import from_flax
+from pipejax.core.stages import LossFn, Model, ModelError, Stage, softmax_cross_entropy
 
 PyTree = Any
 NamedLayers = Sequence[tuple[str, nn.Module]]

@@ -1,2 +1,2 @@
-"""The tick on more than one device, or faster on one: stacked runs of identical stages, a device
-mesh, the stages' partition over it, the sharded state's packing, and multi-process start-up."""
+"""The tick on more than one device: a device mesh, the stages' partition over it into shards,
+each device's stacked parts, the sharded state's packing, and many processes as one program."""

@@ -7,9 +7,9 @@ padded to the largest shard's and stacked along a leading ``stage`` dimension, i
 ones (everything with a micro-batch axis, split over the replicas). :class:`Packing` is the plan:
 which buffer and offset every leaf of every shard gets, and what the buffers cost.
 
-A shard's stages are held stage by stage, but for the delay lines of a stack's piece
-(:func:`pipejax.parallel.stacking.shard_parts`): those lie end to end, as
-:class:`~pipejax.core.parts.Rings`, like a stack's on one device.
+A shard's stages are held stage by stage, but for the delay lines of a stacked part
+(:func:`pipejax.core.parts.cut_parts`): those lie end to end, as
+:class:`~pipejax.core.parts.Rings`, like a stacked part's on one device.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class _Role:
   batch_axis: int | None
   cotangent: bool = False  # a replica holds data x the whole-micro-batch value
   ring: bool = False  # a delay line: a tick writes one slot (its leading axis) and keeps the rest
-  rings: parts.Rings | None = None  # a stack's lines end to end: a tick writes one slot per stage
+  rings: parts.Rings | None = None  # a stacked part's lines end to end: one slot per stage a tick
 
 
 def _roles(st: StageState) -> StageState:
@@ -78,8 +78,8 @@ def join_registers(stages, outgoing_packet, outgoing_cotangent) -> tuple[StageSt
 
 
 def split_lines(stages: Sequence[StageState], shard: Sequence[parts.Part], join=None):
-  """``(stages, stack_lines)``: each stack's delay lines taken out of its stages (left None) and
-  laid end to end (``join(part, lines)``; default the part's :meth:`Rings.join`)."""
+  """``(stages, stack_lines)``: each stacked part's delay lines taken out of its stages (left
+  None) and laid end to end (``join(part, lines)``; default the part's :meth:`Rings.join`)."""
   join = join or (lambda part, lines: part.rings.join(lines))
   stages, stack_lines, first = list(stages), [], shard[0].start
   for part in shard:
@@ -214,14 +214,15 @@ def ring_windows(buffers, placement: _Placement, tree, tick, plan: Packing):
 
   ``tree`` holds, in place of each delay line, the entry the tick writes into it
   (``pipejax.core.parts.advance_parts`` with ``TickOptions(delay_line_entries=True)``): a single
-  stage's goes to slot ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`), a stack's
-  to one slot per stage (:meth:`pipejax.core.parts.Rings.write`). In a 1-D buffer each window has
-  ``plan.ring_widths[key]`` elements: the entry, then the buffer's own elements up to the window's
-  width (a shard whose slots are narrower than another's keeps what follows as it was, and a
-  stage's window written after it rewrites its own slot). A buffer carried in its leaf's own shape
-  (``Packing.carry_shapes``) gets the entries themselves, and ``start`` is the slot's index. Every
-  shard gives ``plan.ring_rows[key]`` windows: a shard with fewer stages there first rewrites the
-  buffer's first window as it was, as does one that holds none of its delay lines.
+  stage's goes to slot ``tick mod slots`` (:meth:`pipejax.core.state.DelayLine.write`), a
+  stacked part's to one slot per stage (:meth:`pipejax.core.parts.Rings.write`). In a 1-D buffer
+  each window has ``plan.ring_widths[key]`` elements: the entry, then the buffer's own elements up
+  to the window's width (a shard whose slots are narrower than another's keeps what follows as it
+  was, and a stage's window written after it rewrites its own slot). A buffer carried in its
+  leaf's own shape (``Packing.carry_shapes``) gets the entries themselves, and ``start`` is the
+  slot's index. Every shard gives ``plan.ring_rows[key]`` windows: a shard with fewer stages there
+  first rewrites the buffer's first window as it was, as does one that holds none of its delay
+  lines.
   """
   windows = {}
   for slot, leaf in zip(placement.slots, placement.treedef.flatten_up_to(tree)):
@@ -320,9 +321,9 @@ class Packing:
   # its slot as they were; the buffer is padded so that a window never runs past its end.
   ring_widths: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
   # The rows a tick writes into each delay-line buffer: the most stages whose lines any shard
-  # keeps there (a stack's lie end to end in one).
+  # keeps there (a stacked part's lie end to end in one).
   ring_rows: dict[BufferKey, int] = dataclasses.field(default_factory=dict)
-  # Each shard's parts (pipejax.parallel.stacking.shard_parts): its stacks' lines lie end to end.
+  # Each shard's parts (pipejax.core.parts.cut_parts): its stacked parts' lines lie end to end.
   shard_parts: tuple[tuple[parts.Part, ...], ...] = ()
 
   @classmethod

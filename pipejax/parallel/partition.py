@@ -90,8 +90,8 @@ def measure_stage_costs(pipeline: Pipeline, state: PipelineState | None = None,
   weights and an input of its micro-batch shape; best of ``repeats``. Measured costs beat parameter
   counts when stages differ in kind (convolutions against dense layers).
   """
-  if state is None:
-    state = pipeline.init(jax.random.PRNGKey(0))
+  if state is None:  # the logical state, whatever the pipeline's layout
+    state = pipeline.initial(jax.random.PRNGKey(0))
   seconds = []
   for s, stage in enumerate(pipeline.model.stages):
     key = jax.random.PRNGKey(s)

@@ -57,7 +57,7 @@ class ShardedLayout:
     partition: the ``(start, stop)`` shard of logical stages of each stage-axis device.
     policy: ``'per_leaf'``, ``'flat'`` or ``'auto'``
       (:meth:`pipejax.parallel.packing.Packing.plan`).
-    shard_parts: each shard's parts (:func:`pipejax.parallel.stacking.shard_parts`); default every
+    shard_parts: each shard's parts (:func:`pipejax.core.parts.cut_parts`); default every
       stage a part of its own.
 
   Raises:

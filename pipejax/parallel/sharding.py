@@ -27,7 +27,7 @@ that carried the state through the switch copied every weight and optimizer stat
 tick. The loop carries two sets of buffers instead and runs two ticks per iteration, the first
 writing the second set and the second the first (:func:`_ping_pong`): nothing is copied back.
 Delay lines (PipeDream's weight stashes among them) are not in the two sets: a tick changes one
-slot of each stage's (a stack's piece keeps its stages' rings end to end, one slot per stage), so
+slot of each stage's (a stacked part keeps its stages' rings end to end, one slot per stage), so
 the switch returns those rows alone and the loop writes them in place after the switch
 (``packing.ring_windows``), instead of rewriting the whole line into the other set.
 """
@@ -42,10 +42,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from pipejax.parallel import packing, stacking
-from pipejax.core import checks, engine, initial
+from pipejax.core import checks, initial, parts
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
-from pipejax.core.parts import TickOptions
+from pipejax.core.stage_maths import TickOptions, all_finite
 from pipejax.parallel.mesh import DATA, STAGE, MeshError, normalized_mesh, to_global, to_host
 from pipejax.parallel.packing import SHARED, PackedState
 from pipejax.parallel.partition import check_partition, param_counts, partition_stages
@@ -65,11 +65,10 @@ class ShardedPipeline(Runner):
   the mesh and cannot be traced into a caller's ``jax.jit``.
 
   Args:
-    pipeline: the single-device pipeline (model, method, micro-batch shape). Its micro-batch ``b``
-      is the global one; each data replica takes ``b / data`` samples of it. A
-      :class:`~pipejax.parallel.stacking.StackedPipeline` runs its pipeline with each device's piece
-      of every stack ticked under ``vmap`` (:func:`pipejax.parallel.stacking.advance_shard`); the
-      state and the numbers are the same.
+    pipeline: the local runner (model, method, micro-batch shape). Its micro-batch ``b`` is the
+      global one; each data replica takes ``b / data`` samples of it. Where it has stacked parts,
+      each device ticks its share of each under ``vmap``
+      (:func:`pipejax.parallel.stacking.advance_shard`); the state and the numbers are the same.
     mesh: a mesh with a ``stage`` axis and optionally a ``data`` axis (see
       :func:`pipejax.parallel.mesh.make_mesh`).
     partition: explicit ``(start, stop)`` shards of logical stages, one per stage-axis device.
@@ -92,9 +91,12 @@ class ShardedPipeline(Runner):
     if packing_policy not in ("auto", "flat", "per_leaf"):
       raise MeshError("packing_policy must be 'auto', 'flat' or 'per_leaf'; got "
                       f"{packing_policy!r}.")
-    # The runs whose pieces each device stacks (a StackedPipeline's); None: stage by stage.
-    pipeline, self.part_spans = stacking.pipeline_and_spans(pipeline)
-    self.pipeline = pipeline
+    if not isinstance(pipeline, Pipeline):
+      raise MeshError(f"ShardedPipeline takes a Pipeline (with or without stacked parts); got "
+                      f"{type(pipeline).__name__}.")
+    self.pipeline, self.spec = pipeline, pipeline.spec
+    # The parts each device cuts to its shard and stacks; None: stage by stage.
+    self.part_spans = pipeline.part_spans if pipeline.stacked else None
     self.mesh = normalized_mesh(mesh)
     self.num_shards = self.mesh.shape[STAGE]
     self.num_replicas = self.mesh.shape[DATA]
@@ -119,8 +121,8 @@ class ShardedPipeline(Runner):
       if len(costs) != num_stages:
         raise MeshError(f"Got {len(costs)} stage costs for a pipeline of {num_stages} stages.")
       self.partition = partition_stages(costs, self.num_shards)
-    # Each device's parts: a stack cut at the devices' boundaries is a stack on each of them.
-    self.shard_parts = tuple(stacking.shard_parts(self.part_spans, pipeline.delays, a, z)
+    # Each device's parts: a stacked part cut at the devices' boundaries is stacked on each.
+    self.shard_parts = tuple(parts.cut_parts(self.part_spans, pipeline.delays, a, z)
                              for a, z in self.partition)
     self._mesh_layout = ShardedLayout(pipeline, self.mesh, self.partition, packing_policy,
                                       self.shard_parts)
@@ -164,7 +166,7 @@ class ShardedPipeline(Runner):
   def init(self, rng: jax.Array, fill_value: float = 0.0) -> PackedState:
     """The initial state, made on the mesh: each device initializes its own stages into its own
     buffers, and no device or host holds the whole state. The same numbers as
-    ``from_logical(pipeline.init(rng, fill_value))``: the same programs compiled the same way
+    ``from_logical(pipeline.initial(rng, fill_value))``: the same programs compiled the same way
     (:data:`pipejax.core.initial.INIT_COMPILER`).
     """
     checks.refuse_traced("ShardedPipeline", (rng, fill_value))
@@ -194,7 +196,7 @@ class ShardedPipeline(Runner):
 
     def branch(d, buffers, stage_keys, fill):
       a, z = self.partition[d]
-      # Stage by stage, also in a stack's piece: under vmap in this program a stack's init
+      # Stage by stage, also in a stacked part: under vmap in this program a stacked part's init
       # differs from the per-stage one in the last bit of some weights.
       stages = tuple(pipe.initial.stage_state(s, pipe.initial.weights(s, stage_keys[s]), fill)
                      for s in range(a, z))
@@ -227,7 +229,7 @@ class ShardedPipeline(Runner):
     if len(state.stages) != self.num_stages:
       raise PipelineError(f"The state has {len(state.stages)} stages; this pipeline has "
                           f"{self.num_stages}.")
-    self.pipeline.check_state(state)
+    checks.check_state(state, self.pipeline.state_spec, self.num_stages)
     return self._mesh_layout.from_logical(state)
 
   def check_state(self, packed: PackedState) -> None:
@@ -248,11 +250,11 @@ class ShardedPipeline(Runner):
 
   def _stream(self, inputs, labels, valid, ticks) -> tuple[Batch, bool]:
     if isinstance(labels, jax.Array) and not labels.is_fully_addressable:
-      # Already on the mesh, each process having filled its own devices (distributed.HostFeed).
+      # Already on the mesh, each process having filled its own devices (host_feed.HostFeed).
       batch = Batch(inputs, labels, valid)
     else:
       batch = self._mesh_layout.place_batch(
-          self.pipeline.spec.checked_batch(inputs, labels, valid, ticks=ticks), ticks=ticks)
+          self.spec.checked_batch(inputs, labels, valid, ticks=ticks), ticks=ticks)
     return batch, bool(np.all(to_host(batch.valid)))
 
   def placed_batch(self, inputs, labels, valid=None) -> Batch:
@@ -290,7 +292,7 @@ class ShardedPipeline(Runner):
   def _weights_finite(self, buffers):
     def branch(d, buffers):
       stages, _ = packing.read_tree(buffers, self.packing.body_placements[d])
-      flags = jnp.stack([engine.all_finite((st.params, st.opt_state)) for st in stages])
+      flags = jnp.stack([all_finite((st.params, st.opt_state)) for st in stages])
       return jnp.pad(flags, (0, self._max_shard - flags.shape[0]))
 
     def on_device(buffers):
@@ -400,8 +402,8 @@ class ShardedPipeline(Runner):
         reduce_grads=(lambda g: jax.lax.pmean(g, DATA)) if self.num_replicas > 1 else None,
         every_slot_full=every_slot_full, delay_line_entries=bool(in_place))
     stages, stack_lines, part_metrics = stacking.advance_shard(
-        self.pipeline, self.shard_parts[d], stages, stack_lines, inbound, cotangent, tick, rng,
-        options)
+        self.pipeline.maths, self.shard_parts[d], stages, stack_lines, inbound, cotangent, tick,
+        rng, options)
     stages, packet, cotangent_out = packing.split_registers(stages)
     body = (stages, stack_lines)
     windows = packing.ring_windows(buffers, body_placement, body, tick, plan)

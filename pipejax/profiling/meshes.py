@@ -147,16 +147,15 @@ def two_halves_speedup(b: int, ticks: int, repeats: int, width=512, layers=8) ->
 
 
 def stacked_mesh_records(num_stages: int, devices: int, ticks: int, repeats: int) -> list[dict]:
-  """The depth MLP on a stage mesh, ``ShardedPipeline`` of the ``StackedPipeline`` (each device's
+  """The depth MLP on a stage mesh, ``ShardedPipeline`` of the stacked ``Pipeline`` (each device's
   piece of the stack stacked) against that of the ``Pipeline``: build and compile seconds, the
   kernels of one loop iteration (two ticks), samples/s after the fill."""
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   pipe = Pipeline(depth_model(num_stages), methods.pb(optax.sgd(0.01, momentum=0.9)), x[0], y[0])
   records, timed = {}, {}
   for stacked in (True, False):
     start = time.perf_counter()
-    sharded = _sharded(stacking.StackedPipeline(pipe) if stacked else pipe, devices)
+    sharded = _sharded(pipe.restacked() if stacked else pipe, devices)
     run = TimedRunner(sharded, x, y)
     compiled = sharded.programs[1].lower(run.state, sharded.placed_batch(x, y)).compile()
     records[stacked] = {"num_stages": num_stages, "stage_devices": devices, "stacked": stacked,

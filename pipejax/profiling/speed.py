@@ -29,7 +29,7 @@ def versus_plain(model, tx, x, y, repeats, with_jit_step=False, with_in_place_sc
                  runner=None, compile_time=False):
   """Samples/s of Pipeline.run (PB) and of the plain optax step, side by side on one stream.
 
-  ``runner`` wraps the pipeline (``pipejax.parallel.stacking.StackedPipeline``: its stacked layout).
+  ``runner`` lays the pipeline out anew (``Pipeline.restacked``: its stacked layout).
   Returns the row, the pipeline (or its runner), and its initial weights; with ``compile_time``
   also the full pipeline's compiled ``run``, and the seconds to trace and compile it in the row
   (``pipeline_compile_s``).
@@ -174,7 +174,6 @@ def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True,
            width: int | None = None) -> dict:
   """One depth of :func:`lm_speeds`, measured in this process with the cores it has; ``width``
   replaces the study's width for that depth."""
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   context = workloads.LM_CONTEXT
   kwargs = workloads.lm_model_kwargs(blocks)
   if width is not None:
@@ -185,7 +184,7 @@ def lm_row(blocks: int, sequences: int, repeats: int, count_flops: bool = True,
   y = jax.device_put(tokens[..., 1:].astype(np.int32))
   tx = optax.adam(3e-4)
   row, runner, params, compiled = versus_plain(model, tx, x, y, repeats,
-                                               runner=stacking.StackedPipeline, compile_time=True)
+                                               runner=Pipeline.restacked, compile_time=True)
   result = {"num_stages": runner.num_stages, "model": f"transformer_lm {kwargs}",
             "stacked_runs": [list(r) for r in runner.part_spans],
             "context": context, "micro_batch_size": 1, "sequences": sequences,
@@ -299,14 +298,13 @@ def weight_passes_per_tick(method: methods.Method) -> int:
 
 def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> list[dict]:
   """Each method preset of ``names`` on configs/deep_mlp.py's residual MLP at one depth, stacked
-  (``pipejax.parallel.stacking.StackedPipeline``), timed side by side with ``pb`` after the fill.
+  (``Pipeline.restacked``), timed side by side with ``pb`` after the fill.
 
   Per record: the method's samples per CPU second over ``pb``'s (``cpu_relative_to_pb``) and
   per wall second (``relative_to_pb``), the passes its definition needs
   (:func:`weight_passes_per_tick`) and ``pb``'s over them (``pass_ratio``), and what its compiled
   tick makes: weight-sized passes and copies (:func:`pipejax.profiling.hlo.passes`), operations.
   """
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   names = list(dict.fromkeys(["pb", *names]))
   model = workloads.depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
@@ -315,7 +313,7 @@ def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> li
     method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
     start = time.perf_counter()
     pipe = Pipeline(model, method, x[0], y[0])
-    stacked = stacking.StackedPipeline(pipe)
+    stacked = pipe.restacked()
     runners[name] = TimedRunner(stacked, x, y)
     jax.block_until_ready(runners[name].state)
     build_s = time.perf_counter() - start
@@ -359,7 +357,6 @@ def delay_line_records(num_stages: int, names) -> list[dict]:
   """Each method preset of ``names`` stacked on configs/deep_mlp.py's residual MLP at one depth:
   its delay lines' bytes against their formulas (:func:`delay_line_bytes`), and the seconds to
   build the pipeline and its stacked layout (no state is allocated)."""
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   model = workloads.depth_model(num_stages)
   x, y = stream(1, 1, shape=RESNET_INPUT, classes=10)
   rows = []
@@ -367,7 +364,7 @@ def delay_line_records(num_stages: int, names) -> list[dict]:
     start = time.perf_counter()
     pipe = Pipeline(model, methods.make_method(name, learning_rate=1e-3, momentum=0.9), x[0],
                     y[0])
-    stacked = stacking.StackedPipeline(pipe)
+    stacked = pipe.restacked()
     build_s = time.perf_counter() - start
     rows.append({"num_stages": num_stages, "method": name, "stacked": True, "build_s": build_s,
                  **delay_line_bytes(stacked, pipe)})
@@ -383,7 +380,6 @@ def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int)
   its operations per tick, samples/s after the fill, and the delay lines' bytes held against
   the formula sum_s (D_s + 1)|x_s|.
   """
-  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
   model = workloads.depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   tx = optax.sgd(0.01, momentum=0.9)
@@ -393,7 +389,7 @@ def depth_records(num_stages: int, ticks: int, repeats: int, unstacked_max: int)
       continue
     start = time.perf_counter()
     pipe = Pipeline(model, methods.pb(tx), x[0], y[0])
-    runner = stacking.StackedPipeline(pipe) if stacked else pipe
+    runner = pipe.restacked() if stacked else pipe
     run = TimedRunner(runner, x, y)
     jax.block_until_ready(run.state)
     build_s = time.perf_counter() - start

@@ -44,7 +44,7 @@ def best_times(fns: Mapping[Hashable, Callable], repeats: int) -> dict:
 class TimedRunner:
   """Calls ``runner.run`` on one stream, keeping the donated state; warms up what it will time.
 
-  ``runner`` is any pipeline runner (``Pipeline``, ``StackedPipeline``, ``ShardedPipeline``).
+  ``runner`` is any pipeline runner (``Pipeline``, stacked or not, or ``ShardedPipeline``).
   """
 
   def __init__(self, runner, x, y, rng=None):

@@ -19,8 +19,7 @@ import numpy as np
 
 from pipejax import config as configlib
 from pipejax import data as data_lib
-from pipejax.core import initial
-from pipejax.parallel import stacking
+from pipejax.core import initial, stackable
 from pipejax.train import divergence, experiment
 from pipejax.profiling.timing import best_times
 
@@ -53,7 +52,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   (``StateInit.stage_program`` of a fresh ``StateInit``: the state's shapes, and the stacked
   init's program);
   ``update_trace_s``, the method's update of each stage between the first and the last
-  (``stacking.update_program``); and ``find_stacks_s``, those update traces with the programs
+  (``stackable.update_program``); and ``find_stacks_s``, those update traces with the programs
   compared.
   """
   start = time.perf_counter()
@@ -72,10 +71,10 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   spec = pipe.state_spec
   start = time.perf_counter()
   for s in range(1, pipe.num_stages - 1):
-    stacking.update_program(pipe, s, spec)
+    stackable.update_program(pipe.initial, s, spec)
   update_trace_s = time.perf_counter() - start
   start = time.perf_counter()
-  stacking.find_stacks(pipe)
+  stackable.find_parts(pipe.initial)
   find_stacks_s = time.perf_counter() - start
   runner, b = setup.runner, config.micro_batch_size
   start = time.perf_counter()

@@ -13,7 +13,8 @@ import optax
 
 from pipejax import models
 from pipejax.core import stages
-from pipejax.core.stages import Model, from_flax
+from pipejax.core.flax_bridge import from_flax
+from pipejax.core.stages import Model
 
 WIDTH, LAYERS = 256, 8  # the MLP of 'throughput' and the mesh benchmarks
 RESNET_INPUT = (28, 28, 1)  # Fashion-MNIST

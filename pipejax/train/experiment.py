@@ -3,10 +3,9 @@
 :func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it
 loads the data splits, builds the model and the method at the micro-batch actually trained (the
 scaling rules of docs/design.md §4 turn the config's reference recipe into it), and picks the
-runner: the single-device :class:`~pipejax.core.engine.Pipeline`, its stacks
-(:class:`~pipejax.parallel.stacking.StackedPipeline`) or a mesh
-(:class:`~pipejax.parallel.sharding.ShardedPipeline`). Shapes stay abstract: nothing is initialised
-or compiled here.
+runner: the local :class:`~pipejax.core.engine.Pipeline` (its identical stages stacked unless
+``config.stack_stages`` is off) or a mesh (:class:`~pipejax.parallel.sharding.ShardedPipeline`).
+Shapes stay abstract: nothing is initialised or compiled here.
 """
 
 from __future__ import annotations
@@ -81,25 +80,28 @@ def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
 
 @dataclasses.dataclass
 class Setup:
-  """What a config builds: the data splits, the model, its recipe and the pipeline."""
+  """What a config builds: the data splits, the model, its recipe and the runner."""
 
   train_source: Any
   test_source: Any
   model: Any
   recipe: optim.Recipe  # the reference recipe at the batch each update sees
-  pipeline: Pipeline
-  sharded: Any = None  # a pipejax.parallel.sharding.ShardedPipeline when config.mesh spans devices
-  # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
-  stacked: Any = None
+  runner: Runner  # what training calls: the local Pipeline, or a ShardedPipeline over a mesh
   # The pipeline whose initial weights this run starts from, merged into its own stages, when
   # the two split the network differently: the one-stage SGD baseline starts where the pipelined
   # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
   initial_weights_from: Pipeline | None = None
 
   @property
-  def runner(self) -> Runner:
-    """The runner training calls: over the mesh, in stacks, or stage by stage."""
-    return self.sharded or self.stacked or self.pipeline
+  def pipeline(self) -> Pipeline:
+    """The run's pipeline stage by stage on one device: the logical layout checkpoints hold."""
+    local = self.runner if isinstance(self.runner, Pipeline) else self.runner.pipeline
+    return local.restacked(False)
+
+  @property
+  def sharded(self) -> Runner | None:
+    """The runner when it spans a device mesh, else None."""
+    return None if isinstance(self.runner, Pipeline) else self.runner
 
   def init(self, rng):
     """The runner's initial state: the pipeline's, with the weights of ``initial_weights_from``
@@ -156,19 +158,16 @@ def build(config: ml_collections.ConfigDict) -> Setup:
                                               model.num_stages, layer_delays))
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
   pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
-                  track_weight_discrepancy=bool(config.diagnostics))
+                  track_weight_discrepancy=bool(config.diagnostics),
+                  stack=bool(config.stack_stages))
+  if config.stack_stages:
+    logging.info("Parts as (start, stop) stages, those of two or more stacked: %s.",
+                 pipe.part_spans)
   initial_weights_from = None
   if split_model is not None and split_model.num_stages > 1:
     initial_weights_from = Pipeline(split_model, method, example_x,
                                     np.zeros((b,) + train_source.label_shape, np.int32))
-  stacked = None
-  if config.stack_stages:
-    from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
-    stacked = stacking.StackedPipeline(pipe)
-    logging.info("Parts as (start, stop) spans of stages, those of two or more stacked: %s.",
-                 stacked.part_spans)
-    stacked = stacked if stacked.stacked else None
-  sharded = None
+  runner: Runner = pipe
   if config.mesh.stage * config.mesh.data > 1:
     if config.diagnostics:
       raise ConfigError("config.diagnostics is measured on one device only; set "
@@ -181,16 +180,17 @@ def build(config: ml_collections.ConfigDict) -> Setup:
     balance = config.mesh.get("balance", "params")
     costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
              else partition_lib.param_counts(pipe))
-    # With stacks each device stacks its piece of them (pipejax.parallel.stacking.advance_shard).
-    sharded = sharding.ShardedPipeline(stacked or pipe, mesh,
-                                       partition=config.mesh.get("partition") or None, costs=costs)
+    # Each device stacks its share of each stacked part (pipejax.parallel.stacking.advance_shard).
+    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None,
+                                       costs=costs)
+    runner = sharded
     logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
                  "%d bytes cross devices per tick; bytes allocated per device: %s.",
                  config.mesh.data, config.mesh.stage, sharded.partition,
                  partition_lib.imbalance(costs, sharded.partition), balance,
                  sharded.packing.boundary_bytes_per_tick()["total"],
                  [device["allocated"] for device in sharded.packing.device_memory()])
-  return Setup(train_source, test_source, model, recipe, pipe, sharded, stacked,
+  return Setup(train_source, test_source, model, recipe, runner,
                initial_weights_from=initial_weights_from)
 
 

@@ -62,7 +62,7 @@ def test_delay_line_entries_returns_the_entry_that_writes_the_same_line():
   inbound = Packet(x[0], y[0], jnp.array(True), state.tick)
   cotangent = state.stages[1].backward_out  # what stage 1 sent back last tick
   advance = lambda options: parts.advance_parts(
-      pipe, pipe.delays, [Part(0, 1)], state.stages[:1], inbound, cotangent, state.tick,
+      pipe.maths, pipe.delays, [Part(0, 1)], state.stages[:1], inbound, cotangent, state.tick,
       state.rng, options)[0][0]
   written = advance(TickOptions())
   entry = advance(TickOptions(delay_line_entries=True))
@@ -84,7 +84,7 @@ def test_a_stacks_entries_write_the_rings_its_tick_writes(method):
   # weights. Seven ticks pass every ring's length.
   x, y = make_stream(7, 2)
   pipe = Pipeline(dense_model(EVEN), methods.make_method(method, learning_rate=LR), x[0], y[0])
-  stacked = stacking.StackedPipeline(pipe)
+  stacked = pipe.restacked()
   assert stacked.part_spans == ((0, 1), (1, 4), (4, 5))
   stack = stacked.parts[1]
   tick = jax.jit(stacked._tick)
@@ -92,7 +92,7 @@ def test_a_stacks_entries_write_the_rings_its_tick_writes(method):
   for t in range(len(x)):
     inbound = Packet(x[t], y[t], jnp.array(True), state.tick)
     advance = lambda options: parts.advance_parts(
-        pipe, pipe.delays, stacked.parts, state.parts, inbound, None, state.tick, state.rng,
+        pipe.maths, pipe.delays, stacked.parts, state.parts, inbound, None, state.tick, state.rng,
         options)[0][1]
     entries = advance(TickOptions(delay_line_entries=True)).delay_line
     assert jax.tree.leaves(entries)[0].shape[0] == stack.stop - stack.start
@@ -131,8 +131,8 @@ def test_each_stage_takes_its_neighbours_registers():
           st.backward_out.shape, 200 + s, st.backward_out.dtype))
       for s, st in enumerate(state.stages)]
   inbound = Packet(x[0], y[0], jnp.array(True), jnp.int32(7))
-  parts.advance_parts(Recording(pipe), pipe.delays, parts.single_stages(0, 5), marked, inbound,
-                      None, state.tick, state.rng)
+  parts.advance_parts(Recording(pipe.maths), pipe.delays, parts.single_stages(0, 5), marked,
+                      inbound, None, state.tick, state.rng)
   assert [seen["in", s] for s in range(5)] == [7, 100, 101, 102, 103]
   assert [seen["cot", s] for s in range(5)] == [201.0, 202.0, 203.0, 204.0, None]
 

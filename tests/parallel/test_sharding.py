@@ -437,13 +437,13 @@ def grouped_pipeline(method_name, stateful=False):
 
 
 def stacked_and_mesh(method_name, stage, data=1, stateful=False):
-  """The single-device StackedPipeline's run and the mesh's (stacked pieces) from one state."""
+  """The single-device stacked Pipeline's run and the mesh's (stacked pieces) from one state."""
   pipe = grouped_pipeline(method_name, stateful)
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   assert stacked.part_spans == ((0, 1), (1, 5), (5, 6))
   mesh = make_mesh(stage, data, jax.devices()[:stage * data])
   sharded = ShardedPipeline(stacked, mesh, partition=GROUPED_PARTITIONS[stage])
-  assert sharded.pipeline is pipe and sharded.part_spans == stacked.part_spans
+  assert sharded.pipeline is stacked and sharded.part_spans == stacked.part_spans
   x, y = make_stream(2 * pipe.num_stages + 4, MICRO_BATCH)  # even, as NUM_TICKS
   state = host(pipe.init(jax.random.PRNGKey(42), np.float32(np.nan)))
   expected, expected_metrics = stacked.run(stacked.from_logical(state), x, y)
@@ -487,7 +487,7 @@ def test_mesh_stacked_data_replicas_match_one_device(eight_devices):
 def test_mesh_stacked_resumes_per_stage_checkpoints_and_the_other_way(eight_devices):
   """Both layouts keep the logical state: half a run in one, the rest in the other."""
   pipe = grouped_pipeline("pb")
-  sharded = ShardedPipeline(StackedPipeline(pipe), make_mesh(4, 1, eight_devices[:4]),
+  sharded = ShardedPipeline(pipe.restacked(), make_mesh(4, 1, eight_devices[:4]),
                             partition=GROUPED_PARTITIONS[4])
   x, y = make_stream(24, MICRO_BATCH)
   state = host(pipe.init(jax.random.PRNGKey(7)))
@@ -600,7 +600,7 @@ def test_mesh_and_every_layout_report_which_stages_weights_are_not_finite(eight_
   assert pipe.weights_finite(state).all()
   bad = _poisoned(state, stage, in_opt_state)
   np.testing.assert_array_equal(pipe.weights_finite(jax.tree.map(np.copy, bad)), expected)
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   assert stacked.stacked
   np.testing.assert_array_equal(stacked.weights_finite(stacked.from_logical(bad)), expected)
   sharded = ShardedPipeline(stacked, make_mesh(4, 2, eight_devices))
@@ -624,7 +624,7 @@ def test_mesh_init_makes_each_devices_stages_on_it_with_one_devices_numbers(
   # Each device initializes its own stages into its own buffers: the same bits as laying out the
   # single-device init, NaN fill, replicas' cotangent shares and stacked pieces included.
   pipe = make_pipeline("pb_sc_lwp", widths=(5, 5, 5, 5, 5, 5, 5, 5))
-  runner = StackedPipeline(pipe) if stacked else pipe
+  runner = pipe.restacked() if stacked else pipe
   assert not stacked or runner.stacked
   sharded = ShardedPipeline(runner, make_mesh(stage, data, eight_devices[:stage * data]))
   made = sharded.init(jax.random.PRNGKey(7), np.nan)

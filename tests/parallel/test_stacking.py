@@ -10,13 +10,10 @@ import optax
 import pytest
 
 import pipejax
-from pipejax.core import accounting, parts
+from pipejax.core import accounting, parts, stackable
 from pipejax import methods, models
-from pipejax.parallel import stacking
 from pipejax.core.checks import PipelineError
 from pipejax.core.engine import Pipeline
-from pipejax.parallel.stacking import StackedPipeline
-from pipejax.parallel.stacking import find_stacks
 from pipejax.profiling import workloads
 from tests import helpers
 from tests.helpers import IN_DIM, NUM_CLASSES, dense_model, make_stream
@@ -29,7 +26,7 @@ def both_layouts(model, method, b, ticks, fill_value=0.0, **kwargs):
   metrics, on the host."""
   x, y = make_stream(ticks, b)
   pipe = Pipeline(model, method, x[0], y[0], **kwargs)
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   assert stacked.stacked
   x, y, valid = pipe.to_ticks(x, y)
   logical = pipe.init(jax.random.PRNGKey(5), fill_value=fill_value)
@@ -56,13 +53,12 @@ def assert_same(actual, expected, exact):
 def test_identical_runs_are_found_and_the_rest_left_alone():
   x, y = make_stream(1, 1)
   pb = methods.make_method("pb", learning_rate=0.1)
-  assert find_stacks(Pipeline(dense_model(EVEN), pb, x[0], y[0])) == [(0, 1), (1, 4), (4, 5)]
+  find = lambda model, x: stackable.find_parts(Pipeline(model, pb, x, y[0]).initial)
+  assert find(dense_model(EVEN), x[0]) == [(0, 1), (1, 4), (4, 5)]
   # Widths 5, 7, 7, 3: stages 2 and 3 take inputs of 7 and 7 but give 7 and 3: no two alike.
-  assert find_stacks(Pipeline(dense_model((5, 7, 7, 3)), pb, x[0], y[0])) == [
-      (s, s + 1) for s in range(5)]
+  assert find(dense_model((5, 7, 7, 3)), x[0]) == [(s, s + 1) for s in range(5)]
   blocks = models.build("residual_mlp", num_classes=NUM_CLASSES, depth=7, width=8)
-  x = np.zeros((1, 3, 3), np.float32)  # the stem flattens it
-  assert find_stacks(Pipeline(blocks, pb, x, y[0])) == [(0, 1), (1, 6), (6, 7)]
+  assert find(blocks, np.zeros((1, 3, 3), np.float32)) == [(0, 1), (1, 6), (6, 7)]  # flattened
 
 
 def test_the_stacked_init_does_not_grow_with_a_groups_length():
@@ -73,7 +69,7 @@ def test_the_stacked_init_does_not_grow_with_a_groups_length():
   method = methods.make_method("pb_sc_lwp", learning_rate=0.1)
   pipes = {n: Pipeline(models.build("residual_mlp", num_classes=NUM_CLASSES, depth=n, width=8),
                        method, x, y[0]) for n in (5, 11)}
-  stacked = {n: StackedPipeline(pipe) for n, pipe in pipes.items()}
+  stacked = {n: pipe.restacked() for n, pipe in pipes.items()}
   equations = lambda f: str(jax.make_jaxpr(f)(jax.random.PRNGKey(0))).count(" = ")
   assert equations(stacked[5].init) == equations(stacked[11].init)
   assert equations(pipes[11].init) > equations(pipes[5].init) + 50  # the reference grows
@@ -82,7 +78,7 @@ def test_the_stacked_init_does_not_grow_with_a_groups_length():
 
 
 def test_a_declared_stack_traces_once_and_gives_the_per_stage_numbers(monkeypatch):
-  """One Stage object repeated declares a stack: the model traces it once, find_stacks takes the
+  """One Stage object repeated declares a stack: the model traces it once, find_parts takes the
   run without tracing its stages' updates, and the stacked numbers are the per-stage ones."""
   calls = {"init": 0, "signature": 0}
   block = pipejax.from_flax(nn.Dense(5))
@@ -93,8 +89,8 @@ def test_a_declared_stack_traces_once_and_gives_the_per_stage_numbers(monkeypatc
     return traced_initial(*args)
 
   object.__setattr__(block, "initial", counted_initial)
-  signature = stacking._signature
-  monkeypatch.setattr(stacking, "_signature",
+  signature = stackable._signature
+  monkeypatch.setattr(stackable, "_signature",
                       lambda *a: calls.__setitem__("signature", calls["signature"] + 1)
                       or signature(*a))
   model = pipejax.Model([pipejax.from_flax(nn.Dense(5))] + [block] * 5
@@ -102,7 +98,8 @@ def test_a_declared_stack_traces_once_and_gives_the_per_stage_numbers(monkeypatc
   assert [model.repeats(s) for s in range(7)] == [False, False, True, True, True, True, False]
   method = methods.make_method("pb", learning_rate=0.01)
   x, y = make_stream(1, 2)
-  assert find_stacks(Pipeline(model, method, x[0], y[0])) == [(0, 1), (1, 6), (6, 7)]
+  assert stackable.find_parts(Pipeline(model, method, x[0], y[0]).initial) == [
+      (0, 1), (1, 6), (6, 7)]
   assert calls == {"init": 1, "signature": 1}  # the block's first stage alone
   per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
       model, method, 2, 24, fill_value=jnp.nan)
@@ -127,7 +124,7 @@ def test_a_method_that_needs_a_python_delay_runs_stage_by_stage():
     return optax.sgd(0.1)
   x, y = make_stream(1, 1)
   pipe = Pipeline(dense_model(EVEN), methods.pb(per_delay), x[0], y[0])
-  assert not StackedPipeline(pipe).stacked
+  assert not pipe.restacked().stacked
 
 
 @pytest.mark.parametrize("name", methods.METHODS)
@@ -178,7 +175,7 @@ def test_checkpoints_resume_in_either_layout():
   x, y = make_stream(24, 1)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05),
                   x[0], y[0])
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   whole, _ = pipe.run(pipe.init(3), x, y)
   first, _ = pipe.run(pipe.init(3), x[:10], y[:10])
   resumed, _ = stacked.run(stacked.from_logical(first), x[10:], y[10:])
@@ -198,7 +195,7 @@ def test_delay_lines_hold_the_formulas_bytes(name):
   b = 3
   x, y = make_stream(1, b)
   pipe = Pipeline(dense_model(EVEN), methods.make_method(name, learning_rate=0.1), x[0], y[0])
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   state = stacked.init(0)
   assert len(state.parts) == 3
   # By hand: 5 stages, D_s + 1 = 9, 7, 5, 3, 1 slots; inputs of widths IN_DIM, 5, 5, 5, 5 and
@@ -250,7 +247,7 @@ def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
 
   x, y = np.zeros((1, 28, 28, 1), np.float32), np.zeros((1,), np.int32)
   method = methods.make_method(name, learning_rate=1e-3, momentum=0.9)
-  stacked = StackedPipeline(Pipeline(depth_model(num_stages), method, x, y))
+  stacked = Pipeline(depth_model(num_stages), method, x, y, stack=True)
   runs = ((0, 1), (1, s_max), (s_max, num_stages))  # the stem, the blocks' stack, the head
   assert stacked.part_spans == runs
   state = jax.eval_shape(lambda: stacked.init(jax.random.PRNGKey(0)))
@@ -267,10 +264,10 @@ def test_delay_lines_at_depth_hold_the_formulas_bytes(name, num_stages):
 def test_a_logical_or_foreign_state_is_refused():
   x, y = make_stream(2, 1)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   with pytest.raises(PipelineError, match="logical PipelineState"):
     stacked.run(pipe.init(0), x, y)
-  other = StackedPipeline(Pipeline(dense_model((5, 5, 5, 5, 5)), pipe.method, x[0], y[0]))
+  other = Pipeline(dense_model((5, 5, 5, 5, 5)), pipe.method, x[0], y[0], stack=True)
   with pytest.raises(PipelineError, match="does not belong"):
     stacked.run(other.init(0), x, y)
 
@@ -283,8 +280,8 @@ def test_the_trainer_stacks_identical_runs_unless_told_not_to():
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 5, "width": 8, "layers_per_stage": 1}
   setup = experiment.build(config)
-  assert isinstance(setup.runner, StackedPipeline) and setup.runner.part_spans == ((0, 1), (1, 4),
-                                                                             (4, 5))
+  assert isinstance(setup.runner, Pipeline) and setup.runner.part_spans == ((0, 1), (1, 4), (4, 5))
+  assert setup.runner.stacked and not setup.pipeline.stacked
   state = setup.init(jax.random.PRNGKey(0))
   assert_same(jax.tree.map(np.asarray, setup.runner.to_logical(state)),
               jax.tree.map(np.asarray, setup.pipeline.init(jax.random.PRNGKey(0))),
@@ -302,24 +299,24 @@ def test_a_mesh_stacks_each_devices_piece_of_a_group():
   from pipejax.parallel.mesh import MeshError, make_mesh  # pylint: disable=import-outside-toplevel
   spans, delays = ((0, 1), (1, 8), (8, 9)), tuple(range(16, -1, -2))
   # A device's piece of a stack is a stack, however short, its rings laid end to end.
-  assert stacking.shard_parts(spans, delays, 0, 3) == (
+  assert parts.cut_parts(spans, delays, 0, 3) == (
       parts.Part(0, 1), parts.Part(1, 3, parts.Rings((0, 15), (15, 13))))
-  assert stacking.shard_parts(spans, delays, 7, 9) == (
+  assert parts.cut_parts(spans, delays, 7, 9) == (
       parts.Part(7, 8, parts.Rings((0,), (3,))), parts.Part(8, 9))
-  assert stacking.shard_parts(None, delays, 2, 4) == (parts.Part(2, 3), parts.Part(3, 4))
+  assert parts.cut_parts(None, delays, 2, 4) == (parts.Part(2, 3), parts.Part(3, 4))
   x, y = make_stream(14, 2)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb_sc_lwp", learning_rate=0.05), x[0],
                   y[0])
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   sharded = sharding.ShardedPipeline(stacked, make_mesh(1, 1, jax.devices()[:1]))
-  assert sharded.part_spans == stacked.part_spans and sharded.pipeline is pipe
+  assert sharded.part_spans == stacked.part_spans and sharded.pipeline is stacked
   assert sharded.shard_parts == (stacked.parts,)  # one device: the stacked runner's own parts
   expected, _ = stacked.run(stacked.init(1), x, y)
   actual, _ = sharded.run(sharded.init(1), x, y)
   assert_same(jax.tree.map(np.asarray, sharded.to_logical(actual)),
               jax.tree.map(np.asarray, stacked.to_logical(expected)), exact=True)
   assert sharding.ShardedPipeline(pipe, sharded.mesh).part_spans is None
-  with pytest.raises(MeshError, match="takes a Pipeline, or a StackedPipeline"):
+  with pytest.raises(MeshError, match=r"takes a Pipeline \(with or without stacked parts\)"):
     sharding.ShardedPipeline(sharded, sharded.mesh)
 
 
@@ -328,7 +325,7 @@ def test_the_logical_state_outlives_the_stacked_one():
   donates the stacked state's buffers) leaves the logical state as it was."""
   x, y = make_stream(12, 1)
   pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.05), x[0], y[0])
-  stacked = StackedPipeline(pipe)
+  stacked = pipe.restacked()
   state, _ = stacked.run(stacked.init(3), x[:6], y[:6])
   logical = stacked.to_logical(state)
   before = jax.tree.map(np.array, logical)
@@ -337,3 +334,22 @@ def test_the_logical_state_outlives_the_stacked_one():
   assert any(np.asarray(st.delay_line.valid).any() for st in logical.stages)
   per_stage, _ = pipe.run(pipe.init(3), x[:6], y[:6])
   assert_same(before, jax.tree.map(np.asarray, per_stage), exact=True)
+
+
+def test_the_old_stacked_runner_is_an_alias_that_says_what_replaced_it():
+  x, y = make_stream(1, 1)
+  pipe = Pipeline(dense_model(EVEN), methods.make_method("pb", learning_rate=0.1), x[0], y[0])
+  with pytest.warns(DeprecationWarning, match=r"pipe\.restacked"):
+    stacked = pipejax.StackedPipeline(pipe, ((0, 1), (1, 3), (3, 4), (4, 5)))
+  assert type(stacked) is Pipeline and stacked.part_spans == ((0, 1), (1, 3), (3, 4), (4, 5))
+  assert stacked.spec is pipe.spec and stacked.initial is pipe.initial  # nothing traced again
+  assert pipe.restacked(False) is pipe and stacked.restacked(False) is stacked.restacked(False)
+  assert not stacked.restacked(False).stacked
+  for wrong in (((0, 1), (2, 5)), ((0, 3), (3, 4)), ((0, 0), (0, 5))):
+    with pytest.raises(PipelineError, match=r"contiguous and covering stages 0 \.\. 4"):
+      pipe.restacked(wrong)
+  with pytest.raises(PipelineError, match="stage 4's state differs from stage 3's"):
+    pipe.restacked(((0, 1), (1, 3), (3, 5)))  # the head is not a block
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+  with pytest.warns(DeprecationWarning, match="find_parts"):
+    assert stacking.find_stacks(pipe) == [(0, 1), (1, 4), (4, 5)]
