@@ -149,7 +149,7 @@ CONV_IMPLS = ("auto", "xla", "sliced")
 
 def check_flags(argv) -> None:
   """Refuses, before anything is measured, a command line that would fail after it: an output
-  that cannot be written, a method no preset has, a list of whole numbers that holds another."""
+  that cannot be written, a method no preset has, a list of whole numbers that holds other text."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _OUTPUT.value is not None:
