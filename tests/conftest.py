@@ -21,7 +21,7 @@ LONGEST_FIRST = (
     "test_docs.py",
     "study/test_study.py",
     "models/test_lm.py",
-    "test_methods.py",
+    "methods/test_presets.py",
     "train/test_reliability_data.py",
     "study/test_faults.py",
     "train/test_reliability.py",

@@ -26,6 +26,7 @@ import numpy as np
 
 from pipejax.analysis import quadratic
 from pipejax.analysis import sharpness
+from pipejax import methods as methods_lib
 from pipejax.methods import DISPLAY_NAMES
 from pipejax.study import statistics
 from pipejax.train import experiment
@@ -35,6 +36,8 @@ from pipejax.train.checkpoint import Checkpointer
 # step is η/D at the start of its annealing, so its stable delays need not be an interval.
 LIMIT_METHODS = quadratic.PIPELINE_METHODS
 AT_DELAY_METHODS = LIMIT_METHODS
+# PipeMare: the modelled method whose step falls with the delay.
+RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.record_of(m).quadratic.rate_over_delay)
 
 
 def sampled_stages(num_stages: int) -> list[int]:
@@ -89,7 +92,7 @@ def pipemare_limit(lr_sharpness: float, momentum: float, max_delay: int) -> int 
   if lr_sharpness < 1.0 - momentum:
     return None
   for delay in range(max_delay + 1):
-    radius = quadratic.spectral_radius("pipemare", lr_sharpness, momentum, delay)
+    radius = quadratic.spectral_radius(RESCHEDULED, lr_sharpness, momentum, delay)
     if radius >= 1.0:
       return delay - 1
   return None
@@ -101,7 +104,7 @@ def limits_at(lr_sharpness: float, momentum: float, max_delay: int) -> dict:
   asks it only of the stages that decide (the stem and the sharpest block)."""
   if not (math.isfinite(lr_sharpness) and lr_sharpness > 0):
     return {m: None for m in LIMIT_METHODS}
-  rules = {"pipemare": pipemare_limit}  # its stable delays need not be an interval
+  rules = {RESCHEDULED: pipemare_limit}  # its stable delays need not be an interval
   return {m: rules.get(m, functools.partial(quadratic.largest_stable_delay, m))(
       lr_sharpness, momentum, max_delay) for m in LIMIT_METHODS}
 
@@ -245,7 +248,8 @@ def _runs_of(study_records: Sequence[dict], method: str, depth: int) -> dict:
 
 def _paired_gaps(study_records: Sequence[dict], method: str, depth: int) -> list[float]:
   """The gap to SGD in points of every seed where both finished."""
-  runs, baseline = _runs_of(study_records, method, depth), _runs_of(study_records, "sgd", depth)
+  runs = _runs_of(study_records, method, depth)
+  baseline = _runs_of(study_records, methods_lib.ONE_STAGE_REFERENCE, depth)
   return [100 * (r["test_accuracy"] - baseline[seed]["test_accuracy"])
           for seed, r in runs.items() if r["status"] == "finished"
           and seed in baseline and baseline[seed]["status"] == "finished"]

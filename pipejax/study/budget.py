@@ -259,7 +259,8 @@ class TokensToTarget:
         value = f"{iv.mean:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.n >= 2 else "")
         train = (f"{sum(p.train_losses.values()) / len(p.train_losses) * self.scale:.3f}"
                  if p.train_losses else "—")
-        lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {value} | {iv.n} | {train} |")
+        lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {value} | {iv.n} | "
+                     f"{train} |")
     return "\n".join(lines)
 
   def _targets_table(self, curves) -> str:
