@@ -44,8 +44,8 @@ from pipejax import methods as methods_lib
 from pipejax.analysis import depth_limits, quadratic, quadratic_noise, safe_range
 from pipejax.core import accounting
 from pipejax.study import statistics
-from pipejax.study.cells import is_diverged, without_seed
-from pipejax.study.records import FINISHED, DIVERGED, is_number, load_results
+from pipejax.study.cells import without_seed
+from pipejax.study.records import RunRecord, diverged, is_number, load_results
 from pipejax.study.spec import Study, StudyError, higher_is_better, key_of, load_study
 
 # Config fields that change what a run logs, not what it trains: a run that sets one is the same
@@ -53,6 +53,10 @@ from pipejax.study.spec import Study, StudyError, higher_is_better, key_of, load
 # of each method to the last digit), and is counted once.
 MEASUREMENT_ONLY = ("diagnostics",)
 CURVATURE_FILE = "limits.jsonl"  # scripts/depth_limits.py's records, beside results.jsonl
+# The studies that measured the pipelined methods at depth: the phase diagram's, and those the
+# start-up warning's ranges are generated from (pipejax/methods/safe_ranges.json).
+DEFAULT_STUDIES = ("docs/studies/depth", "docs/studies/lm_depth", "docs/studies/lm_regime",
+                   "docs/studies/mlp_regime")
 
 
 class PhaseError(ValueError):
@@ -101,7 +105,7 @@ class Source:
   workdir: str
   name: str
   unit: Unit
-  records: list[dict]
+  records: list[RunRecord]
   curvature: list[dict]
   problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -146,62 +150,62 @@ def read_study(workdir: str, study_file: str | None = None, unit: Unit | None = 
 # Runs: which are baselines, which are pipelined, and what each one is.
 
 
-def method_of(record: dict) -> str:
-  return record["overrides"].get("method", "")
+def method_of(record: RunRecord) -> str:
+  return record.method or ""
 
 
-def is_baseline(record: dict) -> bool:
+def is_baseline(record: RunRecord) -> bool:
   """A run without a pipeline: its method trains the whole network as one stage."""
   name = method_of(record)
   return name in methods_lib.RECORDS and methods_lib.traits_of(name).one_stage
 
 
-def is_pipelined(record: dict) -> bool:
+def is_pipelined(record: RunRecord) -> bool:
   """A run of a method that computes on stale weights (a delay to compensate)."""
   name = method_of(record)
   return name in methods_lib.RECORDS and not methods_lib.traits_of(name).delay_free
 
 
-def network_of(record: dict) -> tuple:
+def network_of(record: RunRecord) -> tuple:
   """The network a run trained: its config and every ``model_kwargs.*`` it set. Runs of one
   network are one depth, whatever their method."""
-  settings = {**record.get("fixed", {}), **record["overrides"]}
-  return (record.get("config"),) + key_of(
+  settings = record.settings
+  return (record.config,) + key_of(
       {k: v for k, v in settings.items() if k.startswith("model_kwargs.")})
 
 
-def training_overrides(record: dict) -> dict:
+def training_overrides(record: RunRecord) -> dict:
   """The run's overrides less those that change only what it logs (:data:`MEASUREMENT_ONLY`)."""
-  return {k: v for k, v in record["overrides"].items() if k not in MEASUREMENT_ONLY}
+  return {k: v for k, v in record.overrides.items() if k not in MEASUREMENT_ONLY}
 
 
-def settings_of(record: dict) -> dict:
+def settings_of(record: RunRecord) -> dict:
   """What sets a run's cell apart beyond its method and network: its rate, betas, optimizer."""
   return {k: v for k, v in training_overrides(record).items()
           if k not in ("method", "seed") and not k.startswith("model_kwargs.")}
 
 
-def usable(records: Iterable[dict]) -> list[dict]:
+def usable(records: Iterable[RunRecord]) -> list[RunRecord]:
   """The finished and diverged runs, each once: failed and skipped runs say nothing of a method,
   and a run that differs from another only in :data:`MEASUREMENT_ONLY` is that run."""
   kept = {}
   for r in records:
-    if r["status"] not in (FINISHED, DIVERGED):
+    if not r.trained:
       continue
     identity = key_of(training_overrides(r))
-    if identity not in kept or len(r["overrides"]) < len(kept[identity]["overrides"]):
+    if identity not in kept or len(r.overrides) < len(kept[identity].overrides):
       kept[identity] = r
   return list(kept.values())
 
 
-def value_of(record: dict, unit: Unit) -> float | None:
+def value_of(record: RunRecord, unit: Unit) -> float | None:
   """The run's metric, None when it diverged or has none."""
   value = record.get(unit.metric)
-  return None if is_diverged(record) or not is_number(value) else float(value)
+  return None if diverged(record) or not is_number(value) else float(value)
 
 
-def seed_of(record: dict) -> int:
-  return record["overrides"].get("seed", 0)
+def seed_of(record: RunRecord) -> int:
+  return record.seed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ class Baseline:
     return value_of(self.runs[seed], unit)
 
 
-def best_baselines(records: Sequence[dict], unit: Unit) -> dict[tuple, Baseline]:
+def best_baselines(records: Sequence[RunRecord], unit: Unit) -> dict[tuple, Baseline]:
   """Per network, the baseline cell with the best mean ``unit.metric`` over its seeds, among the
   cells of two or more seeds where there is one: a one-seed cell's noise would shift every
   unpaired gap alike, and pair with one seed only. A one-seed cell that is better still is kept
@@ -280,7 +284,7 @@ class Row:
   diverged: int
   runs: int
   baseline: Baseline | None
-  record: dict  # one run of the cell: what the cell's runs share (config, optimizer, network)
+  record: RunRecord  # one run of the cell: what the cell's runs share (config, optimizer, network)
   borrowed: bool = False  # S, β and the rate from the cell's finished siblings (none finished)
   micro_batches_per_update: int = 1
   prediction: float | None = None
@@ -302,7 +306,7 @@ class Row:
     return statistics.interval(self.gaps)
 
 
-def gap_of(record: dict, baseline: Baseline, unit: Unit) -> tuple[float, bool] | None:
+def gap_of(record: RunRecord, baseline: Baseline, unit: Unit) -> tuple[float, bool] | None:
   """The run's gap to ``baseline`` and whether it is paired: against the baseline's run of the
   same seed where there is one and both started from the same weights (where both records name
   them), else against the baseline's mean. None for a run without a value."""
@@ -310,41 +314,41 @@ def gap_of(record: dict, baseline: Baseline, unit: Unit) -> tuple[float, bool] |
   if value is None:
     return None
   twin = baseline.runs.get(seed_of(record))
-  digests = (record.get("init_digest"), twin.get("init_digest") if twin else None)
+  digests = (record.init_digest, twin.init_digest if twin else None)
   if twin is not None and (None in digests or digests[0] == digests[1]):
     return unit.gap(value, baseline.value(seed_of(record), unit)), True
   return unit.gap(value, baseline.mean), False
 
 
-def micro_batches_per_update(record: dict) -> int:
+def micro_batches_per_update(record: RunRecord) -> int:
   """The micro-batches one update of the run applies: its method's ``micro_batches`` where the
   method accumulates them (:class:`pipejax.methods.Traits`), as its study set it or by default."""
   method = method_of(record)
   if method not in methods_lib.RECORDS or \
       not methods_lib.traits_of(method).accumulates_micro_batches:
     return 1
-  settings = {**record.get("fixed", {}), **record["overrides"]}
+  settings = record.settings
   fields = dataclasses.fields(methods_lib.record_of(method).hyperparameters)
   default = next(f.default for f in fields if f.name == "micro_batches")
   return int(settings.get(f"method_kwargs.{method}.micro_batches", default))
 
 
-def _facts(runs: Sequence[dict], records: Sequence[dict]) -> tuple[int, float, float | None,
-                                                                   bool] | None:
+def _facts(runs: Sequence[RunRecord],
+           records: Sequence[RunRecord]) -> tuple[int, float, float | None, bool] | None:
   """``(S, β, rate, borrowed)`` of a cell: from its finished runs, else (all diverged, having
   recorded neither) from a finished run of the same study, network and overrides but the method
   and seed, which resolved the same recipe (:func:`pipejax.train.experiment.resolve_recipe`
   reads the method only for a synchronous step's micro-batches); None when there is none."""
-  own = [r for r in runs if is_number(r.get("momentum")) and is_number(r.get("num_stages"))]
+  own = [r for r in runs if is_number(r.momentum) and is_number(r.num_stages)]
   if own:
-    return own[0]["num_stages"], own[0]["momentum"], own[0].get("learning_rate"), False
+    return own[0].num_stages, own[0].momentum, own[0].learning_rate, False
   network, settings = network_of(runs[0]), key_of(settings_of(runs[0]))
-  siblings = [r for r in records if network_of(r) == network and is_number(r.get("momentum"))
+  siblings = [r for r in records if network_of(r) == network and is_number(r.momentum)
               and key_of(settings_of(r)) == settings]
-  stages = [r["num_stages"] for r in siblings if is_pipelined(r) and is_number(r.get("num_stages"))]
+  stages = [r.num_stages for r in siblings if is_pipelined(r) and is_number(r.num_stages)]
   if not stages:
     return None
-  return stages[0], siblings[0]["momentum"], siblings[0].get("learning_rate"), True
+  return stages[0], siblings[0].momentum, siblings[0].learning_rate, True
 
 
 def rows_of(source: Source) -> list[Row]:
@@ -397,12 +401,12 @@ def _config_optimizer(config: str) -> str | None:
     return None
 
 
-def form_of(record: dict) -> str | None:
+def form_of(record: RunRecord) -> str | None:
   """The run's base update as the quadratic reads it: ``'ema'`` for Adam, ``'heavy_ball'`` for
   SGD (:class:`pipejax.optim.Recipe`'s ``form``); None when its config cannot be read."""
-  optimizer = record["overrides"].get("optimizer") or record.get("fixed", {}).get("optimizer")
-  if optimizer is None and record.get("config"):
-    optimizer = _config_optimizer(record["config"])
+  optimizer = record.overrides.get("optimizer") or (record.fixed or {}).get("optimizer")
+  if optimizer is None and record.config:
+    optimizer = _config_optimizer(record.config)
   return None if optimizer is None else ("ema" if optimizer == "adam" else "heavy_ball")
 
 
@@ -427,7 +431,7 @@ def prediction(row: Row, form: str | None, curvature: Sequence[dict]) -> tuple[f
   if reading is None:
     return None, f"no λ reading at {row.num_stages} stages"
   if form is None:
-    return None, f"its config {row.record.get('config')!r} cannot be read"
+    return None, f"its config {row.record.config!r} cannot be read"
   if (reading.get("form") or "heavy_ball") != form:
     return None, "λ read under another optimizer"
   if not is_number(row.learning_rate):
