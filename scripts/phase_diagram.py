@@ -42,7 +42,10 @@ _SAFE_RANGES = flags.DEFINE_string(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: give the studies with --studies.")
-  sources, notes = phase.read_studies(_STUDIES.value)
+  try:
+    sources, notes = phase.read_studies(_STUDIES.value)
+  except phase.StudyMismatchError as e:
+    raise app.UsageError(str(e)) from None
   for note in notes:
     print(note, file=sys.stderr)
   rows = phase.phase_rows(sources)

@@ -46,7 +46,8 @@ from pipejax.core import accounting
 from pipejax.study import statistics
 from pipejax.study.cells import without_seed
 from pipejax.study.records import RunRecord, diverged, is_number, load_results
-from pipejax.study.spec import Study, StudyError, higher_is_better, key_of, load_study
+from pipejax.study.spec import (Study, StudyError, higher_is_better, key_of, load_study,
+                                run_id)
 
 # Config fields that change what a run logs, not what it trains: a run that sets one is the same
 # run as its twin without it (the depth study's 8-stage runs with ``diagnostics`` repeat seed 0
@@ -61,6 +62,11 @@ DEFAULT_STUDIES = ("docs/studies/depth", "docs/studies/lm_depth", "docs/studies/
 
 class PhaseError(ValueError):
   """A study the phase diagram cannot read; the message says why and what to do."""
+
+
+class StudyMismatchError(PhaseError):
+  """A workdir's records are not runs of the study file paired with it: a user's error that no
+  note may hide, since the diagram would read them in another study's unit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +126,12 @@ def read_study(workdir: str, study_file: str | None = None, unit: Unit | None = 
   """The records of the study in ``workdir``; its name and unit from ``study_file`` (default
   :func:`study_file_of`) unless ``unit`` is given.
 
+  Records that are not runs of the study file (not its grid points, or of another config) are
+  left out with a note; when none is, the pairing is refused.
+
   Raises:
     PhaseError: no such workdir, no ``results.jsonl`` in it, or a study file that cannot be read.
+    StudyMismatchError: none of the records is a run of the study file.
   """
   path = os.path.join(workdir, "results.jsonl")
   if not os.path.isdir(workdir):
@@ -133,6 +143,7 @@ def read_study(workdir: str, study_file: str | None = None, unit: Unit | None = 
                      "yet. Run the study first (scripts/study.py --workdir=" f"{workdir}), or "
                      "leave it out of --studies.")
   name = os.path.basename(os.path.normpath(workdir))
+  records, problems = load_results(workdir)
   if unit is None:
     spec = study_file or study_file_of(workdir)
     try:
@@ -141,9 +152,33 @@ def read_study(workdir: str, study_file: str | None = None, unit: Unit | None = 
       raise PhaseError(f"The unit of the study in {workdir!r} comes from its study file, and "
                        f"{e} Give the file as WORKDIR=STUDY_FILE in --studies.") from None
     name, unit = study.name, unit_of(study)
-  records, problems = load_results(workdir)
+    records, foreign = runs_of_study(records, study, spec, workdir)
+    problems += foreign
   curvature = depth_limits.read_records(os.path.join(workdir, CURVATURE_FILE))
   return Source(workdir, name, unit, records, curvature, problems)
+
+
+def runs_of_study(records: Sequence[RunRecord], study: Study, spec: str,
+                  workdir: str) -> tuple[list[RunRecord], list[str]]:
+  """The records that are runs of ``study`` (its grid points, of its config), and a note on those
+  left out.
+
+  Raises:
+    StudyMismatchError: there are records and none is a run of ``study``.
+  """
+  grid = {run_id(o) for o in study.runs()}
+  kept = [r for r in records if r.run in grid and r.config == study.config]
+  if records and not kept:
+    configs = ", ".join(sorted({str(r.config) for r in records}))
+    raise StudyMismatchError(
+        f"None of the {len(records)} records in {workdir!r} is a run of the study file {spec!r} "
+        f"(its config {study.config!r} and its grid; the records' config: {configs}): the phase "
+        "diagram would read them in that study's unit. Pair each workdir with the study file it "
+        "was run from (WORKDIR=STUDY_FILE in --studies).")
+  left = len(records) - len(kept)
+  notes = [f"{left} of its {len(records)} records are not runs of {spec} (not a grid point of it, "
+           "or of another config): left out."] if left else []
+  return kept, notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,12 +496,18 @@ def phase_rows(sources: Sequence[Source]) -> list[Row]:
 
 def read_studies(entries: Sequence[str]) -> tuple[list[Source], list[str]]:
   """The studies of ``entries`` (``WORKDIR`` or ``WORKDIR=STUDY_FILE``) that can be read, and one
-  line for each that cannot or that gives no row (a missing workdir is skipped, not an error)."""
+  line for each that cannot or that gives no row (a missing workdir is skipped, not an error).
+
+  Raises:
+    StudyMismatchError: a workdir's records are not runs of the study file paired with it.
+  """
   sources, notes = [], []
   for entry in entries:
     workdir, _, study_file = entry.partition("=")
     try:
       source = read_study(workdir, study_file or None)
+    except StudyMismatchError:
+      raise
     except PhaseError as e:
       notes.append(f"Skipped: {e}")
       continue
