@@ -29,7 +29,7 @@ from typing import Sequence
 from pipejax import files
 from pipejax.study import statistics
 from pipejax.train import workdir as workdir_lib
-from pipejax.study.spec import Overrides, Section, Study, Table
+from pipejax.study.spec import Overrides, Section, Study, Table, run_id
 from pipejax.study.cells import Cell, axis_values, gather_cells, lookup, ordered, select
 from pipejax.study.figures import draw_figure
 from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, RunRecord, is_number,
@@ -319,7 +319,8 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
 
 
 def _write_report(study: Study, workdir: str, command: str) -> str:
-  records, superseded = paired_records(read_results(workdir))
+  records, off_grid = grid_records(study, read_results(workdir))
+  records, superseded = paired_records(records)
   write_csv(records, os.path.join(workdir, "results.csv"))
   planned = len(study.runs())
   counts = {s: sum(r.status == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
@@ -337,6 +338,10 @@ def _write_report(study: Study, workdir: str, command: str) -> str:
       "or its final test loss is above its initial one; diverged runs are counted, never "
       "averaged." + _margin_sentence(study))
   parts += _pairing_check(records)
+  if off_grid:
+    parts += ["", f"{off_grid} records of results.jsonl are not grid points of the study file (a "
+              "grid that shrank, or another study's runs) and are set aside: counted and shown "
+              "nowhere in this report (they stay in results.jsonl)."]
   if superseded:
     parts += ["", f"{superseded} runs recorded before every method of a seed started from the "
               "same weights are left out of the tables (they stay in results.jsonl); the study "
@@ -378,6 +383,14 @@ def section_body(section: Section, records: Sequence[RunRecord], workdir: str) -
     logging.warning("Section %r of the report could not be generated: %s", section.title, reason)
     return f"This section could not be generated: {reason}."
   return text
+
+
+def grid_records(study: Study, records: Sequence[RunRecord]) -> tuple[list[RunRecord], int]:
+  """The records that are grid points of ``study``, and how many are not: the report counts and
+  tabulates the study's own runs only, never a foreign run's row and gap."""
+  grid = {run_id(o) for o in study.runs()}
+  kept = [r for r in records if r.run in grid]
+  return kept, len(records) - len(kept)
 
 
 def paired_records(records: Sequence[RunRecord]) -> tuple[list[RunRecord], int]:

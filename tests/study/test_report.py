@@ -352,3 +352,28 @@ def test_a_committed_study_regenerates_byte_for_byte_from_its_records(tmp_path):
       os.path.join(committed, name), "rb").read()]
   assert not differ, (f"{differ} of docs/studies/batch differ from what its records regenerate "
                       "to: run the command of its report.md with --report_only and commit them")
+
+
+def test_a_report_counts_and_tabulates_only_the_studys_grid_points(tmp_path):
+  # The grid shrank to depth 4 after runs at depth 8 were recorded, and a record of another
+  # study's method sits among them: neither is counted, given a row or a gap.
+  shrunk = Study(name="t", config="c.py", baseline={"method": "sgd"},
+                 grids=[{"model_kwargs.depth": (4,), "method": ("sgd", "pb"), "seed": (0,)}],
+                 tables=[Table("acc", rows="model_kwargs.depth", columns="method", kind="gap")])
+  for m, d, acc in [("sgd", 4, 0.9), ("pb", 4, 0.8), ("sgd", 8, 0.85), ("pb", 8, 0.7),
+                    ("pipemare", 4, 0.1)]:
+    study_records.append_result(str(tmp_path), record(m, d, 0, acc))
+  text = study_report.write_report(shrunk, str(tmp_path))
+  assert "\n2 of 2 runs recorded: 2 finished" in text
+  assert "3 records of results.jsonl are not grid points of the study file" in text
+  assert "| 8 |" not in text and "PipeMare" not in text
+
+
+@pytest.mark.parametrize("rows, columns, message", [
+    ("method", "method", "'method' as both its rows and its columns"),
+    ("seed", "method", "puts 'seed' on an axis")])
+def test_a_table_whose_axes_cannot_hold_its_cells_is_refused_in_one_paragraph(rows, columns,
+                                                                                message):
+  with pytest.raises(study_lib.StudyError, match=message) as error:
+    Study(name="t", config="c.py", grids=STUDY.grids, tables=[Table("acc", rows, columns)])
+  assert "\n" not in str(error.value)
