@@ -20,10 +20,10 @@ cell of a pipelined method (every run with the same settings but the seed):
 * the convex quadratic's prediction at the same ``D_max``, β and rate (:func:`prediction`).
 
 The quadratic's prediction is not in the study's unit. Under gradient noise of variance ``σ²``,
-:func:`pipejax.analysis.quadratic_noise.predicted_gap` is the method's stationary excess loss
+:func:`pipejax.analysis.quadratic.noise.predicted_gap` is the method's stationary excess loss
 minus the undelayed reference's, in units of ``σ²/λ``, at a step ``x = ηλ``. Neither ``σ²`` nor a
 network's ``λ`` is known, so the prediction given here is that gap over the reference's own
-excess loss (:func:`pipejax.analysis.quadratic_noise.heavy_ball_excess_loss`), in which ``σ²``
+excess loss (:func:`pipejax.analysis.quadratic.noise.heavy_ball_excess_loss`), in which ``σ²``
 cancels: 0 where the delay costs nothing, 1 where it doubles the noise floor, ``inf`` where the
 method is unstable. ``λ`` does not cancel: it is the study's own curvature reading of the stem
 (``limits.jsonl``, :mod:`pipejax.analysis.depth_limits`) at the run's depth, and a cell without
@@ -41,7 +41,8 @@ from typing import Iterable, Sequence
 
 from pipejax import config as config_lib
 from pipejax import methods as methods_lib
-from pipejax.analysis import depth_limits, quadratic, quadratic_noise, safe_range
+from pipejax.analysis import depth_limits, quadratic, safe_range
+from pipejax.analysis.quadratic import noise as quadratic_noise
 from pipejax.core import accounting
 from pipejax.study import statistics
 from pipejax.study.cells import without_seed
@@ -419,7 +420,7 @@ def rows_of(source: Source) -> list[Row]:
 
 @functools.lru_cache(maxsize=None)
 def relative_gap(method: str, delay: int, momentum: float, lr_lambda: float) -> float:
-  """The quadratic's :func:`~pipejax.analysis.quadratic_noise.predicted_gap` over the undelayed
+  """The quadratic's :func:`~pipejax.analysis.quadratic.noise.predicted_gap` over the undelayed
   reference's stationary excess loss at the same ``ηλ`` and momentum: the noise's variance
   cancels. ``inf`` where the method is unstable, NaN where the reference itself is."""
   reference = quadratic_noise.heavy_ball_excess_loss(lr_lambda, momentum, 1.0)
@@ -735,7 +736,7 @@ pipelined run is worse**: accuracy points on the deep MLP, bits per byte (nats /
 validation loss on the language model. The interval is the 95% Student-t interval over seeds
 (`pipejax.study.statistics.interval`); diverged runs are counted, never averaged.
 
-The **prediction** is the convex quadratic's (`pipejax.analysis.quadratic_noise`): under gradient
+The **prediction** is the convex quadratic's (`pipejax.analysis.quadratic.noise`): under gradient
 noise, the method's stationary excess loss minus the undelayed reference's at the same D_max, β
 and step ηλ, divided by the reference's own excess loss, so that the noise's variance cancels.
 It has no unit and is not a prediction of points or bits per byte: 0 is no cost of the delay, 1

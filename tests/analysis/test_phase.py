@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipejax.analysis import phase, quadratic_noise
+from pipejax.analysis import phase
+from pipejax.analysis.quadratic import noise as quadratic_noise
 from pipejax.study.spec import load_study, run_id
 from tests.helpers import ROOT
 

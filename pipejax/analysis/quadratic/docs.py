@@ -15,7 +15,7 @@ import re
 
 from pipejax import methods
 from pipejax.analysis import quadratic
-from pipejax.analysis.quadratic_figures import LOSS_SETTINGS, LOSS_STEPS
+from pipejax.analysis.quadratic.figures import LOSS_SETTINGS, LOSS_STEPS
 
 JSON_KEYS = ("method", "momentum", "delay", "max_stable_lr", "best_rate")
 
