@@ -1,8 +1,8 @@
 r"""Stability tables and figures of pipelined momentum methods on a convex quadratic.
 
 Prints, for each method, momentum and delay, the largest stable ``ηλ`` and the best asymptotic
-rate ``ρ`` of the recurrence on ``L(w) = ½ λ w²`` (see ``pipejax/analysis/quadratic/stability.py``), draws
-the figures, and keeps the numbers of ``docs/quadratic.md`` current:
+rate ``ρ`` of the recurrence on ``L(w) = ½ λ w²`` (see ``pipejax/analysis/quadratic/``), draws the
+figures, and keeps the numbers of ``docs/quadratic.md`` current:
 
     python scripts/quadratic.py                      # readable tables
     python scripts/quadratic.py --format=json        # {"stability": [...]}

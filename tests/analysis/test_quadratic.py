@@ -1,5 +1,5 @@
-"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic/stability.py) and of its
-simulation (pipejax/analysis/quadratic/simulation.py)."""
+"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic/stability.py) and
+of its simulation (pipejax/analysis/quadratic/simulation.py)."""
 
 import json
 import math
