@@ -160,9 +160,9 @@ def test_the_runner_and_the_report_count_the_same_records(tmp_path, fake_trainer
 def test_a_changed_fixed_value_is_refused_with_the_diff_and_hides_no_result(tmp_path,
                                                                              fake_trainer, capsys):
   assert run_main(tmp_path, fake_trainer("finish")) == 0
-  changed = dataclasses.replace(TWO_RUNS, fixed={"epochs": 2.0, "warmup_epochs": 0.5})
+  other = dataclasses.replace(TWO_RUNS, fixed={"epochs": 2.0, "warmup_epochs": 0.5})
   for report_only in (False, True):
-    assert run_main(tmp_path, fake_trainer("fail"), study=changed, report_only=report_only) == 2
+    assert run_main(tmp_path, fake_trainer("fail"), study=other, report_only=report_only) == 2
     err = capsys.readouterr().err
     assert "2 run(s) with epochs: 1.0 -> 2.0; warmup_epochs: (not set) -> 0.5" in err
     assert "restore the old values" in err and "another --workdir" in err
@@ -171,7 +171,7 @@ def test_a_changed_fixed_value_is_refused_with_the_diff_and_hides_no_result(tmp_
   # A workdir where a changed recipe already recorded failures still shows its finished runs.
   finished = study_records.read_results(str(tmp_path))
   study_records.append_result(str(tmp_path), changed(finished[0], status=study_records.FAILED,
-                                              fixed={"epochs": 2.0}))
+                                                     fixed={"epochs": 2.0}))
   assert study_records.read_results(str(tmp_path)) == finished
 
 
