@@ -1,8 +1,8 @@
 r"""Stability tables and figures of pipelined momentum methods on a convex quadratic.
 
 Prints, for each method, momentum and delay, the largest stable ``ηλ`` and the best asymptotic
-rate ``ρ`` of the recurrence on ``L(w) = ½ λ w²`` (see ``pipejax/analysis/quadratic.py``), draws
-the figures, and keeps the numbers of ``docs/quadratic.md`` current:
+rate ``ρ`` of the recurrence on ``L(w) = ½ λ w²`` (see ``pipejax/analysis/quadratic/``), draws the
+figures, and keeps the numbers of ``docs/quadratic.md`` current:
 
     python scripts/quadratic.py                      # readable tables
     python scripts/quadratic.py --format=json        # {"stability": [...]}
@@ -11,7 +11,7 @@ the figures, and keeps the numbers of ``docs/quadratic.md`` current:
     python scripts/quadratic.py --check_docs         # exit 1 if the page's numbers are stale
 
 The page carries its own prose; ``--write_docs`` rewrites only the parts between its markers
-(``pipejax/analysis/quadratic_docs.py``). The full default table (6 methods × 3 momenta × 5
+(``pipejax/analysis/quadratic/docs.py``). The full default table (6 methods × 3 momenta × 5
 delays) takes about 15 s on one CPU core, the figures about 30 s more.
 """
 
@@ -25,7 +25,9 @@ from absl import app
 from absl import flags
 
 from pipejax import cli
-from pipejax.analysis import quadratic, quadratic_docs, quadratic_figures
+from pipejax.analysis import quadratic
+from pipejax.analysis.quadratic import docs as quadratic_docs
+from pipejax.analysis.quadratic import figures as quadratic_figures
 
 _FORMAT = flags.DEFINE_enum("format", "text", ["text", "json", "markdown"],
                             "How to print the stability table.")

@@ -193,9 +193,9 @@ def _beta_pruning(records, _workdir) -> str:
   pruning rule makes of it."""
   where = (("method", FINAL_ADAM[0]), ("reference.lr", FINAL_ADAM[1]), ("seed", 0),
            ("micro_batch_size", None))
-  pilots = {(r["overrides"]["reference.momentum"], r["overrides"]["reference.b2"]):
-            r["test_loss"] * BITS_PER_NAT
-            for r in study_cells.select(records, where) if r.get("status") == "finished"}
+  pilots = {(r.overrides["reference.momentum"], r.overrides["reference.b2"]):
+            r.test_loss * BITS_PER_NAT
+            for r in study_cells.select(records, where) if r.status == "finished"}
   if not pilots:
     return "No beta setting's pilot is recorded yet."
   best = min(pilots.values())

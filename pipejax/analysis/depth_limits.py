@@ -26,8 +26,10 @@ import numpy as np
 
 from pipejax.analysis import quadratic
 from pipejax.analysis import sharpness
+from pipejax import methods as methods_lib
 from pipejax.methods import DISPLAY_NAMES
 from pipejax.study import statistics
+from pipejax.study.records import RunRecord, diverged as is_diverged
 from pipejax.train import experiment
 from pipejax.train.checkpoint import Checkpointer
 
@@ -35,6 +37,8 @@ from pipejax.train.checkpoint import Checkpointer
 # step is η/D at the start of its annealing, so its stable delays need not be an interval.
 LIMIT_METHODS = quadratic.PIPELINE_METHODS
 AT_DELAY_METHODS = LIMIT_METHODS
+# PipeMare: the modelled method whose step falls with the delay.
+RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.record_of(m).quadratic.rate_over_delay)
 
 
 def sampled_stages(num_stages: int) -> list[int]:
@@ -89,7 +93,7 @@ def pipemare_limit(lr_sharpness: float, momentum: float, max_delay: int) -> int 
   if lr_sharpness < 1.0 - momentum:
     return None
   for delay in range(max_delay + 1):
-    radius = quadratic.spectral_radius("pipemare", lr_sharpness, momentum, delay)
+    radius = quadratic.spectral_radius(RESCHEDULED, lr_sharpness, momentum, delay)
     if radius >= 1.0:
       return delay - 1
   return None
@@ -101,7 +105,7 @@ def limits_at(lr_sharpness: float, momentum: float, max_delay: int) -> dict:
   asks it only of the stages that decide (the stem and the sharpest block)."""
   if not (math.isfinite(lr_sharpness) and lr_sharpness > 0):
     return {m: None for m in LIMIT_METHODS}
-  rules = {"pipemare": pipemare_limit}  # its stable delays need not be an interval
+  rules = {RESCHEDULED: pipemare_limit}  # its stable delays need not be an interval
   return {m: rules.get(m, functools.partial(quadratic.largest_stable_delay, m))(
       lr_sharpness, momentum, max_delay) for m in LIMIT_METHODS}
 
@@ -233,25 +237,25 @@ def _limit_text(record: dict, method: str, num_stages: int) -> str:
   return "unstable at 0" if limit < 0 else str(limit)
 
 
-def _runs_of(study_records: Sequence[dict], method: str, depth: int) -> dict:
+def _runs_of(study_records: Sequence[RunRecord], method: str, depth: int) -> dict:
   """The momentum-SGD runs of ``method`` at ``depth`` that finished or diverged, by seed."""
-  return {r["overrides"].get("seed"): r for r in study_records
-          if r["overrides"].get("method") == method
-          and r["overrides"].get("model_kwargs.depth") == depth
-          and r["overrides"].get("optimizer") is None
-          and r["overrides"].get("diagnostics") is None
-          and r["status"] in ("finished", "diverged")}
+  return {r.overrides.get("seed"): r for r in study_records
+          if r.overrides.get("method") == method
+          and r.overrides.get("model_kwargs.depth") == depth
+          and r.overrides.get("optimizer") is None
+          and r.overrides.get("diagnostics") is None and r.trained}
 
 
-def _paired_gaps(study_records: Sequence[dict], method: str, depth: int) -> list[float]:
+def _paired_gaps(study_records: Sequence[RunRecord], method: str, depth: int) -> list[float]:
   """The gap to SGD in points of every seed where both finished."""
-  runs, baseline = _runs_of(study_records, method, depth), _runs_of(study_records, "sgd", depth)
-  return [100 * (r["test_accuracy"] - baseline[seed]["test_accuracy"])
-          for seed, r in runs.items() if r["status"] == "finished"
-          and seed in baseline and baseline[seed]["status"] == "finished"]
+  runs = _runs_of(study_records, method, depth)
+  baseline = _runs_of(study_records, methods_lib.ONE_STAGE_REFERENCE, depth)
+  return [100 * (r.test_accuracy - baseline[seed].test_accuracy)
+          for seed, r in runs.items()
+          if r.finished and seed in baseline and baseline[seed].finished]
 
 
-def _outcomes(study_records: Sequence[dict], method: str, depth: int) -> str:
+def _outcomes(study_records: Sequence[RunRecord], method: str, depth: int) -> str:
   """What the study measured for ``method`` at ``depth`` (momentum SGD runs): the mean gap to
   SGD in points over the seeds both finished, with their count, and the diverged runs; '—' when
   none ran."""
@@ -259,7 +263,7 @@ def _outcomes(study_records: Sequence[dict], method: str, depth: int) -> str:
   if not runs:
     return "—"
   gaps = _paired_gaps(study_records, method, depth)
-  diverged = sum(r["status"] == "diverged" for r in runs.values())
+  diverged = sum(is_diverged(r) for r in runs.values())
   parts = [f"{sum(gaps) / len(gaps):+.1f} pts (n={len(gaps)})".replace("-", "−")] if gaps else []
   if diverged:
     parts.append(f"div. {diverged}/{len(runs)}")
@@ -285,7 +289,7 @@ def _points(limit_records: Sequence[dict]) -> list[tuple]:
   return out
 
 
-def report_section(study_records: Sequence[dict], limit_records: Sequence[dict]) -> str:
+def report_section(study_records: Sequence[RunRecord], limit_records: Sequence[dict]) -> str:
   """The depth report's comparison: per depth and weights, each method's largest stable delay on
   the sharpest sampled block (the stem apart) against the longest block delay, beside what the
   study measured; then :func:`verdicts`."""
@@ -311,15 +315,15 @@ def _points_text(value: float) -> str:
   return f"{value:+.2f}".replace("-", "−")
 
 
-def measured_text(study_records: Sequence[dict], method: str, depth: int) -> str:
+def measured_text(study_records: Sequence[RunRecord], method: str, depth: int) -> str:
   """The study's outcome for ``method`` at ``depth`` in words: how many runs diverged, where and
   when (from the records' ``divergence``, the trainer's own report), and the paired gap to SGD
   with its 95% CI."""
   runs = _runs_of(study_records, method, depth)
-  diverged = [r for r in runs.values() if r["status"] == "diverged"]
+  diverged = [r for r in runs.values() if is_diverged(r)]
   parts = []
   if diverged:
-    points = [r["divergence"] for r in diverged if r.get("divergence")]
+    points = [r.divergence for r in diverged if r.divergence]
     text = f"diverged {len(diverged)} of {len(runs)}"
     if points:
       samples = sorted(p["samples"] for p in points)
@@ -378,7 +382,7 @@ def _agreement(breaks: bool | None, runs: int, diverged: int) -> str:
           f"disagrees for {diverged} of {runs} runs")
 
 
-def verdicts(study_records: Sequence[dict], limit_records: Sequence[dict]) -> str:
+def verdicts(study_records: Sequence[RunRecord], limit_records: Sequence[dict]) -> str:
   """Per method and depth, the quadratic's verdict at each point where the curvature was read
   (the peak step, every sampled stage at its own delay) against the study's outcome there: agrees
   when it predicts a break and every run diverged, or no break and none did."""
@@ -396,8 +400,8 @@ def verdicts(study_records: Sequence[dict], limit_records: Sequence[dict]) -> st
     lines += ["", f"- **{DISPLAY_NAMES.get(method, method)}**"]
     for depth in depths:
       runs = _runs_of(study_records, method, depth)
-      diverged = [r for r in runs.values() if r["status"] == "diverged"]
-      broke_by = max((r["divergence"]["samples"] for r in diverged if r.get("divergence")),
+      diverged = [r for r in runs.values() if is_diverged(r)]
+      broke_by = max((r.divergence["samples"] for r in diverged if r.divergence),
                      default=None) if len(diverged) == len(runs) else None
       readings = []
       for d, samples, whose, stem, blocks, rows in points:

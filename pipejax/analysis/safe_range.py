@@ -23,15 +23,23 @@ A method's cells at one ``x`` (several rates, betas or studies) count by their b
 rate that was too high does not hide one that held. The method **holds up to** the largest ``x``
 before the first ``x`` whose best verdict is decided (non-inferior, not shown, behind or
 diverged) and is not non-inferior; cells of no claim neither extend nor end it.
+
+:func:`measured_ranges` gives, per method, what the warning at a run's start reads
+(:mod:`pipejax.methods.safe_ranges`): the momenta measured, and per unit the range where it holds
+and each ``x`` where it was behind or diverged with that cell's gap; :func:`write_ranges` writes
+it to ``pipejax/methods/safe_ranges.json``.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 from typing import Sequence
 
+from pipejax import files
 from pipejax import methods as methods_lib
+from pipejax.methods import safe_ranges
 from pipejax.study import statistics
 
 NON_INFERIOR = "non-inferior"
@@ -55,8 +63,10 @@ a run of a cell of two or more diverged. Fewer than two paired seeds (a pilot, o
 one seed), a single run that diverged, or a study without a margin make no claim. A method's cells
 at one x (several rates or betas) count by their best verdict. It **holds up to** the largest x
 before the first x with a decided verdict other than non-inferior; cells of no claim neither
-extend nor end that range. The last column is the product's threshold (the method's
-`safe_delay_memory`): a run beyond it is warned at its start."""
+extend nor end that range. A run's start-up warning reads these verdicts
+(`pipejax/methods/safe_ranges.json`, written by `scripts/phase_diagram.py --safe_ranges`): beyond
+where its method holds, it names the nearest x at or below the run's where the method was behind,
+with its gap, or says that the run's delay is unmeasured."""
 
 
 def verdict(paired_gaps: Sequence[float], runs: int, diverged: int,
@@ -146,17 +156,13 @@ def _cells_with(cells: Sequence[CellVerdict], wanted: str) -> str:
 
 
 def table(rows: Sequence) -> str:
-  """The markdown table of every method's verdicts by ``x`` and the range where it holds, beside
-  the threshold beyond which the product warns (its record's ``safe_delay_memory``)."""
+  """The markdown table of every method's verdicts by ``x`` and the range where it holds."""
   margins = sorted({row.unit.margin for row in rows if row.unit.margin is not None})
   unit = rows[0].unit.name if rows else ""
   margin = " or ".join(f"{m:g}" for m in margins) or "none"
   lines = [f"| method | non-inferior at x (margin {margin} {unit}) | not shown | behind, or "
-           "diverged | no claim | holds up to x | behind from x | "
-           "the product warns beyond x |", "|" + "---|" * 8]
+           "diverged | no claim | holds up to x | behind from x |", "|" + "---|" * 7]
   for method_range in ranges(rows):
-    record = methods_lib.RECORDS.get(method_range.method)
-    warns = record.safe_delay_memory if record is not None else None
     cells = method_range.cells
     behind = "; ".join(text for text in (_cells_with(cells, BEHIND), _cells_with(cells, DIVERGED))
                        if text != "—")
@@ -164,10 +170,59 @@ def table(rows: Sequence) -> str:
         f"| {methods_lib.DISPLAY_NAMES.get(method_range.method, method_range.method)} | "
         f"{_cells_with(cells, NON_INFERIOR)} | {_cells_with(cells, NOT_SHOWN)} | "
         f"{behind or '—'} | {_cells_with(cells, NO_CLAIM)} | "
-        f"{_number(method_range.holds_up_to)} | {_number(method_range.behind_from)} | "
-        f"{_number(warns)} |")
+        f"{_number(method_range.holds_up_to)} | {_number(method_range.behind_from)} |")
   return "\n".join(lines)
 
 
 def _number(value: float | None) -> str:
   return "—" if value is None else f"{value:g}"
+
+
+def _figures(value: float | None, digits: int = 4) -> float | None:
+  return None if value is None else float(f"{value:.{digits}g}")
+
+
+def _behind_cell(rows: Sequence, x: float, wanted: str) -> dict:
+  """The cell of ``rows`` (one method, one unit) at ``x`` with verdict ``wanted`` that is least
+  behind: the gap a run at that ``x`` should expect at the least."""
+  found = [row for row in rows if float(f"{row.delay_memory:.3g}") == x and verdict(
+      row.paired_gaps, row.runs, row.diverged, row.unit.margin) == wanted]
+  row = min(found, key=lambda r: r.interval.mean if r.gaps else float("inf"))
+  cell = {"x": x, "verdict": wanted, "study": row.study, "stages": row.num_stages,
+          "momentum": _figures(row.momentum, 6), "unit": row.unit.name,
+          "runs": row.runs, "diverged": row.diverged}
+  if row.gaps:
+    s = row.interval
+    cell.update(gap=_figures(s.mean, 3), low=_figures(s.low, 3) if s.n > 1 else None,
+                high=_figures(s.high, 3) if s.n > 1 else None)
+  return cell
+
+
+def measured_ranges(rows: Sequence) -> dict:
+  """Per method of ``rows`` (phase rows of any units), what a run's start-up warning reads: the
+  momenta its cells were measured at, and per unit the ``x`` up to which it holds and each ``x``
+  whose best verdict is behind or diverged, with that cell's gap (:func:`_behind_cell`)."""
+  found: dict[str, dict] = {}
+  for unit in dict.fromkeys(row.unit for row in rows):
+    unit_rows = [row for row in rows if row.unit == unit]
+    for method_range in ranges(unit_rows):
+      mine = [row for row in unit_rows if row.method == method_range.method]
+      entry = found.setdefault(method_range.method, {"momenta": [], "units": {}})
+      entry["momenta"] += [row.momentum for row in mine]
+      entry["units"][unit.name] = {
+          "holds_up_to": method_range.holds_up_to,
+          "behind": [_behind_cell(mine, x, best) for x, best in method_range.best_by_x().items()
+                     if best in (BEHIND, DIVERGED)]}
+  for entry in found.values():
+    entry["momenta"] = [min(entry["momenta"]), max(entry["momenta"])]
+  return dict(sorted(found.items()))
+
+
+def write_ranges(rows: Sequence, path: str = safe_ranges.PATH, command: str = "") -> str:
+  """Writes :func:`measured_ranges` of ``rows`` to ``path`` (the file the warning reads);
+  returns ``path``."""
+  text = json.dumps({"generated_by": command or "python scripts/phase_diagram.py --safe_ranges="
+                     "pipejax/methods/safe_ranges.json", "methods": measured_ranges(rows)},
+                    indent=1, sort_keys=True)
+  files.write(path, text + "\n")
+  return path

@@ -36,7 +36,7 @@ def run_study(case, workdir, env, timeout=900):
 def study_results(workdir):
   """Each recorded run's numbers, and the sentences naming lines that are not records."""
   records, problems = study_records.load_results(workdir)
-  return {r["run"]: {k: r.get(k) for k in ("status", "test_accuracy", "test_loss", "samples")}
+  return {r.run: {k: r.get(k) for k in ("status", "test_accuracy", "test_loss", "samples")}
           for r in records}, problems
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+from pipejax import methods
 from pipejax.chaos import child_env
 from pipejax.chaos.trainer import MLP, TrainerCase, checkpoints, command, comparable_records
 
@@ -20,7 +21,8 @@ TWO_PROCESS_OVERRIDES = (
     "--config.ticks_per_chunk=25", "--config.model_kwargs.hidden=(32,16)",
     "--config.eval_every_samples=400", "--config.checkpoint_every_samples=100")
 # Fields a process may be started with by mistake, and a wrong value for each.
-MISMATCHES = (("seed", "1"), ("reference.lr", "0.4"), ("method", "pb"), ("epochs", "2.0"))
+MISMATCHES = (("seed", "1"), ("reference.lr", "0.4"), ("method", methods.PLAIN_PIPELINE),
+              ("epochs", "2.0"))
 # Seconds within which both processes must end once one is killed or refuses (heartbeat 5 s).
 TWO_PROCESS_DEADLINE = 120
 

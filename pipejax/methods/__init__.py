@@ -46,6 +46,11 @@ METHODS = tuple(RECORDS)
 """Every preset's name, sorted."""
 RECOMMENDED = next(name for name, record in RECORDS.items() if record.traits.recommended)
 """The name of the preset whose traits mark it as the recommended one."""
+PLAIN_PIPELINE = next(name for name, record in RECORDS.items() if record.traits.plain_pipeline)
+"""The name of plain Pipelined Backpropagation: the yardstick of the other pipelined presets."""
+ONE_STAGE_REFERENCE = next(name for name, record in RECORDS.items() if record.traits.one_stage
+                           and record.optimizers == BASE_OPTIMIZERS)
+"""The name of the one-stage preset of every base update (SGD or Adam without a pipeline)."""
 DISPLAY_NAMES = {name: record.display_name for name, record in RECORDS.items()}
 """How reports and figures name the presets, by name."""
 

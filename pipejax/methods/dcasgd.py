@@ -31,7 +31,4 @@ def build(h: DcAsgdHyperparameters) -> Method:
                 stash_forward_weights=True, pass_gradient_weights=True)
 
 
-# safe_delay_memory: docs/studies/depth/report.md (deep MLP, m = 0.99918) found it level with SGD
-# (95% CI above −0.5 points) at 8 stages, D_max (1 − m) = 0.012, and behind from 16 (0.025) on.
-RECORD = Record("dcasgd", "DC-ASGD", DcAsgdHyperparameters, build, color="tab:pink",
-                safe_delay_memory=0.012)
+RECORD = Record("dcasgd", "DC-ASGD", DcAsgdHyperparameters, build, color="tab:pink")

@@ -25,9 +25,5 @@ def build(h: Hyperparameters) -> Method:
   return Method("pb_muon", lambda delay: muon(h))
 
 
-# safe_delay_memory: docs/studies/lm_depth/report.md (b1 0.9) found it non-inferior at 0.02 bits
-# per byte to its best baseline, Adam without a pipeline, at 8 stages (D_max (1 − b1) = 1.4), and
-# behind at 32 (6.2); docs/studies/phase/report.md gives the verdicts. 1.5: the measured 1.4
-# rounded up, as the other methods' thresholds are, so that the setting measured is not warned.
 RECORD = Record("pb_muon", "PB + Muon", Hyperparameters, build, optimizers=("adam",),
-                color="teal", safe_delay_memory=1.5)
+                color="teal")

@@ -41,9 +41,5 @@ def build(h: PipeMareHyperparameters) -> Method:
   return Method("pipemare", update, backward_weights=_past_weights)
 
 
-# safe_delay_memory: docs/studies/depth/report.md (deep MLP, m = 0.99918) found it level with SGD
-# (95% CI above −0.5 points) up to 32 stages, D_max (1 − m) = 0.052; at 64 (0.104) its CI reached
-# −1.3 points.
 RECORD = Record("pipemare", "PipeMare", PipeMareHyperparameters, build, optimizers=("sgd",),
-                quadratic=QuadraticForm(rate_over_delay=True), color="tab:orange",
-                safe_delay_memory=0.052)
+                quadratic=QuadraticForm(rate_over_delay=True), color="tab:orange")

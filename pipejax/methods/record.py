@@ -81,12 +81,9 @@ class Record:
     optimizers: the base updates (``'sgd'``, ``'adam'``) it is defined for.
     quadratic: its recurrence on the convex quadratic, where it has one.
     color: its colour in figures.
-    safe_delay_memory: the largest ``D_max (1 − β)`` (the stem's delay ``2(S − 1)`` over the
-      momentum's memory ``1 / (1 − β)``, β the momentum or Adam's b1) at which a study found the
-      method level with its baseline, below every one at which a study found it behind; a run
-      beyond it is warned at its start. The phase report's range can end lower, where a cell
-      at a smaller x was not shown level against that report's baseline. None: no study has
-      measured it (no warning).
+
+  What the studies measured of its delay is generated data, not part of the preset
+  (:mod:`pipejax.methods.safe_ranges`).
   """
 
   name: str
@@ -97,7 +94,6 @@ class Record:
   optimizers: tuple[str, ...] = BASE_OPTIMIZERS
   quadratic: QuadraticForm | None = None
   color: str = "tab:gray"
-  safe_delay_memory: float | None = None
 
   def fields(self) -> tuple[str, ...]:
     """The hyperparameters' names, ``learning_rate`` first."""

@@ -14,8 +14,5 @@ def build(h: Predicting) -> Method:
                 forward_weights=predicted_weights)
 
 
-# safe_delay_memory: docs/studies/depth/report.md (deep MLP, m = 0.99918) found it level with SGD
-# (95% CI above −0.5 points) up to 32 stages, D_max (1 − m) = 0.052, and 1.0 point behind at 64.
 RECORD = Record("spectrain", "SpecTrain", Predicting, build, optimizers=("sgd",),
-                quadratic=QuadraticForm(prediction="next_velocity"), color="tab:olive",
-                safe_delay_memory=0.052)
+                quadratic=QuadraticForm(prediction="next_velocity"), color="tab:olive")

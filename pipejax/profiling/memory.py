@@ -7,7 +7,7 @@ from pipejax import methods
 from pipejax.core.engine import Pipeline
 from pipejax.profiling.workloads import stream
 
-METHOD = "pb_sc_lwp"  # the default config's method
+METHOD = methods.RECOMMENDED  # the default config's method
 
 
 def memory(name: str, model, example_input, num_classes: int, ticks: int = 64) -> dict:

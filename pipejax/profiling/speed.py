@@ -138,7 +138,8 @@ def method_speeds(names, samples: int, repeats: int) -> list[dict]:
   for row in rows:
     wall, cpu = seconds[row["method"]]
     row["samples_per_s"], row["samples_per_cpu_s"] = samples / wall, samples / cpu
-  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline, "pb")
+  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline,
+              methods.PLAIN_PIPELINE)
   return rows
 
 
@@ -244,8 +245,8 @@ def normalization_speeds(samples: int, conv_samples: int, repeats: int,
     for normalization in normalizations:
       model = models.build(builder, layers_per_stage=1, normalization=normalization,
                            num_classes=10, **kwargs)
-      pipe = Pipeline(model, methods.make_method("pb_sc_lwp", learning_rate=1e-3, momentum=0.9),
-                      x[0], y[0])
+      method = methods.make_method(methods.RECOMMENDED, learning_rate=1e-3, momentum=0.9)
+      pipe = Pipeline(model, method, x[0], y[0])
       runners[label, normalization] = TimedRunner(pipe, x, y)
       runners[label, normalization].warm_up()
       rows.append({"model": label, "normalization": normalization, "samples": ticks})
@@ -305,7 +306,7 @@ def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> li
   (:func:`weight_passes_per_tick`) and ``pb``'s over them (``pass_ratio``), and what its compiled
   tick makes: weight-sized passes and copies (:func:`pipejax.profiling.hlo.passes`), operations.
   """
-  names = list(dict.fromkeys(["pb", *names]))
+  names = list(dict.fromkeys([methods.PLAIN_PIPELINE, *names]))
   model = workloads.depth_model(num_stages)
   x, y = stream(ticks, 1, shape=RESNET_INPUT, classes=10)
   runners, rows = {}, []
@@ -331,8 +332,10 @@ def depth_method_records(num_stages: int, names, ticks: int, repeats: int) -> li
   for row in rows:
     wall, cpu = seconds[row["method"]]
     row["samples_per_s"], row["samples_per_cpu_s"] = ticks / wall, ticks / cpu
-  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline, "pb")
-  pb_passes = weight_passes_per_tick(methods.make_method("pb", learning_rate=1e-3))
+  relative_to(rows, lambda r: methods.traits_of(r["method"]).plain_pipeline,
+              methods.PLAIN_PIPELINE)
+  pb_passes = weight_passes_per_tick(
+      methods.make_method(methods.PLAIN_PIPELINE, learning_rate=1e-3))
   for row in rows:
     row["pass_ratio"] = pb_passes / row["weight_passes_per_tick"]
     row["meets_pass_ratio"] = row["cpu_relative_to_pb"] >= 0.9 * row["pass_ratio"]

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from pipejax.study import statistics
 from pipejax.study.cells import select
-from pipejax.study.records import FINISHED, is_number
+from pipejax.study.records import FINISHED, RunRecord, is_number
 
 # One series: (label, where), where is the ``cells.select`` filter of its runs.
 Series = tuple[str, tuple]
@@ -48,24 +48,23 @@ class BudgetPoint:
     return sum(self.losses.values()) / len(self.losses)
 
 
-def budget_points(records: Sequence[dict], where: tuple) -> list[BudgetPoint]:
+def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoint]:
   """A series' points, shortest budget first: at each budget (a run's ``samples``) the rate with
   the lowest mean final loss over its seeds (the rate tuned per budget)."""
-  runs = [r for r in select(records, where) if r.get("status") == FINISHED
-          and is_number(r.get("test_loss")) and is_number(r.get("samples"))]
+  runs = [r for r in select(records, where) if r.status == FINISHED
+          and is_number(r.test_loss) and is_number(r.samples)]
   by_budget: dict[int, dict] = {}
   for r in runs:
-    rate = r["overrides"].get("reference.lr", r.get("learning_rate"))
-    seed = r["overrides"].get("seed", 0)
-    by_budget.setdefault(int(r["samples"]), {}).setdefault(rate, []).append((seed, r))
+    rate = r.overrides.get("reference.lr", r.learning_rate)
+    by_budget.setdefault(int(r.samples), {}).setdefault(rate, []).append((r.seed, r))
   points = []
   for samples in sorted(by_budget):
     rates = by_budget[samples]
-    best = min(rates, key=lambda rate: sum(r["test_loss"] for _, r in rates[rate])
+    best = min(rates, key=lambda rate: sum(r.test_loss for _, r in rates[rate])
                / len(rates[rate]))
     points.append(BudgetPoint(
-        samples, best, {seed: r["test_loss"] for seed, r in rates[best]},
-        {seed: r["train_loss"] for seed, r in rates[best] if is_number(r.get("train_loss"))}))
+        samples, best, {seed: r.test_loss for seed, r in rates[best]},
+        {seed: r.train_loss for seed, r in rates[best] if is_number(r.train_loss)}))
   return points
 
 
@@ -233,10 +232,10 @@ class TokensToTarget:
       if name not in labels:
         raise ValueError(f"TokensToTarget: {name!r} is not one of its series {labels}.")
 
-  def points(self, records: Sequence[dict]) -> dict[str, list[BudgetPoint]]:
+  def points(self, records: Sequence[RunRecord]) -> dict[str, list[BudgetPoint]]:
     return {label: budget_points(records, where) for label, where in self.series}
 
-  def __call__(self, records: Sequence[dict], workdir: str) -> str:
+  def __call__(self, records: Sequence[RunRecord], workdir: str) -> str:
     curves = self.points(records)
     if not any(curves.values()):
       return "No finished run of these series is recorded yet."

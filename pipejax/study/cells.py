@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 from pipejax.study import statistics
 from pipejax.study.spec import Overrides, Study, run_id
-from pipejax.study.records import DIVERGED, FINISHED, diverged, is_number, key_of, metric_of
+from pipejax.study.records import RunRecord, diverged, is_number, key_of, metric_of
 
 
 @dataclasses.dataclass
@@ -48,12 +48,7 @@ def without_seed(overrides: Overrides) -> tuple:
   return key_of({k: v for k, v in overrides.items() if k != "seed"})
 
 
-def is_diverged(record: dict) -> bool:
-  """Whether a run diverged: so recorded, or its numbers say so (``study_records.diverged``)."""
-  return record["status"] == DIVERGED or diverged(record)
-
-
-def gather_cells(records: Iterable[dict], metric: str = "test_accuracy",
+def gather_cells(records: Iterable[RunRecord], metric: str = "test_accuracy",
           baseline: Overrides | None = None) -> dict[tuple, Cell]:
   """Groups finished and diverged records by their overrides without the seed.
 
@@ -63,34 +58,32 @@ def gather_cells(records: Iterable[dict], metric: str = "test_accuracy",
   """
   # One value per run, however often it is among the records (the last one counts): a run
   # counted twice would be two seeds of one.
-  records = list({run_id(r["overrides"]): r for r in records
-                  if r["status"] in (FINISHED, DIVERGED)}.values())
+  records = list({run_id(r.overrides): r for r in records if r.trained}.values())
   references = []
   if baseline is not None:
-    references = [r for r in records if not is_diverged(r) and is_number(metric_of(r, metric))
-                  and all(r["overrides"].get(k) == v for k, v in baseline.items())]
+    references = [r for r in records if not diverged(r) and is_number(metric_of(r, metric))
+                  and all(r.overrides.get(k) == v for k, v in baseline.items())]
   cells: dict[tuple, Cell] = {}
   for r in records:
-    cell = cells.setdefault(without_seed(r["overrides"]),
-                              Cell([], 0, [], paired=baseline is not None))
-    cell.seeds.append(r["overrides"].get("seed", 0))
+    cell = cells.setdefault(r.cell, Cell([], 0, [], paired=baseline is not None))
+    cell.seeds.append(r.seed)
     value = metric_of(r, metric)
-    if is_diverged(r):
+    if diverged(r):
       cell.diverged += 1
     elif not is_number(value):
       cell.not_reached += 1
     elif baseline is None:
       cell.values.append(value)
     else:
-      reference = baseline_run([ref for ref in references if ref is not r], r["overrides"],
-                               baseline) or (r if r in references else None)
+      reference = baseline_run([ref for ref in references if ref is not r], r.overrides,
+                               baseline) or (r if any(r is ref for ref in references) else None)
       if reference is not None:
         cell.values.append(value - metric_of(reference, metric))
   return cells
 
 
-def baseline_run(references: Sequence[dict], overrides: Overrides,
-                 baseline: Overrides) -> dict | None:
+def baseline_run(references: Sequence[RunRecord], overrides: Overrides,
+                 baseline: Overrides) -> RunRecord | None:
   """The baseline run a run is paired with, among ``references`` (which exclude the run itself):
   the run with the same overrides but the baseline's (same seed, same cell), else the most
   specific baseline run whose every override the run shares. So a control arm that adds an
@@ -99,11 +92,11 @@ def baseline_run(references: Sequence[dict], overrides: Overrides,
   wanted = key_of({**overrides, **baseline})
   best = None
   for ref in references:
-    if key_of(ref["overrides"]) == wanted:
+    if key_of(ref.overrides) == wanted:
       return ref
-    shared = all(overrides.get(k) == v for k, v in ref["overrides"].items() if k not in baseline)
-    if shared and ref["overrides"].get("seed", 0) == overrides.get("seed", 0) and (
-        best is None or len(ref["overrides"]) > len(best["overrides"])):
+    shared = all(overrides.get(k) == v for k, v in ref.overrides.items() if k not in baseline)
+    if shared and ref.seed == overrides.get("seed", 0) and (
+        best is None or len(ref.overrides) > len(best.overrides)):
       best = ref
   return best
 
@@ -115,12 +108,12 @@ def lookup(cells: dict[tuple, Cell], point: Overrides) -> Cell | None:
   return found[0] if len(found) == 1 else None
 
 
-def axis_values(records: Sequence[dict], key: str) -> list:
+def axis_values(records: Sequence[RunRecord], key: str) -> list:
   """The values ``key`` takes in the records' overrides, sorted where they can be."""
   values = []
   for r in records:
-    if key in r["overrides"] and r["overrides"][key] not in values:
-      values.append(r["overrides"][key])
+    if key in r.overrides and r.overrides[key] not in values:
+      values.append(r.overrides[key])
   try:
     return sorted(values)
   except TypeError:
@@ -137,7 +130,7 @@ def ordered(study: Study, key: str, present: list) -> list:
   return known + [v for v in present if v not in known]
 
 
-def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
+def select(records: Sequence[RunRecord], where: Iterable[tuple]) -> list[RunRecord]:
   """The records whose overrides have every ``(key, value)`` of ``where`` (None: unset or None;
   a tuple: any of its values; a record's own values are JSON, never tuples). A tuple of keys
   takes a tuple of their values' combinations, any of which matches: ``(('method',
@@ -147,4 +140,4 @@ def select(records: Sequence[dict], where: Iterable[tuple]) -> list[dict]:
 
   def matches(value, wanted):
     return value in wanted if isinstance(wanted, tuple) else value == wanted
-  return [r for r in records if all(matches(value_of(r["overrides"], k), v) for k, v in where)]
+  return [r for r in records if all(matches(value_of(r.overrides, k), v) for k, v in where)]

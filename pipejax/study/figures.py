@@ -16,8 +16,8 @@ from typing import Sequence
 from pipejax import plotting
 from pipejax.study import statistics
 from pipejax.study.spec import Figure, Study
-from pipejax.study.cells import axis_values, gather_cells, is_diverged, lookup, ordered, select
-from pipejax.study.records import is_number
+from pipejax.study.cells import axis_values, gather_cells, lookup, ordered, select
+from pipejax.study.records import RunRecord, is_number
 
 
 def metric_words(metric: str) -> str:
@@ -59,7 +59,7 @@ def _with_unit(value: float, unit: str) -> str:
   return f"{value:g} {unit}" if unit else f"{value:g}"
 
 
-def cell_points(study: Study, selected: Sequence[dict], figure: Figure
+def cell_points(study: Study, selected: Sequence[RunRecord], figure: Figure
                 ) -> list[tuple[object, list[tuple], list[tuple]]]:
   """What a 'mean' or 'gap' figure draws, per series: ``(series value, points, diverged)``.
 
@@ -111,7 +111,7 @@ def _draw_cells(study: Study, figure: Figure, series, ax, band) -> None:
     band.set_title("diverged runs (of the cell's runs)", fontsize=8, loc="left")
 
 
-def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoom) -> bool:
+def _draw_curves(study: Study, selected: Sequence[RunRecord], figure: Figure, ax, zoom) -> bool:
   """Mean ``figure.metric`` over training samples per series, with its 95% CI as a band: the whole
   run on ``ax``, and on ``zoom`` the last three quarters of it on an axis fitted to them, where
   the methods' final differences (tenths of a point of accuracy, hundredths of a bit of loss) are
@@ -120,11 +120,11 @@ def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoo
   scale = figure.scale
   drawn, tail = False, []
   for i, s in enumerate(ordered(study, figure.series, axis_values(selected, figure.series))):
-    runs = [r for r in selected if r["overrides"].get(figure.series) == s
-            and r.get("test_curve") and not is_diverged(r)]
+    runs = [r for r in selected if r.overrides.get(figure.series) == s
+            and r.test_curve and r.finished]
     by_samples = collections.defaultdict(list)
     for r in runs:
-      for row in r["test_curve"]:
+      for row in r.test_curve:
         if len(row) > column and is_number(row[column]):
           by_samples[row[0]].append(row[column])
     if not by_samples:
@@ -155,7 +155,7 @@ def _draw_curves(study: Study, selected: Sequence[dict], figure: Figure, ax, zoo
   return drawn
 
 
-def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str) -> bool:
+def draw_figure(study: Study, records: Sequence[RunRecord], figure: Figure, path: str) -> bool:
   """Draws ``figure`` to ``path``; False when no record has what it needs."""
   plt = plotting.pyplot()
   selected = select(records, figure.where)
@@ -197,15 +197,14 @@ def draw_figure(study: Study, records: Sequence[dict], figure: Figure, path: str
   return True
 
 
-def _draw_staleness(study: Study, selected: Sequence[dict], figure: Figure, ax) -> bool:
+def _draw_staleness(study: Study, selected: Sequence[RunRecord], figure: Figure, ax) -> bool:
   """Each series' per-stage weight discrepancy (its first seed's diagnostics)."""
   drawn = False
   for s in ordered(study, figure.series, axis_values(selected, figure.series)):
-    runs = [r for r in selected if r["overrides"].get(figure.series) == s
-            and r.get("weight_discrepancy")]
+    runs = [r for r in selected if r.overrides.get(figure.series) == s and r.weight_discrepancy]
     if runs:
-      run = min(runs, key=lambda r: r["overrides"].get("seed", 0))
-      ax.plot(range(len(run["weight_discrepancy"])), run["weight_discrepancy"], marker="o",
+      run = min(runs, key=lambda r: r.seed)
+      ax.plot(range(len(run.weight_discrepancy)), run.weight_discrepancy, marker="o",
               ms=3, label=study.label(s))
       drawn = True
   ax.set_xlabel("stage")

@@ -244,7 +244,7 @@ def _selected(study: study_lib.Study, where: dict[str, str] | None) -> list[dict
 
 def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None = None) -> Outcome:
   """Where the runs selected by ``where`` stand in ``workdir``'s results.jsonl."""
-  records = {r["run"]: r for r in study_records.read_results(workdir)}
+  records = {r.run: r for r in study_records.read_results(workdir)}
   result = Outcome([], [], [], [])
   for overrides in _selected(study, where):
     rid = study_lib.run_id(overrides)
@@ -252,7 +252,7 @@ def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None =
     record = records.get(rid)
     if study_records.is_done(record, study, overrides):
       result.done.append(rid)
-    elif record is not None and record["status"] == study_records.FAILED:
+    elif record is not None and record.status == study_records.FAILED:
       result.failed.append(rid)
     else:
       result.not_done.append(rid)
@@ -264,7 +264,7 @@ def _names(runs: Sequence[str], limit: int = 10) -> str:
   return ", ".join(runs[:limit]) + more
 
 
-def check_records(study: study_lib.Study, workdir: str) -> list[dict]:
+def check_records(study: study_lib.Study, workdir: str) -> list[study_records.RunRecord]:
   """Prints what is wrong with results.jsonl (each skipped line), refuses a changed recipe
   (:class:`pipejax.study.StudyError`), and returns the records."""
   records, problems = study_records.load_results(workdir)
@@ -288,7 +288,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   message = study_records.set_aside_partial_line(workdir)
   if message:
     print(f"warning: {message}", flush=True)
-  done = {r["run"]: r for r in check_records(study, workdir)}
+  done = {r.run: r for r in check_records(study, workdir)}
   planned = _selected(study, where)
   todo = [o for o in planned if not study_records.is_done(done.get(study_lib.run_id(o)), study, o)]
   # Every cell's first seed before any cell's second: a study stopped part-way (or spread over
@@ -332,7 +332,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
           failed_at = study_records.failed_below(study, done.values(), overrides)
           if failed_at is not None:
             record(rid, study_records.skipped_record(study, overrides, failed_at))
-            print(f"{status_line()} skipped {rid}: {done[rid]['reason']}", flush=True)
+            print(f"{status_line()} skipped {rid}: {done[rid].reason}", flush=True)
             continue
           process, log_path = _start_trainer(study, overrides, run_directory(workdir, overrides),
                                              trainer, env, lock)
@@ -356,7 +356,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
                                              process.returncode, wall, tail)
           record(rid, result)
           durations.append(wall)
-          failed += result["status"] == study_records.FAILED
+          failed += result.status == study_records.FAILED
           line = _finished_line(rid, result, process.returncode, wall, tail, log_path)
           print(f"{status_line()} {line}", flush=True)
           study_report.write_report(study, workdir, command)
@@ -458,15 +458,15 @@ def _pass_on_stop(stop_count: int, processes, signalled: dict[int, int]) -> None
       signalled[process.pid] = wanted
 
 
-def _finished_line(rid: str, result: dict, returncode: int, wall: float, tail: str,
-                   log_path: str) -> str:
+def _finished_line(rid: str, result: study_records.RunRecord, returncode: int, wall: float,
+                   tail: str, log_path: str) -> str:
   """What the progress line says of a run whose trainer exited."""
-  if result["status"] == study_records.FAILED:
+  if result.status == study_records.FAILED:
     last_line = [l for l in tail.strip().splitlines() if l.strip()][-1:] or [""]
     return f"FAILED {rid} (exit {returncode}, log {log_path}): {last_line[0][:300]}"
-  accuracy = result.get("test_accuracy")
+  accuracy = result.test_accuracy
   text = f"test accuracy {accuracy:.4f}" if isinstance(accuracy, float) else "diverged"
-  return f"{result['status']} {rid}: {text} ({format_duration(wall)})"
+  return f"{result.status} {rid}: {text} ({format_duration(wall)})"
 
 
 def _print_outcome(result: Outcome, workdir: str) -> None:

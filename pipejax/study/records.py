@@ -4,16 +4,20 @@ A record is what a trainer process left: its status (finished, diverged, failed,
 results and the facts a reader needs to trust them (the starting weights' digest, the test curve,
 the machine). Appends are one write of a whole line with fsync; a line cut short by a kill or a
 full disk is set aside, and a line that is not a record is skipped and named.
+
+A line is parsed once, here, into a :class:`RunRecord`; every reader of a study (its report, its
+cells, the analyses and the study files' own sections) takes those, never the line's dict.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from pipejax import config as config_lib
 from pipejax import files
@@ -48,7 +52,112 @@ def record_problem(value: Any) -> str | None:
   return None
 
 
-def load_results(workdir: str) -> tuple[list[dict], list[str]]:
+class RecordError(ValueError):
+  """A value that is not a run record; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+  """One run of a study as ``results.jsonl`` records it.
+
+  ``overrides`` are the run's grid point (its cell and seed); ``fixed`` and ``config`` the recipe
+  every run of the study shares. The fields from ``test_accuracy`` to ``momentum`` are what the
+  trainer's summary said, None where the run stopped before it; the curves and diagnostics
+  follow. A field of the line that none of these names is kept in ``extra`` and written back.
+  """
+
+  run: str
+  overrides: Mapping[str, Any]
+  status: str
+  fixed: Mapping[str, Any] | None = None
+  config: str | None = None
+  wall_seconds: float = 0.0
+  test_accuracy: float | None = None
+  test_loss: float | None = None
+  initial_test_loss: float | None = None
+  init_digest: str | None = None
+  train_seconds: float | None = None
+  num_stages: int | None = None
+  samples: int | None = None
+  learning_rate: float | None = None
+  momentum: float | None = None
+  train_loss: float | None = None  # the last evaluation interval's (``train_curve``)
+  test_curve: list | None = None  # [samples, accuracy, loss] rows
+  train_curve: list | None = None  # [samples, loss] rows
+  weight_discrepancy: list | None = None  # per stage
+  timing: dict | None = None  # :func:`log_timing`
+  machine: str | None = None
+  divergence: dict | None = None  # :func:`divergence_point`
+  reason: str | None = None  # why a run was skipped
+  error: str | None = None  # a failed run's log tail
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def settings(self) -> dict:
+    """Every setting the study gave the run: its ``fixed`` values and its overrides."""
+    return {**(self.fixed or {}), **self.overrides}
+
+  @property
+  def method(self) -> str | None:
+    return self.settings.get("method")
+
+  @property
+  def seed(self) -> int:
+    return self.overrides.get("seed", 0)
+
+  @property
+  def cell(self) -> tuple:
+    """The identity of the run's cell: its overrides but the seed."""
+    return key_of({k: v for k, v in self.overrides.items() if k != "seed"})
+
+  @property
+  def finished(self) -> bool:
+    """Finished, and its numbers do not say it diverged."""
+    return self.status == FINISHED and not diverged(self)
+
+  @property
+  def trained(self) -> bool:
+    """Finished or diverged: a run that says something of its method (not failed or skipped)."""
+    return self.status in (FINISHED, DIVERGED)
+
+  def get(self, name: str, default: Any = None) -> Any:
+    """A field by name (a table's metric), else ``default``."""
+    if name in _FIELDS and name != "extra":
+      value = getattr(self, name)
+      return default if value is None else value
+    return self.extra.get(name, default)
+
+  def to_json(self) -> dict:
+    """The line's object: every field that is set, and ``extra``."""
+    line = {f: getattr(self, f) for f in _FIELDS if f != "extra" and getattr(self, f) is not None}
+    return {**line, **self.extra}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(RunRecord))
+
+
+def parse_record(value: Any) -> RunRecord:
+  """The record of a parsed line of results.jsonl (or of a dict of the same fields).
+
+  Its overrides and ``fixed`` are in today's config keys, and its run id is that of its overrides:
+  a record written before run ids were the same whatever the order of a grid's keys names its run
+  in that order, or by a field since renamed, and is the same run.
+
+  Raises:
+    RecordError: ``value`` is not a record (:func:`record_problem` says why).
+  """
+  problem = record_problem(value)
+  if problem is not None:
+    raise RecordError(problem)
+  overrides = config_lib.current_keys(value["overrides"])
+  known = {k: v for k, v in value.items() if k in _FIELDS and k != "extra"}
+  if "fixed" in value:
+    known["fixed"] = config_lib.current_keys(value["fixed"])
+  return RunRecord(**{**known, "overrides": overrides, "run": run_id(overrides),
+                      "extra": {k: v for k, v in value.items() if k not in _FIELDS}})
+
+
+def load_results(workdir: str) -> tuple[list[RunRecord], list[str]]:
   """The records of ``workdir/results.jsonl``, and a sentence for each line that is not one.
 
   A run is known by its overrides, whatever the order of their keys (``run_id``), so it has one
@@ -69,30 +178,23 @@ def load_results(workdir: str) -> tuple[list[dict], list[str]]:
       continue
     last = number == len(lines)  # text after the file's last newline
     try:
-      record = json.loads(raw)
-      problem = record_problem(record)
+      record = parse_record(json.loads(raw))
     except (json.JSONDecodeError, UnicodeDecodeError):
-      record, problem = None, "it is not JSON"
-    if problem is not None:
-      cut = "; cut short by a kill or a full disk" if last else ""
-      problems.append(f"{path} line {number} is skipped: {problem}{cut} "
-                      f"({raw[:80].decode(errors='replace')!r}).")
+      problem = "it is not JSON"
+    except RecordError as e:
+      problem = str(e)
+    else:
+      previous = by_run.get(record.run)
+      if not (record.status == FAILED and previous is not None and previous.status in _DONE):
+        by_run[record.run] = record
       continue
-    # A run is known by its overrides, in today's config keys: a record written before run ids
-    # were the same whatever the order of a grid's keys names its run in that order, or by a
-    # field since renamed, and is the same run.
-    record = {**record, "overrides": config_lib.current_keys(record["overrides"]),
-              **({"fixed": config_lib.current_keys(record["fixed"])} if "fixed" in record else {})}
-    record["run"] = run_id(record["overrides"])
-    rid = record["run"]
-    previous = by_run.get(rid)
-    if record["status"] == FAILED and previous is not None and previous["status"] in _DONE:
-      continue
-    by_run[rid] = record
+    cut = "; cut short by a kill or a full disk" if last else ""
+    problems.append(f"{path} line {number} is skipped: {problem}{cut} "
+                    f"({raw[:80].decode(errors='replace')!r}).")
   return list(by_run.values()), problems
 
 
-def read_results(workdir: str) -> list[dict]:
+def read_results(workdir: str) -> list[RunRecord]:
   """The records of ``workdir/results.jsonl`` (see :func:`load_results`)."""
   return load_results(workdir)[0]
 
@@ -132,24 +234,24 @@ def set_aside_partial_line(workdir: str) -> str | None:
           f"kill or a full disk); moved it to {aside}. The run it belonged to runs again.")
 
 
-def append_result(workdir: str, record: dict) -> str | None:
+def append_result(workdir: str, record: RunRecord) -> str | None:
   """Appends ``record`` as one line of results.jsonl; returns the message of
   :func:`set_aside_partial_line` when a cut line had to be set aside first."""
   message = set_aside_partial_line(workdir)
-  files.append(os.path.join(workdir, RESULTS_FILE), json.dumps(record) + "\n")
+  files.append(os.path.join(workdir, RESULTS_FILE), json.dumps(record.to_json()) + "\n")
   return message
 
 
-def is_done(record: dict | None, study: Study, overrides: Overrides) -> bool:
+def is_done(record: RunRecord | None, study: Study, overrides: Overrides) -> bool:
   """A run is done when it finished, diverged or was skipped with the same settings; failures
   are retried, and so is a run recorded without ``init_digest``: it was made before every method
   of a seed started from the same weights, so it cannot be paired with the runs made since."""
-  return bool(record) and record["status"] in _DONE and \
-      record.get("fixed") == _jsonable(study.fixed) and record.get("config") == study.config \
-      and (record["status"] == SKIPPED or bool(record.get("init_digest")))
+  return record is not None and record.status in _DONE and \
+      record.fixed == _jsonable(study.fixed) and record.config == study.config \
+      and (record.status == SKIPPED or bool(record.init_digest))
 
 
-def recipe_change(study: Study, records: Iterable[dict], workdir: str) -> str | None:
+def recipe_change(study: Study, records: Iterable[RunRecord], workdir: str) -> str | None:
   """The refusal when done records were made with other ``fixed`` values or config; else None.
 
   Every trainer would refuse to resume its run with another recipe, and a rerun from scratch
@@ -157,11 +259,10 @@ def recipe_change(study: Study, records: Iterable[dict], workdir: str) -> str | 
   """
   fixed, seen = _jsonable(study.fixed), collections.Counter()
   for r in records:
-    if r["status"] not in _DONE:
+    if r.status not in _DONE:
       continue
-    old_fixed = r.get("fixed") or {}
-    diff = [f"config: {r.get('config')} -> {study.config}"] if r.get("config") != study.config \
-        else []
+    old_fixed = r.fixed or {}
+    diff = [f"config: {r.config} -> {study.config}"] if r.config != study.config else []
     for key in dict.fromkeys([*old_fixed, *fixed]):
       before, after = old_fixed.get(key, "(not set)"), fixed.get(key, "(not set)")
       if before != after:
@@ -178,41 +279,45 @@ def recipe_change(study: Study, records: Iterable[dict], workdir: str) -> str | 
           "new recipe, give the study another --workdir (or move this one away).")
 
 
-def failed_below(study: Study, records: Iterable[dict], overrides: Overrides) -> Any:
+def failed_below(study: Study, records: Iterable[RunRecord], overrides: Overrides) -> Any:
   """The smaller ``study.skip_beyond_failure`` value at which this point failed, else None."""
   key = study.skip_beyond_failure
   if key is None or key not in overrides:
     return None
   others = key_of({k: v for k, v in overrides.items() if k != key})
   for r in records:
-    value = r["overrides"].get(key)
-    if (r["status"] in (DIVERGED, SKIPPED, FINISHED) and value is not None
+    value = r.overrides.get(key)
+    if (r.status in (DIVERGED, SKIPPED, FINISHED) and value is not None
         and value < overrides[key]
-        and key_of({k: v for k, v in r["overrides"].items() if k != key}) == others
-        and (r["status"] != FINISHED or not is_number(r.get("test_accuracy"))
-             or r["test_accuracy"] < study.min_accuracy)):
+        and key_of({k: v for k, v in r.overrides.items() if k != key}) == others
+        and (r.status != FINISHED or not is_number(r.test_accuracy)
+             or r.test_accuracy < study.min_accuracy)):
       return value
   return None
 
 
-def skipped_record(study: Study, overrides: Overrides, failed_at: Any) -> dict:
-  return {"run": run_id(overrides), "overrides": _jsonable(overrides),
-          "fixed": _jsonable(study.fixed), "config": study.config, "status": SKIPPED,
-          "reason": f"failed at {study.skip_beyond_failure}={failed_at}", "wall_seconds": 0.0}
+def skipped_record(study: Study, overrides: Overrides, failed_at: Any) -> RunRecord:
+  return RunRecord(run_id(overrides), _jsonable(overrides), SKIPPED, _jsonable(study.fixed),
+                   study.config, reason=f"failed at {study.skip_beyond_failure}={failed_at}")
+
+
+# What a record takes from the trainer's summary.json.
+SUMMARY_FIELDS = ("test_accuracy", "test_loss", "initial_test_loss", "init_digest",
+                  "train_seconds", "num_stages", "samples", "learning_rate", "momentum")
 
 
 def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode: int,
-                    wall_seconds: float, log_tail: str) -> dict:
+                    wall_seconds: float, log_tail: str) -> RunRecord:
   """The results record of a trainer process that ended with ``returncode``."""
   record = {"run": run_id(overrides), "overrides": _jsonable(overrides),
             "fixed": _jsonable(study.fixed), "config": study.config,
             "wall_seconds": round(wall_seconds, 1)}
   summary, summary_problem = read_summary(run_dir)
   if returncode == 0 and summary and not summary.get("stopped_by"):
-    for key in ("test_accuracy", "test_loss", "initial_test_loss", "init_digest",
-                "train_seconds", "num_stages", "samples", "learning_rate", "momentum"):
+    for key in SUMMARY_FIELDS:
       record[key] = summary.get(key)
-    record["status"] = DIVERGED if diverged(record) else FINISHED
+    numbers = RunRecord(**record, status=FINISHED)
+    record["status"] = DIVERGED if diverged(numbers) else FINISHED
   elif "diverged" in log_tail.lower():
     record["status"] = DIVERGED
     point = divergence_point(log_tail)
@@ -241,7 +346,7 @@ def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode
   timing = log_timing(os.path.join(run_dir, "log.txt"))
   if timing:
     record["timing"] = timing
-  return record
+  return RunRecord(**record)
 
 
 def read_summary(run_dir: str) -> tuple[dict | None, str | None]:
@@ -352,15 +457,15 @@ def train_curve(run_dir: str, evaluations: list[int]) -> list[list[float]]:
   return rows
 
 
-def samples_to_reach(record: dict, accuracy: float) -> int | None:
+def samples_to_reach(record: RunRecord, accuracy: float) -> int | None:
   """The training samples after which the run's test accuracy first reached ``accuracy``."""
-  for samples, value, _ in record.get("test_curve") or ():
+  for samples, value, _ in record.test_curve or ():
     if is_number(value) and value >= accuracy:
       return samples
   return None
 
 
-def metric_of(record: dict, metric: str) -> Any:
+def metric_of(record: RunRecord, metric: str) -> Any:
   """A record's value of a table's metric (a field, or ``samples_to:A``)."""
   if metric.startswith("samples_to:"):
     return samples_to_reach(record, float(metric.split(":", 1)[1]))
@@ -379,12 +484,17 @@ def _mean_staleness(run_dir: str) -> list[float] | None:
   return [sum(v) / len(v) for v in per_stage]
 
 
-def diverged(record: dict) -> bool:
-  """A run diverged when its final accuracy or loss is not a number, or when its final test loss
-  is above the loss at its initial weights: it ended worse than where it started, however finite
-  its numbers."""
-  final, initial = record.get("test_loss"), record.get("initial_test_loss")
-  return (not is_number(record.get("test_accuracy"))
+def diverged(record: RunRecord) -> bool:
+  """A run diverged when it is so recorded (its trainer stopped on a non-finite value), when its
+  final accuracy or loss is not a number, or when its final test loss is above the loss at its
+  initial weights: it ended worse than where it started, however finite its numbers. Failed and
+  skipped runs did not diverge: they say nothing of their method."""
+  if record.status == DIVERGED:
+    return True
+  if record.status != FINISHED:
+    return False
+  final, initial = record.test_loss, record.initial_test_loss
+  return (not is_number(record.test_accuracy)
           or (final is not None and not is_number(final))
           or (is_number(final) and is_number(initial) and final > initial))
 

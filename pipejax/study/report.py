@@ -29,12 +29,11 @@ from typing import Sequence
 from pipejax import files
 from pipejax.study import statistics
 from pipejax.train import workdir as workdir_lib
-from pipejax.study.spec import Overrides, Section, Study, Table
-from pipejax.study.cells import (Cell, axis_values, gather_cells, is_diverged, lookup, ordered,
-                                 select, without_seed)
+from pipejax.study.spec import Overrides, Section, Study, Table, run_id
+from pipejax.study.cells import Cell, axis_values, gather_cells, lookup, ordered, select
 from pipejax.study.figures import draw_figure
-from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, is_number, key_of,
-                                   metric_of, read_results)
+from pipejax.study.records import (DIVERGED, FAILED, FINISHED, SKIPPED, RunRecord, is_number,
+                                   key_of, metric_of, read_results)
 
 
 def _number(value: float, scale: float, decimals: int, signed: bool = False) -> str:
@@ -68,7 +67,7 @@ def format_cell(cell: Cell | None, scale: float = 100.0, signed: bool = False,
   return text
 
 
-def stable_limit(study: Study, records: Sequence[dict], table: Table, column_value) -> tuple:
+def stable_limit(study: Study, records: Sequence[RunRecord], table: Table, column_value) -> tuple:
   """``(largest rows value that trains, smallest larger one that fails)`` for a column value.
 
   A cell trains when none of its seeds diverged and its mean metric is at least
@@ -88,15 +87,15 @@ def stable_limit(study: Study, records: Sequence[dict], table: Table, column_val
   return best, (min(above) if above else None)
 
 
-def gap_cells(study: Study, records: Sequence[dict], table: Table) -> dict[tuple, Cell]:
+def gap_cells(study: Study, records: Sequence[RunRecord], table: Table) -> dict[tuple, Cell]:
   """The paired gaps of the cells ``table.where`` selects, each against its baseline run among
   *all* the records: a table of one method (``where``) still has its gaps to another's runs."""
-  selected = {without_seed(r["overrides"]) for r in select(records, table.where)}
+  selected = {r.cell for r in select(records, table.where)}
   return {key: cell for key, cell in
           gather_cells(records, table.metric, study.baseline_of(table)).items() if key in selected}
 
 
-def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
+def markdown_table(study: Study, records: Sequence[RunRecord], table: Table) -> str:
   everything, records = records, select(records, table.where)
   if not records:
     return "(no runs recorded yet)"
@@ -123,9 +122,8 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   # Points whose every run was skipped: a smaller value of the swept key already failed.
   status_by_point = collections.defaultdict(set)
   for rec in records:
-    overrides = rec["overrides"]
-    point = key_of({"r": overrides.get(table.rows), "c": overrides.get(table.columns)})
-    status_by_point[point].add(rec["status"])
+    point = key_of({"r": rec.overrides.get(table.rows), "c": rec.overrides.get(table.columns)})
+    status_by_point[point].add(rec.status)
   header = f"| {study.label(table.rows)} | " + " | ".join(study.label(c) for c in columns) + " |"
   lines = [header, "|" + "---|" * (len(columns) + 1)]
   for r in rows:
@@ -143,12 +141,12 @@ def markdown_table(study: Study, records: Sequence[dict], table: Table) -> str:
   return "\n".join(lines)
 
 
-def is_baseline_cell(baseline: Overrides, records: Sequence[dict], point: dict) -> bool:
+def is_baseline_cell(baseline: Overrides, records: Sequence[RunRecord], point: dict) -> bool:
   """Whether the table cell at ``point`` ({axis: value}) holds the runs of ``baseline`` (the
   overrides that select it): its axes' values are the baseline's, and so is every baseline key
   off the axes in each of its runs."""
-  in_cell = [r["overrides"] for r in records
-             if all(r["overrides"].get(k) == v for k, v in point.items())]
+  in_cell = [r.overrides for r in records
+             if all(r.overrides.get(k) == v for k, v in point.items())]
   return bool(in_cell) and all(all({**o, **point}.get(k) == v for k, v in baseline.items())
                                for o in in_cell)
 
@@ -160,14 +158,13 @@ def describe_cell(study: Study, overrides: Overrides, common: dict) -> str:
   return ", ".join(parts) or "(every run)"
 
 
-def _cells_table(study: Study, records: Sequence[dict], table: Table,
+def _cells_table(study: Study, records: Sequence[RunRecord], table: Table,
                  gaps: dict[tuple, Cell]) -> str:
   means = gather_cells(records, table.metric)
   points = {}
-  for r in sorted(records, key=lambda r: r["overrides"].get("seed", 0)):
-    if r["status"] in (FINISHED, DIVERGED):
-      points.setdefault(without_seed(r["overrides"]),
-                        {k: v for k, v in r["overrides"].items() if k != "seed"})
+  for r in sorted(records, key=lambda r: r.seed):
+    if r.trained:
+      points.setdefault(r.cell, {k: v for k, v in r.overrides.items() if k != "seed"})
   common = dict(set.intersection(*(set(key_of(p)) for p in points.values()))) if points else {}
   common = {k: json_value for k, json_value in ((k, json.loads(v)) for k, v in common.items())}
   baseline = study.baseline_of(table)
@@ -183,7 +180,7 @@ def _cells_table(study: Study, records: Sequence[dict], table: Table,
   return "\n".join(lines)
 
 
-def best_value(study: Study, records: Sequence[dict], table: Table, column_value):
+def best_value(study: Study, records: Sequence[RunRecord], table: Table, column_value):
   """The ``rows`` value at which ``column_value``'s cell has the best mean (no diverged seed)."""
   cells = gather_cells(records, table.metric)
   best = None
@@ -196,15 +193,15 @@ def best_value(study: Study, records: Sequence[dict], table: Table, column_value
   return None if best is None else best[0]
 
 
-def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
+def _tuned_table(study: Study, records: Sequence[RunRecord], table: Table) -> str:
   # A tuned table has no baseline of its own (spec._check_tables refuses one).
   baseline_column = study.baseline.get(table.columns)
   baseline_best = best_value(study, records, table, baseline_column)
   by_point = {}
   for r in records:
-    if r["status"] == FINISHED and not is_diverged(r) and is_number(metric_of(r, table.metric)):
-      o = r["overrides"]
-      by_point[(json.dumps(o.get(table.rows)), o.get(table.columns), o.get("seed", 0))] = \
+    if r.finished and is_number(metric_of(r, table.metric)):
+      o = r.overrides
+      by_point[(json.dumps(o.get(table.rows)), o.get(table.columns), r.seed)] = \
           metric_of(r, table.metric)
   lines = [f"| {study.label(table.columns)} | best {study.label(table.rows)} | "
            f"{table.metric.replace('_', ' ')} there | gap to {study.label(baseline_column)} "
@@ -229,7 +226,7 @@ def _tuned_table(study: Study, records: Sequence[dict], table: Table) -> str:
   return "\n".join(lines)
 
 
-def conclusions(study: Study, records: Sequence[dict], table: Table) -> list[str]:
+def conclusions(study: Study, records: Sequence[RunRecord], table: Table) -> list[str]:
   """One sentence per gap cell of ``table``, from its paired statistics (and margin verdicts)."""
   cells = gap_cells(study, records, table)
   records = select(records, table.where)
@@ -290,8 +287,8 @@ def _margin_sentence(study: Study) -> str:
   return f" Verdicts use a margin of {study.margin * table.scale:.3g} {units}{better}."
 
 
-def write_csv(records: Sequence[dict], path: str) -> None:
-  keys = sorted({k for r in records for k in r["overrides"]})
+def write_csv(records: Sequence[RunRecord], path: str) -> None:
+  keys = sorted({k for r in records for k in r.overrides})
   fields = ["run", *keys, "status", "test_accuracy", "test_loss", "initial_test_loss",
             "num_stages", "samples", "train_seconds", "wall_seconds", "init_digest"]
   with files.replacing(path) as tmp:
@@ -299,7 +296,7 @@ def write_csv(records: Sequence[dict], path: str) -> None:
       writer = csv.writer(f)
       writer.writerow(fields)
       for r in records:
-        writer.writerow([r["run"], *(r["overrides"].get(k, "") for k in keys), r["status"],
+        writer.writerow([r.run, *(r.overrides.get(k, "") for k in keys), r.status,
                          *(r.get(k, "") for k in fields[len(keys) + 2:])])
 
 
@@ -322,11 +319,12 @@ def write_report(study: Study, workdir: str, command: str = "") -> str:
 
 
 def _write_report(study: Study, workdir: str, command: str) -> str:
-  records, superseded = paired_records(read_results(workdir))
+  records, off_grid = grid_records(study, read_results(workdir))
+  records, superseded = paired_records(records)
   write_csv(records, os.path.join(workdir, "results.csv"))
   planned = len(study.runs())
-  counts = {s: sum(r["status"] == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
-  wall = sum(r.get("wall_seconds", 0) for r in records)
+  counts = {s: sum(r.status == s for r in records) for s in (FINISHED, DIVERGED, FAILED)}
+  wall = sum(r.wall_seconds for r in records)
   parts = [f"# Study '{study.name}'", ""]
   if command:
     parts += ["Regenerate (skips finished runs, resumes stopped ones):", "", "```bash", command,
@@ -340,12 +338,16 @@ def _write_report(study: Study, workdir: str, command: str) -> str:
       "or its final test loss is above its initial one; diverged runs are counted, never "
       "averaged." + _margin_sentence(study))
   parts += _pairing_check(records)
+  if off_grid:
+    parts += ["", f"{off_grid} records of results.jsonl are not grid points of the study file (a "
+              "grid that shrank, or another study's runs) and are set aside: counted and shown "
+              "nowhere in this report (they stay in results.jsonl)."]
   if superseded:
     parts += ["", f"{superseded} runs recorded before every method of a seed started from the "
               "same weights are left out of the tables (they stay in results.jsonl); the study "
               "runs them again."]
-  machines = collections.Counter(r.get("machine", "not recorded") for r in records
-                                 if r["status"] != SKIPPED)
+  machines = collections.Counter(r.machine or "not recorded" for r in records
+                                 if r.status != SKIPPED)
   if machines:
     parts += ["", "Machines (runs): " + "; ".join(f"{m} ({n})" for m, n in machines.items()) + "."]
   for table in study.tables:
@@ -366,7 +368,7 @@ def _write_report(study: Study, workdir: str, command: str) -> str:
   return text
 
 
-def section_body(section: Section, records: Sequence[dict], workdir: str) -> str:
+def section_body(section: Section, records: Sequence[RunRecord], workdir: str) -> str:
   """A section's markdown: its text, or what its function returns given the report's records and
   the workdir. A function that raises, or returns no text, gives a one-paragraph note that says
   why, and a warning: one broken section must not cost the report its tables and figures."""
@@ -383,24 +385,32 @@ def section_body(section: Section, records: Sequence[dict], workdir: str) -> str
   return text
 
 
-def paired_records(records: Sequence[dict]) -> tuple[list[dict], int]:
-  """The records a report shows, and how many it leaves out: once a study has runs that record
-  their starting weights (``init_digest``), its runs made before that are left out, since they
-  cannot be paired with them."""
-  if not any(r.get("init_digest") for r in records):
-    return list(records), 0
-  kept = [r for r in records if r.get("init_digest") or r["status"] in (SKIPPED, FAILED)]
+def grid_records(study: Study, records: Sequence[RunRecord]) -> tuple[list[RunRecord], int]:
+  """The records that are grid points of ``study``, and how many are not: the report counts and
+  tabulates the study's own runs only, never a foreign run's row and gap."""
+  grid = {run_id(o) for o in study.runs()}
+  kept = [r for r in records if r.run in grid]
   return kept, len(records) - len(kept)
 
 
-def _pairing_check(records: Sequence[dict]) -> list[str]:
+def paired_records(records: Sequence[RunRecord]) -> tuple[list[RunRecord], int]:
+  """The records a report shows, and how many it leaves out: once a study has runs that record
+  their starting weights (``init_digest``), its runs made before that are left out, since they
+  cannot be paired with them."""
+  if not any(r.init_digest for r in records):
+    return list(records), 0
+  kept = [r for r in records if r.init_digest or r.status in (SKIPPED, FAILED)]
+  return kept, len(records) - len(kept)
+
+
+def _pairing_check(records: Sequence[RunRecord]) -> list[str]:
   """A line on whether the runs of each seed and network started alike, whatever the method."""
   digests = collections.defaultdict(set)
   for r in records:
-    if r.get("init_digest"):
-      point = {k: v for k, v in r["overrides"].items()
+    if r.init_digest:
+      point = {k: v for k, v in r.overrides.items()
                if k == "seed" or k.startswith(("model", "dataset", "image_size"))}
-      digests[key_of(point)].add(r["init_digest"])
+      digests[key_of(point)].add(r.init_digest)
   if not digests:
     return ["", "Starting weights: not recorded (runs made before records carried "
             "`init_digest`), so the pairing by seed pairs the data order only."]

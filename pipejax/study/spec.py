@@ -302,6 +302,24 @@ def _check_where(where: tuple, what: str) -> None:
                        f"{value!r}.")
 
 
+def _check_axes(study: Study, table: Table) -> None:
+  """Refuses a table whose rows and columns are one key (each cell would be looked up by that key
+  alone, and values would land in the wrong cells) or that puts the seed on an axis (a cell is the
+  mean over every seed, so each would be empty)."""
+  if table.kind == "cells":  # a list of cells: its rows and columns are unused
+    return
+  axes = [axis for axis in (table.rows, table.columns) if axis]
+  where = f"Study {study.name!r}: table {table.title!r}"
+  if len(axes) == 2 and axes[0] == axes[1]:
+    raise StudyError(f"{where} has {axes[0]!r} as both its rows and its columns: a table crosses "
+                     "two keys. Give one of them another grid key (e.g. rows='model_kwargs.depth', "
+                     "columns='method'), or use kind='cells' to list the cells.")
+  if "seed" in axes:
+    raise StudyError(f"{where} puts 'seed' on an axis, but each cell is the mean over every seed "
+                     "(with its 95% CI and n), so no cell would have a value. Choose other grid "
+                     "keys for rows and columns; the seeds of a cell are its n.")
+
+
 def _check_tables(study: Study) -> None:
   """Refuses a malformed ``where`` of a table or figure, a table baseline that is not (config
   key, value) pairs, and a baseline on a table whose kind takes the study's."""
@@ -310,6 +328,7 @@ def _check_tables(study: Study) -> None:
   for figure in study.figures:
     _check_where(figure.where, f"Study {study.name!r}, figure {figure.file!r}")
   for table in study.tables:
+    _check_axes(study, table)
     pairs = table.baseline
     if not isinstance(pairs, tuple) or not all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):

@@ -22,6 +22,7 @@ import optax
 from pipejax.core import accounting
 from pipejax import data as data_lib
 from pipejax import methods as methods_lib
+from pipejax.methods import safe_ranges
 from pipejax import models as models_lib
 from pipejax import optim
 from pipejax.train.config_checks import (ANNEALING_KEYS, ConfigError, method_section,
@@ -214,11 +215,14 @@ def delay_memory(config, recipe: optim.Recipe, delays) -> float | None:
 
 
 def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
-  """One line when the run's ``D_max (1 − β)`` is beyond the largest a study found safe for its
-  method (its record's ``safe_delay_memory``), else None."""
-  safe = methods_lib.record_of(config.method).safe_delay_memory
+  """One line when the run's ``D_max (1 − β)`` is beyond where the studies found its method level
+  with its baseline: the gap they measured at or below it, or that its cost there is unmeasured
+  (:func:`pipejax.methods.safe_ranges.finding`); None within that range or without a delay."""
   product = delay_memory(config, recipe, delays)
-  if safe is None or product is None or product <= safe:
+  if product is None:
+    return None
+  found = safe_ranges.finding(config.method, product, recipe.momentum)
+  if found.kind == safe_ranges.HOLDS:
     return None
   beta = "b1" if config.optimizer == "adam" else "momentum"
   per_update = micro_batches_per_step(config)
@@ -226,9 +230,8 @@ def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
   return (f"{methods_lib.DISPLAY_NAMES[config.method]} at D_max{over} (1 - {beta}) = "
           f"{max(delays)}{over} x (1 - {recipe.momentum:.6g}) = {product:.3g} (D_max = 2(S - 1), "
           f"S = {len(delays)} stages{f', {per_update} micro-batches per update' if over else ''}"
-          f"), beyond {safe:g}, the largest at which a study found it level with its "
-          "baseline: expect a gap to it. See docs/lm.md, \"How to choose β and the rate for a "
-          "pipeline of S stages\".")
+          f"): {found.text}. See docs/lm.md, \"How to choose β and the rate for a pipeline of S "
+          "stages\".")
 
 
 def _layer_delays(config, split_model, input_shape) -> dict[str, int] | None:

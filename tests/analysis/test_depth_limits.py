@@ -8,6 +8,7 @@ import pytest
 from pipejax.analysis import depth_limits
 from pipejax.analysis import quadratic
 from pipejax.train import experiment
+from pipejax.study import records as study_records
 from pipejax.train.checkpoint import Checkpointer
 from tests.helpers import digits_config
 
@@ -105,11 +106,11 @@ def _limit_record(stage, sharpness, limits=None, stable=None, samples=0):
 
 
 def _run(method, seed, accuracy, status="finished", divergence=None):
-  record = {"overrides": {"model_kwargs.depth": 8, "method": method, "seed": seed},
+  record = {"run": "", "overrides": {"model_kwargs.depth": 8, "method": method, "seed": seed},
             "status": status, "test_accuracy": accuracy}
   if divergence:
     record["divergence"] = divergence
-  return record
+  return study_records.parse_record(record)
 
 
 def test_the_report_row_gives_the_sharpest_blocks_limits_and_the_paired_gap():

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipejax.analysis import phase, quadratic_noise
+from pipejax.analysis import phase
+from pipejax.analysis.quadratic import noise as quadratic_noise
 from pipejax.study.spec import load_study, run_id
 from tests.helpers import ROOT
 
@@ -234,6 +235,44 @@ def test_a_missing_study_is_one_paragraph_and_a_note_among_others(tmp_path):
   assert "\n" not in notes[0]
 
 
+# The study file of the hand-written records: their config and grid, accuracy in points.
+STUDY_FILE = f"""
+from pipejax.study import Study
+def get_study(arg):
+  return Study(name="depth", config={MLP!r}, margin=0.005,
+               grids=[{{"method": ("sgd", "pb", "pb_sc"), "seed": (0, 1)}}])
+"""
+
+
+def _study_file(tmp_path, text=STUDY_FILE):
+  path = tmp_path / "study_file.py"
+  path.write_text(text)
+  return str(path)
+
+
+def test_records_of_another_study_are_refused_and_foreign_ones_left_out_with_a_note(tmp_path):
+  records = [run("sgd", 0, 0.80), run("pb", 0, 0.78, stages=4)]
+  workdir = tmp_path / "mlp"
+  workdir.mkdir()
+  (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  lm_study = os.path.join(ROOT, "configs", "studies", "lm_depth.py")
+  with pytest.raises(phase.StudyMismatchError, match="None of the 2 records .* is a run of the "
+                     "study file .*lm_depth.py"):
+    phase.read_studies([f"{workdir}={lm_study}"])
+  result = _script(f"--studies={workdir}={lm_study}", f"--out={tmp_path / 'phase'}")
+  assert result.returncode == 2 and "bits per byte" not in result.stderr
+  assert "is a run of the study file" in result.stderr and "Traceback" not in result.stderr
+  assert not (tmp_path / "phase").exists()
+  # A record that is not a grid point of its own study (a grid that shrank) is left out, named.
+  foreign = run("pb", 0, 0.1, stages=4, **{"reference.lr": 9.0})
+  (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                 for r in [*records, foreign]))
+  source = phase.read_study(str(workdir), _study_file(tmp_path))
+  assert len(source.records) == 2 and source.problems == [
+      f"1 of its 3 records are not runs of {_study_file(tmp_path)} (not a grid point of it, or of "
+      "another config): left out."]
+
+
 def _script(*args):
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "phase_diagram.py"),
                          *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -246,7 +285,7 @@ def test_the_script_writes_the_report_and_figure_and_notes_a_missing_study(tmp_p
              run("pb_sc", 1, 0.79, stages=4)]
   (workdir / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   out = tmp_path / "phase"
-  result = _script(f"--studies={workdir}=configs/studies/depth.py,{tmp_path / 'gone'}",
+  result = _script(f"--studies={workdir}={_study_file(tmp_path)},{tmp_path / 'gone'}",
                    f"--out={out}")
   assert result.returncode == 0, result.stderr
   assert "Skipped: No study workdir" in result.stderr and "Traceback" not in result.stderr

@@ -1,5 +1,5 @@
-"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic.py) and of its
-simulation (pipejax/analysis/quadratic_simulation.py)."""
+"""Tests of the convex-quadratic stability analysis (pipejax/analysis/quadratic/stability.py) and
+of its simulation (pipejax/analysis/quadratic/simulation.py)."""
 
 import json
 import math
@@ -12,7 +12,10 @@ import pytest
 
 from pipejax import optim
 from pipejax import plotting
-from pipejax.analysis import quadratic, quadratic_docs, quadratic_figures, quadratic_simulation
+from pipejax.analysis import quadratic
+from pipejax.analysis.quadratic import docs as quadratic_docs
+from pipejax.analysis.quadratic import figures as quadratic_figures
+from pipejax.analysis.quadratic import simulation as quadratic_simulation
 
 from tests.helpers import ROOT as REPO_ROOT
 

@@ -6,7 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from pipejax.analysis import quadratic, quadratic_figures, quadratic_noise, quadratic_simulation
+from pipejax.analysis import quadratic
+from pipejax.analysis.quadratic import figures as quadratic_figures
+from pipejax.analysis.quadratic import noise as quadratic_noise
+from pipejax.analysis.quadratic import simulation as quadratic_simulation
 
 
 def test_zero_noise_leaves_the_losses_bit_identical_whatever_the_seed():

@@ -18,7 +18,8 @@ from pipejax.study import records as study_records
 from pipejax.study import spec as study_lib
 
 from tests.helpers import ROOT, as_from_a_terminal
-from tests.study.test_study import FAKE_TRAINER, STUDY_PROCESS, TWO_RUNS, alive, start_study
+from tests.study.helpers import FAKE_TRAINER, STUDY_PROCESS, TWO_RUNS, alive, record, start_study
+
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
 
@@ -313,13 +314,13 @@ def test_an_unreadable_summary_is_a_missing_one(tmp_path, content):
                                           b"\xff\x00garbage\n[3]\n")
   record = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 0,
                                          1.0, "error: No space left on device")
-  assert record["status"] == study_records.FAILED
-  assert "summary.json cannot be read" in record["error"] or "not a summary" in record["error"]
-  assert record["test_curve"] == [[10, 0.5, None]]
+  assert record.status == study_records.FAILED
+  assert "summary.json cannot be read" in record.error or "not a summary" in record.error
+  assert record.test_curve == [[10, 0.5, None]]
   # Exit 75 with the same summary: stopped, not failed; the runner never records it.
   stopped = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir),
                                           1, 1.0, "")
-  assert stopped["status"] == study_records.FAILED
+  assert stopped.status == study_records.FAILED
 
 
 def test_a_diverged_run_records_where_and_when_the_trainer_saw_it_break(tmp_path):
@@ -330,12 +331,12 @@ def test_a_diverged_run_records_where_and_when_the_trainer_saw_it_break(tmp_path
           "had been written yet, so a rerun starts from the beginning.\n")
   record = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 1,
                                          1.0, tail)
-  assert record["status"] == study_records.DIVERGED
-  assert record["divergence"] == {"samples": 1392, "stages": [1, 2]}
+  assert record.status == study_records.DIVERGED
+  assert record.divergence == {"samples": 1392, "stages": [1, 2]}
   # A diverged run whose log says no more than that is recorded without a point.
   bare = study_records.record_from_run(TWO_RUNS, {"method": "sgd", "seed": 0}, str(run_dir), 1,
                                        1.0, "the loss diverged")
-  assert bare["status"] == study_records.DIVERGED and "divergence" not in bare
+  assert bare.status == study_records.DIVERGED and bare.divergence is None
 
 
 EMPTY_SUMMARY_TRAINER = FAKE_TRAINER + """
@@ -353,7 +354,7 @@ def test_a_study_records_a_run_with_an_empty_summary_as_failed_and_retries_it(tm
     assert code == launcher.EXIT_FAILED
     assert "FAILED" in capsys.readouterr().out
   records = study_records.read_results(str(tmp_path / "study"))
-  assert [r["status"] for r in records] == [study_records.FAILED] * 2
+  assert [r.status for r in records] == [study_records.FAILED] * 2
 
 
 # ----------------------------------------------------------------------------- concurrent use

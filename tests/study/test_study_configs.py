@@ -2,13 +2,15 @@
 
 import math
 
+from pipejax.study import records as study_records
 from pipejax.study import spec as study_lib
 
 
 def _adam_pilot(b1, b2, bits, seed=0, lr=0.002):
-  return {"overrides": {"method": "sgd", "reference.momentum": b1, "reference.b2": b2,
-                        "reference.lr": lr, "seed": seed},
-          "status": "finished", "test_loss": bits * math.log(2)}
+  return study_records.parse_record(
+      {"run": "", "overrides": {"method": "sgd", "reference.momentum": b1, "reference.b2": b2,
+                                "reference.lr": lr, "seed": seed},
+       "status": "finished", "test_loss": bits * math.log(2)})
 
 
 def test_lm_regime_prunes_a_beta_setting_whose_pilot_ends_more_than_a_tenth_above_the_best():

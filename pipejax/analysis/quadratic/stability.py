@@ -5,7 +5,7 @@ current weight, the momentum buffer and the few past weights (or velocities) a g
 needs. Its companion matrix ``A`` maps the state of step ``t`` to the state of step ``t + 1``; the
 spectral radius ``ρ(A)`` is the asymptotic convergence rate per step and ``ρ < 1`` is stability.
 This module builds the matrices and reads the stability limits and best rates off them;
-:mod:`pipejax.analysis.quadratic_simulation` steps each update rule itself, the independent check.
+:mod:`pipejax.analysis.quadratic.simulation` steps each update rule itself, the independent check.
 
 Conventions (heavy-ball momentum, ``η`` the learning rate, ``x = ηλ``):
 

@@ -13,8 +13,9 @@ import json
 import math
 import re
 
+from pipejax import methods
 from pipejax.analysis import quadratic
-from pipejax.analysis.quadratic_figures import LOSS_SETTINGS, LOSS_STEPS
+from pipejax.analysis.quadratic.figures import LOSS_SETTINGS, LOSS_STEPS
 
 JSON_KEYS = ("method", "momentum", "delay", "max_stable_lr", "best_rate")
 
@@ -72,7 +73,7 @@ def _pb_anchor_table(rows, momenta, delays) -> str:
   out = ["| m | " + " | ".join(f"D={d}" for d in ds) + " |",
          "|---|" + "|".join(["--:"] * len(ds)) + "|"]
   for momentum in momenta:
-    vals = _grid(rows, "max_stable_lr", "pb", momentum, ds)
+    vals = _grid(rows, "max_stable_lr", methods.PLAIN_PIPELINE, momentum, ds)
     out.append(f"| {momentum} | "
                + " | ".join(f"{v * d / (1 - momentum):.3f}" for v, d in zip(vals, ds)) + " |")
   return "\n".join(out)

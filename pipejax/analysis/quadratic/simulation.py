@@ -9,9 +9,10 @@ curvatures (:func:`multi_dim_losses`). Only the argument checks and the per-meth
 :mod:`pipejax.analysis.quadratic`.
 
 Example:
-  >>> from pipejax.analysis import quadratic, quadratic_simulation
+  >>> from pipejax.analysis import quadratic
+  >>> from pipejax.analysis.quadratic import simulation
   >>> rho = quadratic.spectral_radius("pb_sc", 0.05, 0.9, 4)
-  >>> abs(quadratic_simulation.simulated_rate("pb_sc", 0.05, 0.9, 4) - rho) < 1e-3
+  >>> abs(simulation.simulated_rate("pb_sc", 0.05, 0.9, 4) - rho) < 1e-3
   True
 """
 
@@ -24,7 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from pipejax import optim
-from pipejax.analysis import quadratic, quadratic_noise
+from pipejax.analysis import quadratic
+from pipejax.analysis.quadratic import noise as quadratic_noise
 
 
 class _Recurrence:

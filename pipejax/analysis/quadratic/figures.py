@@ -15,7 +15,9 @@ import numpy as np
 
 from pipejax import methods as methods_lib
 from pipejax import plotting
-from pipejax.analysis import quadratic, quadratic_noise, quadratic_simulation
+from pipejax.analysis import quadratic
+from pipejax.analysis.quadratic import noise as quadratic_noise
+from pipejax.analysis.quadratic import simulation as quadratic_simulation
 
 
 
@@ -184,7 +186,7 @@ def predicted_gap_curves(methods: Sequence[str], momentum: float, lr_lambda: flo
                          ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """Per method, ``(D (1 − β), gap)`` at the delays ``D = max(1, round(p / (1 − β)))`` of each
   ``p`` of ``delay_memories`` (repeats dropped): the quadratic's
-  :func:`~pipejax.analysis.quadratic_noise.predicted_gap`, NaN where the method diverges."""
+  :func:`~pipejax.analysis.quadratic.noise.predicted_gap`, NaN where the method diverges."""
   delays = sorted({max(1, round(p / (1.0 - momentum))) for p in delay_memories})
   products = np.asarray(delays, np.float64) * (1.0 - momentum)
   curves = {}

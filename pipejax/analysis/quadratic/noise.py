@@ -6,7 +6,7 @@ recurrence ``s_{t+1} = A s_t + η ε_t c`` (``c``:
 :func:`~pipejax.analysis.quadratic.gradient_column`), whose stationary covariance solves the
 discrete Lyapunov equation ``Σ = A Σ Aᵀ + c cᵀ`` (per unit of ``η² σ²``). The excess loss is
 ``½ λ E[w²] = ½ x² (σ²/λ) Σ₀₀`` with ``x = ηλ``: only ``x`` and ``σ²/λ`` matter.
-:func:`pipejax.analysis.quadratic_simulation.simulated_excess_loss` measures the same number by
+:func:`pipejax.analysis.quadratic.simulation.simulated_excess_loss` measures the same number by
 stepping the rules, the independent check.
 
 This is the suspected mechanism of the long-delay failures (issue 51): where ``D (1 − β)`` is
@@ -14,7 +14,7 @@ not small, Spike Compensation keeps ``β^D`` of the moment, so the applied step 
 sample's gradient, and linear prediction extrapolates that noisy step ``D`` times.
 :func:`predicted_gap` is the quadratic's excess loss over the undelayed reference's, the curve a
 phase diagram sets beside the studies' gaps against ``D_max (1 − β)``
-(:func:`pipejax.analysis.quadratic_figures.plot_predicted_gap`).
+(:func:`pipejax.analysis.quadratic.figures.plot_predicted_gap`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Every method preset through the engine against the naive oracle (docs/design.md §2, §3)."""
 
-import ast
 import dataclasses
 import importlib
 import functools
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -15,7 +13,6 @@ import pytest
 
 import pipejax
 from pipejax import methods
-from pipejax import schedules
 from pipejax.core.engine import Pipeline
 from tests import oracle
 from tests.helpers import (NUM_CLASSES, WIDTHS, assert_trees_close, make_model, make_stream,
@@ -498,48 +495,6 @@ def test_the_baseline_takes_stage_rates_as_a_hyperparameter():
                         layer_delays={"a": 0})
 
 
-def _names_compared(tree: ast.AST):
-  """``(line, what, method name)`` of each comparison with a method's name, and of each tuple,
-  list, set or dict that collects two or more method names (a classification by name); a
-  module's ``__all__`` lists names of its own (``optim.nesterov_asyncpp``), not methods."""
-  exported = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-              and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)}
-  for node in ast.walk(tree):
-    if id(node) in exported:
-      continue
-    if isinstance(node, ast.Compare):
-      operands = [node.left, *node.comparators]
-      for operand in operands:
-        for const in ast.walk(operand):
-          if isinstance(const, ast.Constant) and const.value in methods.METHODS:
-            others = " ".join(ast.unparse(o) for o in operands if o is not operand)
-            yield node.lineno, others, const.value
-    elif isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
-      items = node.keys if isinstance(node, ast.Dict) else node.elts
-      names = [item.value for item in items
-               if isinstance(item, ast.Constant) and item.value in methods.METHODS]
-      if len(names) >= 2:
-        yield node.lineno, f"a {type(node).__name__.lower()} of method names", names[0]
-
-
-def test_no_module_names_methods_outside_their_records():
-  # Callers ask methods.record_of (or the Method) what a method is; only the records name them.
-  root = pathlib.Path(pipejax.__file__).parent
-  records = pathlib.Path(methods.__file__).parent
-  files = [f for f in [*root.rglob("*.py"), *(root.parent / "scripts").glob("*.py")]
-           if records not in f.parents]
-  assert len(files) > 30
-  found = []
-  for path in files:
-    for line, other, name in _names_compared(ast.parse(path.read_text())):
-      if name in methods.BASE_OPTIMIZERS and "optimizer" in other:
-        continue  # 'sgd' the base optimizer, not the method
-      if name in schedules.NAMES and "schedule" in str(path):
-        continue  # 'pb' the timetable of pipejax.schedules, not the method
-      found.append(f"{path.relative_to(root.parent)}:{line}: {other} vs {name!r}")
-  assert not found, "\n".join(found)
-
-
 def test_a_preset_refuses_a_hyperparameter_it_does_not_read():
   with pytest.raises(methods.MethodError, match="Method 'pb' takes no micro_batches: nothing "
                      "would read it. Its hyperparameters are learning_rate, momentum"):
@@ -561,11 +516,6 @@ def test_the_builders_keep_their_names_beside_the_preset_modules():
   assert methods.pipedream.__module__ == "pipejax.methods.method"
   assert methods.sync.__module__ == "pipejax.methods.method"
   assert methods.pb(optax.sgd(0.1)).name == "pb"
-
-
-def test_the_name_test_catches_a_tuple_and_a_set_of_method_names():
-  tree = ast.parse("A = ('pb', 'pb_sc')\nB = {'sgd', 'pipedream'}\nC = ('pb', 'x')\n")
-  assert [line for line, _, _ in _names_compared(tree)] == [1, 2]
 
 
 # m = 0.99918 is heavy-ball momentum 0.9 at batch 128 scaled to batch 1 (docs/design.md §4).

@@ -1,0 +1,90 @@
+"""The convex quadratic's prediction for each cell, at its D_max, β and rate, with the study's
+curvature.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+from pipejax import config as config_lib
+from pipejax.analysis import depth_limits
+from pipejax.analysis import quadratic
+from pipejax.analysis.phase.gaps import Row, rows_of
+from pipejax.analysis.phase.studies import Source
+from pipejax.analysis.quadratic import noise as quadratic_noise
+from pipejax.study.records import RunRecord, is_number
+
+
+@functools.lru_cache(maxsize=None)
+def relative_gap(method: str, delay: int, momentum: float, lr_lambda: float) -> float:
+  """The quadratic's :func:`~pipejax.analysis.quadratic.noise.predicted_gap` over the undelayed
+  reference's stationary excess loss at the same ``ηλ`` and momentum: the noise's variance
+  cancels. ``inf`` where the method is unstable, NaN where the reference itself is."""
+  reference = quadratic_noise.heavy_ball_excess_loss(lr_lambda, momentum, 1.0)
+  if not math.isfinite(reference):
+    return math.nan
+  return quadratic_noise.predicted_gap(method, delay, momentum, lr_lambda, 1.0) / reference
+
+
+@functools.lru_cache(maxsize=None)
+def _config_optimizer(config: str) -> str | None:
+  try:
+    return config_lib.load_config(config).optimizer
+  except config_lib.ConfigFileError:
+    return None
+
+
+def form_of(record: RunRecord) -> str | None:
+  """The run's base update as the quadratic reads it: ``'ema'`` for Adam, ``'heavy_ball'`` for
+  SGD (:class:`pipejax.optim.Recipe`'s ``form``); None when its config cannot be read."""
+  optimizer = record.overrides.get("optimizer") or (record.fixed or {}).get("optimizer")
+  if optimizer is None and record.config:
+    optimizer = _config_optimizer(record.config)
+  return None if optimizer is None else ("ema" if optimizer == "adam" else "heavy_ball")
+
+
+def stem_reading(curvature: Sequence[dict], num_stages: int) -> dict | None:
+  """The study's curvature reading of the stem (stage 0, the delay ``D_max``) at ``num_stages``:
+  at the initial weights where there is one, else the earliest."""
+  readings = [r for r in curvature if r.get("num_stages") == num_stages and r.get("stage") == 0
+              and is_number(r.get("sharpness"))]
+  return min(readings, key=lambda r: r.get("samples", 0)) if readings else None
+
+
+def prediction(row: Row, form: str | None, curvature: Sequence[dict]) -> tuple[float | None, str]:
+  """The quadratic's relative gap (:func:`relative_gap`) for ``row`` at its ``D_max``, β and
+  rate, with ``λ`` the study's stem reading at its depth; None with the reason where there is
+  none. A reading taken of one base update (heavy ball, or Adam's preconditioned curvature)
+  predicts nothing for a run of the other."""
+  if row.micro_batches_per_update > 1:
+    return None, f"{row.micro_batches_per_update} micro-batches per update: no quadratic form"
+  if row.method not in quadratic.PIPELINE_METHODS:
+    return None, "no quadratic form"
+  reading = stem_reading(curvature, row.num_stages)
+  if reading is None:
+    return None, f"no λ reading at {row.num_stages} stages"
+  if form is None:
+    return None, f"its config {row.record.config!r} cannot be read"
+  if (reading.get("form") or "heavy_ball") != form:
+    return None, "λ read under another optimizer"
+  if not is_number(row.learning_rate):
+    return None, "no rate recorded"
+  lr_lambda = depth_limits.step_curvature(row.learning_rate, reading["sharpness"], row.momentum,
+                                          form)
+  samples = reading.get("samples", 0)
+  where = "at the initial weights" if not samples else f"after {samples:,} samples"
+  return (relative_gap(row.method, row.max_delay, row.momentum, lr_lambda),
+          f"ηλ {lr_lambda:.2g}: the stem's λ {where}")
+
+
+def phase_rows(sources: Sequence[Source]) -> list[Row]:
+  """Every study's pipelined cells (:func:`rows_of`) with the quadratic's prediction."""
+  rows = []
+  for source in sources:
+    for row in rows_of(source):
+      row.prediction, row.prediction_note = prediction(row, form_of(row.record),
+                                                       source.curvature)
+      rows.append(row)
+  return rows
