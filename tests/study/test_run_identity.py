@@ -14,7 +14,7 @@ from pipejax.study import spec as study_lib
 from pipejax.study.spec import Study, StudyError, Table
 
 from tests.helpers import ROOT
-from tests.study.test_study import FAKE_TRAINER
+from tests.study.helpers import FAKE_TRAINER
 
 
 def _study(values, key="data_dir"):
