@@ -1,9 +1,11 @@
-"""The checks of a training config's fields, before anything is built.
+"""The checks of a training config's fields, before anything is built: the half of
+:func:`pipejax.train.plan.resolve` that reads the raw config.
 
-:func:`validate` checks each field (types, ranges, known names; the model's keywords by building
-it once). Each error is a :class:`ConfigError` whose message names the field and how to fix it.
-The checks against a checkpoint are :mod:`pipejax.train.resume`'s, those against the data and
-the machine :mod:`pipejax.train.run_checks`'.
+:func:`check_fields` checks each field (types, ranges, known names, the method's section against
+what its form reads); :func:`check_model` the model's keywords, by building it once. Each error is
+a :class:`ConfigError` whose message names the field and how to fix it. The checks against a
+checkpoint are :mod:`pipejax.train.resume`'s, those against the data and the machine
+:mod:`pipejax.train.run_checks`'.
 """
 
 from __future__ import annotations

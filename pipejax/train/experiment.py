@@ -70,10 +70,11 @@ class Setup:
   sharded: Any = None  # a pipejax.parallel.sharding.ShardedPipeline on a mesh of devices
   # a pipejax.parallel.stacking.StackedPipeline when the model has identical runs
   stacked: Any = None
-  # The pipeline whose initial weights this run starts from, merged into its own stages, when
-  # the two split the network differently: the one-stage SGD baseline starts where the pipelined
-  # runs of the same seed start, so a paired comparison pairs the weights as well as the data.
-  initial_weights_from: Pipeline | None = None
+  # The pipeline (or its stacks) whose initial weights this run starts from, merged into its own
+  # stages, when the two split the network differently: the one-stage SGD baseline starts where
+  # the pipelined runs of the same seed start, so a paired comparison pairs the weights as well
+  # as the data.
+  initial_weights_from: Runner | None = None
 
   @property
   def runner(self) -> Runner:
@@ -85,7 +86,7 @@ class Setup:
     where that is set. Every runner's init makes the pipeline's own init's bits."""
     if self.initial_weights_from is None:
       return self.runner.init(rng)
-    source = self.initial_weights_from.init(rng)
+    source = self.initial_weights_from.to_logical(self.initial_weights_from.init(rng))
     weights = sequential.split_layer_params(
         self.model, sequential.merge_stage_params([st.params for st in source.stages]),
         self.pipeline.example_inputs)
@@ -114,17 +115,23 @@ def build(plan: RunPlan) -> Setup:
   pipe = Pipeline(model, method, example_x, example_y, track_weight_discrepancy=plan.diagnostics)
   initial_weights_from = None
   if split_model is not None and split_model.num_stages > 1:
-    initial_weights_from = Pipeline(split_model, method, example_x, example_y)
-  stacked = None
-  if plan.mesh.stack_stages:
-    from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
-    stacked = stacking.StackedPipeline(pipe)
-    logging.info("Parts as (start, stop) spans of stages, those of two or more stacked: %s.",
-                 stacked.part_spans)
-    stacked = stacked if stacked.stacked else None
+    source = Pipeline(split_model, method, example_x, example_y)
+    # In stacks its state initialises in a program per stack, not one per stage.
+    initial_weights_from = (_stacks(source) if plan.mesh.stack_stages else None) or source
+  stacked = _stacks(pipe, log=True) if plan.mesh.stack_stages else None
   sharded = _sharded(plan, pipe, stacked or pipe) if plan.mesh.devices > 1 else None
   return Setup(train_source, test_source, model, plan.recipe, pipe, sharded, stacked,
                initial_weights_from=initial_weights_from)
+
+
+def _stacks(pipe: Pipeline, log: bool = False):
+  """``pipe`` with its runs of identical stages stacked, or None when it has none."""
+  from pipejax.parallel import stacking  # pylint: disable=import-outside-toplevel
+  stacked = stacking.StackedPipeline(pipe)
+  if log:
+    logging.info("Parts as (start, stop) spans of stages, those of two or more stacked: %s.",
+                 stacked.part_spans)
+  return stacked if stacked.stacked else None
 
 
 def _load_data(plan: RunPlan):

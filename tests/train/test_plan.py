@@ -13,9 +13,10 @@ import pytest
 
 from pipejax import methods
 from pipejax import models
+from pipejax.parallel import stacking
 from pipejax.study import preflight
 from pipejax.study import spec as study_lib
-from pipejax.train import checkpoint, config_checks, resume, trainer
+from pipejax.train import checkpoint, config_checks, experiment, resume, trainer
 from pipejax.train import plan as plan_lib
 from pipejax.train.config_checks import ANNEALING_KEYS, TRAINER_SET, ConfigError
 from tests.helpers import digits_config
@@ -209,3 +210,20 @@ def test_the_flush_and_the_micro_batches_per_update_are_two_names():
   assert (asynchronous.micro_batches_per_flush, asynchronous.micro_batches_per_update) == (None, 4)
   with pytest.warns(DeprecationWarning, match="renamed micro_batches_per_flush"):
     assert synchronous.micro_batches_per_step == 4
+
+
+@pytest.mark.parametrize("stack_stages", [True, False])
+def test_the_one_stage_baseline_starts_from_the_pipelined_runs_weights(stack_stages):
+  """Its weights come from the split's initial state, initialised in stacks or stage by
+  stage: the same digest as the pipelined run of the same seed."""
+  digests = {}
+  for method in ("pb", "sgd"):
+    config = digits_config(method=method, model="residual_mlp", stack_stages=stack_stages,
+                           model_kwargs={"depth": 5, "width": 8, "layers_per_stage": 1})
+    setup = experiment.build(plan_lib.resolve(config))
+    runner = setup.runner
+    digests[method] = checkpoint.weights_digest(
+        runner.host_params(setup.init(jax.random.PRNGKey(config.seed))))
+    if method == "sgd":
+      assert isinstance(setup.initial_weights_from, stacking.StackedPipeline) == stack_stages
+  assert digests["sgd"] == digests["pb"]
