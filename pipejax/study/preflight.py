@@ -92,7 +92,6 @@ def check_config_keys(study: study_lib.Study) -> None:
   except config_lib.ConfigFileError as e:
     raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
   known = _config_keys(config)
-  check_method_sections(study, config.method)
   for key in dict.fromkeys([*study.keys(), *study.fixed]):
     _check_method_kwarg(study, key)
     if key in config_lib.RENAMED_FIELDS:
@@ -106,6 +105,7 @@ def check_config_keys(study: study_lib.Study) -> None:
       raise study_lib.StudyError(
           f"Study {study.name!r}: {key!r} is not a field of {study.config}.{hint} Every trainer "
           "would refuse it; nothing was run.")
+  check_method_sections(study, config.method)
 
 
 def check_method_sections(study: study_lib.Study, config_method: str) -> None:
