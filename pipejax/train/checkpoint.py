@@ -2,8 +2,9 @@
 
 Each checkpoint is named by the training samples seen when it was saved (orbax's "step", a
 directory named by that number). Saved with orbax (each is written to a temporary directory and
-renamed, so a crash never leaves a half-written checkpoint that looks complete). Beside the state, a JSON ``meta`` item keeps
-the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7).
+renamed, so a crash never leaves a half-written checkpoint that looks complete). Beside the state,
+a JSON ``meta`` item keeps the data position and the run's plan, so a run resumes exactly where it
+stopped (docs/design.md §7).
 
 Each checkpoint carries two SHA-256 digests in its meta: one of the state's bytes together with the
 data position, one of the rest of the meta. :meth:`Checkpointer.restore_newest` checks both, so a
@@ -190,7 +191,8 @@ class Checkpointer:
       raise problem
 
   def restore_meta(self, samples: int) -> dict:
-    """The meta of the checkpoint at ``samples`` as saved, its digest checked (a :class:`CheckpointError` if damaged).
+    """The meta of the checkpoint at ``samples`` as saved, its digest checked (a
+    :class:`CheckpointError` if damaged).
 
     The digests themselves are kept under ``meta['digests']``.
     """
@@ -270,7 +272,8 @@ class Checkpointer:
         f"Every checkpoint in {self.directory} is damaged (at "
         f"{', '.join(str(s) for s, _ in damaged)} samples): " + " ".join(
             f"at {s} samples: {e.reason}." for s, e in damaged)
-        + " Refusing to start from scratch over them: restore the files from a copy, resume with the config they were written "
+        + " Refusing to start from scratch over them: restore the files from a copy, resume with "
+        "the config they were written "
         "with, or choose a new --workdir to start afresh.")
 
   def _set_aside(self, samples: int) -> None:

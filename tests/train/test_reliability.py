@@ -188,8 +188,8 @@ def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
     raise ValueError('RESOURCE_EXHAUSTED: Error writing "stages.0.params" in OCDBT database: '
                      "No space left on device [os_error_code='28']")
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
-  with pytest.raises(workdir_lib.StorageError, match="checkpoint at 40 samples failed: the disk .* is "
-                     "full.*rerun the same command"):
+  with pytest.raises(workdir_lib.StorageError, match="checkpoint at 40 samples failed: the disk "
+                     ".* is full.*rerun the same command"):
     trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
 
 

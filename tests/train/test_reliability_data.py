@@ -74,7 +74,8 @@ def test_a_data_set_changed_since_the_checkpoint_is_refused_naming_it(
   workdir = copy_of(finished, tmp_path)
   rewind_to(workdir, 160)
   before = snapshot(workdir)
-  with pytest.raises(data.DataError, match=r"The data changed since the checkpoint at 160 samples .*the "
+  with pytest.raises(data.DataError, match=r"The data changed since the checkpoint at 160 "
+                     r"samples .*the "
                      r"training split \(digits:train\): the same size, other contents.*"
                      r"--config.allow_changes_on_resume=True"):
     trainer.train_and_evaluate(digits_config(), workdir)

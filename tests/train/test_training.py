@@ -161,7 +161,8 @@ def test_checkpoint_directory_with_only_garbage_is_refused(tmp_path):
   workdir = tmp_path / "run"
   (workdir / "checkpoints" / "1234").mkdir(parents=True)
   (workdir / "checkpoints" / "1234" / "junk").write_text("not a checkpoint")
-  with pytest.raises(checkpoint.CheckpointError, match="checkpoint at 1234 samples .*cannot be restored"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="checkpoint at 1234 samples .*cannot be restored"):
     trainer.train_and_evaluate(digits_config(), str(workdir))
   other = tmp_path / "other"
   (other / "checkpoints" / "copied-by-hand").mkdir(parents=True)
