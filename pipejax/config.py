@@ -326,6 +326,11 @@ def command_line() -> str:
   return shlex.join(_COMMAND_LINE)
 
 
+def overridden_keys() -> list[str]:
+  """The dotted keys the arguments :func:`parse_flags` was given set (``--config.KEY=VALUE``)."""
+  return [m.group(1) for a in _COMMAND_LINE if (m := _CONFIG_KEY.match(a))]
+
+
 def describe_config_error(error: Exception, argv: list[str]) -> str:
   """The one-paragraph message for a command line whose config could not be built.
 

@@ -220,7 +220,7 @@ def main(argv):
       "delay_lines": lambda: [record for s in _DELAY_LINE_STAGES.value
                               for record in speed.delay_line_records(int(s), _DEPTH_METHODS.value)],
       "trainer": lambda: [{"declared_stack": declared, **trainer.trainer_rate(
-          trainer.deep_mlp_config(int(s), declared_stack=declared), _DEPTH_TICKS.value, repeats)}
+          trainer.deep_mlp_plan(int(s), declared_stack=declared), _DEPTH_TICKS.value, repeats)}
                           for declared in (False, True) for s in _TRAINER_STAGES.value],
       "stacked_mesh": lambda: meshes.stacked_mesh_records(
           _STACKED_MESH_STAGES.value, _STACKED_MESH_DEVICES.value, _DEPTH_TICKS.value, repeats),

@@ -36,6 +36,7 @@ from pipejax import config as configlib
 from pipejax.analysis import mechanism
 from pipejax.data import stream as stream_lib
 from pipejax.train import experiment
+from pipejax.train import plan as plan_lib
 from pipejax.train.config_checks import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The training config file.")
@@ -68,7 +69,7 @@ def main(argv):
   config.stack_stages = False
   started = time.perf_counter()
   try:
-    setup = experiment.build(config)
+    setup = experiment.build(plan_lib.resolve(config))
   except ConfigError as e:
     raise app.UsageError(str(e)) from None
   pipe = setup.pipeline

@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from pipejax import cli
 from pipejax.study import spec as study_lib
 from pipejax.study import launcher
+from pipejax.study import preflight
 
 _STUDY = flags.DEFINE_string("study", None, "Study file, e.g. configs/studies/depth.py[:smoke].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where results.jsonl, report.md, the figures and "
@@ -53,7 +54,7 @@ def main(argv):
   try:
     study = study_lib.load_study(_STUDY.value)
     if not _REPORT_ONLY.value:
-      launcher.check_config_keys(study)
+      preflight.check_config_keys(study)
   except study_lib.StudyError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

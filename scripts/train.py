@@ -42,8 +42,9 @@ import jax
 from ml_collections import config_flags
 
 from pipejax import config as configlib
-from pipejax.train import config_checks
 from pipejax.train import interruption
+from pipejax.train import plan as plan_lib
+from pipejax.train import resume
 from pipejax.train import trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
@@ -92,10 +93,11 @@ def main(argv):
   config, workdir = _CONFIG.value, _WORKDIR.value
   several = _DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1
   try:
-    config_checks.validate(config)  # before the processes wait for each other, or make the workdir
+    # Before the processes wait for each other, or make the workdir.
+    plan = plan_lib.resolve(config, overridden=configlib.overridden_keys())
     if several:
-      _start_processes(config, workdir)
-    summary = trainer.train_and_evaluate(config, workdir)
+      _start_processes(plan, workdir)
+    summary = trainer.train(plan, workdir)
   except interruption.StoppedDuringSetup as e:
     print(e)
     _exit(EXIT_STOPPED)
@@ -123,7 +125,7 @@ def main(argv):
         f"mesh=data{summary['mesh']['data']}xstage{summary['mesh']['stage']}")
 
 
-def _start_processes(config, workdir):
+def _start_processes(plan: plan_lib.RunPlan, workdir: str):
   """Connects the processes and makes them agree on what they run, before any of them trains."""
   from pipejax.parallel import distributed  # only multi-host runs pay for it
   try:
@@ -131,8 +133,8 @@ def _start_processes(config, workdir):
                            initialization_timeout=_STARTUP_TIMEOUT.value,
                            heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
     cli.signal_watch().set_phase("start-up (the processes compare their configs)")
-    fingerprint = {f"config.{k}": v for k, v in config_checks.flat_config(config).items()
-                   if k not in config_checks.PER_HOST_KEYS}
+    fingerprint = {f"config.{k}": v for k, v in resume.flat_given(plan).items()
+                   if k not in resume.PER_HOST_KEYS}
     distributed.agree({**fingerprint, "code": distributed.code_version(), "workdir": workdir},
                       _STARTUP_TIMEOUT.value)
     distributed.agree_on_shared_workdir(workdir, _STARTUP_TIMEOUT.value)

@@ -20,6 +20,7 @@ import sys
 
 from absl import flags
 
+from pipejax.train import plan as plan_lib
 from pipejax import config as configlib
 from pipejax.train import metrics
 import pytest
@@ -286,7 +287,7 @@ def test_documented_commands_name_real_scripts_configs_and_flags():
     except flags.Error as e:
       pytest.fail(f"{where}: `{' '.join(tokens)}` does not parse: {e}")
     if script == "scripts/train.py":
-      config_checks.validate(values["config"])
+      plan_lib.resolve(values["config"])
     checked += 1
   assert checked >= 25
 

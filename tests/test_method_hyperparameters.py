@@ -81,4 +81,4 @@ def test_an_annealing_length_in_method_kwargs_is_a_config_error(key, value, mess
   config.method_kwargs = {"pipemare": {key: value}}
   with pytest.raises(config_checks.ConfigError,
                      match=f"config.method_kwargs.pipemare: {key} {message}"):
-    config_checks.validate(config)
+    config_checks.check_fields(config)

@@ -31,6 +31,7 @@ from pipejax.methods import DISPLAY_NAMES
 from pipejax.study import statistics
 from pipejax.study.records import RunRecord, diverged as is_diverged
 from pipejax.train import experiment
+from pipejax.train import plan as plan_lib
 from pipejax.train.checkpoint import Checkpointer
 
 # The pipelined methods the quadratic models. PipeMare's limit is :func:`pipemare_limit`'s: its
@@ -148,7 +149,8 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     config: The run's training config (its model, data, recipe and seed).
     run_dir: The run's workdir, whose checkpoints give the weights after training; None: only
       the initial weights (``at_samples`` = (0,)).
-    at_samples: Where to read the curvature: 0 is the initial weights, else a checkpoint's step.
+    at_samples: Where to read the curvature: 0 is the initial weights, else a checkpoint's
+      samples.
     stages: Which stages; default :func:`sampled_stages`.
     batch: Training examples in the loss whose Hessian is read.
     iterations: Power-iteration products a stage.
@@ -169,20 +171,21 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
   """
   at_samples = [int(v) for v in at_samples]
   checkpoints = (Checkpointer(f"{run_dir}/checkpoints", primary=False) if run_dir else None)
-  saved = checkpoints.all_steps() if checkpoints is not None else []
+  saved = checkpoints.all_samples() if checkpoints is not None else []
   missing = [v for v in at_samples if v and v not in saved]
   if missing:  # before the build, which takes minutes at depth
     raise ValueError(f"No checkpoint at {missing[0]} samples"
                      f"{'' if checkpoints is None else ' in ' + checkpoints.directory}; "
                      f"saved: {saved}.")
-  setup = experiment.build(config)
+  plan = plan_lib.resolve(config)
+  setup = experiment.build(plan)
   model, pipe = setup.model, setup.pipeline
   stages = sampled_stages(model.num_stages) if stages is None else list(stages)
   initial = setup.init(jax.random.PRNGKey(config.seed))
   x, y = _batch(setup, batch, config.seed)
   eta, momentum = float(setup.recipe.learning_rate), float(setup.recipe.momentum)
   form = setup.recipe.form
-  schedule = experiment.learning_rate_schedule(config, setup.recipe, len(setup.train_source))
+  schedule = experiment.learning_rate_schedule(plan, len(setup.train_source))
   x_of = lambda rate, value: step_curvature(rate, float(value), momentum, form)
 
   def loss(params):

@@ -70,7 +70,7 @@ def result(workdir, case=MLP):
   """What a finished run produced: final state digest (verified), summary numbers, metrics."""
   from pipejax.train import checkpoint  # pylint: disable=g-import-not-at-top
   saver = checkpoint.Checkpointer(checkpoints(workdir))
-  step = saver.latest_step()
+  step = saver.latest_samples()
   state, meta = saver.restore(step, _like_state(case))  # raises if the digest does not match
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   records = comparable_records(workdir)
@@ -86,11 +86,12 @@ def _like_state(case=MLP):
   # JAX only here: a process that only starts trainers never loads it.
   import jax  # pylint: disable=g-import-not-at-top
   from pipejax.train import experiment  # pylint: disable=g-import-not-at-top
+  from pipejax.train import plan as plan_lib  # pylint: disable=g-import-not-at-top
   config = config_lib.load_config(case.config)
   for override in case.overrides:
     key, value = override[len("--config."):].split("=")
     config[key] = type(config[key])(value)
-  return experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
+  return experiment.build(plan_lib.resolve(config)).pipeline.init(jax.random.PRNGKey(0))
 
 
 def kill_at_random(workdir, rng, reference_seconds, case=MLP):
@@ -165,7 +166,7 @@ def judge(workdir, code, output, reference, damaged_step=None, case=MLP):
     if damaged_step is not None and os.path.isdir(aside):
       return f"exact (damage caught, step {damaged_step} set aside, resumed from an older one)"
     return "exact" if damaged_step is None else "exact (the damaged bytes were never read)"
-  if damaged_step is not None and re.search(rf"\bstep {damaged_step}\b", output):
+  if damaged_step is not None and re.search(rf"\bat {damaged_step} samples\b", output):
     return f"refused (exit {code}, names step {damaged_step})"
   return f"FAIL: exit {code}: {output.strip().splitlines()[-1][:300] if output.strip() else ''}"
 

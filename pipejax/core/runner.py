@@ -190,7 +190,7 @@ class Runner(abc.ABC):
           "transform, and pass the (inputs, labels, valid) it returns to run, which may run "
           "inside one.")
     count = checks.stream_length(inputs, labels)
-    m = self.spec.method.micro_batches_per_step
+    m = self.spec.method.micro_batches_per_flush
     if m is None:
       return inputs, labels, np.ones((count,), bool)
     checks.check_whole_steps(count, m)

@@ -110,7 +110,7 @@ class PipelineSpec:
     """Validates a micro-batch (``ticks=None``) or a stream of them; returns a :class:`Batch`."""
     valid = checks.checked_stream(
         inputs, labels, valid, example_inputs=self.example_inputs,
-        example_labels=self.example_labels, micro_batches=self.method.micro_batches_per_step,
+        example_labels=self.example_labels, micro_batches=self.method.micro_batches_per_flush,
         ticks=bool(ticks))
     self.check_labels(labels, valid)
     return Batch(inputs, labels, valid)

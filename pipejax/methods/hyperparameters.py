@@ -125,6 +125,20 @@ class Hyperparameters:
                         "optimizer='adam' (momentum SGD's decay is coupled to the gradient).")
 
   @property
+  def micro_batches_per_update(self) -> int:
+    """The micro-batches whose mean gradient one update applies."""
+    return 1
+
+  def unread(self) -> dict[str, str]:
+    """``{field: why}`` of the fields this form of the preset never reads: a config that sets
+    one is refused, since the run would train exactly as without it."""
+    if self.optimizer == "adam":
+      return {}
+    why = (f"with optimizer {self.optimizer!r} reads no {{}}: only optimizer 'adam' has "
+           "{}")
+    return {"b2": why.format("b2", "a second moment"), "eps": why.format("eps", "an epsilon")}
+
+  @property
   def mask(self):
     """AdamW's decay mask: :func:`pipejax.optim.adam_family.decay_mask` or None (decay all)."""
     return adam_family.decay_mask if self.decay_mask else None
@@ -164,6 +178,10 @@ class Accumulating(Hyperparameters):
   def check(self) -> None:
     super().check()
     method_lib.check_micro_batches(self.micro_batches)
+
+  @property
+  def micro_batches_per_update(self) -> int:
+    return self.micro_batches
 
 
 @dataclasses.dataclass(frozen=True)

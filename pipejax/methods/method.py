@@ -11,9 +11,9 @@ for
   the backward (PipeDream's weight stashing; overrides ``backward_weights``);
 * ``pass_gradient_weights``: give the update the weights the gradient was computed on, as the
   extra argument ``gradient_params`` (DC-ASGD's delay compensation needs them);
-* ``micro_batches_per_step``: an int M means synchronous (GPipe / 1F1B-flush) training: the stream
-  is fed M micro-batches a step, separated by 2(S-1) empty ticks, and each stage accumulates M
-  gradients before one step.
+* ``micro_batches_per_flush``: an int M means synchronous (GPipe / 1F1B-flush) training: the
+  stream is fed M micro-batches a step, then the pipeline is flushed by 2(S-1) empty ticks, and
+  each stage accumulates M gradients before one step. None: asynchronous, never flushed.
 * ``micro_batches_per_update``: the micro-batches whose mean gradient one update applies (the
   optimizer accumulates them, ``optax.MultiSteps``): the synchronous M, or an asynchronous
   method's accumulation, where the pipeline stays full.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from typing import Any, Callable
+import warnings
 
 import optax
 
@@ -53,9 +54,17 @@ class Method:
   forward_weights: WeightView = current_weights
   backward_weights: WeightView = current_weights
   stash_forward_weights: bool = False
-  micro_batches_per_step: int | None = None  # None: asynchronous, never drains.
+  micro_batches_per_flush: int | None = None  # None: asynchronous, never drains.
   micro_batches_per_update: int = 1
   pass_gradient_weights: bool = False
+
+  @property
+  def micro_batches_per_step(self) -> int | None:
+    """The old name of :attr:`micro_batches_per_flush` (a DeprecationWarning)."""
+    warnings.warn("Method.micro_batches_per_step is renamed micro_batches_per_flush (the "
+                  "micro-batches between two flushes; micro_batches_per_update counts those of "
+                  "one update).", DeprecationWarning, stacklevel=2)
+    return self.micro_batches_per_flush
 
 
 def per_stage(optimizer) -> Callable[[int], optax.GradientTransformation]:
@@ -99,7 +108,7 @@ def sync(optimizer, micro_batches: int) -> Method:
   """
   micro_batches = check_micro_batches(micro_batches)
   return Method("sync", accumulating(optimizer, micro_batches),
-                micro_batches_per_step=micro_batches, micro_batches_per_update=micro_batches)
+                micro_batches_per_flush=micro_batches, micro_batches_per_update=micro_batches)
 
 
 def accumulating(optimizer, micro_batches: int) -> Callable[[int], optax.GradientTransformation]:

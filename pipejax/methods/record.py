@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+import warnings
 
 from pipejax.methods.method import Method
 
@@ -19,14 +20,14 @@ PREDICTION_FORMS = (None, "update", "next_velocity")
 
 @dataclasses.dataclass(frozen=True)
 class Traits:
-  """What a caller may ask of a preset before its transformations exist.
+  """What a preset is, whatever its hyperparameters: answers a run's plan
+  (:mod:`pipejax.train.plan`) and the reports read by its name. What depends on the
+  hyperparameters (the micro-batches of one update) is theirs to say
+  (``Hyperparameters.micro_batches_per_update``)."""
 
-  A trainer needs some answers (the batch of one step, the model's split) before it has the
-  learning-rate schedule that :func:`pipejax.methods.make_method` builds the transformations from.
-  """
-
-  # One step per ``micro_batches`` micro-batches (the M of its hyperparameters), the mean of their
-  # gradients: synchronous (GPipe), or asynchronous where the method has no flush.
+  # One update per ``micro_batches`` micro-batches (the M of its hyperparameters), the mean of
+  # their gradients: synchronous (GPipe), or asynchronous where the method has no flush. For a
+  # reader of records that holds no plan.
   accumulates_micro_batches: bool = False
   # The reference without a pipeline: the whole network trains as one stage.
   one_stage: bool = False
@@ -38,7 +39,11 @@ class Traits:
   recommended: bool = False
 
   def micro_batches_per_step(self, micro_batches: int) -> int:
-    """The micro-batches one optimizer step sees, given the method's ``micro_batches``."""
+    """The micro-batches one update sees, given the method's ``micro_batches``; replaced by its
+    hyperparameters' ``micro_batches_per_update`` (a DeprecationWarning)."""
+    warnings.warn("Traits.micro_batches_per_step is replaced by the hyperparameters' "
+                  "micro_batches_per_update (a run's: RunPlan.micro_batches_per_update).",
+                  DeprecationWarning, stacklevel=2)
     return micro_batches if self.accumulates_micro_batches else 1
 
 

@@ -37,6 +37,14 @@ class SGDHyperparameters(Hyperparameters):
           f"momentum-SGD baseline per-stage rates; it needs optimizer='sgd' (got "
           f"{self.optimizer!r}).")
 
+  def unread(self) -> dict[str, str]:
+    unread = super().unread()
+    if not self.stage_rates:
+      why = "reads no {} without stage_rates (one rate for every layer)"
+      unread.update(anneal_steps=why.format("annealing length"),
+                    layer_delays=why.format("layer delays"))
+    return unread
+
 
 def build(h: SGDHyperparameters) -> method_lib.Method:
   if not h.stage_rates:

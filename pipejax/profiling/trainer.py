@@ -21,24 +21,27 @@ from pipejax import config as configlib
 from pipejax import data as data_lib
 from pipejax.core import initial, stackable
 from pipejax.train import divergence, experiment
+from pipejax.train import plan as plan_lib
 from pipejax.profiling.timing import best_times
 
 DEEP_MLP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deep_mlp.py")
 
 
-def deep_mlp_config(num_stages: int, method: str | None = None, declared_stack: bool = False):
-  """configs/deep_mlp.py at ``num_stages`` stages (its own method unless ``method``), its blocks
-  one module repeated where ``declared_stack`` (a declared stack, :class:`pipejax.Model`)."""
+def deep_mlp_plan(num_stages: int, method: str | None = None, declared_stack: bool = False
+                  ) -> plan_lib.RunPlan:
+  """The plan of configs/deep_mlp.py at ``num_stages`` stages (its own method unless
+  ``method``), its blocks one module repeated where ``declared_stack`` (a declared stack,
+  :class:`pipejax.Model`)."""
   config = configlib.load_config(os.path.abspath(DEEP_MLP))
   config.model_kwargs.depth = num_stages
   if declared_stack:
     config.model_kwargs.declared_stack = True
   if method:
     config.method = method
-  return config
+  return plan_lib.resolve(config)
 
 
-def trainer_rate(config, ticks: int, repeats: int) -> dict:
+def trainer_rate(plan: plan_lib.RunPlan, ticks: int, repeats: int) -> dict:
   """Samples/s of the trainer's chunk (host stream, schedule, run, metrics, finite check) over
   those of the runner's ``run`` on a device stream, side by side; and the set-up's seconds.
 
@@ -56,7 +59,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   compared.
   """
   start = time.perf_counter()
-  setup = experiment.build(config)
+  setup = experiment.build(plan)
   build_s = time.perf_counter() - start
   pipe = setup.pipeline
   start = time.perf_counter()
@@ -76,12 +79,12 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   start = time.perf_counter()
   stackable.find_parts(pipe.initial)
   find_stacks_s = time.perf_counter() - start
-  runner, b = setup.runner, config.micro_batch_size
+  runner, b = setup.runner, plan.micro_batch_size
   start = time.perf_counter()
-  holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(config.seed)))}
+  holder = {"state": jax.block_until_ready(setup.init(jax.random.PRNGKey(plan.seed)))}
   runner.host_params(holder["state"])  # the initial weights' digest reads them
   init_s = time.perf_counter() - start
-  stream = data_lib.DataStream(setup.train_source, b, config.seed)
+  stream = data_lib.DataStream(setup.train_source, b, plan.seed)
   x_device, y_device = (jax.device_put(a) for a in stream.next_chunk(ticks))
 
   def benchmark_chunk():
@@ -95,7 +98,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
     holder["state"], metrics = runner.run(holder["state"], x, y, valid)
     metrics = jax.device_get(metrics)
     try:
-      divergence.raise_if_diverged(config, setup.model, runner.weights_finite(holder["state"]),
+      divergence.raise_if_diverged(plan, setup.model, runner.weights_finite(holder["state"]),
                                    metrics["finite"], valid, first_tick, 0, None)
     except divergence.TrainingDiverged:
       # The check costs the same either way; the row says its numbers are a diverged run's.
@@ -108,7 +111,7 @@ def trainer_rate(config, ticks: int, repeats: int) -> dict:
   for fn in (benchmark_chunk, trainer_chunk):
     fn()  # both programs compiled and run once on a full pipeline
   seconds = best_times({"benchmark": benchmark_chunk, "trainer": trainer_chunk}, repeats)
-  row = {"num_stages": setup.pipeline.num_stages, "method": config.method, "ticks": ticks,
+  row = {"num_stages": setup.pipeline.num_stages, "method": plan.method, "ticks": ticks,
          "build_s": build_s, "init_s": init_s, "setup_s": build_s + init_s,
          "model_trace_s": model_trace_s, "init_trace_s": init_trace_s,
          "update_trace_s": update_trace_s, "find_stacks_s": find_stacks_s,

@@ -22,15 +22,11 @@ What makes a study as safe as one run:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import heapq
 import os
-import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +34,8 @@ from typing import Sequence
 
 from pipejax import cli
 from pipejax.study import spec as study_lib
+from pipejax.study.lock import StudyBusy, describe_holder, hold
+from pipejax.study.preflight import check_report_workdir, check_selection, selected
 from pipejax.study import records as study_records
 from pipejax.study import report as study_report
 from pipejax.train import workdir as workdir_lib
@@ -45,78 +43,11 @@ from pipejax.train.metrics import format_duration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAINER = (sys.executable, os.path.join(ROOT, "scripts", "train.py"))
-LOCK_FILE = ".study.lock"
 EXIT_COMPLETE, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_STOPPED = 75  # as scripts/train.py: stopped by a signal; rerunning the command continues
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RERUN = "finished runs are kept and stopped ones resume from their checkpoints"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-class StudyBusy(RuntimeError):
-  """Another study holds the workdir; the message names it."""
-
-
-# ----------------------------------------------------------------------------- the study lock
-
-
-def _alive(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
-  except OSError:
-    pass
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def _describe(lock: workdir_lib.FileLock, trainers: Sequence[int] = ()) -> None:
-  lock.describe(f"study {workdir_lib.this_process()}\n"
-                f"trainers: {' '.join(str(p) for p in trainers)}\n")
-
-
-@contextlib.contextmanager
-def hold(workdir: str, wait_s: float = 300.0):
-  """Holds ``workdir``'s study lock for the block; :class:`StudyBusy` if another study has it.
-
-  When the holder is a study of this host that has ended (killed outright), the lock is held by
-  the trainers it started, which are saving their checkpoints: this waits for them up to
-  ``wait_s`` seconds.
-  """
-  os.makedirs(workdir, exist_ok=True)
-  lock = workdir_lib.FileLock(os.path.join(workdir, LOCK_FILE))
-  try:
-    if not lock.acquire():
-      holder = lock.holder()
-      study = re.search(r"study process (\d+) on (\S+)", holder)
-      trainers = " ".join(re.findall(r"\d+", holder.partition("trainers:")[2])) or "unknown"
-      if not (study and study.group(2) == socket.gethostname() and not _alive(int(study[1]))):
-        who = study[0] if study else (holder or "another process")
-        raise StudyBusy(
-            f"Another study ({who}) is running in {workdir}. Two studies on one workdir would "
-            "start the same trainings twice and interleave their records. Wait for it to finish, "
-            f"stop it (Ctrl-C in its terminal, or kill {study[1] if study else 'PID'}: its "
-            "trainers save checkpoints), or give this study another --workdir.")
-      print(f"The study that held {workdir} ({study[0]}) has ended; waiting up to "
-            f"{wait_s:.0f} s for the trainers it started (processes {trainers}) to save their "
-            "checkpoints and exit.", flush=True)
-      deadline = time.monotonic() + wait_s
-      while not lock.acquire():
-        if time.monotonic() > deadline:
-          raise StudyBusy(
-              f"The trainers (processes {trainers}) of the study that held {workdir} "
-              f"({study[0]}, now ended) still hold it after {wait_s:.0f} s. Stop them (kill PID: "
-              "each saves a checkpoint) and rerun the same command.")
-        time.sleep(0.5)
-    _describe(lock)
-    yield lock
-  finally:
-    lock.close()
 
 
 # ----------------------------------------------------------------------------- trainer processes
@@ -235,18 +166,11 @@ class Outcome:
     return EXIT_STOPPED if self.not_done else EXIT_COMPLETE
 
 
-def _selected(study: study_lib.Study, where: dict[str, str] | None) -> list[dict]:
-  """The runs whose value of each key in ``where`` is one of its ``|``-separated values."""
-  where = where or {}
-  return [o for o in study.runs()
-          if all(study_lib.format_value(o.get(k)) in v.split("|") for k, v in where.items())]
-
-
 def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None = None) -> Outcome:
   """Where the runs selected by ``where`` stand in ``workdir``'s results.jsonl."""
   records = {r.run: r for r in study_records.read_results(workdir)}
   result = Outcome([], [], [], [])
-  for overrides in _selected(study, where):
+  for overrides in selected(study, where):
     rid = study_lib.run_id(overrides)
     result.planned.append(rid)
     record = records.get(rid)
@@ -289,7 +213,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
   if message:
     print(f"warning: {message}", flush=True)
   done = {r.run: r for r in check_records(study, workdir)}
-  planned = _selected(study, where)
+  planned = selected(study, where)
   todo = [o for o in planned if not study_records.is_done(done.get(study_lib.run_id(o)), study, o)]
   # Every cell's first seed before any cell's second: a study stopped part-way (or spread over
   # several sessions) then has a result in every cell.
@@ -321,7 +245,7 @@ def run_study(study: study_lib.Study, workdir: str, parallel: int, command: str,
 
   def trainers_changed():
     if lock is not None:
-      _describe(lock, [process.pid for process, *_ in running.values()])
+      describe_holder(lock, [process.pid for process, *_ in running.values()])
 
   with _Stop() as stop:
     try:
@@ -480,91 +404,6 @@ def _print_outcome(result: Outcome, workdir: str) -> None:
   if result.not_done:
     print(f"Not done ({len(result.not_done)}, stopped before the end): "
           f"{_names(result.not_done)}. Rerun the same command to continue.", flush=True)
-
-
-def check_selection(study: study_lib.Study, where: dict[str, str] | None) -> None:
-  """Refuses (:class:`pipejax.study.StudyError`) a ``where`` that selects no run of the grid,
-  naming the key whose values match nothing and the values it takes."""
-  if not where or _selected(study, where):
-    return
-  runs = study.runs()
-  for key, wanted in where.items():
-    known = list(dict.fromkeys(study_lib.format_value(o.get(key)) for o in runs))
-    if not set(wanted.split("|")) & set(known):
-      raise study_lib.StudyError(
-          f"--where={key}={wanted} matches no run of study {study.name!r}: {key} takes "
-          f"{'|'.join(known)}. Nothing was run.")
-  items = ",".join(f"{k}={v}" for k, v in where.items())
-  raise study_lib.StudyError(f"--where={items} matches no run of study {study.name!r}: each "
-                             "value is in the grid, but no grid point has them together. "
-                             "Nothing was run.")
-
-
-def check_report_workdir(workdir: str) -> None:
-  """Refuses a ``--report_only`` workdir that holds no study records, before creating anything:
-  a mistyped path would otherwise get a report of zero runs."""
-  if any(os.path.exists(os.path.join(workdir, name)) for name in (study_records.RESULTS_FILE,
-                                                                  "runs")):
-    return
-  what = "does not exist" if not os.path.exists(workdir) else \
-      f"holds no study (neither {study_records.RESULTS_FILE} nor runs/)"
-  raise study_lib.StudyError(f"--report_only: the workdir {workdir} {what}, so there is nothing "
-                             "to report. Give the --workdir the study ran in.")
-
-
-def _config_keys(config, prefix: str = "") -> set[str]:
-  keys = set()
-  for key, value in config.items():
-    keys.add(prefix + key)
-    if hasattr(value, "items"):
-      keys |= _config_keys(value, f"{prefix}{key}.")
-  return keys
-
-
-def _check_method_kwarg(study: study_lib.Study, key: str) -> None:
-  """Refuses a ``method_kwargs.METHOD.KEY`` grid key that the method's record does not let a
-  config set, as its trainers would."""
-  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
-  section, _, rest = key.partition(".")
-  name, _, field = rest.partition(".")
-  if section != "method_kwargs" or not field or "." in field:
-    return
-  try:
-    config_checks.check_method_key(name, field)
-  except config_checks.ConfigError as e:
-    raise study_lib.StudyError(f"Study {study.name!r}: {e} Every trainer would refuse it; "
-                               "nothing was run.") from None
-
-
-def check_config_keys(study: study_lib.Study) -> None:
-  """Refuses a study whose config file cannot be loaded or whose grid or ``fixed`` keys are not
-  fields of it, before any trainer starts: each trainer would otherwise fail alike, one by one.
-  ``model_kwargs.*``, ``data_kwargs.*`` and ``method_kwargs.*`` keys are their readers' to check
-  (the trainer adds them); an old field name is refused with its new key."""
-  from pipejax import config as config_lib  # pylint: disable=import-outside-toplevel
-  if not os.path.isfile(os.path.join(ROOT, study.config.partition(":")[0])):
-    raise study_lib.StudyError(
-        f"Study {study.name!r}: its config file {study.config.partition(':')[0]!r} does not "
-        f"exist under {ROOT} (a study names its config relative to the repository root, e.g. "
-        "'configs/default.py:smoke').")
-  try:
-    config = config_lib.load_config(os.path.join(ROOT, study.config))
-  except config_lib.ConfigFileError as e:
-    raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
-  known = _config_keys(config)
-  for key in dict.fromkeys([*study.keys(), *study.fixed]):
-    _check_method_kwarg(study, key)
-    if key in config_lib.RENAMED_FIELDS:
-      raise study_lib.StudyError(f"Study {study.name!r}: " + config_lib.renamed_field_message(
-          key, study.config))
-    # The keywords of a model's builder, a data set's loader, a method's record: the trainer
-    # checks them against their reader.
-    if key not in known and key.partition(".")[0] not in config_lib.FREE_FORM_FIELDS:
-      close = difflib.get_close_matches(key, sorted(known), n=1)
-      hint = f" Did you mean {close[0]!r}?" if close else ""
-      raise study_lib.StudyError(
-          f"Study {study.name!r}: {key!r} is not a field of {study.config}.{hint} Every trainer "
-          "would refuse it; nothing was run.")
 
 
 def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,

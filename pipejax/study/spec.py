@@ -475,6 +475,10 @@ def format_value(value: Any) -> str:
 
 def trainer_flags(study: Study, overrides: Overrides) -> list[str]:
   """The trainer's ``--config.KEY=VALUE`` flags of one run: the study's fixed ones, then the
-  grid's."""
+  grid's; a fixed key of another method's ``method_kwargs`` section than the run's is left out
+  (the trainer refuses a flag that nothing reads)."""
   merged = {**study.fixed, **overrides}
-  return [f"--config.{k}={format_value(v)}" for k, v in merged.items()]
+  method = merged.get("method")
+  unread = lambda k: (k in study.fixed and k.startswith("method_kwargs.") and method is not None
+                      and k.split(".")[1] != method)
+  return [f"--config.{k}={format_value(v)}" for k, v in merged.items() if not unread(k)]

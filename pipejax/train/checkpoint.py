@@ -1,14 +1,16 @@
 """Checkpoints of the whole pipeline: weights, optimizer states, delay lines, registers, tick, RNG.
 
-Saved with orbax (each step is written to a temporary directory and renamed, so a crash never
-leaves a half-written checkpoint that looks complete). Beside the state, a JSON ``meta`` item keeps
-the data position and the config, so a run resumes exactly where it stopped (docs/design.md §7).
+Each checkpoint is named by the training samples seen when it was saved (orbax's "step", a
+directory named by that number). Saved with orbax (each is written to a temporary directory and
+renamed, so a crash never leaves a half-written checkpoint that looks complete). Beside the state,
+a JSON ``meta`` item keeps the data position and the run's plan, so a run resumes exactly where it
+stopped (docs/design.md §7).
 
 Each checkpoint carries two SHA-256 digests in its meta: one of the state's bytes together with the
 data position, one of the rest of the meta. :meth:`Checkpointer.restore_newest` checks both, so a
-flipped bit on disk is caught instead of trained on; a damaged step is moved aside (to
-``<directory>.damaged/``) and the newest intact step is used, with a warning naming both. When no
-step is intact the run stops with a :class:`CheckpointError`, never with a silent fresh start.
+flipped bit on disk is caught instead of trained on; a damaged checkpoint is moved aside (to
+``<directory>.damaged/``) and the newest intact one is used, with a warning naming both. When none
+is intact the run stops with a :class:`CheckpointError`, never with a silent fresh start.
 A temporary directory left by a write that never finished (a kill, a full disk) is not a
 checkpoint: it is removed, with a warning, when the directory is opened.
 
@@ -28,6 +30,7 @@ import os
 import shutil
 import sys
 from typing import Any, Callable, Sequence
+import warnings
 
 from absl import logging
 import jax
@@ -94,6 +97,11 @@ def _meta_digest(meta: dict) -> str:
   return hashlib.sha256(json.dumps(_plain_json(body), sort_keys=True).encode()).hexdigest()
 
 
+def _renamed(old: str, new: str) -> None:
+  warnings.warn(f"Checkpointer.{old} is renamed {new}: a checkpoint is named by the training "
+                "samples seen when it was saved.", DeprecationWarning, stacklevel=3)
+
+
 class Checkpointer:
   """Saves and restores (state, meta) pairs under ``directory``, keeping the last
   ``max_to_keep``."""
@@ -128,10 +136,11 @@ class Checkpointer:
                         os.path.join(self.directory, name))
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
-  def latest_step(self) -> int | None:
-    """The newest complete checkpoint's step; an error if only unreadable entries are present."""
-    step = self._manager.latest_step()
-    if step is None:
+  def latest_samples(self) -> int | None:
+    """The samples of the newest complete checkpoint; an error if only unreadable entries are
+    present."""
+    samples = self._manager.latest_step()
+    if samples is None:
       leftovers = [e for e in os.listdir(self.directory) if not e.startswith(".")]
       if leftovers:
         raise CheckpointError(
@@ -139,13 +148,25 @@ class Checkpointer:
             "complete checkpoint orbax can read (an interrupted copy, or files from another "
             "tool). Refusing to start from scratch over it: move or delete that directory to "
             "start a fresh run, or restore the missing files.")
-    return step
+    return samples
 
-  def all_steps(self) -> list[int]:
+  def all_samples(self) -> list[int]:
+    """The samples of every complete checkpoint, in increasing order."""
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: PyTree, meta: dict) -> None:
-    """Saves ``state`` and ``meta`` as ``step``; ``meta['data_position']`` goes into the digest."""
+  def latest_step(self) -> int | None:
+    """The old name of :meth:`latest_samples` (a DeprecationWarning)."""
+    _renamed("latest_step", "latest_samples")
+    return self.latest_samples()
+
+  def all_steps(self) -> list[int]:
+    """The old name of :meth:`all_samples` (a DeprecationWarning)."""
+    _renamed("all_steps", "all_samples")
+    return self.all_samples()
+
+  def save(self, samples: int, state: PyTree, meta: dict) -> None:
+    """Saves ``state`` and ``meta`` as the checkpoint at ``samples``; ``meta['data_position']``
+    goes into the digest."""
     meta = dict(meta)
     meta["state_digest"] = state_digest(state, meta.get("data_position"))
     meta["meta_digest"] = _meta_digest(meta)
@@ -154,11 +175,12 @@ class Checkpointer:
     problem = None
     with _LibraryReportsHeld() as held:
       try:
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        self._manager.save(samples, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(meta)))
         self._manager.wait_until_finished()
       except Exception as e:
-        problem = storage_error(f"Writing checkpoint step {step}", self.directory, e)
+        problem = storage_error(f"Writing the checkpoint at {samples} samples", self.directory,
+                                e)
         if problem is None:
           raise
         held.drop()  # each of orbax's writer threads logged the full disk with its traceback
@@ -168,108 +190,113 @@ class Checkpointer:
       _quiet_abandoned_writers()
       raise problem
 
-  def restore_meta(self, step: int) -> dict:
-    """The meta of ``step`` as saved, its digest checked (a :class:`CheckpointError` if damaged).
+  def restore_meta(self, samples: int) -> dict:
+    """The meta of the checkpoint at ``samples`` as saved, its digest checked (a
+    :class:`CheckpointError` if damaged).
 
     The digests themselves are kept under ``meta['digests']``.
     """
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      restored = self._manager.restore(samples,
+                                       args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       meta = dict(restored["meta"])
     except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable".
-      raise self._damaged(step, first_line(e)) from None
+      raise self._damaged(samples, first_line(e)) from None
     if "meta_digest" in meta and meta["meta_digest"] != _meta_digest(meta):
-      raise self._damaged(step, "its meta does not match its digest")
+      raise self._damaged(samples, "its meta does not match its digest")
     digests = {k: meta.pop(k) for k in ("state_digest", "meta_digest") if k in meta}
     if digests:
       meta["digests"] = digests
     return meta
 
-  def restore(self, step: int, like_state: PyTree) -> tuple[PyTree, dict]:
-    """Restores step ``step`` into the structure, shapes and dtypes of ``like_state``.
+  def restore(self, samples: int, like_state: PyTree) -> tuple[PyTree, dict]:
+    """Restores the checkpoint at ``samples`` into the structure, shapes and dtypes of
+    ``like_state``.
 
-    Both digests are verified; a mismatch is a :class:`CheckpointError` naming the step.
+    Both digests are verified; a mismatch is a :class:`CheckpointError` naming the checkpoint.
     """
-    meta = self.restore_meta(step)
+    meta = self.restore_meta(samples)
     target = _abstract(like_state)
     if self._placement is not None:
       target = jax.tree.map(lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                             target, self._placement(like_state))
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
+      restored = self._manager.restore(samples, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target)))
     except Exception as e:
-      raise self._damaged(step, first_line(e)) from None
+      raise self._damaged(samples, first_line(e)) from None
     state = restored["state"]
     if self._placement is not None:  # every process gets the whole logical state, as on one
       state = jax.tree.map(lambda a: jax.numpy.asarray(to_host(a)), state)
     digests = meta.pop("digests", {})
     if "state_digest" in digests and \
         digests["state_digest"] != state_digest(state, meta.get("data_position")):
-      raise self._damaged(step, "its arrays do not match the digest saved with them")
+      raise self._damaged(samples, "its arrays do not match the digest saved with them")
     return state, meta
 
   def restore_newest(self, like_state: PyTree, check_meta: Callable[[int, dict], None]
                      ) -> tuple[int, PyTree, dict] | None:
-    """The newest intact checkpoint as ``(step, state, meta)``; None when there is none.
+    """The newest intact checkpoint as ``(samples, state, meta)``; None when there is none.
 
-    ``check_meta(step, meta)`` runs on each candidate's (verified) meta before its arrays are read;
-    it raises to refuse a checkpoint the run cannot use at all (a different model, say). Damaged
-    steps newer than the one returned are moved to ``<directory>.damaged/`` with a warning, so the
-    run can write those steps again. If every step is damaged, nothing is moved and a
+    ``check_meta(samples, meta)`` runs on each candidate's (verified) meta before its arrays are
+    read; it raises to refuse a checkpoint the run cannot use at all (a different model, say).
+    Damaged checkpoints newer than the one returned are moved to ``<directory>.damaged/`` with a
+    warning, so the run can write them again. If every one is damaged, nothing is moved and a
     :class:`CheckpointError` names them all.
     """
-    steps = sorted(self.all_steps(), reverse=True)
-    if not steps:
-      self.latest_step()  # raises on leftovers that are not checkpoints
+    saved = sorted(self.all_samples(), reverse=True)
+    if not saved:
+      self.latest_samples()  # raises on leftovers that are not checkpoints
       return None
     damaged = []
-    for step in steps:
+    for samples in saved:
       try:
-        meta = self.restore_meta(step)
-        check_meta(step, meta)
-        state, meta = self.restore(step, like_state)
+        meta = self.restore_meta(samples)
+        check_meta(samples, meta)
+        state, meta = self.restore(samples, like_state)
       except _DamagedCheckpoint as e:
         logging.warning("%s", e)
-        damaged.append((step, e))
+        damaged.append((samples, e))
         continue
-      for bad_step, _ in damaged:
-        self._set_aside(bad_step)
+      for bad, _ in damaged:
+        self._set_aside(bad)
       if damaged:
         logging.warning(
-            "Resuming from checkpoint step %d, the newest intact one; damaged step(s) %s were "
-            "moved to %s.damaged/.", step, ", ".join(str(s) for s, _ in damaged), self.directory)
-      return step, state, meta
+            "Resuming from the checkpoint at %d samples, the newest intact one; the damaged "
+            "checkpoint(s) at %s samples were moved to %s.damaged/.", samples,
+            ", ".join(str(s) for s, _ in damaged), self.directory)
+      return samples, state, meta
     if len(damaged) == 1:
       raise damaged[0][1]
     raise CheckpointError(
-        f"Every checkpoint in {self.directory} is damaged (steps "
-        f"{', '.join(str(s) for s, _ in damaged)}): " + " ".join(
-            f"step {s}: {e.reason}." for s, e in damaged) + " Refusing to start from scratch "
-        "over them: restore the files from a copy, resume with the config they were written "
+        f"Every checkpoint in {self.directory} is damaged (at "
+        f"{', '.join(str(s) for s, _ in damaged)} samples): " + " ".join(
+            f"at {s} samples: {e.reason}." for s, e in damaged)
+        + " Refusing to start from scratch over them: restore the files from a copy, resume with "
+        "the config they were written "
         "with, or choose a new --workdir to start afresh.")
 
-  def _set_aside(self, step: int) -> None:
+  def _set_aside(self, samples: int) -> None:
     if jax.process_count() > 1:  # every process found the same damage; one moves it
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       if self.primary:
-        self._move_aside(step)
-      multihost_utils.sync_global_devices(f"pipejax checkpoint {step} set aside")
+        self._move_aside(samples)
+      multihost_utils.sync_global_devices(f"pipejax checkpoint {samples} set aside")
       self._manager.reload()
       return
-    self._move_aside(step)
+    self._move_aside(samples)
     self._manager.reload()
 
-  def _move_aside(self, step: int) -> None:
+  def _move_aside(self, samples: int) -> None:
     aside = self.directory + ".damaged"
     os.makedirs(aside, exist_ok=True)
-    target, n = os.path.join(aside, str(step)), 1
+    target, n = os.path.join(aside, str(samples)), 1
     while os.path.exists(target):
-      target, n = os.path.join(aside, f"{step}.{n}"), n + 1
-    shutil.move(os.path.join(self.directory, str(step)), target)
+      target, n = os.path.join(aside, f"{samples}.{n}"), n + 1
+    shutil.move(os.path.join(self.directory, str(samples)), target)
 
-  def _damaged(self, step, reason: str) -> CheckpointError:
-    return _DamagedCheckpoint(step, reason, self.directory)
+  def _damaged(self, samples: int, reason: str) -> CheckpointError:
+    return _DamagedCheckpoint(samples, reason, self.directory)
 
   def close(self):
     self._manager.close()
@@ -344,13 +371,14 @@ def _quiet_abandoned_writers() -> None:
 
 
 class _DamagedCheckpoint(CheckpointError):
-  """One step cannot be used (unreadable, or its digest does not match); others may still be."""
+  """One checkpoint cannot be used (unreadable, or its digest does not match); others may
+  still be."""
 
-  def __init__(self, step: int, reason: str, directory: str):
-    self.step, self.reason = step, reason
+  def __init__(self, samples: int, reason: str, directory: str):
+    self.samples, self.reason = samples, reason
     super().__init__(
-        f"Checkpoint step {step} in {directory} cannot be restored ({reason}). It is damaged (a "
-        "flipped bit, an interrupted copy, a full disk) or was written by a different model, "
-        "method or pipejax version, so its arrays do not fit this run. Resume with the config it "
-        "was written with, delete that step's directory to fall back to an older checkpoint, or "
-        "choose a new --workdir to start afresh.")
+        f"The checkpoint at {samples} samples in {directory} cannot be restored ({reason}). It "
+        "is damaged (a flipped bit, an interrupted copy, a full disk) or was written by a "
+        "different model, method or pipejax version, so its arrays do not fit this run. Resume "
+        f"with the config it was written with, delete its directory ({samples}/) to fall back "
+        "to an older checkpoint, or choose a new --workdir to start afresh.")

@@ -1,45 +1,38 @@
-"""Every check of a training config before anything is built, trained or resumed.
+"""The checks of a training config's fields, before anything is built: the half of
+:func:`pipejax.train.plan.resolve` that reads the raw config.
 
-:func:`validate` checks each field (types, ranges, known names; the model's keywords by building
-it once); :func:`check_resumable` compares the config, and the data's fingerprint, with those a
-checkpoint was written with; :func:`check_pipeline_fills` refuses a run too short to train every
-stage; :func:`check_memory` refuses a chunk, a state or an evaluation batch that cannot fit. Each
-error is a :class:`ConfigError` (a :class:`~pipejax.data.DataError` for changed data) whose
-message names the field and how to fix it.
+:func:`check_fields` checks each field (types, ranges, known names, the method's section against
+what its form reads); :func:`check_model` the model's keywords, by building it once. Each error is
+a :class:`ConfigError` whose message names the field and how to fix it. The checks against a
+checkpoint are :mod:`pipejax.train.resume`'s, those against the data and the machine
+:mod:`pipejax.train.run_checks`'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import json
 import math
-import os
-import time
+from typing import Iterable
 
-from absl import logging
 import numpy as np
-import yaml
 
-from pipejax import cli
-from pipejax import files
-from pipejax.core import accounting
-from pipejax import data as data_lib
 from pipejax import config as configlib
+from pipejax import data as data_lib
 from pipejax import methods as methods_lib
 from pipejax import models as models_lib
 from pipejax.methods.hyperparameters import check_number
-from pipejax.train.checkpoint import CheckpointError
-from pipejax.data import fingerprint as data_fingerprint
 from pipejax.core.stages import ModelError
+
 
 class ConfigError(ValueError):
   """The config is inconsistent; the message names the field and how to fix it."""
 
 
 
-def validate(config) -> None:
-  """Checks every field of the config before anything is created, loaded or compiled."""
+def check_fields(config, overridden: Iterable[str] = ()) -> None:
+  """Checks every field of the config but the model's keywords (:func:`check_model`), before
+  anything is created, loaded or compiled; ``overridden``: the dotted keys the command line
+  set."""
   unknown = configlib.unknown_fields(config)
   if unknown:  # the check a config file's loading makes, for a config built in code
     raise ConfigError(configlib.unknown_field_message(unknown[0], "the training config"))
@@ -52,14 +45,7 @@ def validate(config) -> None:
   _validate_values(config)
   _refuse_unread_fields(config)
   _check_method_kwargs(config)
-  per_step = micro_batches_per_step(config)
-  # A synchronous chunk holds whole steps with their flushes; an asynchronous stage carries its
-  # partial sum of gradients from one chunk to the next in its optimizer state.
-  synchronous = methods_lib.traits_of(config.method).delay_free
-  if synchronous and config.ticks_per_chunk % per_step:
-    raise ConfigError(f"config.ticks_per_chunk ({config.ticks_per_chunk}) must be a multiple of "
-                      f"config.method_kwargs.{config.method}.micro_batches ({per_step}), so "
-                      "that a chunk ends on an update.")
+  _refuse_other_methods_sections(config, overridden)
   if config.warmup_epochs > config.epochs:
     raise ConfigError(
         f"config.warmup_epochs ({config.warmup_epochs}) is longer than the run (config.epochs = "
@@ -69,7 +55,20 @@ def validate(config) -> None:
     raise ConfigError(f"config.dataset={config.dataset!r} is not a known data set. Known data "
                       f"sets: {', '.join(data_lib.NAMES)}.")
   _check_augmentation(config)
-  _check_model(config)
+
+
+def _refuse_other_methods_sections(config, overridden: Iterable[str]) -> None:
+  """A command line that sets a hyperparameter of a method other than ``config.method``: the
+  run would train as without it (a config file may hold several methods' sections: a study
+  switches between them)."""
+  for key in overridden:
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[0] == "method_kwargs" and parts[1] != config.method:
+      raise ConfigError(
+          f"--config.{key} sets a hyperparameter of method {parts[1]!r}, but this run trains "
+          f"method {config.method!r}, which reads only config.method_kwargs.{config.method}: "
+          f"nothing would read it, and the run would train exactly as without it. Set "
+          f"--config.method={parts[1]} to train that method, or drop the flag.")
 
 
 # Each method hyperparameter the trainer sets itself, and the config field a user sets it with
@@ -81,24 +80,6 @@ TRAINER_SET = {"learning_rate": "reference.lr (or micro_batch.lr)",
                "anneal_steps": "method_kwargs.{name}.anneal_epochs (or anneal_fraction)",
                "num_stages": "model_kwargs (the model's number of stages)",
                "layer_delays": "model_kwargs.layers_per_stage (the split whose stages it copies)"}
-
-
-def method_setting(config, key: str):
-  """Hyperparameter ``key`` of ``config.method`` as the run reads it: its section's value, else
-  its hyperparameters' default."""
-  section = method_section(config, config.method)
-  if key in section:
-    return section[key]
-  fields = dataclasses.fields(methods_lib.record_of(config.method).hyperparameters)
-  return next(f.default for f in fields if f.name == key)
-
-
-def micro_batches_per_step(config) -> int:
-  """The micro-batches one optimizer step of ``config``'s method sees: an accumulating method's
-  ``micro_batches`` (M), else 1."""
-  traits = methods_lib.traits_of(config.method)
-  return traits.micro_batches_per_step(
-      method_setting(config, "micro_batches") if traits.accumulates_micro_batches else 1)
 
 
 def unread_fields(config) -> list[tuple[str, str]]:
@@ -154,9 +135,10 @@ def _check_method_kwargs(config) -> None:
     _check_method_section(config, name, method_section(config, name))
 
 
-def check_method_key(name: str, key: str) -> None:
+def check_method_key(name: str, key: str, optimizer: str | None = None) -> None:
   """Refuses ``config.method_kwargs.{name}.{key}`` unless method ``name`` lets a config set
-  ``key``: one of its hyperparameters that the trainer does not set, or an annealing key."""
+  ``key``: one of its hyperparameters that the trainer does not set, or an annealing key. The
+  error lists those a run on ``optimizer`` (default: the method's first) reads."""
   if name not in methods_lib.RECORDS:
     raise ConfigError(f"config.method_kwargs.{name}: there is no method {name!r}. Its keys are "
                       f"methods' names, each holding that method's hyperparameters, e.g. "
@@ -170,17 +152,19 @@ def check_method_key(name: str, key: str) -> None:
     raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
                       f"--config.{TRAINER_SET[key].format(name=name)} instead.")
   if key not in record.fields():
-    settable = [f for f in record.fields() if f not in TRAINER_SET] + list(annealing)
+    optimizer = optimizer if optimizer in record.optimizers else record.optimizers[0]
+    unread = methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer).unread()
+    settable = [f for f in record.fields() if f not in TRAINER_SET and f not in unread]
     raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
                       f"hyperparameter {key!r}, so nothing would read it. Its settable "
-                      f"hyperparameters are: {', '.join(settable) or 'none'}.")
+                      f"hyperparameters are: {', '.join(settable + list(annealing)) or 'none'}.")
 
 
 def _check_method_section(config, name: str, kwargs: dict) -> None:
   record = methods_lib.record_of(name)
   annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
   for key in kwargs:
-    check_method_key(name, key)
+    check_method_key(name, key, config.optimizer)
     if key in annealing:
       try:
         check_number(key, kwargs[key], high=1 if key == "anneal_fraction" else math.inf,
@@ -193,9 +177,17 @@ def _check_method_section(config, name: str, kwargs: dict) -> None:
   hyperparameters = {k: v for k, v in kwargs.items() if k not in annealing}
   optimizer = config.optimizer if config.optimizer in record.optimizers else record.optimizers[0]
   try:
-    methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer, **hyperparameters)
+    unread = methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer,
+                                            **hyperparameters).unread()
   except methods_lib.MethodError as e:
     raise ConfigError(f"config.method_kwargs.{name}: {e}") from None
+  for key in kwargs:
+    field = "anneal_steps" if key in annealing else key
+    if field in unread:
+      raise ConfigError(
+          f"config.method_kwargs.{name}.{key}={kwargs[key]!r}: method {name!r} {unread[field]}, "
+          "so nothing would read it: the run would train exactly as without it, while "
+          f"config.json recorded your value. Remove config.method_kwargs.{name}.{key}.")
 
 
 def _check_augmentation(config) -> None:
@@ -220,8 +212,9 @@ def model_kwargs(config) -> dict:
   return kwargs
 
 
-def _check_model(config) -> None:
-  """Builds the model once with placeholder classes: its keywords' names, types and values.
+def check_model(config) -> int:
+  """Builds the model once with placeholder classes: its keywords' names, types and values;
+  returns its number of stages.
 
   Building only creates the stage objects (no weights), so a misspelt keyword or an impossible
   value is refused before the workdir exists.
@@ -238,7 +231,7 @@ def _check_model(config) -> None:
           f"{default!r} by default); got {value!r}. Set it with "
           f"--config.model_kwargs.{name}=VALUE.")
   try:
-    models_lib.build(config.model, **kwargs)
+    return models_lib.build(config.model, **kwargs).num_stages
   except ModelError:
     raise
   except (TypeError, ValueError) as e:
@@ -324,292 +317,3 @@ def _validate_values(config) -> None:
     ints = [x for x in (value if isinstance(value, (tuple, list)) else (value,)) if is_int(x)]
     require(all(x >= 1 for x in ints), f"model_kwargs.{name}",
             "made of positive integers (widths, counts)")
-
-
-def check_pipeline_fills(config, pipeline, run_ticks: int) -> None:
-  """Refuses a run too short for every stage to apply an update that moves its weights.
-
-  Asynchronously, stage 0 backwards its first micro-batch only once the pipeline is full, at
-  tick 2(S-1); a synchronous step takes M micro-batches. A cosine schedule's first update has a
-  rate of 0 (its warm-up starts there), so it needs a second one.
-  """
-  updates = 2 if config.schedule == "cosine" or config.warmup_epochs > 0 else 1
-  m = pipeline.method.micro_batches_per_step
-  per_update = pipeline.method.micro_batches_per_update
-  stages = pipeline.num_stages
-  needed = updates * m if m is not None else 2 * (stages - 1) + updates * per_update
-  if run_ticks >= needed:
-    return
-  b = config.micro_batch_size
-  why = (f"a synchronous step takes config.method_kwargs.{config.method}.micro_batches = {m} "
-         "micro-batches" if m is not None else
-         f"the first of its {stages} stages applies its first update only once the pipeline is "
-         f"full, at micro-batch {2 * (stages - 1) + per_update}")
-  raise ConfigError(
-      f"This run is too short to train every stage: it trains {run_ticks} micro-batch"
-      f"{'es' if run_ticks != 1 else ''} of {b} ({run_ticks * b} samples: config.epochs times "
-      f"the training split), but {why}"
-      f"{', and a warm-up starts at a rate of 0' if updates == 2 else ''}. "
-      f"It needs at least {needed * b} training samples ({needed} micro-batches of {b}). Raise "
-      "--config.epochs or --config.max_train_examples, or lower --config.micro_batch_size.")
-
-
-# Config keys that may differ on resume without changing what is trained: where the data lives, how
-# often the run reports and saves, how the devices are laid out (checkpoints hold the logical
-# state). Any other change is refused unless config.allow_changes_on_resume is set.
-FREE_KEYS = ("data_dir", "download_data", "eval_every_samples", "checkpoint_every_samples",
-             "keep_checkpoints", "eval_batch_size", "plot_curves", "mesh", "stack_stages",
-             "allow_changes_on_resume")
-
-# Config keys that fix the shapes of the pipeline state: a checkpoint written with other values
-# cannot be resumed. The fingerprint adds ``micro_batches``, the micro-batches one step sees.
-STRUCTURAL_KEYS = ("dataset", "model", "model_kwargs", "method", "optimizer", "micro_batch_size",
-                   "image_size", "seed", "ticks_per_chunk", "diagnostics")
-
-
-
-# Config keys that may differ between the processes of one run: each host reads its own copy of
-# the data set, wherever it is mounted.
-PER_HOST_KEYS = ("data_dir", "download_data")
-
-
-def flat_config(config) -> dict:
-  """``{dotted key: value}`` of every field of ``config``, as JSON would hold them."""
-  return _flatten(to_plain(config))
-
-
-def fingerprint(config) -> dict:
-  """What a checkpoint must have been written with to be resumed: :data:`STRUCTURAL_KEYS`, and
-  the micro-batches of one step under ``micro_batches`` (its name when it was a field: every
-  checkpoint records it so)."""
-  keys = {k: json.loads(json.dumps(config.get(k), default=str)) for k in STRUCTURAL_KEYS}
-  return {**keys, "micro_batches": micro_batches_per_step(config)}
-
-
-def to_plain(config) -> dict:
-  return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else \
-      dict(config)
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-  if not isinstance(tree, dict):
-    return {prefix[:-1]: tree}
-  out = {}
-  for key, value in tree.items():
-    out.update(_flatten(value, f"{prefix}{key}."))
-  return out
-
-
-_NOT_SET = "(not set)"
-
-
-def _changed_settings(config, meta: dict) -> dict:
-  """``{key: (value in the checkpoint, value now)}`` of every field that differs, free or not.
-
-  A field only one side has is compared only inside ``method_kwargs``, whose keys are set one by
-  one (a hyperparameter added or dropped on resume changes the recipe); elsewhere it is a field
-  the code added or removed since. The saved config is read with today's names
-  (:func:`pipejax.config.current_keys`).
-  """
-  old = _flatten(meta.get("config", {}))
-  old = configlib.current_keys(old, method=old.get("method", config.method))
-  new = flat_config(config)
-  keys = old.keys() & new.keys() | {k for k in old.keys() ^ new.keys()
-                                    if k.startswith("method_kwargs.")}
-  return {k: (old.get(k, _NOT_SET), new.get(k, _NOT_SET)) for k in sorted(keys)
-          if old.get(k, _NOT_SET) != new.get(k, _NOT_SET)}
-
-
-def _is_free(key: str) -> bool:
-  return key.split(".")[0] in FREE_KEYS
-
-
-def recipe_changes(config, trained_config: dict) -> str:
-  """The fields other than :data:`FREE_KEYS` in which ``config`` differs from ``trained_config``
-  (a run's config.json), described as ``key old -> new; ...``; empty when none does."""
-  changes = {k: v for k, v in _changed_settings(config, {"config": trained_config}).items()
-             if not _is_free(k)}
-  return _describe_changes(changes)
-
-
-def _shown(value) -> str:
-  """A fingerprint's value as a Python literal. A section (model_kwargs) is held in the
-  fingerprint as the YAML text ml_collections prints for it (``hidden: !!python/tuple ...``)."""
-  if isinstance(value, str) and "\n" in value:
-    try:
-      decoded = yaml.load(value, Loader=yaml.FullLoader)  # FullLoader: tuples, nothing runs
-    except yaml.YAMLError:
-      return repr(value)
-    if isinstance(decoded, dict):
-      return repr(decoded)
-  return repr(value)
-
-
-def check_resumable(config, checkpointer, step: int, meta: dict, data: dict | None = None
-                    ) -> None:
-  """Refuses a checkpoint of another model or layout, and unannounced changes of the recipe or,
-  given this run's ``data`` fingerprint (:mod:`pipejax.data.fingerprint`), of the data."""
-  _check_same_data(config, checkpointer, step, meta, data)
-  saved, wanted = meta.get("fingerprint", {}), fingerprint(config)
-  differing = sorted(k for k in wanted if saved.get(k) != wanted[k])
-  if differing:
-    raise CheckpointError(
-        f"Checkpoint step {step} in {checkpointer.directory} was written with a different "
-        f"{', '.join(differing)} ({', '.join(f'{k}={_shown(saved.get(k))}' for k in differing)}; "
-        f"this run: {', '.join(f'{k}={_shown(wanted[k])}' for k in differing)}). Resume with the "
-        "same settings, or use a new --workdir for the new ones.")
-  changes = {k: v for k, v in _changed_settings(config, meta).items() if not _is_free(k)}
-  if changes and not config.get("allow_changes_on_resume", False):
-    workdir = os.path.dirname(checkpointer.directory)
-    raise ConfigError(
-        f"This run would resume checkpoint step {step} in {workdir} with other settings than it "
-        f"was trained with: {_describe_changes(changes)}. Continuing silently would mix two "
-        "experiments in one run. Rerun with the original values, use a new --workdir for the new "
-        "ones, or pass --config.allow_changes_on_resume=True to continue with them (the change "
-        f"is then logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
-
-
-def _check_same_data(config, checkpointer, step: int, meta: dict, data: dict | None) -> None:
-  # A checkpoint that records no data fingerprint predates them: nothing to compare.
-  if data is None or "data" not in meta:
-    return
-  changes = data_fingerprint.differences(meta["data"], data)
-  if changes and not config.get("allow_changes_on_resume", False):
-    workdir = os.path.dirname(checkpointer.directory)
-    raise data_lib.DataError(
-        f"The data changed since checkpoint step {step} in {workdir} was written: "
-        f"{'; '.join(changes)}. Continuing would train one run on two data sets. Point "
-        "--config.data_dir at the data it was trained on, use a new --workdir, or pass "
-        "--config.allow_changes_on_resume=True to continue on the new data (the change is then "
-        f"logged and recorded in {os.path.join(workdir, CHANGES_FILE)}).")
-
-
-CHANGES_FILE = "config_changes.jsonl"
-
-
-def _describe_changes(changes: dict) -> str:
-  shown = lambda value: value if value == _NOT_SET else repr(value)
-  return "; ".join(f"{k} {shown(old)} -> {shown(new)}" for k, (old, new) in changes.items())
-
-
-def record_changes(config, workdir: str, meta: dict, samples: int, data: dict | None = None
-                   ) -> None:
-  """Logs the fields this session changes and appends them to ``workdir/config_changes.jsonl``;
-  given this run's ``data`` fingerprint, a change of the data too."""
-  _record_data_change(workdir, meta, samples, data)
-  changes = _changed_settings(config, meta)
-  if not changes:
-    return
-  recipe = {k: v for k, v in changes.items() if not _is_free(k)}
-  if recipe:
-    logging.warning("Resuming at %d samples with changed settings (allowed by "
-                    "config.allow_changes_on_resume): %s.", samples, _describe_changes(recipe))
-  logging.info("Resuming at %d samples with changed settings: %s.", samples,
-               _describe_changes(changes))
-  files.append(os.path.join(workdir, CHANGES_FILE), json.dumps(
-      {"samples": samples, "time": time.time(),
-       "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
-
-
-def _record_data_change(workdir: str, meta: dict, samples: int, data: dict | None) -> None:
-  changes = data_fingerprint.differences(meta["data"], data) if data and "data" in meta else []
-  if not changes:
-    return
-  logging.warning("Resuming at %d samples on changed data (allowed by "
-                  "config.allow_changes_on_resume): %s.", samples, "; ".join(changes))
-  files.append(os.path.join(workdir, CHANGES_FILE),
-               json.dumps({"samples": samples, "time": time.time(), "data": changes}) + "\n")
-
-
-# The share of the machine's memory a chunk's inputs and metrics may take (host and device copy).
-CHUNK_MEMORY_SHARE = 0.25
-
-
-def chunk_bytes(setup, ticks: int) -> int:
-  """Bytes of one chunk of ``ticks`` ticks: its inputs and labels on the host and on the devices,
-  and its per-tick metrics."""
-  pipe = setup.pipeline
-  b, m = pipe.micro_batch_size, pipe.method.micro_batches_per_step
-  scheduled = ticks if m is None else ticks // m * (m + accounting.bubble_ticks(pipe.num_stages, m))
-  example = math.prod(setup.train_source.example_shape) * 4 + 4  # float32 inputs, int32 label
-  metrics = 4 * (4 + 5 * pipe.num_stages)  # loss, accuracy; per stage valid, sample, finite, ...
-  return scheduled * (2 * b * example + metrics)
-
-
-def _memory_available() -> tuple[int, str]:
-  """The memory a chunk and the state compete for: the first device's, or the host's on CPU;
-  under a study that runs N trainers at once (``cli.TRAINERS_AT_ONCE``), an Nth of it, since
-  each trainer checks only its own run."""
-  total, where = accounting.memory_available()
-  shared = cli.trainers_at_once()
-  if shared == 1:
-    return total, where
-  return total // shared, (f"its share of {where} (1/{shared}: the study runs {shared} trainers "
-                           "at once; a lower --parallel gives each more)")
-
-
-def state_bytes(setup) -> int:
-  """Bytes of the pipeline state on one device (the largest share on a mesh), from shapes alone:
-  the logical state's leaves on one device, the packed buffers each device holds on a mesh."""
-  if setup.sharded is not None:
-    return setup.sharded.packing.allocated_bytes()
-  return accounting.tree_bytes(setup.pipeline.state_spec)
-
-
-_gib = accounting.gib
-
-
-def check_memory(config, setup, chunk_ticks: int) -> None:
-  """Refuses, before anything is compiled, a chunk or a state that cannot fit in memory."""
-  available, where = _memory_available()
-  chunk = chunk_bytes(setup, chunk_ticks)
-  if chunk > CHUNK_MEMORY_SHARE * available:
-    per_tick = max(chunk // chunk_ticks, 1)
-    fitting = max(1, int(CHUNK_MEMORY_SHARE * available) // per_tick)
-    raise ConfigError(
-        f"A chunk of {chunk_ticks} ticks (config.ticks_per_chunk={config.ticks_per_chunk}, at "
-        f"most the run's length) needs about {_gib(chunk)} for its inputs and metrics, more than "
-        f"{CHUNK_MEMORY_SHARE:.0%} of {where} ({_gib(available)}). Lower "
-        f"--config.ticks_per_chunk to {fitting} or less (it changes no result, only how often "
-        "the run reports and can save).")
-  state = state_bytes(setup)
-  logging.info("Pipeline state: %s per device (weights, optimizer states, delay lines of %d "
-               "stages); a chunk of %d ticks: %s.", _gib(state), setup.pipeline.num_stages,
-               chunk_ticks, _gib(chunk))
-  if state + chunk > available:
-    raise ConfigError(
-        f"The pipeline state of this config needs about {_gib(state)} per device (weights, "
-        f"optimizer states and the delay lines of {setup.pipeline.num_stages} stages, which grow "
-        f"with the square of the stage count), more than {where} ({_gib(available)}). Use fewer "
-        "stages (--config.model_kwargs.layers_per_stage, or a smaller depth), narrower layers, "
-        "or a mesh over more devices (--config.mesh.stage).")
-  _check_evaluation_memory(config, setup, state, available, where)
-
-
-def eval_batch_size(config, test_size: int) -> int:
-  """The batch evaluation runs: ``config.eval_batch_size``, at most the test split (a larger
-  batch would only be padding)."""
-  return max(1, min(config.eval_batch_size, test_size))
-
-
-def eval_bytes(setup, batch: int) -> int:
-  """Bytes of one evaluation batch, from shapes alone: every stage's input and the logits, at
-  ``batch`` examples (a lower bound: the layers' intermediate values come on top)."""
-  pipe = setup.pipeline
-  per_micro_batch = accounting.tree_bytes(pipe.spec.stage_input_shapes) + \
-      accounting.tree_bytes(pipe.spec.last_stage_output())
-  labels = 4 * math.prod(setup.test_source.label_shape)
-  return batch * (math.ceil(per_micro_batch / pipe.micro_batch_size) + labels)
-
-
-def _check_evaluation_memory(config, setup, state: int, available: int, where: str) -> None:
-  batch = eval_batch_size(config, len(setup.test_source))
-  needed = eval_bytes(setup, batch)
-  if state + needed <= available:
-    return
-  fitting = max(1, (available - state) * batch // max(needed, 1) // 2)
-  raise ConfigError(
-      f"Evaluation in batches of {batch} (config.eval_batch_size={config.eval_batch_size}, at "
-      f"most the test split) needs about {_gib(needed)} for its activations alone; beside the "
-      f"pipeline state ({_gib(state)}) that is more than {where} ({_gib(available)}). Lower "
-      f"--config.eval_batch_size to {fitting} or less (it changes no result).")

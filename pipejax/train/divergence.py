@@ -7,11 +7,11 @@ stage and the tick, and its checkpoints keep only finite weights.
 
 from __future__ import annotations
 
-import ml_collections
 import numpy as np
 
 from pipejax import methods
 from pipejax.train.checkpoint import Checkpointer
+from pipejax.train.plan import RunPlan
 from pipejax.core.stages import Model
 
 
@@ -39,7 +39,7 @@ def first_non_finite(finite: np.ndarray, first_tick: int, model: Model) -> str |
   return f"{names} at tick {first_tick + int(tick_offset)}"
 
 
-def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
+def raise_if_diverged(plan: RunPlan, model: Model,
                       weights_finite: np.ndarray, finite: np.ndarray, valid: np.ndarray,
                       first_tick: int, samples: int, checkpointer: Checkpointer | None) -> None:
   """Raises :class:`TrainingDiverged` if a chunk saw a non-finite activation or left bad weights.
@@ -48,7 +48,7 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
   because an inf weight can be written in the chunk's last tick and must never be checkpointed.
 
   Args:
-    config: the run's config (its micro-batch size, and its method for the advice).
+    plan: the run's plan (its micro-batch size, and its method for the advice).
     model: the model, for the stages' names.
     weights_finite: one flag per stage after the chunk, from the runner
       (:meth:`pipejax.core.runner.Runner.weights_finite`, computed where the state lives).
@@ -74,20 +74,20 @@ def raise_if_diverged(config: ml_collections.ConfigDict, model: Model,
     where = (", ".join(model.stage_label(s) for s in bad_weights)
              + f" (its weights) in ticks {first_tick}..{first_tick + len(finite) - 1}")
     offset = len(finite)
-  seen = samples + config.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
-  steps = checkpointer.all_steps() if checkpointer is not None else []
+  seen = samples + plan.micro_batch_size * int(np.sum(np.asarray(valid)[:offset]))
+  saved = checkpointer.all_samples() if checkpointer is not None else []
   advice = ("Lower the learning rate (--config.reference.lr or --config.micro_batch.lr) or add "
             "warm-up (--config.warmup_epochs)")
-  traits = methods.traits_of(config.method)
+  traits = plan.traits
   if not (traits.delay_free or traits.recommended):
     advice += (", or try a method with delay compensation "
                f"(--config.method={methods.RECOMMENDED})")
   raise TrainingDiverged(
       f"Training diverged: {where} produced a non-finite value (NaN or inf), after {seen} "
       "training samples. "
-      + (f"The last good checkpoint (step {max(steps)}, with finite weights) is kept in "
+      + (f"The last good checkpoint (at {max(saved)} samples, with finite weights) is kept in "
          f"{checkpointer.directory}; a rerun resumes from it (to resume with other settings, add "
          "--config.allow_changes_on_resume=True). "
-         if steps else "No checkpoint had been written yet, so a rerun starts from the "
+         if saved else "No checkpoint had been written yet, so a rerun starts from the "
          "beginning. ")
       + advice + ".")

@@ -1,11 +1,12 @@
-"""What a config builds: the data, the model, the resolved recipe and the runner.
+"""What a run's plan builds: the data, the model, the method and the runner.
 
-:func:`build` is the step between a config and the training loop (``pipejax.train.trainer``): it
-loads the data splits, builds the model and the method at the micro-batch actually trained (the
-scaling rules of docs/design.md §4 turn the config's reference recipe into it), and picks the
-runner: the local :class:`~pipejax.core.engine.Pipeline` (its identical stages stacked unless
-``config.stack_stages`` is off) or a mesh (:class:`~pipejax.parallel.sharding.ShardedPipeline`).
-Shapes stay abstract: nothing is initialised or compiled here.
+:func:`build` is the step between a :class:`~pipejax.train.plan.RunPlan` and the training loop
+(``pipejax.train.trainer``): it loads the data splits, builds the model and the method at the
+recipe the plan resolved (docs/design.md §4), its schedule in steps of the data's size, and
+picks the runner: the local :class:`~pipejax.core.engine.Pipeline` (its identical stages stacked
+unless the plan's ``stack_stages`` is off) or a mesh
+(:class:`~pipejax.parallel.sharding.ShardedPipeline`). Shapes stay abstract: nothing is initialised
+or compiled here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 import optax
 
@@ -25,63 +25,43 @@ from pipejax import methods as methods_lib
 from pipejax.methods import safe_ranges
 from pipejax import models as models_lib
 from pipejax import optim
-from pipejax.train.config_checks import (ANNEALING_KEYS, ConfigError, method_section,
-                                         method_setting, micro_batches_per_step, model_kwargs,
-                                         validate)
+from pipejax.train.config_checks import ConfigError
+from pipejax.train.plan import RunPlan
 from pipejax.core.engine import Pipeline
 from pipejax.models import sequential
 from pipejax.core.runner import Runner
 
 
-def resolve_recipe(config) -> optim.Recipe:
-  """The config's reference recipe converted to the batch each update sees (docs/design.md §4).
-
-  ``config.micro_batch.lr`` / ``.momentum`` / ``.weight_decay``, when set, override the converted
-  values. The batch is the micro-batch, or the ``micro_batches`` of one synchronous step.
-  """
-  step_samples = config.micro_batch_size * micro_batches_per_step(config)
-  ref = config.reference
-  recipe = optim.scale_recipe(
-      optim.Recipe(batch_size=ref.batch_size, learning_rate=ref.lr, momentum=ref.momentum,
-                   weight_decay=ref.weight_decay, b2=ref.get("b2", 0.999),
-                   form="ema" if config.optimizer == "adam" else "heavy_ball"), step_samples)
-  return dataclasses.replace(
-      recipe, learning_rate=_override(config.micro_batch.lr, recipe.learning_rate),
-      momentum=_override(config.micro_batch.momentum, recipe.momentum),
-      weight_decay=_override(config.micro_batch.weight_decay, recipe.weight_decay))
-
-
-def _override(value, converted):
-  return converted if value is None else value
-
-
-def optimizer_steps(config, recipe: optim.Recipe, train_size: int) -> tuple[int, int]:
+def optimizer_steps(plan: RunPlan, train_size: int) -> tuple[int, int]:
   """``(steps, warmup_steps)``: each stage's optimizer steps over the run, and of warm-up.
 
   Schedules are kept in samples and converted to steps by one rule, at the recipe's batch.
   """
-  steps = max(1, optim.steps_for_samples(int(config.epochs * train_size), recipe.batch_size))
-  warmup = optim.steps_for_samples(int(config.warmup_epochs * train_size), recipe.batch_size)
+  batch = plan.recipe.batch_size
+  steps = max(1, optim.steps_for_samples(plan.schedule.samples(train_size), batch))
+  warmup = optim.steps_for_samples(plan.schedule.warmup_samples(train_size), batch)
   return steps, warmup
 
 
-def learning_rate_schedule(config, recipe: optim.Recipe, train_size: int):
-  if config.schedule == "constant":
-    _, warmup_steps = optimizer_steps(config, recipe, train_size)
+def learning_rate_schedule(plan: RunPlan, train_size: int):
+  """The base rate by optimizer step: constant or cosine, after a linear warm-up from 0."""
+  recipe, kind = plan.recipe, plan.schedule.kind
+  if kind == "constant":
+    _, warmup_steps = optimizer_steps(plan, train_size)
     if warmup_steps == 0:  # optax's warm-up over no steps would stay at its start, 0
       return optax.constant_schedule(recipe.learning_rate)
     return optax.schedules.warmup_constant_schedule(0.0, recipe.learning_rate, warmup_steps)
-  if config.schedule == "cosine":
-    steps, warmup_steps = optimizer_steps(config, recipe, train_size)
+  if kind == "cosine":
+    steps, warmup_steps = optimizer_steps(plan, train_size)
     warmup = max(warmup_steps, 1)  # optax needs at least one step of warm-up and of decay
     return optax.warmup_cosine_decay_schedule(0.0, recipe.learning_rate, warmup,
                                               max(steps, warmup + 1))
-  raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {config.schedule!r}.")
+  raise ConfigError(f"config.schedule must be 'constant' or 'cosine'; got {kind!r}.")
 
 
 @dataclasses.dataclass
 class Setup:
-  """What a config builds: the data splits, the model, its recipe and the runner."""
+  """What a plan builds: the data splits, the model, its recipe and the runner."""
 
   train_source: Any
   test_source: Any
@@ -109,7 +89,7 @@ class Setup:
     where that is set. Every runner's init makes the pipeline's own init's bits."""
     if self.initial_weights_from is None:
       return self.runner.init(rng)
-    source = self.initial_weights_from.init(rng)
+    source = self.initial_weights_from.to_logical(self.initial_weights_from.init(rng))
     weights = sequential.split_layer_params(
         self.model, sequential.merge_stage_params([st.params for st in source.stages]),
         self.pipeline.example_inputs)
@@ -120,131 +100,134 @@ class Setup:
     return self.runner.from_logical(logical)
 
 
-def build(config: ml_collections.ConfigDict) -> Setup:
-  """Data, model, method and pipeline of ``config`` (no training; cheap: shapes are abstract)."""
-  validate(config)
-  train_source, test_source = data_lib.load(config.dataset, data_dir=config.data_dir or None,
-                                            download=config.get("download_data", True),
-                                            **({"image_size": config.image_size}
-                                               if config.image_size else {}),
-                                            **dict(config.get("data_kwargs", {})))
-  if config.max_train_examples:
-    train_source = data_lib.Subset(train_source, config.max_train_examples)
-  if config.max_test_examples:
-    test_source = data_lib.Subset(test_source, config.max_test_examples)
-
-  for split, source in (("training", train_source), ("test", test_source)):
-    if len(source) == 0:
-      raise ConfigError(
-          f"The {split} split of data set {config.dataset!r} is empty"
-          f"{f' in {config.data_dir}' if config.data_dir else ''}: there is nothing to "
-          f"{'train on' if split == 'training' else 'evaluate'}. Check the data files (or "
-          "--config.data_dir).")
-
-  b = config.micro_batch_size
+def build(plan: RunPlan) -> Setup:
+  """Data, model, method and pipeline of ``plan`` (no training; cheap: shapes are abstract)."""
+  train_source, test_source = _load_data(plan)
+  b = plan.micro_batch_size
   split_model = None
-  if methods_lib.traits_of(config.method).one_stage and \
-      config.model_kwargs.get("layers_per_stage", 1) is not None:
+  if plan.model.split_kwargs is not None:
     # The one-stage baseline starts from the weights of the split the config names.
-    split_model = models_lib.build(config.model, num_classes=train_source.num_classes,
-                                   **dict(config.model_kwargs))
-  model = models_lib.build(config.model, num_classes=train_source.num_classes,
-                           **model_kwargs(config))
-  recipe = resolve_recipe(config)
-  learning_rate = learning_rate_schedule(config, recipe, len(train_source))
-  anneal_steps = annealing_steps(config, recipe, len(train_source))
-  layer_delays = _layer_delays(config, split_model, (b,) + tuple(train_source.example_shape))
-  method = methods_lib.make_method(
-      config.method, **method_hyperparameters(config, recipe, learning_rate, anneal_steps,
-                                              model.num_stages, layer_delays))
+    split_model = models_lib.build(plan.model.name, num_classes=train_source.num_classes,
+                                   **dict(plan.model.split_kwargs))
+  model = models_lib.build(plan.model.name, num_classes=train_source.num_classes,
+                           **dict(plan.model.kwargs))
+  layer_delays = _layer_delays(plan, split_model, (b,) + tuple(train_source.example_shape))
+  method = make_method(plan, len(train_source), layer_delays)
   example_x = np.zeros((b,) + tuple(train_source.example_shape), np.float32)
-  pipe = Pipeline(model, method, example_x, np.zeros((b,) + train_source.label_shape, np.int32),
-                  track_weight_discrepancy=bool(config.diagnostics),
-                  stack=bool(config.stack_stages))
-  if config.stack_stages:
+  example_y = np.zeros((b,) + train_source.label_shape, np.int32)
+  stack = plan.mesh.stack_stages
+  pipe = Pipeline(model, method, example_x, example_y, track_weight_discrepancy=plan.diagnostics,
+                  stack=stack)
+  if stack:
     logging.info("Parts as (start, stop) stages, those of two or more stacked: %s.",
                  pipe.part_spans)
   initial_weights_from = None
   if split_model is not None and split_model.num_stages > 1:
-    initial_weights_from = Pipeline(split_model, method, example_x,
-                                    np.zeros((b,) + train_source.label_shape, np.int32))
-  runner: Runner = pipe
-  if config.mesh.stage * config.mesh.data > 1:
-    if config.diagnostics:
-      raise ConfigError("config.diagnostics is measured on one device only; set "
-                        "--config.diagnostics=False on a mesh, or train on one device.")
-    # Single-device runs never touch meshes.
-    from pipejax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    from pipejax.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
-    from pipejax.parallel import sharding  # pylint: disable=g-import-not-at-top
-    mesh = mesh_lib.make_mesh(config.mesh.stage, config.mesh.data)
-    balance = config.mesh.get("balance", "params")
-    costs = (partition_lib.measure_stage_costs(pipe) if balance == "measured"
-             else partition_lib.param_counts(pipe))
-    # Each device stacks its share of each stacked part (pipejax.parallel.stacking.advance_shard).
-    sharded = sharding.ShardedPipeline(pipe, mesh, partition=config.mesh.get("partition") or None,
-                                       costs=costs)
-    runner = sharded
-    logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
-                 "%d bytes cross devices per tick; bytes allocated per device: %s.",
-                 config.mesh.data, config.mesh.stage, sharded.partition,
-                 partition_lib.imbalance(costs, sharded.partition), balance,
-                 sharded.packing.boundary_bytes_per_tick()["total"],
-                 [device["allocated"] for device in sharded.packing.device_memory()])
-  return Setup(train_source, test_source, model, recipe, runner,
+    # Stacked, its state initialises in a program per stack, not one per stage.
+    initial_weights_from = Pipeline(split_model, method, example_x, example_y, stack=stack)
+  runner: Runner = _sharded(plan, pipe) if plan.mesh.devices > 1 else pipe
+  return Setup(train_source, test_source, model, plan.recipe, runner,
                initial_weights_from=initial_weights_from)
 
 
-def resolved_optimizer(config, recipe: optim.Recipe) -> dict:
+def _load_data(plan: RunPlan):
+  """The training and test splits, each cut to its maximum, neither empty."""
+  data = plan.data
+  train_source, test_source = data_lib.load(data.dataset, data_dir=data.data_dir,
+                                            download=data.download, **dict(data.loader_kwargs))
+  if data.max_train_examples:
+    train_source = data_lib.Subset(train_source, data.max_train_examples)
+  if data.max_test_examples:
+    test_source = data_lib.Subset(test_source, data.max_test_examples)
+  for split, source in (("training", train_source), ("test", test_source)):
+    if len(source) == 0:
+      raise ConfigError(
+          f"The {split} split of data set {data.dataset!r} is empty"
+          f"{f' in {data.data_dir}' if data.data_dir else ''}: there is nothing to "
+          f"{'train on' if split == 'training' else 'evaluate'}. Check the data files (or "
+          "--config.data_dir).")
+  return train_source, test_source
+
+
+def _sharded(plan: RunPlan, pipe: Pipeline):
+  """``pipe`` (stacked or not) over the plan's mesh."""
+  # Single-device runs never touch meshes.
+  from pipejax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from pipejax.parallel import partition as partition_lib  # pylint: disable=g-import-not-at-top
+  from pipejax.parallel import sharding  # pylint: disable=g-import-not-at-top
+  layout = plan.mesh
+  mesh = mesh_lib.make_mesh(layout.stage, layout.data)
+  costs = (partition_lib.measure_stage_costs(pipe) if layout.balance == "measured"
+           else partition_lib.param_counts(pipe))
+  # Each device stacks its share of each stacked part (pipejax.parallel.stacking.advance_shard).
+  sharded = sharding.ShardedPipeline(pipe, mesh, partition=layout.partition or None,
+                                     costs=costs)
+  logging.info("Mesh data=%d x stage=%d; stages per device: %s (imbalance %.2f by %s); "
+               "%d bytes cross devices per tick; bytes allocated per device: %s.",
+               layout.data, layout.stage, sharded.partition,
+               partition_lib.imbalance(costs, sharded.partition), layout.balance,
+               sharded.packing.boundary_bytes_per_tick()["total"],
+               [device["allocated"] for device in sharded.packing.device_memory()])
+  return sharded
+
+
+def make_method(plan: RunPlan, train_size: int, layer_delays: dict[str, int] | None = None
+                ) -> methods_lib.Method:
+  """The plan's method, its hyperparameters completed with what needs the data: the learning
+  rate's schedule, the annealing length and the layers' delays."""
+  late = {"learning_rate": learning_rate_schedule(plan, train_size),
+          "anneal_steps": annealing_steps(plan, train_size), "layer_delays": layer_delays}
+  fields = plan.record.fields()
+  hyperparameters = {f: getattr(plan.hyperparameters, f) for f in fields}
+  hyperparameters.update({k: v for k, v in late.items() if k in fields})
+  return methods_lib.make_method(plan.method, **hyperparameters)
+
+
+def resolved_optimizer(plan: RunPlan) -> dict:
   """The base update a run applies, after the scaling rules and overrides: its peak learning
   rate, Adam's b1 and b2 (None under SGD, whose momentum is ``momentum``), the momentum and the
   weight decay. What ``summary.json`` and the HParams record."""
-  adam = config.optimizer == "adam"
+  adam, recipe = plan.optimizer == "adam", plan.recipe
   return {"learning_rate": recipe.learning_rate, "momentum": recipe.momentum,
           "b1": recipe.momentum if adam else None, "b2": recipe.b2 if adam else None,
           "weight_decay": recipe.weight_decay}
 
 
-def delay_memory(config, recipe: optim.Recipe, delays) -> float | None:
+def delay_memory(plan: RunPlan, delays) -> float | None:
   """``(D_max / M) (1 − β)`` of a run whose stages have ``delays``: the stem's delay in updates
-  (M micro-batches per update, 1 unless the method accumulates) over the momentum's memory (β
-  the momentum, or Adam's b1); None for a method with no delay."""
-  if methods_lib.traits_of(config.method).delay_free:
+  (M micro-batches per update) over the momentum's memory (β the momentum, or Adam's b1); None
+  for a method with no delay."""
+  if plan.traits.delay_free:
     return None
-  return max(delays) / micro_batches_per_step(config) * (1.0 - recipe.momentum)
+  return max(delays) / plan.micro_batches_per_update * (1.0 - plan.recipe.momentum)
 
 
-def delay_memory_warning(config, recipe: optim.Recipe, delays) -> str | None:
+def delay_memory_warning(plan: RunPlan, delays) -> str | None:
   """One line when the run's ``D_max (1 − β)`` is beyond where the studies found its method level
   with its baseline: the gap they measured at or below it, or that its cost there is unmeasured
   (:func:`pipejax.methods.safe_ranges.finding`); None within that range or without a delay."""
-  product = delay_memory(config, recipe, delays)
+  product = delay_memory(plan, delays)
   if product is None:
     return None
-  found = safe_ranges.finding(config.method, product, recipe.momentum)
+  found = safe_ranges.finding(plan.method, product, plan.recipe.momentum)
   if found.kind == safe_ranges.HOLDS:
     return None
-  beta = "b1" if config.optimizer == "adam" else "momentum"
-  per_update = micro_batches_per_step(config)
+  beta = "b1" if plan.optimizer == "adam" else "momentum"
+  per_update = plan.micro_batches_per_update
   over = f" / {per_update}" if per_update > 1 else ""
-  return (f"{methods_lib.DISPLAY_NAMES[config.method]} at D_max{over} (1 - {beta}) = "
-          f"{max(delays)}{over} x (1 - {recipe.momentum:.6g}) = {product:.3g} (D_max = 2(S - 1), "
-          f"S = {len(delays)} stages{f', {per_update} micro-batches per update' if over else ''}"
+  return (f"{plan.record.display_name} at D_max{over} (1 - {beta}) = "
+          f"{max(delays)}{over} x (1 - {plan.recipe.momentum:.6g}) = {product:.3g} (D_max = "
+          f"2(S - 1), S = {len(delays)} stages"
+          f"{f', {per_update} micro-batches per update' if over else ''}"
           f"): {found.text}. See docs/lm.md, \"How to choose β and the rate for a pipeline of S "
           "stages\".")
 
 
-def _layer_delays(config, split_model, input_shape) -> dict[str, int] | None:
+def _layer_delays(plan: RunPlan, split_model, input_shape) -> dict[str, int] | None:
   """``{layer name: delay of its stage}`` in the config's split, for a method that copies the
   per-stage rates of a pipelined run onto one stage (its ``stage_rates``); else None."""
-  if "stage_rates" not in methods_lib.record_of(config.method).fields() or \
-      not method_setting(config, "stage_rates"):
+  if not getattr(plan.hyperparameters, "stage_rates", ""):
     return None
-  if split_model is None:
-    raise ConfigError(
-        f"config.method_kwargs.{config.method}.stage_rates copies the rate of each stage of the "
-        "config's split onto its layers, but config.model_kwargs.layers_per_stage is None (no "
-        "split). Set --config.model_kwargs.layers_per_stage to the split to copy.")
   layer_delays = {}
   shapes, _ = split_model.trace_shapes(jax.random.PRNGKey(0), np.zeros(input_shape, np.float32))
   for delay, stage_params in zip(accounting.stage_delays(split_model.num_stages), shapes):
@@ -252,42 +235,25 @@ def _layer_delays(config, split_model, input_shape) -> dict[str, int] | None:
   return layer_delays
 
 
-def method_hyperparameters(config, recipe, learning_rate, anneal_steps: int, num_stages: int,
-                           layer_delays: dict[str, int] | None = None) -> dict:
-  """``make_method``'s keywords for ``config.method``: the fields its record takes, from the
-  recipe, the run and the method's section of ``config.method_kwargs``."""
-  known = {"learning_rate": learning_rate, "momentum": recipe.momentum,
-           "weight_decay": recipe.weight_decay, "optimizer": config.optimizer, "b2": recipe.b2,
-           "decay_mask": config.get("decay_mask", False), "anneal_steps": anneal_steps,
-           "num_stages": num_stages, "layer_delays": layer_delays}
-  fields = methods_lib.record_of(config.method).fields()
-  section = method_section(config, config.method)
-  return {**{key: value for key, value in known.items() if key in fields},
-          **{key: value for key, value in section.items() if key not in ANNEALING_KEYS}}
-
-
 # A method's annealing length when its section sets none: one epoch, from η / D to η.
 DEFAULT_ANNEAL_EPOCHS = 1.0
 
 
-def annealing_steps(config, recipe, train_size: int) -> int:
+def annealing_steps(plan: RunPlan, train_size: int) -> int:
   """The method's annealing length K in steps: its section's anneal_fraction of the run's steps,
   or its anneal_epochs (:data:`DEFAULT_ANNEAL_EPOCHS` when it sets neither; 0: no annealing)."""
-  section = method_section(config, config.method)
-  fraction = section.get("anneal_fraction", 0.0)
-  epochs = section.get("anneal_epochs", DEFAULT_ANNEAL_EPOCHS)
+  fraction = plan.annealing.get("anneal_fraction", 0.0)
+  epochs = plan.annealing.get("anneal_epochs", DEFAULT_ANNEAL_EPOCHS)
   if fraction > 0:
-    return max(1, round(fraction * optimizer_steps(config, recipe, train_size)[0]))
+    return max(1, round(fraction * optimizer_steps(plan, train_size)[0]))
   if epochs == 0:
     return 0  # no rescheduling: every stage at the base rate from the start
-  return max(1, optim.steps_for_samples(int(epochs * train_size), config.micro_batch_size))
+  return max(1, optim.steps_for_samples(int(epochs * train_size), plan.micro_batch_size))
 
 
-def run_ticks(config, train_size: int) -> int:
-  """Ticks the run trains: ``config.epochs`` of the training split, whatever the chunk length.
-
-  Whole micro-batches (whole steps of the synchronous method's ``micro_batches``), at least one.
-  """
-  per_step = micro_batches_per_step(config)
-  ticks = int(config.epochs * train_size) // config.micro_batch_size
-  return max(per_step, ticks - ticks % per_step)
+def run_ticks(plan: RunPlan, train_size: int) -> int:
+  """Ticks the run trains: its schedule's epochs of the training split, whatever the chunk
+  length. Whole updates of ``micro_batches_per_update`` micro-batches, at least one."""
+  per_update = plan.micro_batches_per_update
+  ticks = plan.schedule.samples(train_size) // plan.micro_batch_size
+  return max(per_update, ticks - ticks % per_update)

@@ -1,10 +1,11 @@
 """``train_and_evaluate(config, workdir)``: train a model with any method, stop anywhere, resume.
 
-The loop feeds the pipeline in chunks of ``config.ticks_per_chunk`` ticks (one ``lax.scan`` each),
-and does everything else between chunks: progress lines, metrics, test evaluation with the current
-weights, checkpoints, and the finite check. Checkpoints are taken only between chunks and the chunk
-length is fixed by the config, so a resumed run replays exactly the computation of a run that never
-stopped (bit-identical on CPU).
+The config is resolved once into a :class:`~pipejax.train.plan.RunPlan` (:func:`train` takes
+one). The loop feeds the pipeline in chunks of ``config.ticks_per_chunk`` ticks (one
+``lax.scan`` each), and does everything else between chunks: progress lines, metrics, test
+evaluation with the current weights, checkpoints, and the finite check. Checkpoints are taken only
+between chunks and the chunk length is fixed by the config, so a resumed run replays exactly the
+computation of a run that never stopped (bit-identical on CPU).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import time
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
 from pipejax import files
-from pipejax.train import config_checks
+from pipejax.train import plan as plan_lib
+from pipejax.train import resume
+from pipejax.train import run_checks
 from pipejax import data as data_lib
 from pipejax.train import divergence
 from pipejax.train import evaluation
@@ -32,6 +34,7 @@ from pipejax.train.checkpoint import Checkpointer, CheckpointError
 from pipejax.train.checkpoint import weights_digest
 from pipejax.core.checks import PipelineError
 from pipejax.train.config_checks import ConfigError
+from pipejax.train.plan import RunPlan
 from pipejax.data import DataError
 from pipejax.train.divergence import TrainingDiverged
 from pipejax.methods import MethodError
@@ -39,10 +42,16 @@ from pipejax.core.stages import ModelError
 from pipejax.train.workdir import StorageError, storage_error
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains ``config`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir``: :func:`train` of its plan
+  (:func:`pipejax.train.plan.resolve`, which checks every field)."""
+  return train(plan_lib.resolve(config), workdir)
 
-  The config is validated and the workdir checked usable (creating nothing), the data loaded and
+
+def train(plan: RunPlan, workdir: str) -> dict:
+  """Trains ``plan`` in ``workdir`` (resuming from its latest checkpoint) and evaluates it.
+
+  The workdir is checked usable (creating nothing), the data loaded and
   the model built (abstractly), and the run checked against them (its length, the devices, the
   memory); only then is the workdir made, probed and locked (one run at a time), so that a
   refused config leaves no directory behind. Returns
@@ -50,7 +59,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   returns early with ``summary['stopped_by']`` set, after saving a checkpoint. A finished workdir
   is reported again, not retrained or re-evaluated.
   """
-  config_checks.validate(config)
   workdir_lib.check_usable(workdir)  # creates nothing: claim() below makes and locks it
   # In a multi-host run every process computes the same metrics; one writes them.
   primary = jax.process_index() == 0
@@ -59,15 +67,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       # Every check of the config, those that need the data's size or the devices too, before
       # the workdir is claimed: a refused run leaves no directory behind (a mistyped --workdir).
       phases.enter("loading the data and building the model")
-      setup = experiment.build(config)
-      total_ticks = experiment.run_ticks(config, len(setup.train_source))
-      config_checks.check_pipeline_fills(config, setup.pipeline, total_ticks)
-      config_checks.check_memory(config, setup, min(config.ticks_per_chunk, total_ticks))
+      setup = experiment.build(plan)
+      total_ticks = experiment.run_ticks(plan, len(setup.train_source))
+      run_checks.check_pipeline_fills(plan, setup.pipeline, total_ticks)
+      run_checks.check_memory(plan, setup, min(plan.ticks_per_chunk, total_ticks))
       with workdir_lib.claim(workdir, lock=primary):
-        finished = _earlier_run_without_checkpoints(config, workdir)
+        finished = _earlier_run_without_checkpoints(plan, workdir)
         if finished is not None:
           return finished
-        return _train(config, workdir, primary, phases, setup, total_ticks)
+        return _train(plan, workdir, primary, phases, setup, total_ticks)
   except OSError as e:  # data, metrics, plots, summary: a disk that filled up or turned read-only
     problem = _storage_problem(workdir, e)
     if problem is None:
@@ -100,12 +108,12 @@ def _within(path: str, root: str) -> bool:
       (os.path.abspath(path), root), (os.path.realpath(path), os.path.realpath(root))))
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
-           phases: interruption.SetupPhases, setup: experiment.Setup, total_ticks: int) -> dict:
+def _train(plan: RunPlan, workdir: str, primary: bool, phases: interruption.SetupPhases,
+           setup: experiment.Setup, total_ticks: int) -> dict:
   pipe, runner = setup.pipeline, setup.runner
-  b = config.micro_batch_size
-  augment = setup.train_source.default_augment if config.augment else None
-  stream = data_lib.DataStream(setup.train_source, b, config.seed, augment=augment)
+  b = plan.micro_batch_size
+  augment = setup.train_source.default_augment if plan.data.augment else None
+  stream = data_lib.DataStream(setup.train_source, b, plan.seed, augment=augment)
 
   data_fingerprint = data_lib.fingerprint.fingerprint(setup.train_source, setup.test_source)
   if jax.process_count() > 1:
@@ -117,13 +125,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
   if jax.process_count() > 1:  # each process feeds and saves its own devices' part
     from pipejax.parallel import distributed  # pylint: disable=g-import-not-at-top
     feed, placement = distributed.trainer_parts(setup.sharded)
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints,
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), plan.output.keep_checkpoints,
                               primary=primary, placement=placement)
   phases.enter(f"initialising the pipeline state ({pipe.num_stages} stages)")
-  state = setup.init(jax.random.PRNGKey(config.seed))
+  state = setup.init(jax.random.PRNGKey(plan.seed))
   init_digest = weights_digest(runner.host_params(state))
   phases.enter("looking for a checkpoint to resume")
-  state, samples, seconds_before, meta = _resume(config, checkpointer, runner, stream, state,
+  state, samples, seconds_before, meta = _resume(plan, checkpointer, runner, stream, state,
                                                  data_fingerprint)
   if meta is not None:
     finished = _finished_summary(workdir, samples, total_samples)
@@ -131,12 +139,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
       checkpointer.close()
       return finished
     if primary:
-      config_checks.record_changes(config, workdir, meta, samples, data=data_fingerprint)
+      resume.record_changes(plan, workdir, meta, samples, data=data_fingerprint)
 
   writer = metrics_lib.MetricsWriter(workdir, resume_samples=samples if meta is not None else None,
                                      enabled=primary)
-  _log_start(config, workdir, primary, setup, total_samples, init_digest)
-  run = _Run(config, setup, stream, checkpointer, writer, samples, seconds_before,
+  _log_start(plan, workdir, primary, setup, total_samples, init_digest)
+  run = _Run(plan, setup, stream, checkpointer, writer, samples, seconds_before,
              data_fingerprint)
   # The test loss at the initial weights: a study counts a run whose final loss is above it as
   # diverged, however finite its numbers.
@@ -149,66 +157,67 @@ def _train(config: ml_collections.ConfigDict, workdir: str, primary: bool,
     state, stopped_by, test_result = _train_chunks(run, state, feed, total_samples, primary,
                                                    phases, stop)
     if stopped_by is None:
-      if checkpointer.latest_step() != run.samples:
+      if checkpointer.latest_samples() != run.samples:
         run.save(state)
       test_result = run.evaluate(state)
-      resolved = experiment.resolved_optimizer(config, setup.recipe)
+      resolved = experiment.resolved_optimizer(plan)
       writer.write_hparams(
-          {**config_checks.flat_config(config), "num_stages": pipe.num_stages,
+          {**resume.flat_given(plan), "num_stages": pipe.num_stages,
            **{f"resolved.{'lr' if k == 'learning_rate' else k}": v
               for k, v in resolved.items() if v is not None}},
           {"test_accuracy": test_result["accuracy"], "test_loss": test_result["loss"]})
     # Still under the stop request: a SIGTERM while the run writes its last files must not kill
     # it between its final checkpoint and summary.json (the run has finished; it exits 0).
     writer.close()
-    if primary and stopped_by is None and config.plot_curves:
+    if primary and stopped_by is None and plan.output.plot_curves:
       # Once, at the end: TensorBoard and scripts/plot.py show a run in progress.
-      metrics_lib.plot_runs({config.method: metrics_lib.read_records(workdir)},
+      metrics_lib.plot_runs({plan.method: metrics_lib.read_records(workdir)},
                             os.path.join(workdir, "curves.png"),
-                            title=f"{config.model} on {config.dataset}, {config.method}, b={b}")
+                            title=f"{plan.model.name} on {plan.data.dataset}, {plan.method}, "
+                            f"b={b}")
     checkpointer.close()
-    summary = _summary(config, workdir, run, total_samples, stopped_by, test_result, init_digest)
+    summary = _summary(plan, workdir, run, total_samples, stopped_by, test_result, init_digest)
     if primary:
       files.write_json(os.path.join(workdir, "summary.json"), summary, indent=2)
   return summary
 
 
-def _resume(config, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state,
+def _resume(plan: RunPlan, checkpointer: Checkpointer, runner, stream: data_lib.DataStream, state,
             data_fingerprint: dict):
   """The state, samples seen, training seconds and checkpoint metadata of the newest checkpoint
   (``state``, 0, 0.0 and None when there is none)."""
   restored = checkpointer.restore_newest(
       runner.to_logical(state),
-      lambda step, meta: config_checks.check_resumable(config, checkpointer, step, meta,
-                                                       data=data_fingerprint))
+      lambda samples, meta: resume.check_resumable(plan, checkpointer, samples, meta,
+                                                   data=data_fingerprint))
   if restored is None:
     return state, 0, 0.0, None
-  step, logical_state, meta = restored
+  saved_at, logical_state, meta = restored
   state = runner.from_logical(logical_state)
   stream.set_state(meta["data_position"])
   samples = int(meta["samples"])
   seconds_before = float(meta.get("train_seconds", 0.0))
-  logging.info("Resumed from %s step %d (%d samples seen).", checkpointer.directory, step,
-               samples)
+  logging.info("Resumed from the checkpoint at %d samples in %s.", saved_at,
+               checkpointer.directory)
   return state, samples, seconds_before, meta
 
 
-def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, total_samples: int,
-               init_digest: str) -> None:
+def _log_start(plan: RunPlan, workdir: str, primary: bool, setup: experiment.Setup,
+               total_samples: int, init_digest: str) -> None:
   """Writes the run's config.json and logs what it trains."""
   pipe, recipe, train_source = setup.pipeline, setup.recipe, setup.train_source
   if primary:
-    files.write_json(os.path.join(workdir, "config.json"), config_checks.to_plain(config),
-                     indent=2, default=str)
+    files.write_json(os.path.join(workdir, "config.json"), dict(plan.given), indent=2,
+                     default=str)
   logging.info("Initial weights: sha256 %s (the same for every method at this seed and split).",
                init_digest)
   logging.info("Model: %d stage%s; method %s; micro-batch %d; lr %.3g, momentum %.5f, weight decay "
                "%.3g; %d optimizer steps per stage (%d of warm-up); delays %s; %d training "
-               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", config.method,
-               config.micro_batch_size, recipe.learning_rate, recipe.momentum,
-               recipe.weight_decay, *experiment.optimizer_steps(config, recipe, len(train_source)),
+               "samples.", pipe.num_stages, "" if pipe.num_stages == 1 else "s", plan.method,
+               plan.micro_batch_size, recipe.learning_rate, recipe.momentum,
+               recipe.weight_decay, *experiment.optimizer_steps(plan, len(train_source)),
                pipe.delays, total_samples)
-  warning = experiment.delay_memory_warning(config, recipe, pipe.delays)
+  warning = experiment.delay_memory_warning(plan, pipe.delays)
   if warning is not None:
     logging.warning(warning)
 
@@ -216,30 +225,28 @@ def _log_start(config, workdir: str, primary: bool, setup: experiment.Setup, tot
 class _Run:
   """What the chunks of one run share: where it stands, and how it saves and evaluates."""
 
-  def __init__(self, config, setup: experiment.Setup, stream: data_lib.DataStream,
+  def __init__(self, plan: RunPlan, setup: experiment.Setup, stream: data_lib.DataStream,
                checkpointer: Checkpointer, writer: metrics_lib.MetricsWriter, samples: int,
                seconds_before: float, data_fingerprint: dict):
-    self.config, self.setup, self.stream = config, setup, stream
+    self.plan, self.setup, self.stream = plan, setup, stream
     self.data_fingerprint = data_fingerprint
     self.checkpointer, self.writer = checkpointer, writer
     self.samples, self.seconds_before = samples, seconds_before
     self.start_time = time.perf_counter()
     self.evaluator = evaluation.make_evaluator(
-        setup.model, config_checks.eval_batch_size(config, len(setup.test_source)))
+        setup.model, run_checks.eval_batch_size(plan, len(setup.test_source)))
     # The base rate, logged beside the loss: one compiled program, where the schedule's eager
     # operations would each compile on their first use in a process.
-    self.learning_rate = jax.jit(experiment.learning_rate_schedule(config, setup.recipe,
+    self.learning_rate = jax.jit(experiment.learning_rate_schedule(plan,
                                                                    len(setup.train_source)))
 
   def train_seconds(self) -> float:
     return self.seconds_before + time.perf_counter() - self.start_time
 
   def save(self, state) -> None:
-    config = self.config
     self.checkpointer.save(self.samples, self.setup.runner.to_logical(state), {
         "samples": self.samples, "data_position": self.stream.get_state(),
-        "fingerprint": config_checks.fingerprint(config), "data": self.data_fingerprint,
-        "config": config_checks.to_plain(config),
+        **resume.meta(self.plan), "data": self.data_fingerprint,
         "train_seconds": self.train_seconds()})
     self.writer.flush()
 
@@ -285,14 +292,14 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
                   phases: interruption.SetupPhases, stop: interruption.StopRequest):
   """Trains chunk after chunk until the run's end or a stop request; returns the state, the
   signal that stopped it (None at the end) and the last test result (None if none)."""
-  config, runner, b = run.config, run.setup.runner, run.config.micro_batch_size
+  plan, runner, b = run.plan, run.setup.runner, run.plan.micro_batch_size
   interval_start = (time.perf_counter(), run.samples)
   stopped_by = None
   test_result = None
   while run.samples < total_samples:
     # The last chunk is shorter when the run is not a whole number of chunks: the run's length
     # and its schedule follow from the config alone.
-    ticks = min(config.ticks_per_chunk, (total_samples - run.samples) // b)
+    ticks = min(plan.ticks_per_chunk, (total_samples - run.samples) // b)
     if feed is None:
       x, y = run.stream.next_chunk(ticks)
       x, y, valid = runner.to_ticks(x, y)
@@ -303,7 +310,7 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
     chunk_metrics = jax.device_get(chunk_metrics)
     stop.training_started()
     phases.done()
-    divergence.raise_if_diverged(config, run.setup.model, runner.weights_finite(state),
+    divergence.raise_if_diverged(plan, run.setup.model, runner.weights_finite(state),
                                  chunk_metrics["finite"], valid, first_tick, run.samples,
                                  run.checkpointer)
     previous, run.samples = run.samples, run.samples + ticks * b
@@ -314,13 +321,13 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
     interval_start = (now, samples)
     run.record_chunk(chunk_metrics, first_tick, rate, total_samples, primary)
     crossed = lambda every: samples // every != previous // every
-    if crossed(config.eval_every_samples) and samples < total_samples:
+    if crossed(plan.output.eval_every_samples) and samples < total_samples:
       test_result = run.evaluate(state)
     if interruption.agree_to_stop(stop.signal_name is not None):
       stopped_by = stop.signal_name or "a signal to another process"
       logging.warning("Stop requested by %s after %d samples: saving a checkpoint.", stopped_by,
                       samples)
-    if crossed(config.checkpoint_every_samples) or stopped_by:
+    if crossed(plan.output.checkpoint_every_samples) or stopped_by:
       run.save(state)
     if stopped_by:
       logging.warning("Stopped by %s after %d samples; checkpoint saved in %s. Rerun the same "
@@ -329,20 +336,21 @@ def _train_chunks(run: _Run, state, feed, total_samples: int, primary: bool,
   return state, stopped_by, test_result
 
 
-def _summary(config, workdir: str, run: _Run, total_samples: int, stopped_by: str | None,
+def _summary(plan: RunPlan, workdir: str, run: _Run, total_samples: int, stopped_by: str | None,
              test_result: dict | None, init_digest: str) -> dict:
   """The run's summary.json."""
   return {
       "samples": run.samples, "total_samples": total_samples, "stopped_by": stopped_by,
-      "method": config.method, "model": config.model, "dataset": config.dataset,
-      "micro_batch_size": config.micro_batch_size, "num_stages": run.setup.pipeline.num_stages,
-      "mesh": {"data": config.mesh.data, "stage": config.mesh.stage},
-      **experiment.resolved_optimizer(config, run.setup.recipe),
+      "method": plan.method, "model": plan.model.name, "dataset": plan.data.dataset,
+      "micro_batch_size": plan.micro_batch_size, "num_stages": run.setup.pipeline.num_stages,
+      "mesh": {"data": plan.mesh.data, "stage": plan.mesh.stage},
+      **experiment.resolved_optimizer(plan),
       "train_seconds": run.train_seconds(),
       "test_accuracy": None if test_result is None else test_result["accuracy"],
       "test_loss": None if test_result is None else test_result["loss"],
       "init_digest": init_digest,
       **_run_facts(workdir),
+      "plan": plan.to_json(),
   }
 
 
@@ -363,8 +371,7 @@ def _finished_summary(workdir: str, samples: int, total_samples: int) -> dict | 
   return None
 
 
-def _earlier_run_without_checkpoints(config: ml_collections.ConfigDict, workdir: str
-                                     ) -> dict | None:
+def _earlier_run_without_checkpoints(plan: RunPlan, workdir: str) -> dict | None:
   """Decides, before anything is written, over a workdir without checkpoints that holds the
   results of an earlier run: a summary.json in whatever state (a finished run's, a stopped run's,
   left empty by a kill or a full disk), or metrics.jsonl records of training (past the initial
@@ -393,7 +400,7 @@ def _earlier_run_without_checkpoints(config: ml_collections.ConfigDict, workdir:
   config_path = os.path.join(workdir, "config.json")
   try:
     with open(config_path) as f:
-      changes = config_checks.recipe_changes(config, json.load(f))
+      changes = resume.recipe_changes(plan, json.load(f))
   except (OSError, ValueError, AttributeError) as e:
     changes = f"its config.json cannot be read ({workdir_lib.first_line(e)})"
   finished = (isinstance(summary, dict) and summary.get("stopped_by") is None

@@ -5,6 +5,7 @@ import jax.flatten_util
 import numpy as np
 import pytest
 
+from pipejax.train import plan as plan_lib
 from pipejax.analysis import depth_limits
 from pipejax.analysis import quadratic
 from pipejax.train import experiment
@@ -32,7 +33,7 @@ def test_a_stage_is_predicted_stable_exactly_when_its_delay_is_within_the_limit(
 @pytest.mark.slow  # builds and measures twice: about 25 s on two idle cores
 def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(tmp_path):
   config = digits_config()
-  setup = experiment.build(config)
+  setup = experiment.build(plan_lib.resolve(config))
   initial = setup.runner.to_logical(setup.init(jax.random.PRNGKey(config.seed)))
   moved = initial._replace(stages=tuple(  # weights elsewhere, saved as a run's checkpoint
       st._replace(params=jax.tree_util.tree_map(lambda w: 1.5 * w, st.params))
@@ -206,7 +207,7 @@ def test_a_recipes_form_outside_the_two_is_refused():
 @pytest.mark.slow  # builds and measures an Adam run: about 25 s on two idle cores
 def test_an_adam_runs_curvature_is_the_hessians_over_adams_divisor(tmp_path):
   config = digits_config(optimizer="adam", **{"reference.lr": 1e-3})
-  setup = experiment.build(config)
+  setup = experiment.build(plan_lib.resolve(config))
   records = list(depth_limits.measure(config, None, at_samples=(0,), batch=32, iterations=200))
   x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
   model, b = setup.model, config.micro_batch_size

@@ -155,8 +155,8 @@ def test_the_memory_check_of_init_is_the_trainers(monkeypatch):
   monkeypatch.setattr(accounting, "memory_available", small)
   with pytest.raises(PipelineError, match="a small device's memory"):
     pipe.init(KEY)
-  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
-  assert config_checks._memory_available() == (needed - 1, "a small device's memory")
+  from pipejax.train import run_checks  # pylint: disable=import-outside-toplevel
+  assert run_checks._memory_available() == (needed - 1, "a small device's memory")
   monkeypatch.setattr(accounting, "memory_available", lambda: (needed, "a small device's memory"))
   pipe.init(KEY)  # exactly fits
 

@@ -367,7 +367,7 @@ def test_every_runner_schedules_a_synchronous_stream_alike():
   pipe = Pipeline(make_model(), CASES["sync"][0](), x[0], y[0])
   for runner in (pipe, StackedPipeline(pipe)):
     on_ticks = runner.to_ticks(x, y)
-    m = pipe.method.micro_batches_per_step
+    m = pipe.method.micro_batches_per_flush
     assert on_ticks[0].shape[0] == 8 // m * (m + 2 * (pipe.num_stages - 1))
     jax.tree.map(np.testing.assert_array_equal, on_ticks, pipe.to_ticks(x, y))
     runner.run(runner.init(0), *on_ticks)

@@ -213,7 +213,7 @@ def test_pipedream_muon_without_accumulation_matches_its_oracle():
   backwards, and the pipeline never flushes); this is the plain method, M = 1."""
   method = methods.make_method("pipedream_muon", learning_rate=ADAM_LR, momentum=B1, b2=B2,
                                optimizer="adam")
-  assert method.micro_batches_per_step is None and method.micro_batches_per_update == 1
+  assert method.micro_batches_per_flush is None and method.micro_batches_per_update == 1
   model = make_model()
   x, y = make_stream(3 * model.num_stages + 2, 2)
   pipe = Pipeline(model, method, x[0], y[0])
@@ -270,7 +270,7 @@ def test_unknown_method_lists_the_known_ones():
 
 def test_sync_takes_a_numpy_integer_group_size():
   method = methods.make_method("sync", learning_rate=0.1, micro_batches=np.int64(4))
-  assert method.micro_batches_per_step == 4 and type(method.micro_batches_per_step) is int
+  assert method.micro_batches_per_flush == 4 and type(method.micro_batches_per_flush) is int
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -324,7 +324,7 @@ def test_sgd_with_pipemare_rates_gives_each_layer_its_stages_reon_ticks_rate():
   # K steps of annealing every layer is at the base rate.
   method = methods.sgd_with_pipemare_rates({"a": 6, "b": 2, "c": 0}, learning_rate=0.1,
                                            momentum=0.0, anneal_steps=4)
-  assert method.name == "sgd" and method.micro_batches_per_step == 1
+  assert method.name == "sgd" and method.micro_batches_per_flush == 1
   tx = method.optimizer(0)
   params = {name: jnp.ones(2) for name in "abc"}
   grads = {name: jnp.full(2, 2.0) for name in "abc"}
@@ -453,10 +453,12 @@ def test_traits_agree_with_the_built_method(name):
   kwargs = ({"learning_rate": LR, "micro_batches": 3} if "sgd" in methods.optimizers_of(name)
             else dict(ADAM_KWARGS, num_stages=4, micro_batches=3))
   method = methods.make_method(name, **taking(name, **kwargs))
-  assert traits.micro_batches_per_step(3) == method.micro_batches_per_update
+  given = taking(name, **kwargs)
+  hyperparameters = methods.hyperparameters_of(name, given.pop("learning_rate"), **given)
+  assert hyperparameters.micro_batches_per_update == method.micro_batches_per_update
   assert traits.accumulates_micro_batches == (method.micro_batches_per_update == 3)
   # Only a method that drains between steps never computes on stale weights.
-  assert traits.delay_free == (method.micro_batches_per_step is not None)
+  assert traits.delay_free == (method.micro_batches_per_flush is not None)
 
 
 def test_traits_name_the_baselines_and_the_recommendation():
@@ -473,7 +475,7 @@ def test_traits_name_the_baselines_and_the_recommendation():
 
 def test_stage_rates_build_the_one_stage_baseline():
   method = methods.STAGE_RATES["pipemare"]({"a": 2, "b": 0}, learning_rate=0.1)
-  assert methods.traits_of(method.name).one_stage and method.micro_batches_per_step == 1
+  assert methods.traits_of(method.name).one_stage and method.micro_batches_per_flush == 1
 
 
 def test_the_baseline_takes_stage_rates_as_a_hyperparameter():

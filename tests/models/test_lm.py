@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import pipejax
+from pipejax.train import plan as plan_lib
 from pipejax.train import config_checks, evaluation, trainer
 from pipejax import data, methods, models
 from pipejax.study import spec as study_lib
@@ -181,7 +182,7 @@ def test_study_and_config_files_load():
     assert study.baseline == {"method": "sgd"}
     assert all(run.get("optimizer", "adam") == "adam" for run in study.runs())
   config = load_config("char_lm", "smoke")
-  config_checks.validate(config)
+  plan_lib.resolve(config)
   assert config.dataset == "fortunes" and config.optimizer == "adam"
 
 
@@ -225,7 +226,7 @@ def test_the_lm_retrains_past_a_damaged_checkpoint_to_the_same_bits(smoke_run, t
   flip_a_bit_in_each_data_file(os.path.join(checkpoint_dir(workdir), "1500"))
   resumed = trainer.train_and_evaluate(load_config("char_lm", "smoke"), workdir)
   warnings = "\n".join(r.getMessage() for r in caplog.records)
-  assert "Checkpoint step 1500" in warnings and "step 1000" in warnings, warnings
+  assert "checkpoint at 1500 samples" in warnings and "at 1000 samples" in warnings, warnings
   assert stored_digest(workdir, 1500) == final_digest
   assert (resumed["test_loss"], resumed["test_accuracy"]) == (summary["test_loss"],
                                                               summary["test_accuracy"])

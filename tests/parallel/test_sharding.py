@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import pipejax
+from pipejax.train import plan as plan_lib
 from pipejax import methods
 from pipejax.parallel import partition as partition_lib
 from pipejax.models import online_norm
@@ -507,11 +508,11 @@ def test_mesh_trainer_stacks_each_devices_piece_unless_told_not_to(eight_devices
   config.dataset, config.model = "digits", "residual_mlp"
   config.model_kwargs = {"depth": 8, "width": 8, "layers_per_stage": 1}
   config.mesh.stage = DEVICES  # the trainer's mesh takes every device
-  setup = experiment.build(config)
+  setup = experiment.build(plan_lib.resolve(config))
   assert isinstance(setup.runner, ShardedPipeline) and setup.runner.part_spans == ((0, 1), (1, 7),
                                                                              (7, 8))
   config.stack_stages = False
-  assert experiment.build(config).runner.part_spans is None
+  assert experiment.build(plan_lib.resolve(config)).runner.part_spans is None
 
 
 # ----------------------------------------------------------------------------- other processes

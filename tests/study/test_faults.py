@@ -14,6 +14,7 @@ import time
 import pytest
 
 from pipejax.study import launcher
+from pipejax.study import preflight
 from pipejax.study import records as study_records
 from pipejax.study import spec as study_lib
 
@@ -219,13 +220,13 @@ def test_an_empty_workdir_flag_is_refused_not_taken_for_the_current_directory(tm
 
 def test_where_names_the_values_its_key_takes_and_report_only_names_an_empty_workdir(tmp_path):
   with pytest.raises(study_lib.StudyError, match=r"method takes sgd\. Nothing"):
-    launcher.check_selection(TWO_RUNS, {"method": "pbx"})
+    preflight.check_selection(TWO_RUNS, {"method": "pbx"})
   with pytest.raises(study_lib.StudyError, match="no grid point has them together"):
-    launcher.check_selection(
+    preflight.check_selection(
         study_lib.Study(name="u", config="c.py", grids=[{"method": ("sgd",), "seed": (0,)},
                                                         {"method": ("pb",), "seed": (1,)}]),
         {"method": "sgd", "seed": "1"})
-  launcher.check_selection(TWO_RUNS, {"method": "pb|sgd"})  # one alternative is enough
+  preflight.check_selection(TWO_RUNS, {"method": "pb|sgd"})  # one alternative is enough
   assert launcher.main(TWO_RUNS, str(tmp_path), parallel=1, command="",
                            report_only=True) == launcher.EXIT_USAGE
   assert os.listdir(tmp_path) == []
@@ -266,9 +267,9 @@ def test_a_study_that_sets_a_renamed_field_is_refused_naming_its_new_key():
                      match=r"^Study 'old': config\.micro_batches is no longer a field of "
                      r"configs/default\.py:smoke: .* set as "
                      r"config\.method_kwargs\.sync\.micro_batches, in the method's section"):
-    launcher.check_config_keys(study)
+    preflight.check_config_keys(study)
   # The new key passes the check (the trainer checks it against the method's record).
-  launcher.check_config_keys(study_lib.Study(
+  preflight.check_config_keys(study_lib.Study(
       name="new", config="configs/default.py:smoke",
       grids=[{"method": ("sync",), "method_kwargs.sync.micro_batches": (4,)}]))
 
@@ -283,8 +284,8 @@ def test_a_method_key_no_trainer_would_accept_is_refused_before_any_run(key, mes
   study = study_lib.Study(name="keys", config="configs/default.py:smoke",
                           grids=[{"method": ("pipemare",), key: (1,)}])
   with pytest.raises(study_lib.StudyError, match=r"^Study 'keys': config\..*" + message):
-    launcher.check_config_keys(study)
-  launcher.check_config_keys(study_lib.Study(
+    preflight.check_config_keys(study)
+  preflight.check_config_keys(study_lib.Study(
       name="keys", config="configs/default.py:smoke",
       grids=[{"method": ("pipemare",), "method_kwargs.pipemare.anneal_fraction": (0.5,),
               "method_kwargs.pipemare.gamma": (0.5,)}]))
@@ -297,7 +298,7 @@ def test_every_study_file_passes_the_config_key_check():
   assert paths
   for path in paths:
     for variant in ("", ":smoke"):
-      launcher.check_config_keys(
+      preflight.check_config_keys(
           study_lib.load_study(os.path.join(ROOT, "configs", "studies", path) + variant))
 
 

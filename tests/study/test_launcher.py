@@ -217,14 +217,14 @@ def test_trainers_that_share_an_accelerator_do_not_each_take_most_of_its_memory(
 def test_trainers_started_together_each_check_their_share_of_the_memory(tmp_path, monkeypatch):
   """N trainers started at once each pass a check against the whole memory while their sum does
   not fit; under a study each checks its Nth."""
-  from pipejax.train import config_checks  # pylint: disable=import-outside-toplevel
+  from pipejax.train import run_checks  # pylint: disable=import-outside-toplevel
   monkeypatch.delenv("PIPEJAX_TRAINERS_AT_ONCE", raising=False)
-  whole, where = config_checks._memory_available()  # pylint: disable=protected-access
+  whole, where = run_checks._memory_available()  # pylint: disable=protected-access
   assert where == "this machine's memory"
   env = launcher._trainer_env(4, str(tmp_path), at_once=3)  # pylint: disable=protected-access
   assert env["PIPEJAX_TRAINERS_AT_ONCE"] == "3"
   monkeypatch.setenv("PIPEJAX_TRAINERS_AT_ONCE", "3")
-  share, where = config_checks._memory_available()  # pylint: disable=protected-access
+  share, where = run_checks._memory_available()  # pylint: disable=protected-access
   assert share == whole // 3
   assert where.startswith("its share of this machine's memory (1/3: the study runs 3 trainers")
   # A study of one run at a time leaves its trainer the whole memory, whatever the environment.

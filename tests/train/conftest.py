@@ -8,7 +8,8 @@ from tests.helpers import digits_config
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-  """A finished digits run: 240 samples, checkpoints every 40 (steps 160, 200, 240 are kept)."""
+  """A finished digits run: 240 samples, checkpoints every 40 (those at 160, 200 and 240 samples
+  are kept)."""
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
   summary = trainer.train_and_evaluate(digits_config(), workdir)
   return workdir, summary

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from pipejax.train import plan as plan_lib
 from pipejax.train import checkpoint, config_checks, divergence, experiment
 from pipejax.parallel import distributed
 from pipejax import methods
@@ -45,7 +46,8 @@ def test_flipped_bit_in_newest_checkpoint_falls_back_to_an_intact_one(finished, 
   final_digest = stored_digest(workdir, 240)
   flip_a_bit_in_each_data_file(os.path.join(checkpoint_dir(workdir), "240"))
   summary = trainer.train_and_evaluate(digits_config(), workdir)
-  assert "Checkpoint step 240" in warnings_logged() and "step 200" in warnings_logged()
+  assert "checkpoint at 240 samples" in warnings_logged()
+  assert "at 200 samples" in warnings_logged()
   assert os.path.isdir(os.path.join(checkpoint_dir(workdir) + ".damaged", "240"))
   # Retrained from step 200 to exactly the same bits as the run that was never damaged.
   assert stored_digest(workdir, 240) == final_digest
@@ -56,7 +58,8 @@ def test_flipped_bit_in_newest_checkpoint_falls_back_to_an_intact_one(finished, 
 def test_digest_covers_the_data_position(finished, tmp_path):
   workdir = copy_of(finished, tmp_path)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
-  like = experiment.build(digits_config()).pipeline.init(jax.random.PRNGKey(0))
+  like = experiment.build(plan_lib.resolve(digits_config())).pipeline.init(
+      jax.random.PRNGKey(0))
   state, meta = saver.restore(240, like)
   meta["data_position"]["index_in_epoch"] += 1  # the same arrays, another data position
   digests = {"state_digest": stored_digest(workdir, 240)}
@@ -91,9 +94,9 @@ def test_no_checkpoint_ever_holds_non_finite_weights(tmp_path):
                      r"last good checkpoint"):
     trainer.train_and_evaluate(config, workdir)
   saver = checkpoint.Checkpointer(checkpoint_dir(workdir))
-  like = experiment.build(config).pipeline.init(jax.random.PRNGKey(0))
-  assert saver.all_steps()
-  for step in saver.all_steps():
+  like = experiment.build(plan_lib.resolve(config)).pipeline.init(jax.random.PRNGKey(0))
+  assert saver.all_samples()
+  for step in saver.all_samples():
     state, _ = saver.restore(step, like)
     for st in state.stages:
       assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(st.params)), step
@@ -185,8 +188,8 @@ def test_full_disk_while_saving_is_one_paragraph(tmp_path, monkeypatch):
     raise ValueError('RESOURCE_EXHAUSTED: Error writing "stages.0.params" in OCDBT database: '
                      "No space left on device [os_error_code='28']")
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
-  with pytest.raises(workdir_lib.StorageError, match="checkpoint step 40 failed: the disk .* is "
-                     "full.*rerun the same command"):
+  with pytest.raises(workdir_lib.StorageError, match="checkpoint at 40 samples failed: the disk "
+                     ".* is full.*rerun the same command"):
     trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
 
 
@@ -232,8 +235,8 @@ def test_every_bad_field_is_refused_before_the_workdir_exists(tmp_path, key, val
 def test_sync_micro_batches_must_be_positive(micro_batches):
   with pytest.raises(config_checks.ConfigError, match=r"config\.method_kwargs\.sync: "
                      r"micro_batches must be an int >= 1 .*GPipe's M"):
-    config_checks.validate(digits_config(method="sync",
-                                         method_kwargs={"sync": {"micro_batches": micro_batches}}))
+    plan_lib.resolve(digits_config(method="sync",
+                                   method_kwargs={"sync": {"micro_batches": micro_batches}}))
 
 
 def test_only_a_synchronous_chunk_must_hold_whole_steps():
@@ -241,18 +244,17 @@ def test_only_a_synchronous_chunk_must_hold_whole_steps():
   # an asynchronous stage carries its partial sum of gradients over to the next chunk.
   with pytest.raises(config_checks.ConfigError, match=r"config\.ticks_per_chunk \(40\) must be a "
                      r"multiple of config\.method_kwargs\.sync\.micro_batches \(3\)"):
-    config_checks.validate(digits_config(method="sync", ticks_per_chunk=40,
-                                         method_kwargs={"sync": {"micro_batches": 3}}))
-  config_checks.validate(digits_config(method="pipedream_muon", optimizer="adam", decay_mask=True,
-                                       ticks_per_chunk=40,
-                                       method_kwargs={"pipedream_muon": {"micro_batches": 3}}))
+    plan_lib.resolve(digits_config(method="sync", ticks_per_chunk=40,
+                                   method_kwargs={"sync": {"micro_batches": 3}}))
+  plan_lib.resolve(digits_config(method="pipedream_muon", optimizer="adam", decay_mask=True,
+                                 ticks_per_chunk=40,
+                                 method_kwargs={"pipedream_muon": {"micro_batches": 3}}))
 
 
 def test_one_training_example_gives_a_valid_learning_rate_schedule():
   config = digits_config(max_train_examples=1, epochs=1.0)
-  recipe = experiment.resolve_recipe(config)
   # optax refuses 0 steps
-  learning_rate = experiment.learning_rate_schedule(config, recipe, train_size=1)
+  learning_rate = experiment.learning_rate_schedule(plan_lib.resolve(config), train_size=1)
   assert np.isfinite(float(learning_rate(0))) and np.isfinite(float(learning_rate(5)))
 
 
@@ -260,7 +262,7 @@ def test_the_resolved_recipe_keeps_every_decay_per_sample_and_takes_the_override
   config = digits_config(optimizer="adam", micro_batch_size=2, **{
       "reference.batch_size": 128, "reference.momentum": 0.9, "reference.b2": 0.99,
       "micro_batch.weight_decay": 0.5})
-  recipe = experiment.resolve_recipe(config)
+  recipe = plan_lib.resolve(config).recipe
   assert recipe.batch_size == 2 and recipe.form == "ema" and recipe.weight_decay == 0.5
   np.testing.assert_allclose([recipe.momentum, recipe.b2], [0.9**(2 / 128), 0.99**(2 / 128)],
                              rtol=1e-12)
@@ -395,7 +397,7 @@ def test_sigterm_stops_with_a_checkpoint_and_its_own_exit_code(tmp_path, monkeyp
   monkeypatch.setattr(metrics_lib.MetricsWriter, "write", write_and_get_signalled)
   summary = trainer.train_and_evaluate(digits_config(), workdir)
   assert summary["stopped_by"] == "SIGTERM" and summary["samples"] == 80
-  assert checkpoint.Checkpointer(checkpoint_dir(workdir)).latest_step() == 80
+  assert checkpoint.Checkpointer(checkpoint_dir(workdir)).latest_samples() == 80
   # The binary's exit code 75 for such a stop: tests/train/test_training.py's
   # test_training_resumes_exactly_after_sigterm signals scripts/train.py itself.
 
@@ -540,8 +542,8 @@ def test_a_stop_requested_on_one_process_stops_both():
 @pytest.mark.parametrize("key, value", [("ticks_per_chunk", 10 ** 9), ("ticks_per_chunk", 7)])
 def test_the_run_length_follows_from_the_config_alone(key, value):
   config = digits_config(**{key: value})
-  assert experiment.run_ticks(config, 1437) * config.micro_batch_size == 240
+  assert experiment.run_ticks(plan_lib.resolve(config), 1437) * config.micro_batch_size == 240
   # The synchronous mode trains whole steps of micro-batches.
   sync = digits_config(method="sync", method_kwargs={"sync": {"micro_batches": 7}},
                        ticks_per_chunk=14)
-  assert experiment.run_ticks(sync, 1437) == 238
+  assert experiment.run_ticks(plan_lib.resolve(sync), 1437) == 238

@@ -20,8 +20,9 @@ import types
 import numpy as np
 import pytest
 
+from pipejax.train import plan as plan_lib
 from pipejax import data
-from pipejax.train import checkpoint, config_checks, evaluation, experiment, trainer
+from pipejax.train import checkpoint, config_checks, evaluation, experiment, run_checks, trainer
 from pipejax.train import workdir as workdir_lib
 from pipejax.data import fingerprint as fingerprint_lib
 from pipejax.data import text
@@ -73,7 +74,8 @@ def test_a_data_set_changed_since_the_checkpoint_is_refused_naming_it(
   workdir = copy_of(finished, tmp_path)
   rewind_to(workdir, 160)
   before = snapshot(workdir)
-  with pytest.raises(data.DataError, match=r"The data changed since checkpoint step 160 .*the "
+  with pytest.raises(data.DataError, match=r"The data changed since the checkpoint at 160 "
+                     r"samples .*the "
                      r"training split \(digits:train\): the same size, other contents.*"
                      r"--config.allow_changes_on_resume=True"):
     trainer.train_and_evaluate(digits_config(), workdir)
@@ -189,7 +191,7 @@ def test_augment_on_a_data_set_without_a_standard_one_is_refused(tmp_path, datas
 
 
 def test_the_data_sets_named_augmented_are_those_whose_sources_augment(tmp_path):
-  config_checks.validate(digits_config(dataset="cifar10", augment=True))
+  plan_lib.resolve(digits_config(dataset="cifar10", augment=True))
   sources = [data.load("digits")[0], data.load("mnist1d", num_samples=200)[0],
              data.load("fortunes", data_dir=str(write_corpus(tmp_path / "f")), context=32)[0]]
   for source in sources:
@@ -290,10 +292,10 @@ def test_a_run_too_short_to_fill_its_pipeline_is_refused_before_training(tmp_pat
     ({"method": "sgd"}, 2, 1)])  # one stage
 def test_the_shortest_run_that_moves_every_stage_passes(overrides, shortest, too_short):
   config = digits_config(**overrides)
-  pipe = experiment.build(config).pipeline
-  config_checks.check_pipeline_fills(config, pipe, shortest)
+  pipe = experiment.build(plan_lib.resolve(config)).pipeline
+  run_checks.check_pipeline_fills(plan_lib.resolve(config), pipe, shortest)
   with pytest.raises(config_checks.ConfigError, match="too short to train every stage"):
-    config_checks.check_pipeline_fills(config, pipe, too_short)
+    run_checks.check_pipeline_fills(plan_lib.resolve(config), pipe, too_short)
 
 
 # ------------------------------------------------------------------ 6. the LM over processes
@@ -376,14 +378,14 @@ def test_an_eval_batch_larger_than_the_test_split_is_capped(finished, tmp_path, 
 
 def test_an_evaluation_batch_too_large_for_memory_is_refused(monkeypatch):
   config = digits_config(eval_batch_size=10**7)  # the whole test split, 360 examples
-  setup = experiment.build(config)
-  state, chunk = config_checks.state_bytes(setup), config_checks.chunk_bytes(setup, 40)
-  available = max(int(chunk / config_checks.CHUNK_MEMORY_SHARE), state + chunk) + 1
-  assert state + config_checks.eval_bytes(setup, 360) > available  # the chunk fits, eval does not
-  monkeypatch.setattr(config_checks, "_memory_available", lambda: (available, "test memory"))
+  setup = experiment.build(plan_lib.resolve(config))
+  state, chunk = run_checks.state_bytes(setup), run_checks.chunk_bytes(setup, 40)
+  available = max(int(chunk / run_checks.CHUNK_MEMORY_SHARE), state + chunk) + 1
+  assert state + run_checks.eval_bytes(setup, 360) > available  # the chunk fits, eval does not
+  monkeypatch.setattr(run_checks, "_memory_available", lambda: (available, "test memory"))
   with pytest.raises(config_checks.ConfigError, match=r"Evaluation in batches of 360 .* Lower "
                      r"--config.eval_batch_size to \d+ or less"):
-    config_checks.check_memory(config, setup, 40)
+    run_checks.check_memory(plan_lib.resolve(config), setup, 40)
 
 
 def test_a_checkpoint_directory_that_is_a_file_is_one_line(tmp_path):
@@ -444,7 +446,7 @@ def test_a_full_disk_while_saving_reports_once(tmp_path, monkeypatch, caplog, ca
   absl_logger = std_logging.getLogger("absl")
   monkeypatch.setattr(absl_logger, "filters", list(absl_logger.filters))
   caplog.set_level(std_logging.INFO)
-  with pytest.raises(workdir_lib.StorageError, match="checkpoint step 40 failed: the disk"):
+  with pytest.raises(workdir_lib.StorageError, match="checkpoint at 40 samples failed: the disk"):
     trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
   # tensorstore's callbacks that outlive the failed save, as on a loaded machine.
   sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)

@@ -11,8 +11,9 @@ import types
 import jax
 import pytest
 
+from pipejax.train import plan as plan_lib
 from pipejax import config as config_lib
-from pipejax.train import config_checks, experiment
+from pipejax.train import config_checks, experiment, resume
 from tests.helpers import ROOT, digits_config
 
 OLD_TO_NEW = {"micro_batches": "method_kwargs.sync.micro_batches",
@@ -22,21 +23,19 @@ OLD_TO_NEW = {"micro_batches": "method_kwargs.sync.micro_batches",
 
 
 def test_the_new_keys_reach_the_method():
-  sync = digits_config(method="sync", method_kwargs={"sync": {"micro_batches": 4}})
-  config_checks.validate(sync)
-  recipe = experiment.resolve_recipe(sync)
-  assert config_checks.micro_batches_per_step(sync) == 4
-  assert experiment.method_hyperparameters(sync, recipe, 0.1, 0, 1)["micro_batches"] == 4
+  sync = plan_lib.resolve(digits_config(method="sync",
+                                        method_kwargs={"sync": {"micro_batches": 4}}))
+  assert sync.micro_batches_per_update == 4 and sync.micro_batches_per_flush == 4
+  assert sync.hyperparameters.micro_batches == 4
   assert experiment.run_ticks(sync, 1437) % 4 == 0
   # One step sees 4 micro-batches: the recipe is converted to batch 4, not 1.
-  assert recipe.batch_size == 4
-  pipemare = digits_config(method="pipemare", method_kwargs={"pipemare": {"anneal_fraction": 0.5}})
-  config_checks.validate(pipemare)
-  steps, _ = experiment.optimizer_steps(pipemare, experiment.resolve_recipe(pipemare), 1437)
-  assert experiment.annealing_steps(pipemare, experiment.resolve_recipe(pipemare), 1437) == \
-      round(0.5 * steps)
-  sgd = digits_config(method="sgd", method_kwargs={"sgd": {"stage_rates": "pipemare"}})
-  config_checks.validate(sgd)
+  assert sync.recipe.batch_size == 4
+  pipemare = plan_lib.resolve(digits_config(
+      method="pipemare", method_kwargs={"pipemare": {"anneal_fraction": 0.5}}))
+  steps, _ = experiment.optimizer_steps(pipemare, 1437)
+  assert experiment.annealing_steps(pipemare, 1437) == round(0.5 * steps)
+  sgd = plan_lib.resolve(digits_config(method="sgd",
+                                       method_kwargs={"sgd": {"stage_rates": "pipemare"}}))
   # The one-stage baseline with each layer at PipeMare's rate for its stage of the 3-stage split
   # (delays 4, 2, 0): one optimizer state per delay.
   (stage,) = experiment.build(sgd).pipeline.init(jax.random.PRNGKey(0)).stages
@@ -54,7 +53,7 @@ def test_an_old_key_in_a_new_config_is_refused_naming_the_new_one(old, tmp_path)
   with pytest.raises(config_checks.ConfigError,
                      match=rf"^config\.{old} is no longer a field of the training config: .* "
                      rf"set as config\.{re.escape(new)}, in the method's section"):
-    config_checks.validate(config)
+    plan_lib.resolve(config)
   # A config file, then the command line.
   path = tmp_path / "old.py"
   path.write_text("from pipejax.config import base_config\n\n\ndef get_config(arg=None):\n"
@@ -77,10 +76,11 @@ class _Checkpointer:
 def _saved(config, **old_fields) -> dict:
   """What a checkpoint written before the renaming holds: the config with the old flat fields
   (every one, at its default unless given) and a fingerprint naming micro_batches."""
-  flat = config_checks.to_plain(config)
+  plan = plan_lib.resolve(config)
+  flat = dict(plan.given)
   flat.update({old: default for old, (_, default) in config_lib.RENAMED_FIELDS.items()})
   flat.update(old_fields)
-  fingerprint = config_checks.fingerprint(config)
+  fingerprint = dict(plan.given_fingerprint)
   fingerprint["micro_batches"] = flat["micro_batches"]
   return {"config": flat, "fingerprint": fingerprint}
 
@@ -88,15 +88,16 @@ def _saved(config, **old_fields) -> dict:
 def test_an_old_workdir_resumes_with_its_fields_under_their_new_keys():
   sync = digits_config(method="sync", ticks_per_chunk=80,
                        method_kwargs={"sync": {"micro_batches": 4}})
-  config_checks.check_resumable(sync, _Checkpointer(), 80, _saved(sync, micro_batches=4))
+  resume.check_resumable(plan_lib.resolve(sync), _Checkpointer(), 80,
+                         _saved(sync, micro_batches=4))
   pipemare = digits_config(method="pipemare",
                            method_kwargs={"pipemare": {"anneal_fraction": 0.1}})
   meta = _saved(pipemare, pipemare_anneal_fraction=0.1)
-  config_checks.check_resumable(pipemare, _Checkpointer(), 80, meta)
-  assert config_checks.recipe_changes(pipemare, meta["config"]) == ""
+  resume.check_resumable(plan_lib.resolve(pipemare), _Checkpointer(), 80, meta)
+  assert resume.recipe_changes(plan_lib.resolve(pipemare), meta["config"]) == ""
   # The old fields at their defaults, under any method: nothing was set.
   plain = digits_config(method="pb")
-  config_checks.check_resumable(plain, _Checkpointer(), 80, _saved(plain))
+  resume.check_resumable(plan_lib.resolve(plain), _Checkpointer(), 80, _saved(plain))
 
 
 def test_an_old_workdir_resumed_with_another_value_of_a_renamed_field_is_refused():
@@ -104,11 +105,12 @@ def test_an_old_workdir_resumed_with_another_value_of_a_renamed_field_is_refused
                        method_kwargs={"sync": {"micro_batches": 4}})
   with pytest.raises(Exception, match=r"different micro_batches \(micro_batches=2; this run: "
                      r"micro_batches=4\)"):
-    config_checks.check_resumable(sync, _Checkpointer(), 80, _saved(sync, micro_batches=2))
+    resume.check_resumable(plan_lib.resolve(sync), _Checkpointer(), 80,
+                           _saved(sync, micro_batches=2))
   pipemare = digits_config(method="pipemare")
   with pytest.raises(config_checks.ConfigError,
                      match=r"method_kwargs\.pipemare\.anneal_fraction 0\.1 -> \(not set\)"):
-    config_checks.check_resumable(pipemare, _Checkpointer(), 80,
+    resume.check_resumable(plan_lib.resolve(pipemare), _Checkpointer(), 80,
                                   _saved(pipemare, pipemare_anneal_fraction=0.1))
 
 
@@ -117,9 +119,9 @@ def test_a_method_hyperparameter_added_on_resume_is_a_change_of_recipe():
   after = digits_config(method="pb_sc_lwp", method_kwargs={"pb_sc_lwp": {"horizon": 2}})
   with pytest.raises(config_checks.ConfigError,
                      match=r"method_kwargs\.pb_sc_lwp\.horizon \(not set\) -> 2"):
-    config_checks.check_resumable(after, _Checkpointer(), 80,
-                                  {"config": config_checks.to_plain(before),
-                                   "fingerprint": config_checks.fingerprint(before)})
+    resume.check_resumable(plan_lib.resolve(after), _Checkpointer(), 80,
+                                  {"config": dict(plan_lib.resolve(before).given),
+                                   "fingerprint": dict(plan_lib.resolve(before).given_fingerprint)})
 
 
 def test_a_translated_record_keeps_an_explicit_new_key():

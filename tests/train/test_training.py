@@ -14,7 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax.train import checkpoint, config_checks, divergence, experiment, interruption
+from pipejax.train import plan as plan_lib
+from pipejax.train import (checkpoint, config_checks, divergence, experiment, interruption,
+                           run_checks)
 from pipejax import methods
 from pipejax.train import trainer
 from pipejax.data import DataError
@@ -56,12 +58,13 @@ def test_an_asynchronous_method_that_accumulates_schedules_its_rate_per_update(t
   batch of 3 b and the schedule counts updates; a chunk need not end on an update (40 ticks)."""
   config = digits_config(method="pipedream_muon", optimizer="adam", decay_mask=True,
                          method_kwargs={"pipedream_muon": {"micro_batches": 3}})
-  setup = experiment.build(config)
-  assert setup.recipe.batch_size == 3 * config.micro_batch_size
-  steps, _ = experiment.optimizer_steps(config, setup.recipe, 1437)
-  assert steps == experiment.run_ticks(config, 1437) // 3
+  plan = plan_lib.resolve(config)
+  assert plan.recipe.batch_size == 3 * config.micro_batch_size
+  assert plan.micro_batches_per_update == 3 and plan.micro_batches_per_flush is None
+  steps, _ = experiment.optimizer_steps(plan, 1437)
+  assert steps == experiment.run_ticks(plan, 1437) // 3
   summary = trainer.train_and_evaluate(config, str(tmp_path / "run"))
-  assert summary["samples"] == experiment.run_ticks(config, 1437) * config.micro_batch_size
+  assert summary["samples"] == experiment.run_ticks(plan, 1437) * config.micro_batch_size
   assert np.isfinite(summary["test_loss"]) and summary["test_loss"] < summary["initial_test_loss"]
 
 
@@ -87,8 +90,8 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
   config.model_kwargs["normalization"] = "online"
   a = checkpoint.Checkpointer(str(tmp_path / "straight" / "checkpoints"))
   b = checkpoint.Checkpointer(str(tmp_path / "killed" / "checkpoints"))
-  step = a.latest_step()
-  assert b.latest_step() == step
+  step = a.latest_samples()
+  assert b.latest_samples() == step
   meta_a, meta_b = a.restore_meta(step), b.restore_meta(step)
   assert meta_a["data_position"] == meta_b["data_position"]
   like = _pipeline_for(config).init(jax.random.PRNGKey(0))
@@ -105,7 +108,7 @@ def test_training_resumes_exactly_after_sigterm(tmp_path):
 
 
 def _pipeline_for(config):
-  return experiment.build(config).pipeline
+  return experiment.build(plan_lib.resolve(config)).pipeline
 
 
 def test_nan_at_one_stage_is_reported_with_stage_and_tick():
@@ -126,13 +129,13 @@ def test_divergence_stops_keeps_last_good_checkpoint_and_names_the_stage(tmp_pat
   workdir = str(tmp_path / "run")
   trainer.train_and_evaluate(digits_config(), workdir)
   saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
-  good_step = saver.latest_step()
+  good_step = saver.latest_samples()
   config = digits_config(epochs=480 / 1437, **{"micro_batch.lr": 1e30},  # resumes, then blows up
                          allow_changes_on_resume=True)
   with pytest.raises(divergence.TrainingDiverged, match=r"stage \d+ \('.*'\) at tick \d+.*"
-                     rf"last good checkpoint \(step {good_step},"):
+                     rf"last good checkpoint \(at {good_step} samples,"):
     trainer.train_and_evaluate(config, workdir)
-  assert saver.all_steps()[-1] == good_step
+  assert saver.all_samples()[-1] == good_step
   like = _pipeline_for(config).init(jax.random.PRNGKey(0))
   state, _ = saver.restore(good_step, like)
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.stages[0].params))
@@ -158,7 +161,8 @@ def test_checkpoint_directory_with_only_garbage_is_refused(tmp_path):
   workdir = tmp_path / "run"
   (workdir / "checkpoints" / "1234").mkdir(parents=True)
   (workdir / "checkpoints" / "1234" / "junk").write_text("not a checkpoint")
-  with pytest.raises(checkpoint.CheckpointError, match="step 1234.*cannot be restored"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="checkpoint at 1234 samples .*cannot be restored"):
     trainer.train_and_evaluate(digits_config(), str(workdir))
   other = tmp_path / "other"
   (other / "checkpoints" / "copied-by-hand").mkdir(parents=True)
@@ -232,7 +236,7 @@ def test_tiny_configs_train_on_mock_data(tmp_path, config_name):
                                          "imagenet_resnet50"])
 def test_every_config_has_a_smoke_variant_and_a_command(config_name):
   config = load_config(config_name, "smoke")
-  config_checks.validate(config)
+  plan_lib.resolve(config)
   assert config.max_train_examples and config.epochs <= 1
   assert f"--config=configs/{config_name}.py" in config_module(config_name).__doc__
   with pytest.raises(ValueError, match="Unknown config argument"):
@@ -276,7 +280,7 @@ def test_the_chunk_length_changes_neither_the_run_length_nor_the_schedule(tmp_pa
     train = [r for r in records if r["split"] == "train"]
     saver = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
     results[ticks] = {"samples": summary["samples"], "last record": train[-1]["samples"],
-                      "position": saver.restore_meta(saver.latest_step())["data_position"],
+                      "position": saver.restore_meta(saver.latest_samples())["data_position"],
                       "final rate": train[-1]["learning_rate"], "test loss": summary["test_loss"]}
   assert results[40]["samples"] == 240 and results[40]["final rate"] == 0.0
   for ticks in (70, 10 ** 9):
@@ -288,14 +292,14 @@ def test_the_chunk_length_changes_neither_the_run_length_nor_the_schedule(tmp_pa
 
 
 def test_a_chunk_too_large_for_memory_is_refused_with_its_estimate(tmp_path, monkeypatch):
-  monkeypatch.setattr(config_checks, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
+  monkeypatch.setattr(run_checks, "CHUNK_MEMORY_SHARE", 1e-9)  # any chunk is too large
   with pytest.raises(config_checks.ConfigError, match=r"A chunk of 240 ticks .* needs about "
                      r"[\d.]+ MiB .* Lower --config.ticks_per_chunk to 1 or less"):
     trainer.train_and_evaluate(digits_config(ticks_per_chunk=10 ** 9), str(tmp_path / "run"))
 
 
 def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monkeypatch):
-  monkeypatch.setattr(config_checks, "_memory_available",
+  monkeypatch.setattr(run_checks, "_memory_available",
                       lambda: (2 ** 20, "this machine's memory"))
   config = digits_config()
   config.model = "residual_mlp"
@@ -308,18 +312,18 @@ def test_a_state_too_large_for_memory_is_refused_before_compiling(tmp_path, monk
 def test_a_warm_up_longer_than_the_run_is_refused():
   with pytest.raises(config_checks.ConfigError,
                      match=r"warmup_epochs \(5.0\) is longer than the run"):
-    config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0))
+    plan_lib.resolve(digits_config(warmup_epochs=5.0, epochs=1.0))
   with pytest.raises(config_checks.ConfigError,
                      match=r"warmup_epochs \(5.0\) is longer than the run"):
-    config_checks.validate(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
+    plan_lib.resolve(digits_config(warmup_epochs=5.0, epochs=1.0, schedule="constant"))
 
 
 def test_a_constant_schedule_warms_up_as_configured():
-  recipe = experiment.resolve_recipe(digits_config(schedule="constant", warmup_epochs=0.0))
+  recipe = plan_lib.resolve(digits_config(schedule="constant", warmup_epochs=0.0)).recipe
   rates = {}
   for warmup in (0.0, 0.5):
     config = digits_config(schedule="constant", warmup_epochs=warmup, epochs=1.0)
-    schedule = experiment.learning_rate_schedule(config, recipe, 100)
+    schedule = experiment.learning_rate_schedule(plan_lib.resolve(config), 100)
     rates[warmup] = [float(schedule(step)) for step in (0, 25, 50, 99)]
   lr = recipe.learning_rate
   assert rates[0.0] == pytest.approx([lr] * 4)
@@ -331,8 +335,8 @@ def test_a_field_the_run_would_not_read_is_refused():
   method's own hyperparameters are in its section of method_kwargs, read by it alone.)"""
   with pytest.raises(config_checks.ConfigError,
                      match=re.escape("reference.b2=0.9 would be ignored: only optimizer 'adam'")):
-    config_checks.validate(digits_config(**{"reference.b2": 0.9}))
-  config_checks.validate(digits_config(**{"reference.b2": 0.9}, optimizer="adam"))
+    plan_lib.resolve(digits_config(**{"reference.b2": 0.9}))
+  plan_lib.resolve(digits_config(**{"reference.b2": 0.9}, optimizer="adam"))
 
 
 @pytest.mark.parametrize("key, value", [("mesh.partition", ((0, 3),)),
@@ -343,8 +347,8 @@ def test_a_mesh_field_without_stage_devices_to_split_over_is_refused(key, value)
   with pytest.raises(config_checks.ConfigError,
                      match=re.escape(f"config.{key}={value!r} would be ignored: only a mesh of "
                                      "several stage devices")):
-    config_checks.validate(digits_config(**{key: value}))
-  config_checks.validate(digits_config(**{key: value, "mesh.stage": 2}))
+    plan_lib.resolve(digits_config(**{key: value}))
+  plan_lib.resolve(digits_config(**{key: value, "mesh.stage": 2}))
 
 
 def test_an_option_the_data_set_does_not_take_is_one_paragraph(tmp_path):
@@ -359,12 +363,12 @@ def test_an_option_the_data_set_does_not_take_is_one_paragraph(tmp_path):
 def test_method_kwargs_reach_the_method_and_a_key_it_lacks_is_refused():
   config = digits_config(method="pb_sc_lwp")
   config.method_kwargs = {"pb_sc_lwp": {"horizon": 3}, "pipemare": {"anneal_epochs": 0.5}}
-  config_checks.validate(config)  # a section for another method is checked, not read
-  recipe = experiment.resolve_recipe(config)
-  assert experiment.method_hyperparameters(config, recipe, 0.1, 0, 4)["horizon"] == 3
+  # A section for another method is checked, not read.
+  assert plan_lib.resolve(config).hyperparameters.horizon == 3
   for sections, message in [
+      # eps is read by Adam alone: under SGD it is not settable.
       ({"pb_sc_lwp": {"gamma": 0.5}}, "method 'pb_sc_lwp' has no hyperparameter 'gamma', so "
-       "nothing would read it. Its settable hyperparameters are: eps, horizon"),
+       "nothing would read it. Its settable hyperparameters are: horizon."),
       ({"pb_sc_lwp": {"momentum": 0.5}}, "use --config.reference.momentum (or "),
       ({"pb_sc_lwp": {"horizon": -2}}, "horizon must be an int >= 0"),
       ({"pipemare": {"gamma": 1.5}}, "config.method_kwargs.pipemare: make_method: gamma must be "
@@ -372,7 +376,7 @@ def test_method_kwargs_reach_the_method_and_a_key_it_lacks_is_refused():
       ({"pb_fast": {"horizon": 1}}, "config.method_kwargs.pb_fast: there is no method 'pb_fast'")]:
     config.method_kwargs = sections
     with pytest.raises(config_checks.ConfigError, match=re.escape(message)):
-      config_checks.validate(config)
+      plan_lib.resolve(config)
 
 
 def test_an_empty_workdir_restores_nothing_and_times_the_evaluation_as_its_own_phase(
@@ -439,7 +443,7 @@ def test_model_keywords_of_the_wrong_type_are_named(kwargs, message):
   config.model = "residual_mlp"
   config.model_kwargs = {"depth": 4, **kwargs}
   with pytest.raises(config_checks.ConfigError, match=message):
-    config_checks.validate(config)
+    plan_lib.resolve(config)
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -530,9 +534,9 @@ def test_a_long_set_up_says_what_it_is_still_doing(tmp_path, monkeypatch, caplog
   monkeypatch.setattr(interruption, "SETUP_REPORT_EVERY", 0.2)
   build = experiment.build
 
-  def slow_build(config):  # a deep model builds for minutes
+  def slow_build(plan):  # a deep model builds for minutes
     time.sleep(1.0)
-    return build(config)
+    return build(plan)
 
   monkeypatch.setattr(experiment, "build", slow_build)
   trainer.train_and_evaluate(digits_config(), str(tmp_path / "run"))
