@@ -173,28 +173,61 @@ def test_a_cell_that_only_diverged_takes_its_stages_and_momentum_from_its_siblin
 
 def test_the_prediction_is_the_quadratics_gap_over_the_references_at_the_stems_curvature(
     tmp_path):
-  limits = [{"num_stages": 4, "stage": 0, "samples": 100, "sharpness": 1.0},
-            {"num_stages": 4, "stage": 0, "samples": 0, "sharpness": 10.0},
-            {"num_stages": 4, "stage": 1, "samples": 0, "sharpness": 99.0}]
+  peak = {"learning_rate": 1e-3, "learning_rate_now": 1e-3}
+  limits = [{"num_stages": 4, "stage": 0, "samples": 100, "sharpness": 1.0, **peak},
+            {"num_stages": 4, "stage": 0, "samples": 0, "sharpness": 10.0, **peak},
+            {"num_stages": 4, "stage": 1, "samples": 0, "sharpness": 99.0, **peak}]
   source = study(tmp_path, [run("sgd", 0, 0.8), run("pb", 0, 0.7, stages=4, lr=1e-3),
                             run("pipedream", 0, 0.7, stages=4),
                             run("pb", 0, 0.7, stages=8, **{"model_kwargs.depth": 8})],
                  limits=limits)
   rows = {(r.method, r.num_stages): r for r in phase.phase_rows([source])}
   pb = rows["pb", 4]
-  x = 1e-3 * 10.0  # the rate times the stem's curvature at the initial weights
+  x = 1e-3 * 10.0  # the rate times the stem's curvature at the initial weights (no warm-up)
   expected = (quadratic_noise.predicted_gap("pb", 6, 0.9, x, 1.0)
               / quadratic_noise.heavy_ball_excess_loss(x, 0.9, 1.0))
   assert pb.prediction == pytest.approx(expected)
-  assert pb.prediction_note == "ηλ 0.01: the stem's λ at the initial weights"
+  assert pb.prediction_note == ("ηλ 0.01: the stem's λ at the initial weights, at 100% of the "
+                                "peak rate")
   assert rows["pipedream", 4].prediction is None
   assert rows["pipedream", 4].prediction_note == "no quadratic form"
   assert rows["pb", 8].prediction_note == "no λ reading at 8 stages"
 
 
+def test_the_step_is_the_rate_the_schedule_had_reached_times_the_curvature_then(tmp_path):
+  # The deep MLP's stem at 32 stages (PB + SC + LWP, seed 0, scripts/depth_limits.py): λ 58.2 at
+  # the initial weights, where the warm-up's rate is 0, and 5.01 after 2,000 samples, at 2/3 of
+  # the peak rate 6.43e-6. The step ηλ is the rate then times λ then, 2.1e-5, stable at D = 62;
+  # the peak rate times the initial λ, 3.7e-4, a step the run never takes, is not.
+  eta, m = 6.43e-6, 0.99918
+  limits = [{"num_stages": 32, "stage": 0, "samples": 0, "sharpness": 58.2,
+             "learning_rate": eta, "learning_rate_now": 0.0},
+            {"num_stages": 32, "stage": 0, "samples": 2000, "sharpness": 5.01,
+             "learning_rate": eta, "learning_rate_now": eta * 2 / 3},
+            {"num_stages": 32, "stage": 0, "samples": 4000, "sharpness": 2.0,
+             "learning_rate": eta, "learning_rate_now": eta},
+            # A reading that did not record its rate says nothing of the step.
+            {"num_stages": 32, "stage": 0, "samples": 0, "sharpness": 59.6, "learning_rate": eta},
+            {"num_stages": 16, "stage": 0, "samples": 0, "sharpness": 44.8, "learning_rate": eta}]
+  source = study(tmp_path, [run("sgd", 0, 0.8, momentum=m),
+                            run("pb_sc_lwp", 0, 0.8, stages=32, momentum=m, lr=eta),
+                            run("pb_sc_lwp", 0, 0.8, stages=16, momentum=m, lr=eta,
+                                **{"model_kwargs.depth": 16})], limits=limits)
+  rows = {row.num_stages: row for row in phase.phase_rows([source])}
+  x = eta * 2 / 3 * 5.01
+  assert rows[32].prediction_note == (f"ηλ {x:.2g}: the stem's λ after 2,000 samples, at 67% "
+                                      "of the peak rate")
+  assert rows[32].prediction == pytest.approx(phase.relative_gap("pb_sc_lwp", 62, m, x))
+  assert math.isfinite(rows[32].prediction)
+  assert math.isinf(phase.relative_gap("pb_sc_lwp", 62, m, eta * 58.2))
+  assert rows[16].prediction is None
+  assert rows[16].prediction_note.startswith("no λ reading at 16 stages with a rate above 0")
+
+
 def test_adams_prediction_takes_its_step_over_the_first_moments_memory(tmp_path):
   lm = dict(metric="test_loss", config=LM)
-  limits = [{"num_stages": 4, "stage": 0, "samples": 0, "sharpness": 50.0, "form": "ema"}]
+  limits = [{"num_stages": 4, "stage": 0, "samples": 0, "sharpness": 50.0, "form": "ema",
+             "learning_rate": 1e-3, "learning_rate_now": 1e-3}]
   source = study(tmp_path, [run("sgd", 0, 2.0, **lm), run("pb", 0, 2.5, stages=4, lr=1e-3, **lm),
                             run("pb", 0, 2.5, stages=4, lr=1e-3, optimizer="sgd")],
                  unit=BITS, limits=limits)

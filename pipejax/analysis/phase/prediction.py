@@ -45,12 +45,26 @@ def form_of(record: RunRecord) -> str | None:
   return None if optimizer is None else ("ema" if optimizer == "adam" else "heavy_ball")
 
 
+def rate_fraction(reading: dict) -> float | None:
+  """The rate the run's schedule had reached at the reading's weights, over the peak rate it was
+  read for (``learning_rate_now / learning_rate``); None where the reading recorded neither."""
+  now, peak = reading.get("learning_rate_now"), reading.get("learning_rate")
+  if not (is_number(now) and is_number(peak)) or peak <= 0:
+    return None
+  return float(now) / float(peak)
+
+
 def stem_reading(curvature: Sequence[dict], num_stages: int) -> dict | None:
-  """The study's curvature reading of the stem (stage 0, the delay ``D_max``) at ``num_stages``:
-  at the initial weights where there is one, else the earliest."""
+  """The study's curvature reading of the stem (stage 0, the delay ``D_max``) at ``num_stages``
+  that the run's step meets hardest: the largest ``λ`` times the rate the schedule had reached at
+  those weights (:func:`rate_fraction`). The step is that rate times that ``λ``, never the peak
+  rate times the initial weights' ``λ``: under a warm-up from 0 the initial weights meet no step,
+  and by the warm-up's end the stem's ``λ`` has fallen (docs/studies/depth/limits.jsonl: 45.5 at
+  the initial weights of 128 stages, 2.5 after 1,250 samples, 0.57 after 3,000). A reading that
+  did not record its rate, or met a rate of 0, is left out; None where none is left."""
   readings = [r for r in curvature if r.get("num_stages") == num_stages and r.get("stage") == 0
-              and is_number(r.get("sharpness"))]
-  return min(readings, key=lambda r: r.get("samples", 0)) if readings else None
+              and is_number(r.get("sharpness")) and (rate_fraction(r) or 0.0) > 0.0]
+  return max(readings, key=lambda r: rate_fraction(r) * r["sharpness"]) if readings else None
 
 
 def prediction(row: Row, form: str | None, curvature: Sequence[dict]) -> tuple[float | None, str]:
@@ -64,19 +78,24 @@ def prediction(row: Row, form: str | None, curvature: Sequence[dict]) -> tuple[f
     return None, "no quadratic form"
   reading = stem_reading(curvature, row.num_stages)
   if reading is None:
-    return None, f"no λ reading at {row.num_stages} stages"
+    at_depth = any(r.get("num_stages") == row.num_stages and r.get("stage") == 0
+                   for r in curvature)
+    return None, (f"no λ reading at {row.num_stages} stages with a rate above 0: the initial "
+                  "weights meet none under a warm-up" if at_depth
+                  else f"no λ reading at {row.num_stages} stages")
   if form is None:
     return None, f"its config {row.record.config!r} cannot be read"
   if (reading.get("form") or "heavy_ball") != form:
     return None, "λ read under another optimizer"
   if not is_number(row.learning_rate):
     return None, "no rate recorded"
-  lr_lambda = depth_limits.step_curvature(row.learning_rate, reading["sharpness"], row.momentum,
-                                          form)
+  fraction = rate_fraction(reading)
+  lr_lambda = depth_limits.step_curvature(row.learning_rate * fraction, reading["sharpness"],
+                                          row.momentum, form)
   samples = reading.get("samples", 0)
   where = "at the initial weights" if not samples else f"after {samples:,} samples"
   return (relative_gap(row.method, row.max_delay, row.momentum, lr_lambda),
-          f"ηλ {lr_lambda:.2g}: the stem's λ {where}")
+          f"ηλ {lr_lambda:.2g}: the stem's λ {where}, at {fraction:.0%} of the peak rate")
 
 
 def phase_rows(sources: Sequence[Source]) -> list[Row]:

@@ -129,8 +129,13 @@ doubles the reference's noise floor, below 0 is a lower floor (a smaller effecti
 with slower progress, which a stationary floor does not count), and "unstable" is a spectral
 radius of at least 1. It needs the curvature λ: the stem's own, read by
 `scripts/depth_limits.py` into the study's `limits.jsonl` (Adam's is that of the Hessian over
-√ν̂, `pipejax.analysis.depth_limits.step_curvature`), at the run's depth, and a cell whose study
-has no such reading there has none. The figure draws it on its own right-hand axis."""
+√ν̂, `pipejax.analysis.depth_limits.step_curvature`), at the run's depth, each reading paired with
+the rate the schedule had reached at its weights, and the reading where that step ηλ is largest
+taken (`pipejax.analysis.phase.stem_reading`). A reading at the initial weights meets a rate of 0
+under a warm-up and is left out: pairing it with the peak rate would give a step the run never
+takes (on the deep MLP the stem's λ falls from about 50 at the initial weights to 5 or less by
+2,000 samples, while the rate is still ramping up). A cell whose study has no reading at its
+depth with a rate above 0 has no prediction. The figure draws it on its own right-hand axis."""
 
 
 def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str) -> str:
