@@ -7,6 +7,7 @@ import pytest
 from pipejax import schedules
 from pipejax.analysis import price
 from pipejax.study import budget
+from pipejax.study import records as study_records
 
 
 def uniform_costs(num_stages, update=0.0):
@@ -53,8 +54,9 @@ def test_damaged_stage_costs_are_refused_in_one_line(tmp_path):
 
 
 def record(method, samples, loss):
-  return {"run": f"{method},{samples}", "status": "finished", "test_loss": loss,
-          "samples": samples, "overrides": {"method": method, "seed": 0, "epochs": samples}}
+  return study_records.parse_record(
+      {"run": f"{method},{samples}", "status": "finished", "test_loss": loss, "samples": samples,
+       "overrides": {"method": method, "seed": 0, "epochs": samples}})
 
 
 def test_the_section_multiplies_samples_to_target_by_time_per_sample(tmp_path):

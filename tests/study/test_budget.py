@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from pipejax.study import budget
+from pipejax.study import records as study_records
 
 
 def record(method, samples, loss, seed=0, lr=1e-3, train_loss=None, status="finished"):
@@ -15,7 +16,7 @@ def record(method, samples, loss, seed=0, lr=1e-3, train_loss=None, status="fini
        "overrides": {"method": method, "seed": seed, "reference.lr": lr, "epochs": samples}}
   if train_loss is not None:
     r["train_loss"] = train_loss
-  return r
+  return study_records.parse_record(r)
 
 
 def test_crossing_interpolates_linearly_in_log_samples():
