@@ -136,8 +136,8 @@ def test_the_budget_studys_smoke_records_train_losses_and_reads_tokens_to_target
   done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   records = study_records.read_results(str(tmp_path))
-  assert sorted(r["samples"] for r in records) == [750, 750, 1500, 1500]
-  assert all(r["train_curve"][-1][0] == r["samples"] and r["train_loss"] > 0 for r in records)
+  assert sorted(r.samples for r in records) == [750, 750, 1500, 1500]
+  assert all(r.train_curve[-1][0] == r.samples and r.train_loss > 0 for r in records)
   report = (tmp_path / "report.md").read_text()
   section = report.split("## Tokens to a target loss")[1]
   assert "| Muon, no pipeline | 1,500 |" in section and "| token tax |" in section

@@ -64,7 +64,7 @@ def test_smoke_study_runs_skips_finished_runs_and_marks_divergence(tmp_path):
   assert len(records) == 9
   statuses = {r.run: r.status for r in records}
   assert statuses["method=pb,model_kwargs.depth=5,reference.lr=10000.0,seed=0"] == "diverged"
-  point = next(r for r in records if r.status == "diverged")["divergence"]
+  point = next(r for r in records if r.status == "diverged").divergence
   assert point["samples"] >= 0 and point["stages"] and set(point["stages"]) <= set(range(5))
   assert sum(s == "finished" for s in statuses.values()) == 8
   report = (workdir / "report.md").read_text()

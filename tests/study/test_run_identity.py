@@ -40,7 +40,7 @@ def test_values_that_differ_only_in_a_slash_a_space_or_an_escape_keep_two_runs(t
   code, workdir = _run(tmp_path, _study(values))
   assert code == 0
   runs = study_records.read_results(str(workdir))
-  assert sorted(r["overrides"]["data_dir"] for r in runs) == sorted(values)
+  assert sorted(r.overrides["data_dir"] for r in runs) == sorted(values)
   assert len([n for n in os.listdir(workdir / "runs") if not n.startswith(".")]) == 2
 
 
@@ -91,9 +91,9 @@ def test_every_committed_record_still_matches_a_grid_point_of_its_study():
       continue
     ids = {study_lib.run_id(run) for run in study_lib.load_study(path).runs()}
     records = study_records.read_results(workdir)
-    unmatched = [r["run"] for r in records if r["run"] not in ids]
+    unmatched = [r.run for r in records if r.run not in ids]
     assert not unmatched, f"{name}: {unmatched[:3]}"
     # Written as the records hold them: no committed id is escaped.
-    assert all("%" not in r["run"] for r in records)
+    assert all("%" not in r.run for r in records)
     checked += len(records)
   assert checked > 500

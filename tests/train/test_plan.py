@@ -225,5 +225,5 @@ def test_the_one_stage_baseline_starts_from_the_pipelined_runs_weights(stack_sta
     digests[method] = checkpoint.weights_digest(
         runner.host_params(setup.init(jax.random.PRNGKey(config.seed))))
     if method == "sgd":
-      assert isinstance(setup.initial_weights_from, stacking.StackedPipeline) == stack_stages
+      assert setup.initial_weights_from.stacked == stack_stages
   assert digests["sgd"] == digests["pb"]
