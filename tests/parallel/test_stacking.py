@@ -139,7 +139,8 @@ def test_every_preset_gives_the_per_stage_numbers(name):
       num_stages=dense_model(EVEN).num_stages))
   per_stage, per_stage_metrics, stacked_end, stacked_metrics = both_layouts(
       dense_model(EVEN), method, 2, 3 * len(EVEN) + 6, fill_value=jnp.nan)
-  # Coefficients computed from the traced delay (a momentum or rate by delay, or a traced step's powers, PyTorch's NAdam), or
+  # Coefficients computed from the traced delay (a momentum or rate by delay, or a traced step's
+  # powers, PyTorch's NAdam), or
   # Muon's Newton-Schulz on the mean of accumulated gradients, batched over the stack (PipeDream +
   # Muon at M = 2): the same numbers to float32 rounding.
   exact = name not in ("pb_sc", "pb_sc_lwp", "pipeoptim", "nesterov_asyncpp",
