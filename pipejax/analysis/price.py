@@ -143,27 +143,47 @@ class TimeToTarget:
         raise PriceError(f"TimeToTarget: ({series!r}, {schedule!r}, {batch!r}) needs a known "
                          "schedule and a positive batch.")
 
-  def __call__(self, records: Sequence[dict], workdir: str) -> str:
-    costs = read_costs(self.costs if os.path.isabs(self.costs) else
-                       os.path.join(workdir, self.costs))
+  def read_costs(self, workdir: str) -> StageCosts:
+    """The stage costs file, relative to ``workdir`` unless absolute."""
+    return read_costs(os.path.join(workdir, self.costs))  # an absolute path stays itself
+
+  def timed(self, records: Sequence[dict], costs: StageCosts) -> list[tuple]:
+    """Per run: (series, schedule's name, batch, time per sample, crossings, times to each
+    target), the time ``inf`` where the series does not reach the target inside its budgets."""
     curves = self.tokens.points(records)
-    targets = [t / self.tokens.scale for t in self.tokens.targets]
+    found = []
+    for series, schedule, batch in self.runs:
+      per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
+      reached = [budget.crossings(curves[series], t / self.tokens.scale)
+                 for t in self.tokens.targets]
+      times = [c.samples * per_sample if c.kind == "reached" else math.inf for c in reached]
+      found.append((series, schedule_name(schedule, costs, self.num_devices), batch, per_sample,
+                    reached, times))
+    return found
+
+  def fastest(self, records: Sequence[dict], workdir: str) -> list[str]:
+    """Per target, which side reaches it first (:meth:`_fastest`)."""
+    return self._fastest(self._best(self.timed(records, self.read_costs(workdir))))
+
+  @staticmethod
+  def _best(timed: list[tuple]) -> dict[str, tuple[float, list, str]]:
+    return {f"{series} ({name})": (per_sample, times, series)
+            for series, name, _, per_sample, _, times in timed}
+
+  def __call__(self, records: Sequence[dict], workdir: str) -> str:
+    costs = self.read_costs(workdir)
     header = " | ".join(f"{t:g}" for t in self.tokens.targets)
     lines = [f"Time to each target loss ({self.tokens.unit}) on {self.num_devices} devices, in "
              f"{UNIT}: the sequences each series needs there (the table above) times the "
              "schedule's time per sequence at the series' batch. Stage costs: "
              f"{costs.description or self.costs}.", "",
              f"| series | schedule | batch | time per sequence | {header} |",
-             "|---|---|---|---|" + "---|" * len(targets)]
-    best: dict[str, tuple[float, list, str]] = {}
-    for series, schedule, batch in self.runs:
-      per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
-      found = [budget.crossings(curves[series], t) for t in targets]
-      name = schedule_name(schedule, costs, self.num_devices)
+             "|---|---|---|---|" + "---|" * len(self.tokens.targets)]
+    timed = self.timed(records, costs)
+    for series, name, batch, per_sample, reached, _ in timed:
       lines.append(f"| {series} | {name} | {batch} | {per_sample / 1e6:,.2f}·10⁶ | " +
-                   " | ".join(_time_text(c.samples, per_sample, c.kind) for c in found) + " |")
-      times = [c.samples * per_sample if c.kind == "reached" else math.inf for c in found]
-      best[f"{series} ({name})"] = (per_sample, times, series)
+                   " | ".join(_time_text(c.samples, per_sample, c.kind) for c in reached) + " |")
+    best = self._best(timed)
     lines += ["", *self._fastest(best)]
     figure = self._figure(os.path.join(workdir, self.figure), best) if workdir else None
     if figure:
@@ -248,13 +268,9 @@ def docs_section(tokens: budget.TokensToTarget, section: TimeToTarget, records: 
   """The part of docs/lm.md on when the pipeline pays, from the budget study's records and its
   stage costs: the break-even tax by schedule, the tokens to each target with the tax, and which
   side reaches each target first."""
-  costs = read_costs(section.costs if os.path.isabs(section.costs) else
-                     os.path.join(workdir, section.costs))
   tables = tokens(records, "")  # no figure: the report has it
-  timing = section(records, "")
-  fastest = timing[timing.index("\n\n* ") + 2:] if "\n\n* " in timing else \
-      timing.rsplit("\n\n", 1)[-1]
-  return "\n\n".join([break_even(section, costs), tables, fastest])
+  fastest = "\n".join(section.fastest(records, workdir))
+  return "\n\n".join([break_even(section, section.read_costs(workdir)), tables, fastest])
 
 
 DOCS_BLOCK = "when-the-pipeline-pays"
