@@ -11,6 +11,11 @@ study's records and those costs (no JAX):
 
     python scripts/price.py --docs=docs/lm.md
 
+and writes the token taxes the study measured, per preset and depth, to the file a run's start-up
+warning reads (pipejax.analysis.token_tax):
+
+    python scripts/price.py --token_tax=pipejax/methods/token_tax.json
+
 The network is configs/studies/lm_budget.py's (``--blocks`` blocks of ``--width``, one block a
 stage, ``--context`` bytes a sequence); the optimizer is ``--method``'s at stage delays.
 """
@@ -31,24 +36,49 @@ _METHOD = flags.DEFINE_string("method", "pb_muon", "The preset whose optimizer u
 _DOCS = flags.DEFINE_string("docs", None, "Rewrite this page's generated block instead.")
 _STUDY = flags.DEFINE_string("study", "configs/studies/lm_budget.py", "--docs: the study file.")
 _RECORDS = flags.DEFINE_string("records", "docs/studies/lm_budget", "--docs: its workdir.")
+_TOKEN_TAX = flags.DEFINE_string("token_tax", None, "Write the study's token taxes here (the "
+                                 "start-up warning reads pipejax/methods/token_tax.json).")
 
 
-def write_docs(page_path: str) -> None:
-  """The page's block from the study's records (its two sections' objects)."""
+def _budget_sections():
+  """The study's tokens-to-target and time-to-target sections."""
   from pipejax.analysis import price  # pylint: disable=import-outside-toplevel
-  from pipejax.study import budget, records, spec  # pylint: disable=import-outside-toplevel
+  from pipejax.study import budget, spec  # pylint: disable=import-outside-toplevel
   try:
     study = spec.load_study(_STUDY.value)
-    with open(page_path) as f:
-      page = f.read()
-  except (spec.StudyError, OSError) as e:
+  except spec.StudyError as e:
     raise app.UsageError(str(e)) from e
   bodies = [section.body for section in study.sections]
   tokens = next((b for b in bodies if isinstance(b, budget.TokensToTarget)), None)
   timing = next((b for b in bodies if isinstance(b, price.TimeToTarget)), None)
   if tokens is None or timing is None:
     raise app.UsageError(f"--study={_STUDY.value} has no tokens-to-target and time-to-target "
-                         "sections to write the page from.")
+                         "sections to read.")
+  return study, tokens, timing
+
+
+def write_token_tax(path: str) -> None:
+  from pipejax.analysis import token_tax  # pylint: disable=import-outside-toplevel
+  from pipejax.study import records  # pylint: disable=import-outside-toplevel
+  study, tokens, _ = _budget_sections()
+  try:
+    token_tax.write_taxes(tokens, records.read_results(_RECORDS.value), study.name,
+                          path, command=f"python scripts/price.py --token_tax={path}")
+  except token_tax.TaxSeriesError as e:
+    raise app.UsageError(str(e)) from e
+  print(f"Wrote the token taxes of {_RECORDS.value} to {path}.")
+
+
+def write_docs(page_path: str) -> None:
+  """The page's block from the study's records (its two sections' objects)."""
+  from pipejax.analysis import price  # pylint: disable=import-outside-toplevel
+  from pipejax.study import records  # pylint: disable=import-outside-toplevel
+  _, tokens, timing = _budget_sections()
+  try:
+    with open(page_path) as f:
+      page = f.read()
+  except OSError as e:
+    raise app.UsageError(str(e)) from e
   block = price.docs_section(tokens, timing, records.read_results(_RECORDS.value),
                              _RECORDS.value)
   try:
@@ -61,9 +91,14 @@ def write_docs(page_path: str) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: every setting is a --flag.")
+  for name, flag in (("docs", _DOCS), ("token_tax", _TOKEN_TAX)):
+    if flag.value:  # both outputs checked before either is written
+      cli.check_output(name, flag.value)
   if _DOCS.value:
-    cli.check_output("docs", _DOCS.value)
     write_docs(_DOCS.value)
+  if _TOKEN_TAX.value:
+    write_token_tax(_TOKEN_TAX.value)
+  if _DOCS.value or _TOKEN_TAX.value:
     return
   if not _OUTPUT.value:
     raise app.UsageError("Give --output=PATH for the stage costs (JSON).")

@@ -159,7 +159,7 @@ def _tax_text(tax: float | None, interval: statistics.Interval) -> str:
 def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
   """A sentence on how the tax moves with the baseline's samples to the target, and, fitting
   log tax linearly in log samples, at what samples it would cross ``goal``."""
-  points = [(s, t) for s, t in taxes if t and t > 0]
+  points = sorted((s, t) for s, t in taxes if t and t > 0)  # the most samples last
   if len(points) < 2:
     return ""
   xs = [math.log(s) for s, _ in points]
@@ -205,6 +205,19 @@ def _figure(path: str, curves: dict[str, list[BudgetPoint]], targets: Sequence[f
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return os.path.basename(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaxReading:
+  """One asynchronous series' token tax at one target: its samples over those of the best
+  synchronous series there (``against``), whose samples to the target are ``baseline_samples``."""
+
+  series: str
+  target: float  # in the section's unit
+  tax: float
+  interval: statistics.Interval  # paired by seed; n < 2 where no seed crossed in both
+  against: str
+  baseline_samples: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +275,37 @@ class TokensToTarget:
                      f"| {train} |")
     return "\n".join(lines)
 
+  def crossings(self, curves: dict[str, list[BudgetPoint]]) -> dict[str, list[Crossing]]:
+    """Per series, its crossing of each target."""
+    return {label: [crossings(points, t / self.scale) for t in self.targets]
+            for label, points in curves.items()}
+
+  def taxes(self, records: Sequence[RunRecord]) -> list[TaxReading]:
+    """Every token tax the records measure: each asynchronous series at each target that it and
+    at least one synchronous series reach inside their budgets. A target that another
+    synchronous series already reached at a shorter budget than the best crossing has no reading:
+    the best synchronous series there is not bracketed, and the tax would be understated."""
+    return self._taxes(self.crossings(self.points(records)))
+
+  def _taxes(self, found: dict[str, list[Crossing]]) -> list[TaxReading]:
+    synchronous = self.synchronous or (self.baseline,)
+    readings = []
+    for label in found:
+      if label in synchronous:
+        continue
+      for i, target in enumerate(self.targets):
+        reached = [(s, found[s][i]) for s in synchronous if found[s][i].kind == "reached"]
+        if not reached:
+          continue
+        against, best = min(reached, key=lambda pair: pair[1].samples)
+        if any(found[s][i].kind == "before" and found[s][i].samples < best.samples
+               for s in synchronous):
+          continue  # a synchronous series got there sooner than its shortest budget says
+        tax, interval = token_tax(found[label][i], best)
+        if tax is not None:
+          readings.append(TaxReading(label, target, tax, interval, against, best.samples))
+    return readings
+
   def _targets_table(self, curves) -> str:
     synchronous = self.synchronous or (self.baseline,)
     header = " | ".join(f"{t:g}" for t in self.targets)
@@ -270,25 +314,20 @@ class TokensToTarget:
              "then the token tax, each series' sequences over the best synchronous series' at "
              "that target (paired by seed).", "",
              f"| series | {header} |", "|---|" + "---|" * len(self.targets)]
-    found = {label: [crossings(points, t / self.scale) for t in self.targets]
-             for label, points in curves.items()}
+    found = self.crossings(curves)
     for label in found:
       lines.append(f"| {label} | " + " | ".join(_samples_text(c) for c in found[label]) + " |")
     lines += ["", f"| token tax | {header} |", "|---|" + "---|" * len(self.targets)]
+    readings = self._taxes(found)
     trends = []
     for label in found:
       if label in synchronous:
         continue
-      cells, taxes = [], []
-      for i, _ in enumerate(self.targets):
-        reached = [found[s][i] for s in synchronous if found[s][i].kind == "reached"]
-        best = min(reached, key=lambda c: c.samples) if reached else None
-        tax, interval = token_tax(found[label][i], best) if best else (None, None)
-        cells.append(_tax_text(tax, interval) if best else "—")
-        if tax is not None:
-          taxes.append((best.samples, tax))
-      lines.append(f"| {label} | " + " | ".join(cells) + " |")
-      trend = tax_trend(taxes, self.goal)
+      mine = {r.target: r for r in readings if r.series == label}
+      lines.append(f"| {label} | " + " | ".join(
+          _tax_text(mine[t].tax, mine[t].interval) if t in mine else "—" for t in self.targets)
+          + " |")
+      trend = tax_trend([(r.baseline_samples, r.tax) for r in mine.values()], self.goal)
       if trend:
         trends.append(f"* {label}: {trend}")
     if trends:

@@ -205,22 +205,27 @@ def delay_memory(plan: RunPlan, delays) -> float | None:
 def delay_memory_warning(plan: RunPlan, delays) -> str | None:
   """One line when the run's ``D_max (1 − β)`` is beyond where the studies found its method level
   with its baseline: the gap they measured at or below it, or that its cost there is unmeasured
-  (:func:`pipejax.methods.safe_ranges.finding`); None within that range or without a delay."""
+  (:func:`pipejax.methods.safe_ranges.finding`), and the token tax a budget study measured at
+  its depth (:func:`pipejax.methods.safe_ranges.token_tax`); None within that range with no tax
+  measured, or without a delay."""
   product = delay_memory(plan, delays)
   if product is None:
     return None
   found = safe_ranges.finding(plan.method, product, plan.recipe.momentum)
-  if found.kind == safe_ranges.HOLDS:
+  per_update = plan.micro_batches_per_update
+  tax = safe_ranges.token_tax(plan.method, len(delays), per_update)
+  if found.kind == safe_ranges.HOLDS and tax is None:
     return None
   beta = "b1" if plan.optimizer == "adam" else "momentum"
-  per_update = plan.micro_batches_per_update
   over = f" / {per_update}" if per_update > 1 else ""
+  said = "; ".join(text for text in (
+      None if found.kind == safe_ranges.HOLDS else found.text, tax) if text)
   return (f"{plan.record.display_name} at D_max{over} (1 - {beta}) = "
           f"{max(delays)}{over} x (1 - {plan.recipe.momentum:.6g}) = {product:.3g} (D_max = "
           f"2(S - 1), S = {len(delays)} stages"
           f"{f', {per_update} micro-batches per update' if over else ''}"
-          f"): {found.text}. See docs/lm.md, \"How to choose β and the rate for a pipeline of S "
-          "stages\".")
+          f"): {said}. See docs/lm.md, \"How to choose β and the rate for a pipeline of S "
+          "stages\" and \"When the pipeline pays\".")
 
 
 def _layer_delays(plan: RunPlan, split_model, input_shape) -> dict[str, int] | None:

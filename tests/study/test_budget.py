@@ -136,9 +136,36 @@ def test_the_budget_studys_smoke_records_train_losses_and_reads_tokens_to_target
   done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   records = study_records.read_results(str(tmp_path))
-  assert sorted(r.samples for r in records) == [750, 750, 1500, 1500]
+  assert sorted(r.samples for r in records) == [750, 1500, 1500]
   assert all(r.train_curve[-1][0] == r.samples and r.train_loss > 0 for r in records)
   report = (tmp_path / "report.md").read_text()
   section = report.split("## Tokens to a target loss")[1]
   assert "| Muon, no pipeline | 1,500 |" in section and "| token tax |" in section
   assert (tmp_path / "tokens_to_target.png").exists()
+
+
+def test_the_tax_readings_are_the_series_samples_over_the_best_synchronous_series():
+  # Two synchronous series: the batch one reaches 2.5 sooner (at 2,000), so the tax is taken
+  # against it; the asynchronous series reaches 2.5 at 1000 * 4 ** (1 / 1.1).
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0),
+             record("slow", 1000, 3.2), record("slow", 4000, 2.2),
+             record("async", 1000, 3.5), record("async", 4000, 2.4)]
+  section = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Slow", (("method", "slow"),)),
+              ("Async", (("method", "async"),))),
+      baseline="Slow", synchronous=("Slow", "Sync"), targets=(2.5, 3.0), unit="nats")
+  readings = section.taxes(records)
+  # At 3.0 the batch series is at its shortest budget already (1,000), below the slow series'
+  # crossing: the best synchronous samples there are not bracketed, so no tax is read.
+  assert [(r.series, r.target, r.against) for r in readings] == [("Async", 2.5, "Sync")]
+  (reading,) = readings
+  assert reading.baseline_samples == pytest.approx(2000.0)
+  assert reading.tax == pytest.approx(1000 * 4 ** (1 / 1.1) / 2000)
+  assert reading.interval.n == 1  # one seed: no interval
+
+
+def test_the_tax_trend_reads_the_longest_target_whatever_the_order_given():
+  # Falling from 2.0 at 1,000 samples to 1.0 at 4,000: at the goal at the longest target.
+  taxes = [(1000.0, 2.0), (4000.0, 1.0)]
+  assert budget.tax_trend(taxes, 1.1) == budget.tax_trend(taxes[::-1], 1.1)
+  assert "already" in budget.tax_trend(taxes[::-1], 1.1)
