@@ -92,13 +92,14 @@ def usage_error(message: str) -> NoReturn:
 
 
 def check_output(flag: str, path: str, directory: bool = False,
-                 suffixes: tuple[str, ...] = ()) -> None:
+                 suffixes: tuple[str, ...] = (), make: bool = True) -> None:
   """Raises an ``app.UsageError`` (exit 2 under :func:`run`) when ``--flag=path`` cannot be
   written (``pipejax.files.unwritable``: a directory with ``directory``, else a file ending in
-  one of ``suffixes``), and otherwise makes the directories it needs. A binary calls it at
-  start-up, for every output, so that a typo costs no work."""
+  one of ``suffixes``), and otherwise makes the directories it needs (not with ``make=False``,
+  for a binary that may yet refuse its inputs and should leave nothing behind). A binary calls
+  it at start-up, for every output, so that a typo costs no work."""
   problem = files.unwritable(path, directory=directory, suffixes=suffixes)
-  if problem is None:
+  if problem is None and make:
     try:
       os.makedirs(path if directory else os.path.dirname(path) or os.curdir, exist_ok=True)
     except OSError as e:

@@ -42,6 +42,10 @@ _SAFE_RANGES = flags.DEFINE_string(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments {argv[1:]}: give the studies with --studies.")
+  # Before the records are read (a minute of CPU); nothing is made until they draw something.
+  cli.check_output("out", _OUT.value, directory=True, make=False)
+  if _SAFE_RANGES.value:
+    cli.check_output("safe_ranges", _SAFE_RANGES.value, make=False)
   try:
     sources, notes = phase.read_studies(_STUDIES.value)
   except phase.StudyMismatchError as e:
@@ -53,9 +57,9 @@ def main(argv):
     raise app.UsageError(
         f"No finished or diverged run of a pipelined method in {', '.join(_STUDIES.value)}: "
         "nothing to draw. Give study workdirs that hold such runs with --studies.")
-  # Once the records are known to draw something (reading them is quick), so that a refused
-  # pairing or an empty study creates no folder; before any file is written.
   cli.check_output("out", _OUT.value, directory=True)
+  if _SAFE_RANGES.value:
+    cli.check_output("safe_ranges", _SAFE_RANGES.value)
   if _SAFE_RANGES.value:
     print(f"Measured delay ranges to {safe_range.write_ranges(rows, _SAFE_RANGES.value)}")
   os.makedirs(_OUT.value, exist_ok=True)

@@ -289,3 +289,14 @@ def test_a_name_a_script_does_not_know_is_exit_2_before_any_work(tmp_path, name,
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.startswith("error: ") and says in result.stderr, result.stderr
   assert "Traceback" not in result.stderr and not (tmp_path / "out.json").exists()
+
+
+def test_phase_diagram_refuses_an_unwritable_safe_ranges_file_before_reading_and_makes_nothing(
+    tmp_path):
+  blocker = tmp_path / "a-file"
+  blocker.write_text("")
+  result = run_script("phase_diagram.py", f"--out={tmp_path / 'phase'}",
+                      f"--safe_ranges={blocker / 'ranges.json'}", timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "--safe_ranges=" in result.stderr and "Nothing was run" in result.stderr
+  assert not (tmp_path / "phase").exists()
