@@ -133,9 +133,12 @@ radius of at least 1. It needs the curvature λ: the stem's own, read by
 the rate the schedule had reached at its weights, and the reading where that step ηλ is largest
 taken (`pipejax.analysis.phase.stem_reading`). A reading at the initial weights meets a rate of 0
 under a warm-up and is left out: pairing it with the peak rate would give a step the run never
-takes (on the deep MLP at 128 stages the stem's λ falls from 45.5 at the initial weights to 2.46
-after 1,250 samples, while the rate is still ramping up: `docs/studies/depth/limits.jsonl`). A cell whose study has no reading at its
-depth with a rate above 0 has no prediction. The figure draws it on its own right-hand axis."""
+takes (on the deep MLP at 128 stages the stem's λ falls from 45.5 at the initial weights to
+2.46 after 1,250 samples, while the rate is still ramping up: `docs/studies/depth/limits.jsonl`).
+The readings at one depth come from one run (each names its method and seed: at 32 stages on
+the deep MLP, PB + SC + LWP's seed 0), not from each method's own trajectory. A cell whose
+study has no reading at its depth with a rate above 0 has no prediction. The figure draws it on
+its own right-hand axis."""
 
 
 def report(rows: Sequence[Row], notes: Sequence[str], figure: str, command: str) -> str:
