@@ -29,7 +29,8 @@ lengthen), the x1 best and twice it at x0.5. The methods:
 The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice and four times
 it, since the best rate rises as runs shorten): it is cheap (an eighth of the optimizer steps),
 and a pipeline's x0.5 loss lies above the baseline's x0.5 loss, so the tax there needs a shorter
-baseline budget to bracket it.
+baseline budget to bracket it. At x1 it also runs at twice its best rate, since lm_regime's
+batch-8 sweep (4e-3 and 8e-3) ended at its best.
 
 Order: the short baseline budgets first (minutes each), then x2 on seed 0
 (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2 decides the rest; then x0.5
@@ -42,7 +43,7 @@ at batch 1 2,000 to 6,000 s, one-stage Muon at batch 8 120 to 3,400 s (it takes 
 the optimizer steps). Run time scales with the budget. The grid below, without the x1 cells it
 copies, is 10 runs at x2 (about 5,000 s x 2 each: 28 trainer-hours), 10 at x0.5 (7 hours), 4
 seed-1 runs at x2 and x0.5 for the baseline and the best asynchronous method (8 hours), 4 at x4
-(22 hours) and the 6 short baseline runs (about 40 minutes): about 65 trainer-hours, or 33 hours
+(22 hours) and the 7 extra baseline runs at batch 8 (about an hour): about 65 trainer-hours, or 33 hours
 of this CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
 about 18 hours of this CPU.
 
@@ -116,6 +117,8 @@ def _grids() -> list[dict]:
   m, extra, best = MUON_BATCH
   grids = [_cell(m, extra, (best, best * 2, best * 4), (0,), _schedule(multiplier))
            for multiplier in SHORT]
+  # x1 at twice its best: lm_regime's batch-8 sweep (4e-3, 8e-3) ended at its best.
+  grids.append(_cell(m, extra, (best * 2,), (0,), {}))
   for multiplier in (2.0, 0.5):  # every method at the x1 best rate first, then the other rate
     for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
       grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))
