@@ -43,9 +43,10 @@ at batch 1 2,000 to 6,000 s, one-stage Muon at batch 8 120 to 3,400 s (it takes 
 the optimizer steps). Run time scales with the budget. The grid below, without the x1 cells it
 copies, is 10 runs at x2 (about 5,000 s x 2 each: 28 trainer-hours), 10 at x0.5 (7 hours), 4
 seed-1 runs at x2 and x0.5 for the baseline and the best asynchronous method (8 hours), 4 at x4
-(22 hours) and the 7 extra baseline runs at batch 8 (about an hour): about 65 trainer-hours, or 33 hours
-of this CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
-about 18 hours of this CPU.
+(22 hours) and the 7 extra baseline runs at batch 8 (about an hour; measured: 6 to 11 minutes
+each at x0.125 and x0.25 beside two other trainers): about 65 trainer-hours, or 33 hours of
+this CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are about
+18 hours of this CPU.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -61,6 +62,7 @@ from pipejax.study import budget as study_budget
 BLOCKS = 30
 WIDTH = 64
 EPOCHS_X1 = 2 / 3  # lm_regime's 23,924 of 35,887 sequences
+SEQUENCES_X1 = 23_924
 WARMUP_FRACTION = 0.075  # of the run: lm_regime's 0.05 of an epoch over its 2/3
 # Budget multipliers besides x1, whose runs are lm_regime's. Epochs are written to six places so
 # that a run's identity and a --where read as typed.
@@ -157,7 +159,8 @@ def _time_to_target(tokens: study_budget.TokensToTarget) -> price.TimeToTarget:
           [(batch_many, s, SEQUENCES_PER_UPDATE) for s in price.SYNCHRONOUS] +
           [(pipedream, "pipedream", 1), (pipedream_many, "2bw", SEQUENCES_PER_UPDATE),
            (pb, "pb", 1)])
-  return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES)
+  return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES,
+                           goal_samples=SEQUENCES_X1)
 
 
 def _smoke() -> Study:

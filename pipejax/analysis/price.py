@@ -133,6 +133,10 @@ class TimeToTarget:
   costs: str
   num_devices: int
   figure: str = "time_to_target.png"
+  # The goal: an asynchronous run whose tax at the longest budget is at most ``goal_tax`` and
+  # that reaches the baseline's loss at ``goal_samples`` sooner than every synchronous run.
+  goal_samples: int | None = None
+  goal_tax: float = 1.1
 
   def __post_init__(self):
     labels = {label for label, _ in self.tokens.series}
@@ -185,6 +189,8 @@ class TimeToTarget:
                    " | ".join(_time_text(c.samples, per_sample, c.kind) for c in reached) + " |")
     best = self._best(timed)
     lines += ["", *self._fastest(best)]
+    if self.goal_samples:
+      lines += ["", *self.goal(records, workdir)]
     figure = self._figure(os.path.join(workdir, self.figure), best) if workdir else None
     if figure:
       lines += ["", f"![Time to target]({figure})"]
@@ -210,6 +216,49 @@ class TimeToTarget:
     return lines or ["No target is reached inside the budgets by both a synchronous and an "
                      "asynchronous series yet (a target below a series' shortest budget counts "
                      "only once a shorter budget brackets it)."]
+
+  def goal(self, records: Sequence[dict], workdir: str) -> list[str]:
+    """Whether an asynchronous run meets the goal: its token tax at the longest budget (the
+    lowest target it and a synchronous series reach) at most ``goal_tax``, and the baseline's
+    loss at ``goal_samples`` reached sooner than by every synchronous run."""
+    tokens, costs = self.tokens, self.read_costs(workdir)
+    at_goal = [p for p in tokens.points(records)[tokens.baseline] if p.samples == self.goal_samples]
+    if not at_goal:
+      return [f"The goal: no run of {tokens.baseline} at {self.goal_samples:,} sequences yet."]
+    target = at_goal[0].mean
+    curves, synchronous = tokens.points(records), set(tokens.synchronous or (tokens.baseline,))
+    times = {}
+    for series, schedule, batch in self.runs:
+      crossing = budget.crossings(curves[series], target)
+      per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
+      times[(series, schedule_name(schedule, costs, self.num_devices))] = (
+          crossing.samples * per_sample if crossing.kind == "reached" else math.inf)
+    sync_best = min(((t, key) for key, t in times.items() if key[0] in synchronous),
+                    default=(math.inf, None))
+    readings = tokens.taxes(records)
+    lines = [f"The goal: a token tax of at most {self.goal_tax:g}× at the longest budget, and "
+             f"{tokens.baseline}'s loss at {self.goal_samples:,} sequences "
+             f"({target * tokens.scale:.3f} {tokens.unit}) reached on {self.num_devices} devices "
+             "sooner than by the fastest synchronous run"
+             + (f" ({sync_best[1][0]} under {sync_best[1][1]}, {sync_best[0] / 1e9:,.1f} × 10⁹ "
+                "FLOP-times)."
+                if sync_best[1] else " (none reaches it inside its budgets yet).")]
+    met = []
+    for (series, name), time in times.items():
+      if series in synchronous:
+        continue
+      mine = [r for r in readings if r.series == series]
+      longest = min(mine, key=lambda r: r.target) if mine else None
+      tax = (f"tax {longest.tax:.2f}× at {longest.target:g} {tokens.unit}" if longest
+             else "no tax measured yet")
+      when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
+              else "does not reach it inside its budgets")
+      ok = bool(longest) and longest.tax <= self.goal_tax and time < sync_best[0]
+      met += [series] if ok else []
+      lines.append(f"* {series} ({name}): {tax}; {when}: {'met' if ok else 'not met'}.")
+    lines.append(f"Met by {', '.join(met)}." if met else
+                 "No asynchronous run meets the goal in the records so far.")
+    return lines
 
   def _figure(self, path: str, best: dict[str, tuple[float, list, str]]) -> str | None:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -270,7 +319,9 @@ def docs_section(tokens: budget.TokensToTarget, section: TimeToTarget, records: 
   side reaches each target first."""
   tables = tokens(records, "")  # no figure: the report has it
   fastest = "\n".join(section.fastest(records, workdir))
-  return "\n\n".join([break_even(section, section.read_costs(workdir)), tables, fastest])
+  goal = "\n".join(section.goal(records, workdir)) if section.goal_samples else ""
+  return "\n\n".join(part for part in (break_even(section, section.read_costs(workdir)), tables,
+                                        fastest, goal) if part)
 
 
 DOCS_BLOCK = "when-the-pipeline-pays"

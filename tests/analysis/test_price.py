@@ -110,3 +110,33 @@ def test_docs_lm_md_holds_the_block_the_budget_study_records_make():
   with open(os.path.join(root, "docs/lm.md")) as f:
     page = f.read()
   assert price.render_docs(page, block) == page
+
+
+def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path):
+  # The baseline's loss at 4,000 sequences is 2.0. Async's curve is Sync's at 1.05 times the
+  # samples (tax 1.05 everywhere), and pb at 1 sequence per update costs 3 + 8 a sequence,
+  # against 1f1b at 8 micro-batches' (3 (8 + 3) + 8) / 8 = 5.125: Async's time is
+  # 1.05 × 11 / 5.125 = 2.25 times Sync's, so the tax is met and the time is not.
+  costs = uniform_costs(4, 8.0)
+  (tmp_path / "costs.json").write_text(json.dumps(costs.as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=(2.5,))
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
+             record("async", 1050, 3.0), record("async", 4200, 2.0), record("async", 8400, 1.8)]
+  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)),
+                               "costs.json", num_devices=4, goal_samples=4000)
+  lines = section.goal(records, str(tmp_path))
+  assert "Sync's loss at 4,000 sequences (2.000 )" in lines[0]
+  assert f"Sync under 1f1b, {4000 * 5.125 / 1e9:,.1f} × 10⁹" in lines[0]
+  assert lines[1] == (f"* Async (pb): tax 1.05× at 2.5 ; reaches it in {4200 * 11 / 1e9:,.1f}: "
+                      "not met.")
+  assert lines[-1] == "No asynchronous run meets the goal in the records so far."
+  # Cheaper asynchronous steps (no update cost) meet it: 3 against (33 + 0) / 8 = 4.125.
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 0.0).as_dict()))
+  lines = section.goal(records, str(tmp_path))
+  assert lines[1].endswith(": met.") and lines[-1] == "Met by Async."
+  # A tax above the goal fails it whatever the time.
+  slow = [record("async", 2000, 3.0), record("async", 8000, 2.0)]
+  lines = section.goal(records[:3] + slow, str(tmp_path))
+  assert "tax 2.00×" in lines[1] and lines[1].endswith("not met.")
