@@ -38,8 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
 
   config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
-  # Per method, its hyperparameters that no other field sets, by their names in its record
-  # (pipejax.methods.record_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}} or
+  # Per method, its hyperparameters that no other field sets, by their names in its preset
+  # (pipejax.methods.preset_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}} or
   # {"sync": {"micro_batches": 8}}, and for a method with an annealing length (anneal_steps),
   # anneal_epochs (default 1.0; 0 turns the rescheduling off) or anneal_fraction (of the run's
   # steps, so that it scales with the run's length). A run reads the section of config.method;
@@ -127,7 +127,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 # ----------------------------------------------------------------------------- command line
 
 # Keyword dicts whose keys another part decides (the model's builder, the data set's loader, the
-# method's record), not base_config: the command line may add a key the config file did not list.
+# method's preset), not base_config: the command line may add a key the config file did not list.
 FREE_FORM_FIELDS = ("model_kwargs", "data_kwargs", "method_kwargs")
 _KWARGS_FIELDS = FREE_FORM_FIELDS
 
@@ -312,7 +312,7 @@ def parse_flags(argv: list[str]) -> list[str]:
           value = str(value)  # e.g. a string-valued keyword given as a number-like word
         target[name] = value
       # A new field, not one typed by the config file's value: the model's builder (the method's
-      # record) decides what a keyword may be, and the trainer's validation says so in one line.
+      # preset) decides what a keyword may be, and the trainer's validation says so in one line.
       config[field] = ml_collections.ConfigDict(merged)
   return rest
 

@@ -39,7 +39,7 @@ from pipejax.train.checkpoint import Checkpointer
 LIMIT_METHODS = quadratic.PIPELINE_METHODS
 AT_DELAY_METHODS = LIMIT_METHODS
 # PipeMare: the modelled method whose step falls with the delay.
-RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.record_of(m).quadratic.rate_over_delay)
+RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.preset_of(m).quadratic.rate_over_delay)
 
 
 def sampled_stages(num_stages: int) -> list[int]:

@@ -130,12 +130,12 @@ class RunPlan:
   given_fingerprint: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
   @property
-  def record(self) -> methods_lib.Record:
-    return methods_lib.record_of(self.method)
+  def preset(self) -> methods_lib.Preset:
+    return methods_lib.preset_of(self.method)
 
   @property
   def traits(self) -> methods_lib.Traits:
-    return self.record.traits
+    return self.preset.traits
 
   @property
   def samples_per_update(self) -> int:
@@ -227,7 +227,7 @@ def _given_fingerprint(config, per_update: int) -> dict:
 
 
 def _micro_batches_per_update(config, section: dict) -> int:
-  fields = methods_lib.record_of(config.method).fields()
+  fields = methods_lib.preset_of(config.method).fields()
   return section.get("micro_batches", 1) if "micro_batches" in fields else 1
 
 
@@ -252,12 +252,12 @@ def _recipe(config, per_update: int) -> optim.Recipe:
 
 
 def _hyperparameters(config, recipe: optim.Recipe, num_stages: int, section: dict):
-  """The preset's hyperparameters at the recipe's peak rate: the fields its record takes, from
+  """The preset's hyperparameters at the recipe's peak rate: the fields its preset takes, from
   the recipe, the run and its section of ``config.method_kwargs``."""
   known = {"momentum": recipe.momentum, "weight_decay": recipe.weight_decay,
            "optimizer": config.optimizer, "b2": recipe.b2,
            "decay_mask": config.get("decay_mask", False), "num_stages": num_stages}
-  fields = methods_lib.record_of(config.method).fields()
+  fields = methods_lib.preset_of(config.method).fields()
   given = {k: v for k, v in section.items() if k not in ANNEALING_KEYS}
   try:
     return methods_lib.hyperparameters_of(

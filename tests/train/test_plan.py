@@ -133,7 +133,7 @@ _VALUES = {"micro_batches": 2, "horizon": 2, "gamma": 0.5, "dc_strength": 0.1, "
 def _expected(method: str, optimizer: str, key: str, section: dict) -> str | None:
   """What resolving ``method_kwargs.METHOD = section`` must say of ``key``, from the presets'
   records alone: a fragment of the refusal, or None where the run reads it."""
-  fields = methods.record_of(method).fields()
+  fields = methods.preset_of(method).fields()
   if key in ANNEALING_KEYS:
     if "anneal_steps" not in fields:
       return "has no hyperparameter"
@@ -154,10 +154,10 @@ def test_method_kwargs_fuzzed_against_the_chosen_method_are_read_or_refused():
   """Seeded: a random method, base optimizer and section of method_kwargs; each key is either
   refused, naming it, or reaches the plan."""
   rng = random.Random(66)
-  keys = sorted({f for r in methods.RECORDS.values() for f in r.fields()} | set(_VALUES))
+  keys = sorted({f for r in methods.PRESETS.values() for f in r.fields()} | set(_VALUES))
   for _ in range(60):
     method = rng.choice(methods.METHODS)
-    optimizer = rng.choice(methods.record_of(method).optimizers)
+    optimizer = rng.choice(methods.preset_of(method).optimizers)
     key = rng.choice(keys)
     section = {key: _VALUES.get(key, 0.5)}
     if key in ANNEALING_KEYS and method == "sgd" and optimizer == "sgd" and rng.random() < 0.5:

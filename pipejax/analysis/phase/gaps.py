@@ -128,11 +128,11 @@ def micro_batches_per_update(record: RunRecord) -> int:
   """The micro-batches one update of the run applies: its method's ``micro_batches`` where the
   method accumulates them (:class:`pipejax.methods.Traits`), as its study set it or by default."""
   method = method_of(record)
-  if method not in methods_lib.RECORDS or \
+  if method not in methods_lib.PRESETS or \
       not methods_lib.traits_of(method).accumulates_micro_batches:
     return 1
   settings = record.settings
-  fields = dataclasses.fields(methods_lib.record_of(method).hyperparameters)
+  fields = dataclasses.fields(methods_lib.preset_of(method).hyperparameters)
   default = next(f.default for f in fields if f.name == "micro_batches")
   return int(settings.get(f"method_kwargs.{method}.micro_batches", default))
 
