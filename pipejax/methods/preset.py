@@ -25,10 +25,6 @@ class Traits:
   hyperparameters (the micro-batches of one update) is theirs to say
   (``Hyperparameters.micro_batches_per_update``)."""
 
-  # One update per ``micro_batches`` micro-batches (the M of its hyperparameters), the mean of
-  # their gradients: synchronous (GPipe), or asynchronous where the method has no flush. For a
-  # reader of records that holds no plan.
-  accumulates_micro_batches: bool = False
   # The reference without a pipeline: the whole network trains as one stage.
   one_stage: bool = False
   # No stage ever computes on stale weights, so there is no delay to compensate.
@@ -37,6 +33,10 @@ class Traits:
   plain_pipeline: bool = False
   # The method to suggest when a delayed method diverges (spike compensation + prediction).
   recommended: bool = False
+  # The preset's hyperparameters class, which its Preset sets: what the deprecated
+  # micro_batches_per_step asks.
+  _hyperparameters: type | None = dataclasses.field(default=None, init=False, repr=False,
+                                                    compare=False)
 
   def micro_batches_per_step(self, micro_batches: int) -> int:
     """The micro-batches one update sees, given the method's ``micro_batches``; replaced by its
@@ -44,7 +44,8 @@ class Traits:
     warnings.warn("Traits.micro_batches_per_step is replaced by the hyperparameters' "
                   "micro_batches_per_update (a run's: RunPlan.micro_batches_per_update).",
                   DeprecationWarning, stacklevel=2)
-    return micro_batches if self.accumulates_micro_batches else 1
+    fields = dataclasses.fields(self._hyperparameters) if self._hyperparameters else ()
+    return micro_batches if any(f.name == "micro_batches" for f in fields) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,12 @@ class Preset:
   optimizers: tuple[str, ...] = BASE_OPTIMIZERS
   quadratic: QuadraticForm | None = None
   color: str = "tab:gray"
+
+  def __post_init__(self):
+    # Its own copy: presets share the default Traits().
+    traits = dataclasses.replace(self.traits)
+    object.__setattr__(traits, "_hyperparameters", self.hyperparameters)
+    object.__setattr__(self, "traits", traits)
 
   def fields(self) -> tuple[str, ...]:
     """The hyperparameters' names, ``learning_rate`` first."""

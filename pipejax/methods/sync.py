@@ -10,4 +10,4 @@ def build(h: Accumulating) -> method_lib.Method:
 
 
 PRESET = Preset("sync", "GPipe (sync)", Accumulating, build,
-                Traits(accumulates_micro_batches=True, delay_free=True), color="tab:brown")
+                Traits(delay_free=True), color="tab:brown")

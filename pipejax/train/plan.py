@@ -18,6 +18,7 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping
 
+from pipejax import config as config_lib
 from pipejax import methods as methods_lib
 from pipejax import optim
 from pipejax.train import config_checks
@@ -204,6 +205,18 @@ def resolve(config, overridden: Iterable[str] = ()) -> RunPlan:
       allow_changes_on_resume=bool(config.get("allow_changes_on_resume", False)),
       given=to_plain(config),
       given_fingerprint=_given_fingerprint(config, _micro_batches_per_update(config, section)))
+
+
+def resolve_file(config_file: str, settings: Mapping[str, Any]) -> RunPlan:
+  """The plan of the config file ``config_file`` (``PATH[:ARG]``) with ``settings`` set
+  (``{dotted key: value}``: a study's ``fixed`` and a run's overrides), as its trainer resolved it.
+
+  Raises:
+    ConfigFileError: the file cannot be loaded.
+    ConfigError, ValueError: the settings are not a config that trains.
+  """
+  config = config_lib.with_settings(config_lib.load_config(config_file), dict(settings))
+  return resolve(config, settings)
 
 
 def to_plain(config) -> dict:

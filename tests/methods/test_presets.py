@@ -456,7 +456,8 @@ def test_traits_agree_with_the_built_method(name):
   given = taking(name, **kwargs)
   hyperparameters = methods.hyperparameters_of(name, given.pop("learning_rate"), **given)
   assert hyperparameters.micro_batches_per_update == method.micro_batches_per_update
-  assert traits.accumulates_micro_batches == (method.micro_batches_per_update == 3)
+  with pytest.warns(DeprecationWarning, match="micro_batches_per_update"):
+    assert traits.micro_batches_per_step(3) == method.micro_batches_per_update
   # Only a method that drains between steps never computes on stale weights.
   assert traits.delay_free == (method.micro_batches_per_flush is not None)
 
@@ -464,7 +465,6 @@ def test_traits_agree_with_the_built_method(name):
 def test_traits_name_the_baselines_and_the_recommendation():
   having = lambda field: [n for n in methods.METHODS if getattr(methods.traits_of(n), field)]
   assert having("one_stage") == ["muon", "sgd"]
-  assert having("accumulates_micro_batches") == ["pipedream_muon", "sync"]
   assert having("plain_pipeline") == ["pb"]
   assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
   assert not methods.traits_of(methods.RECOMMENDED).delay_free
