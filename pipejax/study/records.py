@@ -31,6 +31,9 @@ SKIPPED = "skipped"
 RESULTS_FILE = "results.jsonl"
 
 
+# The repository's root, which a study's config file is named relative to.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 RECORD_STATUSES = (FINISHED, DIVERGED, FAILED, SKIPPED)
 _DONE = (FINISHED, DIVERGED, SKIPPED)  # never run again; a failed run is retried
 
@@ -179,19 +182,22 @@ def _trainer_settings(fixed: Mapping[str, Any] | None, overrides: Mapping[str, A
   """The settings a run's trainer was given: a fixed key of another method's section is left
   out, as :func:`pipejax.study.spec.trainer_flags` leaves it out of the trainer's flags."""
   method = {**(fixed or {}), **overrides}.get("method")
-  unread = lambda key: key.startswith("method_kwargs.") and key.split(".")[1] != method
+  unread = lambda key: (method is not None and key.startswith("method_kwargs.")
+                        and key.split(".")[1] != method)
   return {**{k: v for k, v in (fixed or {}).items() if not unread(k)}, **overrides}
 
 
 @functools.lru_cache(maxsize=None)
 def _resolved_facts(config: str, settings: tuple) -> PlanFacts | None:
-  """The facts of the plan that config file ``config`` with ``settings`` (a :func:`key_of`)
-  resolves to; None where it resolves to none."""
+  """The facts of the plan that config file ``config`` (relative to the repository's root, as a
+  study names it) with ``settings`` (a :func:`key_of`) resolves to; None where it resolves to
+  none."""
   # The trainer's modules, JAX among them, only here: a process that reads records, or only
   # starts trainers, never loads them.
   from pipejax.train import plan as plan_lib  # pylint: disable=import-outside-toplevel
   try:
-    plan = plan_lib.resolve_file(config, {k: json.loads(v) for k, v in settings})
+    plan = plan_lib.resolve_file(os.path.join(_ROOT, config),
+                                 {k: json.loads(v) for k, v in settings})
   except (config_lib.ConfigFileError, ValueError):
     return None
   return PlanFacts.of(plan.to_json())

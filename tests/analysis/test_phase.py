@@ -100,9 +100,10 @@ def test_the_plan_a_record_holds_is_read_before_its_config(tmp_path):
 
 
 def test_a_record_without_a_plan_resolves_its_config_once(tmp_path):
-  records = [run("pb", seed, 0.8, stages=4, config=MLP, **{"reference.lr": 0.031})
-             for seed in range(3)]
-  source = study(tmp_path, [*records, run("sgd", 0, 0.9, config=MLP)])
+  # A rate of their own: no other test has resolved these cells.
+  cell = {"config": MLP, "reference.lr": 0.031}
+  records = [run("pb", seed, 0.8, stages=4, **cell) for seed in range(3)]
+  source = study(tmp_path, [*records, run("sgd", 0, 0.9, **cell)])
   resolutions = records_lib._resolved_facts.cache_info  # pylint: disable=protected-access
   resolved = resolutions().misses
   assert {phase.form_of(r) for r in source.records} == {"heavy_ball"}

@@ -205,3 +205,13 @@ def test_a_record_holds_the_plan_its_trainer_resolved_and_reads_its_update_from_
   read = study_records.parse_record(json.loads(json.dumps(made.to_json())))
   assert read.plan == plan
   assert read.plan_facts == study_records.PlanFacts("adam", "ema", 4)
+
+
+def test_a_record_without_a_plan_resolves_the_settings_its_trainer_was_given():
+  # The study fixes sync's section for every run; its trainers got it only where sync ran.
+  fixed = {"method_kwargs.sync.micro_batches": 4, "optimizer": "adam"}
+  of = lambda method: study_records.parse_record(
+      {"run": "r", "overrides": {"method": method, "seed": 0}, "fixed": fixed,
+       "config": "configs/deep_mlp.py", "status": "finished"}).plan_facts
+  assert of("sync") == study_records.PlanFacts("adam", "ema", 4)
+  assert of("pb") == study_records.PlanFacts("adam", "ema", 1)
