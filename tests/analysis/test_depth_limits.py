@@ -208,8 +208,9 @@ def test_a_recipes_form_outside_the_two_is_refused():
 @pytest.mark.slow  # builds and measures an Adam run: about 25 s on two idle cores
 def test_an_adam_runs_curvature_is_the_hessians_over_adams_divisor(tmp_path):
   config = digits_config(optimizer="adam", **{"reference.lr": 1e-3})
-  setup = experiment.build(plan_lib.resolve(config))
-  records = list(depth_limits.measure(config, None, at_samples=(0,), batch=32, iterations=200))
+  plan = plan_lib.resolve(config)
+  setup = experiment.build(plan)
+  records = list(depth_limits.measure(plan, None, at_samples=(0,), batch=32, iterations=200))
   x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
   model, b = setup.model, config.micro_batch_size
   params = [st.params for st in setup.runner.to_logical(
