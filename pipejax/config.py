@@ -38,8 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.model_kwargs = ml_collections.ConfigDict({"layers_per_stage": 1})
 
   config.method = "pb_sc_lwp"  # a name of pipejax.methods.METHODS
-  # Per method, its hyperparameters that no other field sets, by their names in its record
-  # (pipejax.methods.record_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}} or
+  # Per method, its hyperparameters that no other field sets, by their names in its preset
+  # (pipejax.methods.preset_of(NAME).hyperparameters), e.g. {"pb_sc_lwp": {"horizon": 4}} or
   # {"sync": {"micro_batches": 8}}, and for a method with an annealing length (anneal_steps),
   # anneal_epochs (default 1.0; 0 turns the rescheduling off) or anneal_fraction (of the run's
   # steps, so that it scales with the run's length). A run reads the section of config.method;
@@ -127,7 +127,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: str | None,
 # ----------------------------------------------------------------------------- command line
 
 # Keyword dicts whose keys another part decides (the model's builder, the data set's loader, the
-# method's record), not base_config: the command line may add a key the config file did not list.
+# method's preset), not base_config: the command line may add a key the config file did not list.
 FREE_FORM_FIELDS = ("model_kwargs", "data_kwargs", "method_kwargs")
 _KWARGS_FIELDS = FREE_FORM_FIELDS
 
@@ -138,7 +138,7 @@ def unknown_fields(config) -> list[str]:
   Nothing reads such a field: ``config.learning_rate = 0.5`` (meant: ``reference.lr``) would
   train at the default rate. The keys inside :data:`FREE_FORM_FIELDS` are their readers' to check.
   """
-  known = set(_flatten(base_config()))
+  known = set(dotted_keys(base_config()))
   unknown = []
 
   def walk(section, prefix):
@@ -181,7 +181,7 @@ def unknown_field_message(key: str, where: str, known: list[str] | None = None,
   name = (lambda k: f"--config.{k}") if flag else (lambda k: f"config.{k}")
   if key in RENAMED_FIELDS:
     return renamed_field_message(key, where, flag)
-  known = _flatten(base_config()) if known is None else known
+  known = dotted_keys(base_config()) if known is None else known
   close = closest_fields(key, known)
   hint = f" Did you mean {' or '.join(name(k) for k in close)}?" if close else ""
   return (f"{name(key)} is not a field of {where}: nothing would read it, and the run would "
@@ -251,12 +251,13 @@ def _literal(text: str) -> Any:
     return text
 
 
-def _flatten(config, prefix: str = "") -> list[str]:
+def dotted_keys(config, prefix: str = "") -> list[str]:
+  """Every field of ``config`` by its dotted key (``mesh``, ``mesh.stage``, ...), in order."""
   keys = []
   for key, value in config.items():
     keys.append(prefix + key)
     if isinstance(value, ml_collections.ConfigDict):
-      keys.extend(_flatten(value, f"{prefix}{key}."))
+      keys.extend(dotted_keys(value, f"{prefix}{key}."))
   return keys
 
 
@@ -297,24 +298,65 @@ def parse_flags(argv: list[str]) -> list[str]:
   except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
     _exit(describe_config_error(e, kept))
   for field, kwargs in added.items():
-    if not kwargs:
-      continue
-    with config.unlocked():
-      merged = config[field].to_dict() if field in config else {}
-      for key, value in kwargs.items():
-        *sections, name = key.split(".")
-        target = merged
-        for section in sections:
-          target = target.setdefault(section, {})
-          if not isinstance(target, dict):
-            _exit(f"--config.{field}.{key}: config.{field}.{section} is not a section.")
-        if isinstance(target.get(name), str) and value is not None and not isinstance(value, str):
-          value = str(value)  # e.g. a string-valued keyword given as a number-like word
-        target[name] = value
-      # A new field, not one typed by the config file's value: the model's builder (the method's
-      # record) decides what a keyword may be, and the trainer's validation says so in one line.
-      config[field] = ml_collections.ConfigDict(merged)
+    try:
+      _add_keywords(config, field, kwargs)
+    except ValueError as e:
+      _exit(str(e))
   return rest
+
+
+def _add_keywords(config, field: str, kwargs: dict) -> None:
+  """Sets ``kwargs`` (``{key: value}``, a key of a section dotted) in the free-form ``field``."""
+  if not kwargs:
+    return
+  with config.unlocked():
+    merged = config[field].to_dict() if field in config else {}
+    for key, value in kwargs.items():
+      *sections, name = key.split(".")
+      target = merged
+      for section in sections:
+        target = target.setdefault(section, {})
+        if not isinstance(target, dict):
+          raise ValueError(f"--config.{field}.{key}: config.{field}.{section} is not a section.")
+      if isinstance(target.get(name), str) and value is not None and not isinstance(value, str):
+        value = str(value)  # e.g. a string-valued keyword given as a number-like word
+      target[name] = value
+    # A new field, not one typed by the config file's value: the model's builder (the method's
+    # preset) decides what a keyword may be, and the trainer's validation says so in one line.
+    config[field] = ml_collections.ConfigDict(merged)
+
+
+def with_settings(config: ml_collections.ConfigDict,
+                  settings: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with ``settings`` (``{dotted key: value}``, a study's ``fixed`` and
+  overrides) set as the trainer's ``--config.KEY=VALUE`` flags would set them: a keyword of
+  ``model_kwargs``, ``data_kwargs`` or ``method_kwargs`` may be new, and a list stands for a
+  tuple.
+
+  Raises:
+    ValueError: a key that is not a field, or a value of the wrong type for its field.
+  """
+  config = ml_collections.ConfigDict(config.to_dict())
+  added = {field: {} for field in _KWARGS_FIELDS}
+  for key, value in settings.items():
+    field, _, rest = key.partition(".")
+    if field in added and rest:
+      added[field][rest] = value
+      continue
+    *sections, name = key.split(".")
+    target = config
+    try:
+      for section in sections:
+        target = target[section]
+      target[name]  # pylint: disable=pointless-statement
+    except (KeyError, TypeError):
+      raise ValueError(f"{key!r} is not a field of the config.") from None
+    if isinstance(target[name], tuple) and isinstance(value, list):
+      value = tuple(value)
+    target[name] = value
+  for field, kwargs in added.items():
+    _add_keywords(config, field, kwargs)
+  return config
 
 
 _COMMAND_LINE: list[str] = []
@@ -350,7 +392,7 @@ def describe_config_error(error: Exception, argv: list[str]) -> str:
   overrides = [m.group(1) for a in argv if (m := _CONFIG_KEY.match(a))]
   if path:
     try:
-      known = _flatten(load_config(config_arg))
+      known = dotted_keys(load_config(config_arg))
     except ConfigFileError:  # the file itself is broken; say so below
       known = None
     if known is not None:

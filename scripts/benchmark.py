@@ -100,10 +100,10 @@ _ONLY = flags.DEFINE_multi_enum("only", [b for b in BENCHMARKS if b not in OPT_I
                                 "Which benchmarks to run ('normalization' and 'sharding' only "
                                 "when asked).")
 # Every asynchronous preset of momentum SGD.
-ASYNC_SGD_METHODS = [name for name, record in methods.RECORDS.items()
-                     if "sgd" in record.optimizers and not record.traits.delay_free]
-PLAIN_PIPELINE = next(name for name, record in methods.RECORDS.items()
-                      if record.traits.plain_pipeline)
+ASYNC_SGD_METHODS = [name for name, preset in methods.PRESETS.items()
+                     if "sgd" in preset.optimizers and not preset.traits.delay_free]
+PLAIN_PIPELINE = next(name for name, preset in methods.PRESETS.items()
+                      if preset.traits.plain_pipeline)
 _METHODS = flags.DEFINE_list("methods", ASYNC_SGD_METHODS, "Presets for 'methods'.")
 _MICRO_BATCH_SIZES = flags.DEFINE_list("micro_batch_sizes", ["1", "32"], "Micro-batch sizes b.")
 _SAMPLES = flags.DEFINE_integer("samples", 8192, "Samples per timed repetition.")
@@ -155,10 +155,10 @@ def check_flags(argv) -> None:
   if _OUTPUT.value is not None:
     cli.check_output("output", _OUTPUT.value)
   for holder in (_METHODS, _DEPTH_METHODS):
-    unknown = [name for name in holder.value if name not in methods.RECORDS]
+    unknown = [name for name in holder.value if name not in methods.PRESETS]
     if unknown:
       raise app.UsageError(f"--{holder.name} names {', '.join(unknown)}, which no method preset "
-                           f"is; the presets: {', '.join(methods.RECORDS)}.")
+                           f"is; the presets: {', '.join(methods.PRESETS)}.")
   for holder in _INTEGER_LISTS:
     if not all(value.isdigit() and int(value) > 0 for value in holder.value):
       raise app.UsageError(f"--{holder.name} takes positive whole numbers, comma-separated; got "

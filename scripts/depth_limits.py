@@ -25,7 +25,9 @@ from ml_collections import config_flags
 from pipejax import cli
 from pipejax import config as configlib
 from pipejax.analysis import depth_limits
+from pipejax.train import plan as plan_lib
 from pipejax.train.checkpoint import CheckpointError
+from pipejax.train.config_checks import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's training config file.")
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "The run's workdir (its checkpoints).")
@@ -38,7 +40,7 @@ _ITERATIONS = flags.DEFINE_integer("iterations", 30, "Power-iteration products a
 _OUTPUT = flags.DEFINE_string("output", None, "JSONL file the records are appended to.")
 
 
-def _check_run_dir(config, run_dir: str) -> None:
+def _check_run_dir(plan: plan_lib.RunPlan, run_dir: str) -> None:
   path = os.path.join(run_dir, "config.json")
   try:
     with open(path) as f:
@@ -47,10 +49,10 @@ def _check_run_dir(config, run_dir: str) -> None:
     raise app.UsageError(f"--run_dir={run_dir} has no readable config.json ({e}); give a "
                          "training run's workdir.") from None
   for key in ("model", "method", "seed", "model_kwargs"):
-    if saved.get(key) != json.loads(json.dumps(config.to_dict().get(key))):
+    if saved.get(key) != plan.given.get(key):
       raise app.UsageError(f"--run_dir={run_dir} trained {key}={saved.get(key)!r} but the config "
-                           f"here says {config.get(key)!r}: give the run's own overrides, or its "
-                           "checkpoints cannot be restored.")
+                           f"here says {plan.given.get(key)!r}: give the run's own overrides, or "
+                           "its checkpoints cannot be restored.")
 
 
 def main(argv):
@@ -70,18 +72,22 @@ def main(argv):
     stages = None if _STAGES.value is None else [int(v) for v in _STAGES.value]
   except ValueError:
     raise app.UsageError(f"--stages takes integers, got {_STAGES.value}.") from None
-  if _RUN_DIR.value:
-    _check_run_dir(config, _RUN_DIR.value)
   try:
-    for r in depth_limits.measure(config, _RUN_DIR.value, samples, stages=stages,
+    plan = plan_lib.resolve(config, configlib.overridden_keys())
+  except ConfigError as e:
+    raise app.UsageError(str(e)) from None
+  if _RUN_DIR.value:
+    _check_run_dir(plan, _RUN_DIR.value)
+  try:
+    for r in depth_limits.measure(plan, _RUN_DIR.value, samples, stages=stages,
                                   batch=_BATCH.value, iterations=_ITERATIONS.value):
-      _write(r, config)
+      _write(r, plan)
   except (ValueError, CheckpointError) as e:  # a missing or unreadable checkpoint
     raise app.UsageError(str(e)) from None
 
 
-def _write(r: dict, config) -> None:
-  r.update(method=config.method, seed=config.seed)
+def _write(r: dict, plan: plan_lib.RunPlan) -> None:
+  r.update(method=plan.method, seed=plan.seed)
   line = json.dumps(r)
   print(line)
   if _OUTPUT.value:

@@ -204,4 +204,4 @@ def taking(name: str, **kwargs) -> dict:
   """The keywords of ``kwargs`` that preset ``name``'s hyperparameters have: a test that builds
   every preset from one set of values passes each only what it reads."""
   from pipejax import methods  # pylint: disable=import-outside-toplevel
-  return {key: value for key, value in kwargs.items() if key in methods.record_of(name).fields()}
+  return {key: value for key, value in kwargs.items() if key in methods.preset_of(name).fields()}

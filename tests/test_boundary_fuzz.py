@@ -61,9 +61,9 @@ def _hyperparameter_case(rng):
 
 
 def _preset_kwargs(name):
-  record = methods.record_of(name)
-  return {"optimizer": record.optimizers[-1]} | (
-      {"num_stages": 2} if "num_stages" in record.fields() else {})
+  preset = methods.preset_of(name)
+  return {"optimizer": preset.optimizers[-1]} | (
+      {"num_stages": 2} if "num_stages" in preset.fields() else {})
 
 
 def test_fuzz_every_preset_takes_or_refuses_each_hyperparameter_as_the_oracle_says():
@@ -116,7 +116,7 @@ def test_fuzz_annealing_lengths_in_method_kwargs():
     method = rng.choice(["pipemare", "nesterov_asyncpp", "pb_muon_delay_warmup"])
     value = rng.choice(ANNEALING_VALUES)
     config = digits_config(method=method)
-    if methods.record_of(method).optimizers == ("adam",):
+    if methods.preset_of(method).optimizers == ("adam",):
       config.optimizer = "adam"
     config.method_kwargs = {method: {key: value}}
     high = 1.0 if key == "anneal_fraction" else math.inf

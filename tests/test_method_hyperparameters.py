@@ -19,9 +19,9 @@ OPTAX_BUILT = ("pb", "sgd", "sync", "pipedream", "pb_lwp", "pb_error_feedback", 
 
 
 def _base(name):
-  record = methods.record_of(name)
-  return {"optimizer": record.optimizers[-1]} | (
-      {"num_stages": 2} if "num_stages" in record.fields() else {})
+  preset = methods.preset_of(name)
+  return {"optimizer": preset.optimizers[-1]} | (
+      {"num_stages": 2} if "num_stages" in preset.fields() else {})
 
 
 @pytest.mark.parametrize("name", methods.METHODS)

@@ -39,7 +39,7 @@ from pipejax.train.checkpoint import Checkpointer
 LIMIT_METHODS = quadratic.PIPELINE_METHODS
 AT_DELAY_METHODS = LIMIT_METHODS
 # PipeMare: the modelled method whose step falls with the delay.
-RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.record_of(m).quadratic.rate_over_delay)
+RESCHEDULED = next(m for m in LIMIT_METHODS if methods_lib.preset_of(m).quadratic.rate_over_delay)
 
 
 def sampled_stages(num_stages: int) -> list[int]:
@@ -140,13 +140,14 @@ def _norm(tree) -> float:
                            for a in jax.tree.leaves(tree))))
 
 
-def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,),
-            stages: Sequence[int] | None = None, batch: int = 512, iterations: int = 30
-            ) -> Iterator[dict]:
+def measure(plan: plan_lib.RunPlan, run_dir: str | None = None,
+            at_samples: Iterable[int] = (0,), stages: Sequence[int] | None = None,
+            batch: int = 512, iterations: int = 30) -> Iterator[dict]:
   """One record a (point of ``at_samples``, stage of ``stages``), yielded as each point is done.
 
   Args:
-    config: The run's training config (its model, data, recipe and seed).
+    plan: The run's plan (:func:`pipejax.train.plan.resolve`: its model, data, recipe and
+      seed).
     run_dir: The run's workdir, whose checkpoints give the weights after training; None: only
       the initial weights (``at_samples`` = (0,)).
     at_samples: Where to read the curvature: 0 is the initial weights, else a checkpoint's
@@ -177,12 +178,11 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
     raise ValueError(f"No checkpoint at {missing[0]} samples"
                      f"{'' if checkpoints is None else ' in ' + checkpoints.directory}; "
                      f"saved: {saved}.")
-  plan = plan_lib.resolve(config)
   setup = experiment.build(plan)
   model, pipe = setup.model, setup.pipeline
   stages = sampled_stages(model.num_stages) if stages is None else list(stages)
-  initial = setup.init(jax.random.PRNGKey(config.seed))
-  x, y = _batch(setup, batch, config.seed)
+  initial = setup.init(jax.random.PRNGKey(plan.seed))
+  x, y = _batch(setup, batch, plan.seed)
   eta, momentum = float(setup.recipe.learning_rate), float(setup.recipe.momentum)
   form = setup.recipe.form
   schedule = experiment.learning_rate_schedule(plan, len(setup.train_source))
@@ -194,7 +194,7 @@ def measure(config, run_dir: str | None = None, at_samples: Iterable[int] = (0,)
   def batch_loss(params, xb, yb):
     return model.loss(model.apply(params, xb), yb)[0]
 
-  b = config.micro_batch_size
+  b = plan.micro_batch_size
   steps = [(x[i:i + b], y[i:i + b]) for i in range(0, len(x) - b + 1, b)]
   for samples in at_samples:
     params = _weights_at(setup, initial, checkpoints, samples)

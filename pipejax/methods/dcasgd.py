@@ -11,7 +11,7 @@ import optax
 from pipejax import optim
 from pipejax.methods.hyperparameters import Hyperparameters, check_number
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,4 +31,4 @@ def build(h: DcAsgdHyperparameters) -> Method:
                 stash_forward_weights=True, pass_gradient_weights=True)
 
 
-RECORD = Record("dcasgd", "DC-ASGD", DcAsgdHyperparameters, build, color="tab:pink")
+PRESET = Preset("dcasgd", "DC-ASGD", DcAsgdHyperparameters, build, color="tab:pink")

@@ -19,7 +19,7 @@ import optax
 from pipejax import optim
 from pipejax.methods import method as method_lib
 from pipejax.methods.method import MethodError
-from pipejax.methods.record import BASE_OPTIMIZERS
+from pipejax.methods.preset import BASE_OPTIMIZERS
 from pipejax.optim import _checks as optim_checks
 from pipejax.optim import adam_family
 

@@ -9,12 +9,12 @@ import dataclasses
 from pipejax.methods import method as method_lib
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record, Traits
+from pipejax.methods.preset import Preset, Traits
 
 
 def build(h: Hyperparameters) -> method_lib.Method:
   return dataclasses.replace(method_lib.sync(lambda delay: muon(h), micro_batches=1), name="muon")
 
 
-RECORD = Record("muon", "Muon", Hyperparameters, build, Traits(one_stage=True, delay_free=True),
+PRESET = Preset("muon", "Muon", Hyperparameters, build, Traits(one_stage=True, delay_free=True),
                 optimizers=("adam",), color="dimgray")

@@ -8,7 +8,7 @@ import dataclasses
 
 from pipejax.methods.hyperparameters import Hyperparameters, check_positive_int, check_steps
 from pipejax.methods.method import Method, MethodError
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 from pipejax.optim import adam_family
 
 
@@ -40,5 +40,5 @@ def build(h: NesterovAsyncPPHyperparameters) -> Method:
       weight_decay=h.weight_decay, mask=h.mask), stash_forward_weights=True)
 
 
-RECORD = Record("nesterov_asyncpp", "Nesterov AsyncPP", NesterovAsyncPPHyperparameters, build,
+PRESET = Preset("nesterov_asyncpp", "Nesterov AsyncPP", NesterovAsyncPPHyperparameters, build,
                 optimizers=("adam",), color="navy")

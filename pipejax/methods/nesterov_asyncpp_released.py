@@ -8,7 +8,7 @@ warms its momentum up (``momentum_decay`` 0.004): about 0.57 of b1 after 1,000 s
 
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 from pipejax.optim import adam_family
 
 TORCH_MOMENTUM_DECAY = 0.004
@@ -21,5 +21,5 @@ def build(h: Hyperparameters) -> Method:
       momentum_decay=TORCH_MOMENTUM_DECAY), stash_forward_weights=True)
 
 
-RECORD = Record("nesterov_asyncpp_released", "Nesterov AsyncPP (released)", Hyperparameters, build,
+PRESET = Preset("nesterov_asyncpp_released", "Nesterov AsyncPP (released)", Hyperparameters, build,
                 optimizers=("adam",), color="slateblue")

@@ -2,12 +2,12 @@
 
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record, Traits
+from pipejax.methods.preset import QuadraticForm, Preset, Traits
 
 
 def build(h: Hyperparameters) -> Method:
   return Method("pb", h.base)
 
 
-RECORD = Record("pb", "PB", Hyperparameters, build, Traits(plain_pipeline=True),
+PRESET = Preset("pb", "PB", Hyperparameters, build, Traits(plain_pipeline=True),
                 quadratic=QuadraticForm(), color="tab:red")

@@ -9,7 +9,7 @@ import dataclasses
 from pipejax import optim
 from pipejax.methods.hyperparameters import Hyperparameters, check_number
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,5 +29,5 @@ def build(h: ErrorFeedbackHyperparameters) -> Method:
                 lambda delay: optim.delayed_error_feedback(h.base(delay), delay, h.smoothing))
 
 
-RECORD = Record("pb_error_feedback", "PB + error feedback", ErrorFeedbackHyperparameters, build,
+PRESET = Preset("pb_error_feedback", "PB + error feedback", ErrorFeedbackHyperparameters, build,
                 color="darkgreen")

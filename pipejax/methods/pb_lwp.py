@@ -2,12 +2,12 @@
 
 from pipejax.methods.hyperparameters import Hyperparameters, Predicting, predicted_weights
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record
+from pipejax.methods.preset import QuadraticForm, Preset
 
 
 def build(h: Predicting) -> Method:
   return Method("pb_lwp", h.predicting(Hyperparameters.base), forward_weights=predicted_weights)
 
 
-RECORD = Record("pb_lwp", "PB + LWP", Predicting, build,
+PRESET = Preset("pb_lwp", "PB + LWP", Predicting, build,
                 quadratic=QuadraticForm(prediction="update"), color="tab:green")

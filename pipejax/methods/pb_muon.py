@@ -8,7 +8,7 @@ import optax
 
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 MUON_CONSISTENT_RMS = 0.2
 
@@ -25,5 +25,5 @@ def build(h: Hyperparameters) -> Method:
   return Method("pb_muon", lambda delay: muon(h))
 
 
-RECORD = Record("pb_muon", "PB + Muon", Hyperparameters, build, optimizers=("adam",),
+PRESET = Preset("pb_muon", "PB + Muon", Hyperparameters, build, optimizers=("adam",),
                 color="teal")

@@ -13,7 +13,7 @@ from pipejax import optim
 from pipejax.methods.hyperparameters import Hyperparameters, check_steps
 from pipejax.methods.method import Method
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,5 +36,5 @@ def build(h: DelayWarmupHyperparameters) -> Method:
   return Method("pb_muon_delay_warmup", update)
 
 
-RECORD = Record("pb_muon_delay_warmup", "PB + Muon + delay warm-up", DelayWarmupHyperparameters,
+PRESET = Preset("pb_muon_delay_warmup", "PB + Muon + delay warm-up", DelayWarmupHyperparameters,
                 build, optimizers=("adam",), color="olive")

@@ -7,7 +7,7 @@ from pipejax import optim
 from pipejax.methods.method import Method
 from pipejax.methods.pb_error_feedback import ErrorFeedbackHyperparameters
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 def build(h: ErrorFeedbackHyperparameters) -> Method:
@@ -15,5 +15,5 @@ def build(h: ErrorFeedbackHyperparameters) -> Method:
                 lambda delay: optim.delayed_error_feedback(muon(h), delay, h.smoothing))
 
 
-RECORD = Record("pb_muon_error_feedback", "PB + Muon + error feedback",
+PRESET = Preset("pb_muon_error_feedback", "PB + Muon + error feedback",
                 ErrorFeedbackHyperparameters, build, optimizers=("adam",), color="seagreen")

@@ -9,7 +9,7 @@ step and also compensates the momenta; this preset isolates the prediction.
 from pipejax.methods.hyperparameters import Predicting, predicted_weights
 from pipejax.methods.method import Method
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 def build(h: Predicting) -> Method:
@@ -17,5 +17,5 @@ def build(h: Predicting) -> Method:
                 forward_weights=predicted_weights)
 
 
-RECORD = Record("pb_muon_lwp", "PB + Muon + LWP", Predicting, build, optimizers=("adam",),
+PRESET = Preset("pb_muon_lwp", "PB + Muon + LWP", Predicting, build, optimizers=("adam",),
                 color="darkturquoise")

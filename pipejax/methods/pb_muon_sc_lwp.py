@@ -10,7 +10,7 @@ from pipejax import optim
 from pipejax.methods.hyperparameters import Predicting, predicted_weights
 from pipejax.methods.method import Method
 from pipejax.methods.pb_muon import MUON_CONSISTENT_RMS
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 def build(h: Predicting) -> Method:
@@ -23,5 +23,5 @@ def build(h: Predicting) -> Method:
   return Method("pb_muon_sc_lwp", update, forward_weights=predicted_weights)
 
 
-RECORD = Record("pb_muon_sc_lwp", "PB + Muon + SC + LWP", Predicting, build, optimizers=("adam",),
+PRESET = Preset("pb_muon_sc_lwp", "PB + Muon + SC + LWP", Predicting, build, optimizers=("adam",),
                 color="darkcyan")

@@ -2,12 +2,12 @@
 
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record
+from pipejax.methods.preset import QuadraticForm, Preset
 
 
 def build(h: Hyperparameters) -> Method:
   return Method("pb_sc", h.spike_compensated)
 
 
-RECORD = Record("pb_sc", "PB + SC", Hyperparameters, build,
+PRESET = Preset("pb_sc", "PB + SC", Hyperparameters, build,
                 quadratic=QuadraticForm(spike_compensated=True), color="tab:blue")

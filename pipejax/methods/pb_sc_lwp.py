@@ -5,7 +5,7 @@ The prediction extrapolates the last applied update, spike included.
 
 from pipejax.methods.hyperparameters import Hyperparameters, Predicting, predicted_weights
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record, Traits
+from pipejax.methods.preset import QuadraticForm, Preset, Traits
 
 
 def build(h: Predicting) -> Method:
@@ -13,6 +13,6 @@ def build(h: Predicting) -> Method:
                 forward_weights=predicted_weights)
 
 
-RECORD = Record("pb_sc_lwp", "PB + SC + LWP", Predicting, build, Traits(recommended=True),
+PRESET = Preset("pb_sc_lwp", "PB + SC + LWP", Predicting, build, Traits(recommended=True),
                 quadratic=QuadraticForm(spike_compensated=True, prediction="update"),
                 color="tab:purple")

@@ -2,11 +2,11 @@
 
 from pipejax.methods.hyperparameters import Hyperparameters
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 def build(h: Hyperparameters) -> Method:
   return Method("pipedream", h.base, stash_forward_weights=True)
 
 
-RECORD = Record("pipedream", "PipeDream", Hyperparameters, build, color="tab:cyan")
+PRESET = Preset("pipedream", "PipeDream", Hyperparameters, build, color="tab:cyan")

@@ -13,7 +13,7 @@ update of M samples makes the progress of M updates of one, the weights move as 
 from pipejax.methods import method as method_lib
 from pipejax.methods.hyperparameters import Accumulating
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record, Traits
+from pipejax.methods.preset import Preset
 
 
 def build(h: Accumulating) -> method_lib.Method:
@@ -22,5 +22,5 @@ def build(h: Accumulating) -> method_lib.Method:
                            stash_forward_weights=True, micro_batches_per_update=h.micro_batches)
 
 
-RECORD = Record("pipedream_muon", "PipeDream + Muon", Accumulating, build,
-                Traits(accumulates_micro_batches=True), optimizers=("adam",), color="goldenrod")
+PRESET = Preset("pipedream_muon", "PipeDream + Muon", Accumulating, build,
+                optimizers=("adam",), color="goldenrod")

@@ -14,7 +14,7 @@ from pipejax import optim
 from pipejax.methods.method import Method, MethodError
 from pipejax.methods.nesterov_asyncpp import NesterovAsyncPPHyperparameters
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 # Nesterov AsyncPP's fields: the pipeline's S for the momentum rule, and K for the rate's.
@@ -32,6 +32,6 @@ def build(h: NesterovAsyncPPHyperparameters) -> Method:
   return Method("pipedream_muon_delay_adaptive", update, stash_forward_weights=True)
 
 
-RECORD = Record("pipedream_muon_delay_adaptive",
+PRESET = Preset("pipedream_muon_delay_adaptive",
                 "PipeDream + Muon + delay-adaptive momentum and rate",
                 NesterovAsyncPPHyperparameters, build, optimizers=("adam",), color="sienna")

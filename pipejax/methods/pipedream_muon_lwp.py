@@ -9,7 +9,7 @@ near the weights its update will land on.
 from pipejax.methods.hyperparameters import Predicting, predicted_weights
 from pipejax.methods.method import Method
 from pipejax.methods.pb_muon import muon
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 
 
 def build(h: Predicting) -> Method:
@@ -17,5 +17,5 @@ def build(h: Predicting) -> Method:
                 forward_weights=predicted_weights, stash_forward_weights=True)
 
 
-RECORD = Record("pipedream_muon_lwp", "PipeDream + Muon + LWP", Predicting, build,
+PRESET = Preset("pipedream_muon_lwp", "PipeDream + Muon + LWP", Predicting, build,
                 optimizers=("adam",), color="darkkhaki")

@@ -11,7 +11,7 @@ import optax
 from pipejax import optim
 from pipejax.methods.hyperparameters import Hyperparameters, check_number, check_steps
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record
+from pipejax.methods.preset import QuadraticForm, Preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,5 +41,5 @@ def build(h: PipeMareHyperparameters) -> Method:
   return Method("pipemare", update, backward_weights=_past_weights)
 
 
-RECORD = Record("pipemare", "PipeMare", PipeMareHyperparameters, build, optimizers=("sgd",),
+PRESET = Preset("pipemare", "PipeMare", PipeMareHyperparameters, build, optimizers=("sgd",),
                 quadratic=QuadraticForm(rate_over_delay=True), color="tab:orange")

@@ -2,7 +2,7 @@
 
 from pipejax.methods.hyperparameters import Predicting
 from pipejax.methods.method import Method
-from pipejax.methods.record import Record
+from pipejax.methods.preset import Preset
 from pipejax.optim import adam_family
 
 
@@ -19,5 +19,5 @@ def build(h: Predicting) -> Method:
   return Method("pipeoptim", update, forward_weights=forward_weights)
 
 
-RECORD = Record("pipeoptim", "PipeOptim", Predicting, build, optimizers=("adam",),
+PRESET = Preset("pipeoptim", "PipeOptim", Predicting, build, optimizers=("adam",),
                 color="tab:gray")

@@ -5,7 +5,7 @@ from typing import Mapping
 
 from pipejax.methods import method as method_lib
 from pipejax.methods.hyperparameters import Hyperparameters, check_steps
-from pipejax.methods.record import QuadraticForm, Record, Traits
+from pipejax.methods.preset import QuadraticForm, Preset, Traits
 from pipejax.methods.stage_rates import STAGE_RATES
 
 
@@ -58,5 +58,5 @@ def build(h: SGDHyperparameters) -> method_lib.Method:
                                     anneal_steps=h.anneal_steps)
 
 
-RECORD = Record("sgd", "SGD", SGDHyperparameters, build, Traits(one_stage=True, delay_free=True),
+PRESET = Preset("sgd", "SGD", SGDHyperparameters, build, Traits(one_stage=True, delay_free=True),
                 quadratic=QuadraticForm(delayed=False), color="black")

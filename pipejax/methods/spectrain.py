@@ -6,7 +6,7 @@ for momentum SGD only.
 
 from pipejax.methods.hyperparameters import Hyperparameters, Predicting, predicted_weights
 from pipejax.methods.method import Method
-from pipejax.methods.record import QuadraticForm, Record
+from pipejax.methods.preset import QuadraticForm, Preset
 
 
 def build(h: Predicting) -> Method:
@@ -14,5 +14,5 @@ def build(h: Predicting) -> Method:
                 forward_weights=predicted_weights)
 
 
-RECORD = Record("spectrain", "SpecTrain", Predicting, build, optimizers=("sgd",),
+PRESET = Preset("spectrain", "SpecTrain", Predicting, build, optimizers=("sgd",),
                 quadratic=QuadraticForm(prediction="next_velocity"), color="tab:olive")

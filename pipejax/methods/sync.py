@@ -2,12 +2,12 @@
 
 from pipejax.methods import method as method_lib
 from pipejax.methods.hyperparameters import Accumulating
-from pipejax.methods.record import Record, Traits
+from pipejax.methods.preset import Preset, Traits
 
 
 def build(h: Accumulating) -> method_lib.Method:
   return method_lib.sync(h.base, micro_batches=h.micro_batches)
 
 
-RECORD = Record("sync", "GPipe (sync)", Accumulating, build,
-                Traits(accumulates_micro_batches=True, delay_free=True), color="tab:brown")
+PRESET = Preset("sync", "GPipe (sync)", Accumulating, build,
+                Traits(delay_free=True), color="tab:brown")

@@ -52,15 +52,6 @@ def check_report_workdir(workdir: str) -> None:
                              "to report. Give the --workdir the study ran in.")
 
 
-def _config_keys(config, prefix: str = "") -> set[str]:
-  keys = set()
-  for key, value in config.items():
-    keys.add(prefix + key)
-    if hasattr(value, "items"):
-      keys |= _config_keys(value, f"{prefix}{key}.")
-  return keys
-
-
 def _check_method_kwarg(study: study_lib.Study, key: str) -> None:
   """Refuses a ``method_kwargs.METHOD.KEY`` grid key that the method's record does not let a
   config set, as its trainers would."""
@@ -91,7 +82,7 @@ def check_config_keys(study: study_lib.Study) -> None:
     config = config_lib.load_config(os.path.join(ROOT, study.config))
   except config_lib.ConfigFileError as e:
     raise study_lib.StudyError(f"Study {study.name!r}: config {study.config!r}: {e}") from None
-  known = _config_keys(config)
+  known = set(config_lib.dotted_keys(config))
   for key in dict.fromkeys([*study.keys(), *study.fixed]):
     _check_method_kwarg(study, key)
     if key in config_lib.RENAMED_FIELDS:

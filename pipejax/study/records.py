@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Iterable, Mapping
@@ -29,6 +30,9 @@ FINISHED, DIVERGED, FAILED = "finished", "diverged", "failed"
 SKIPPED = "skipped"
 RESULTS_FILE = "results.jsonl"
 
+
+# The repository's root, which a study's config file is named relative to.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECORD_STATUSES = (FINISHED, DIVERGED, FAILED, SKIPPED)
 _DONE = (FINISHED, DIVERGED, SKIPPED)  # never run again; a failed run is retried
@@ -51,6 +55,27 @@ def record_problem(value: Any) -> str | None:
   if value.get("status") not in RECORD_STATUSES:
     return f"its status {value.get('status')!r} is not one of {', '.join(RECORD_STATUSES)}"
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFacts:
+  """What a reader of a study takes from a run's plan (:class:`pipejax.train.plan.RunPlan`).
+
+  Attributes:
+    optimizer: the base update's optimizer (``'sgd'``, ``'adam'``).
+    update_form: the base update as the quadratic reads it (:class:`pipejax.optim.Recipe`'s
+      ``form``): ``'heavy_ball'`` (momentum SGD) or ``'ema'`` (Adam).
+    micro_batches_per_update: the micro-batches whose mean gradient one update applies.
+  """
+
+  optimizer: str
+  update_form: str
+  micro_batches_per_update: int
+
+  @classmethod
+  def of(cls, plan: Mapping[str, Any]) -> PlanFacts:
+    """The facts of a plan as ``summary.json`` records it (``RunPlan.to_json``)."""
+    return cls(plan["optimizer"], plan["recipe"]["form"], int(plan["micro_batches_per_update"]))
 
 
 class RecordError(ValueError):
@@ -89,6 +114,7 @@ class RunRecord:
   timing: dict | None = None  # :func:`log_timing`
   machine: str | None = None
   divergence: dict | None = None  # :func:`divergence_point`
+  plan: Mapping[str, Any] | None = None  # the trainer's resolved plan (``summary.json``)
   reason: str | None = None  # why a run was skipped
   error: str | None = None  # a failed run's log tail
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -121,6 +147,21 @@ class RunRecord:
     """Finished or diverged: a run that says something of its method (not failed or skipped)."""
     return self.status in (FINISHED, DIVERGED)
 
+  @property
+  def plan_facts(self) -> PlanFacts | None:
+    """What the run's plan says of its update: from the plan it recorded, or for a record that
+    holds none (made before records did, or of a run that stopped before its summary) from the
+    plan its config file and settings resolve to (:func:`pipejax.train.plan.resolve_file`);
+    None when neither can be had."""
+    if self.plan is not None:
+      return PlanFacts.of(self.plan)
+    if not self.config:
+      return None
+    # Per cell: the seed changes no fact of the update.
+    settings = {k: v for k, v in _trainer_settings(self.fixed, self.overrides).items()
+                if k != "seed"}
+    return _resolved_facts(self.config, key_of(settings))
+
   def get(self, name: str, default: Any = None) -> Any:
     """A field by name (a table's metric), else ``default``."""
     if name in _FIELDS and name != "extra":
@@ -135,6 +176,31 @@ class RunRecord:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RunRecord))
+
+
+def _trainer_settings(fixed: Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict:
+  """The settings a run's trainer was given: a fixed key of another method's section is left
+  out, as :func:`pipejax.study.spec.trainer_flags` leaves it out of the trainer's flags."""
+  method = {**(fixed or {}), **overrides}.get("method")
+  unread = lambda key: (method is not None and key.startswith("method_kwargs.")
+                        and key.split(".")[1] != method)
+  return {**{k: v for k, v in (fixed or {}).items() if not unread(k)}, **overrides}
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_facts(config: str, settings: tuple) -> PlanFacts | None:
+  """The facts of the plan that config file ``config`` (relative to the repository's root, as a
+  study names it) with ``settings`` (a :func:`key_of`) resolves to; None where it resolves to
+  none."""
+  # The trainer's modules, JAX among them, only here: a process that reads records, or only
+  # starts trainers, never loads them.
+  from pipejax.train import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  try:
+    plan = plan_lib.resolve_file(os.path.join(_ROOT, config),
+                                 {k: json.loads(v) for k, v in settings})
+  except (config_lib.ConfigFileError, ValueError):
+    return None
+  return PlanFacts.of(plan.to_json())
 
 
 def parse_record(value: Any) -> RunRecord:
@@ -304,7 +370,7 @@ def skipped_record(study: Study, overrides: Overrides, failed_at: Any) -> RunRec
 
 # What a record takes from the trainer's summary.json.
 SUMMARY_FIELDS = ("test_accuracy", "test_loss", "initial_test_loss", "init_digest",
-                  "train_seconds", "num_stages", "samples", "learning_rate", "momentum")
+                  "train_seconds", "num_stages", "samples", "learning_rate", "momentum", "plan")
 
 
 def record_from_run(study: Study, overrides: Overrides, run_dir: str, returncode: int,

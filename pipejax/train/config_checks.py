@@ -124,10 +124,10 @@ def method_section(config, name: str) -> dict:
 
 
 def _check_method_kwargs(config) -> None:
-  """``config.method_kwargs``: one section per method, each checked against its record."""
+  """``config.method_kwargs``: one section per method, each checked against its preset."""
   sections = config.get("method_kwargs", None)
   for name in (sections.keys() if sections is not None else ()):
-    if name not in methods_lib.RECORDS:
+    if name not in methods_lib.PRESETS:
       check_method_key(name, "")
     if not hasattr(sections[name], "items"):
       raise ConfigError(f"config.method_kwargs.{name} must be a section of hyperparameters, e.g. "
@@ -139,30 +139,30 @@ def check_method_key(name: str, key: str, optimizer: str | None = None) -> None:
   """Refuses ``config.method_kwargs.{name}.{key}`` unless method ``name`` lets a config set
   ``key``: one of its hyperparameters that the trainer does not set, or an annealing key. The
   error lists those a run on ``optimizer`` (default: the method's first) reads."""
-  if name not in methods_lib.RECORDS:
+  if name not in methods_lib.PRESETS:
     raise ConfigError(f"config.method_kwargs.{name}: there is no method {name!r}. Its keys are "
                       f"methods' names, each holding that method's hyperparameters, e.g. "
                       f"--config.method_kwargs.pb_sc_lwp.horizon=4. Known methods: "
                       f"{', '.join(methods_lib.METHODS)}.")
-  record = methods_lib.record_of(name)
-  annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
+  preset = methods_lib.preset_of(name)
+  annealing = ANNEALING_KEYS if "anneal_steps" in preset.fields() else ()
   if key in annealing:
     return
   if key in TRAINER_SET:
     raise ConfigError(f"config.method_kwargs.{name}.{key} is set by the trainer: use "
                       f"--config.{TRAINER_SET[key].format(name=name)} instead.")
-  if key not in record.fields():
-    optimizer = optimizer if optimizer in record.optimizers else record.optimizers[0]
+  if key not in preset.fields():
+    optimizer = optimizer if optimizer in preset.optimizers else preset.optimizers[0]
     unread = methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer).unread()
-    settable = [f for f in record.fields() if f not in TRAINER_SET and f not in unread]
+    settable = [f for f in preset.fields() if f not in TRAINER_SET and f not in unread]
     raise ConfigError(f"config.method_kwargs.{name}.{key}: method {name!r} has no "
                       f"hyperparameter {key!r}, so nothing would read it. Its settable "
                       f"hyperparameters are: {', '.join(settable + list(annealing)) or 'none'}.")
 
 
 def _check_method_section(config, name: str, kwargs: dict) -> None:
-  record = methods_lib.record_of(name)
-  annealing = ANNEALING_KEYS if "anneal_steps" in record.fields() else ()
+  preset = methods_lib.preset_of(name)
+  annealing = ANNEALING_KEYS if "anneal_steps" in preset.fields() else ()
   for key in kwargs:
     check_method_key(name, key, config.optimizer)
     if key in annealing:
@@ -175,7 +175,7 @@ def _check_method_section(config, name: str, kwargs: dict) -> None:
     raise ConfigError(f"config.method_kwargs.{name} sets both anneal_epochs and anneal_fraction; "
                       "set one.")
   hyperparameters = {k: v for k, v in kwargs.items() if k not in annealing}
-  optimizer = config.optimizer if config.optimizer in record.optimizers else record.optimizers[0]
+  optimizer = config.optimizer if config.optimizer in preset.optimizers else preset.optimizers[0]
   try:
     unread = methods_lib.hyperparameters_of(name, 1.0, optimizer=optimizer,
                                             **hyperparameters).unread()

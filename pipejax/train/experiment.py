@@ -177,7 +177,7 @@ def make_method(plan: RunPlan, train_size: int, layer_delays: dict[str, int] | N
   rate's schedule, the annealing length and the layers' delays."""
   late = {"learning_rate": learning_rate_schedule(plan, train_size),
           "anneal_steps": annealing_steps(plan, train_size), "layer_delays": layer_delays}
-  fields = plan.record.fields()
+  fields = plan.preset.fields()
   hyperparameters = {f: getattr(plan.hyperparameters, f) for f in fields}
   hyperparameters.update({k: v for k, v in late.items() if k in fields})
   return methods_lib.make_method(plan.method, **hyperparameters)
@@ -220,7 +220,7 @@ def delay_memory_warning(plan: RunPlan, delays) -> str | None:
   over = f" / {per_update}" if per_update > 1 else ""
   said = "; ".join(text for text in (
       None if found.kind == safe_ranges.HOLDS else found.text, tax) if text)
-  return (f"{plan.record.display_name} at D_max{over} (1 - {beta}) = "
+  return (f"{plan.preset.display_name} at D_max{over} (1 - {beta}) = "
           f"{max(delays)}{over} x (1 - {plan.recipe.momentum:.6g}) = {product:.3g} (D_max = "
           f"2(S - 1), S = {len(delays)} stages"
           f"{f', {per_update} micro-batches per update' if over else ''}"

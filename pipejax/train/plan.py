@@ -18,6 +18,7 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping
 
+from pipejax import config as config_lib
 from pipejax import methods as methods_lib
 from pipejax import optim
 from pipejax.train import config_checks
@@ -130,12 +131,12 @@ class RunPlan:
   given_fingerprint: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
   @property
-  def record(self) -> methods_lib.Record:
-    return methods_lib.record_of(self.method)
+  def preset(self) -> methods_lib.Preset:
+    return methods_lib.preset_of(self.method)
 
   @property
   def traits(self) -> methods_lib.Traits:
-    return self.record.traits
+    return self.preset.traits
 
   @property
   def samples_per_update(self) -> int:
@@ -206,6 +207,18 @@ def resolve(config, overridden: Iterable[str] = ()) -> RunPlan:
       given_fingerprint=_given_fingerprint(config, _micro_batches_per_update(config, section)))
 
 
+def resolve_file(config_file: str, settings: Mapping[str, Any]) -> RunPlan:
+  """The plan of the config file ``config_file`` (``PATH[:ARG]``) with ``settings`` set
+  (``{dotted key: value}``: a study's ``fixed`` and a run's overrides), as its trainer resolved it.
+
+  Raises:
+    ConfigFileError: the file cannot be loaded.
+    ConfigError, ValueError: the settings are not a config that trains.
+  """
+  config = config_lib.with_settings(config_lib.load_config(config_file), dict(settings))
+  return resolve(config, settings)
+
+
 def to_plain(config) -> dict:
   """``config`` as JSON would hold it (what ``config.json`` holds)."""
   return json.loads(config.to_json_best_effort()) if hasattr(config, "to_json_best_effort") else \
@@ -227,7 +240,7 @@ def _given_fingerprint(config, per_update: int) -> dict:
 
 
 def _micro_batches_per_update(config, section: dict) -> int:
-  fields = methods_lib.record_of(config.method).fields()
+  fields = methods_lib.preset_of(config.method).fields()
   return section.get("micro_batches", 1) if "micro_batches" in fields else 1
 
 
@@ -252,12 +265,12 @@ def _recipe(config, per_update: int) -> optim.Recipe:
 
 
 def _hyperparameters(config, recipe: optim.Recipe, num_stages: int, section: dict):
-  """The preset's hyperparameters at the recipe's peak rate: the fields its record takes, from
+  """The preset's hyperparameters at the recipe's peak rate: the fields its preset takes, from
   the recipe, the run and its section of ``config.method_kwargs``."""
   known = {"momentum": recipe.momentum, "weight_decay": recipe.weight_decay,
            "optimizer": config.optimizer, "b2": recipe.b2,
            "decay_mask": config.get("decay_mask", False), "num_stages": num_stages}
-  fields = methods_lib.record_of(config.method).fields()
+  fields = methods_lib.preset_of(config.method).fields()
   given = {k: v for k, v in section.items() if k not in ANNEALING_KEYS}
   try:
     return methods_lib.hyperparameters_of(

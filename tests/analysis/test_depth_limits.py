@@ -33,7 +33,8 @@ def test_a_stage_is_predicted_stable_exactly_when_its_delay_is_within_the_limit(
 @pytest.mark.slow  # builds and measures twice: about 25 s on two idle cores
 def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(tmp_path):
   config = digits_config()
-  setup = experiment.build(plan_lib.resolve(config))
+  plan = plan_lib.resolve(config)
+  setup = experiment.build(plan)
   initial = setup.runner.to_logical(setup.init(jax.random.PRNGKey(config.seed)))
   moved = initial._replace(stages=tuple(  # weights elsewhere, saved as a run's checkpoint
       st._replace(params=jax.tree_util.tree_map(lambda w: 1.5 * w, st.params))
@@ -42,7 +43,7 @@ def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(t
   checkpoints = Checkpointer(f"{workdir}/checkpoints")
   checkpoints.save(240, moved, {"data_position": 0})
   checkpoints.close()
-  records = list(depth_limits.measure(config, workdir, at_samples=(0, 240), batch=32,
+  records = list(depth_limits.measure(plan, workdir, at_samples=(0, 240), batch=32,
                                       iterations=150))
   x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
   model = setup.model
@@ -72,9 +73,9 @@ def test_measure_gives_each_stages_block_of_a_dense_hessian_at_its_checkpoints(t
 
 
 def test_a_point_without_a_checkpoint_is_refused_naming_what_is_saved(tmp_path):
-  config = digits_config()
+  plan = plan_lib.resolve(digits_config())
   with pytest.raises(ValueError, match="No checkpoint at 80 samples"):
-    list(depth_limits.measure(config, None, at_samples=(80,), batch=8, iterations=2))
+    list(depth_limits.measure(plan, None, at_samples=(80,), batch=8, iterations=2))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9, 0.99, 0.99918])
@@ -207,8 +208,9 @@ def test_a_recipes_form_outside_the_two_is_refused():
 @pytest.mark.slow  # builds and measures an Adam run: about 25 s on two idle cores
 def test_an_adam_runs_curvature_is_the_hessians_over_adams_divisor(tmp_path):
   config = digits_config(optimizer="adam", **{"reference.lr": 1e-3})
-  setup = experiment.build(plan_lib.resolve(config))
-  records = list(depth_limits.measure(config, None, at_samples=(0,), batch=32, iterations=200))
+  plan = plan_lib.resolve(config)
+  setup = experiment.build(plan)
+  records = list(depth_limits.measure(plan, None, at_samples=(0,), batch=32, iterations=200))
   x, y = depth_limits._batch(setup, 32, config.seed)  # pylint: disable=protected-access
   model, b = setup.model, config.micro_batch_size
   params = [st.params for st in setup.runner.to_logical(

@@ -16,6 +16,7 @@ from scipy import stats
 
 from pipejax.analysis import phase
 from pipejax.analysis.quadratic import noise as quadratic_noise
+from pipejax.study import records as records_lib
 from pipejax.study.spec import load_study, run_id
 from tests.helpers import ROOT
 
@@ -66,10 +67,12 @@ def test_x_is_the_stems_delay_over_the_momentums_memory(tmp_path):
 
 def test_an_accumulating_method_counts_its_delay_in_updates_and_has_no_quadratic_form(tmp_path):
   # PipeDream + Muon at 32 stages: D_max = 62 ticks, 62 / 8 updates at 8 micro-batches each.
+  # The records hold no plan: each is resolved from its config file and settings.
   source = study(tmp_path, [
-      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9,
+      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9, config=LM,
           **{"method_kwargs.pipedream_muon.micro_batches": 8}),
-      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9, **{"reference.lr": 0.002})])
+      run("pipedream_muon", 0, 0.8, stages=32, momentum=0.9, config=LM,
+          **{"reference.lr": 0.002})])
   rows = rows_by(source)
   accumulating = rows["pipedream_muon", 32, (("method_kwargs.pipedream_muon.micro_batches", 8),)]
   plain = rows["pipedream_muon", 32, (("reference.lr", 0.002),)]
@@ -78,6 +81,39 @@ def test_an_accumulating_method_counts_its_delay_in_updates_and_has_no_quadratic
   assert plain.delay_memory == pytest.approx(62 * 0.1)
   assert phase.prediction(accumulating, "ema", []) == (
       None, "8 micro-batches per update: no quadratic form")
+
+
+def _plan(optimizer, form, micro_batches_per_update):
+  """The part of a plan as summary.json records it that the analysis reads."""
+  return {"optimizer": optimizer, "recipe": {"form": form},
+          "micro_batches_per_update": micro_batches_per_update}
+
+
+def test_the_plan_a_record_holds_is_read_before_its_config(tmp_path):
+  # The config file says momentum SGD and one micro-batch per update; the recorded plan, which
+  # the trainer resolved, says otherwise, and it is what the run did.
+  recorded = {**run("pb", 0, 0.8, stages=4, config=MLP), "plan": _plan("adam", "ema", 4)}
+  (row,) = phase.rows_of(study(tmp_path, [run("sgd", 0, 0.9, config=MLP), recorded]))
+  assert row.micro_batches_per_update == 4
+  assert row.delay_memory == pytest.approx(6 / 4 * 0.1)
+  assert phase.form_of(row.record) == "ema"
+
+
+def test_a_record_without_a_plan_resolves_its_config_once(tmp_path):
+  # A rate of their own: no other test has resolved these cells.
+  cell = {"config": MLP, "reference.lr": 0.031}
+  records = [run("pb", seed, 0.8, stages=4, **cell) for seed in range(3)]
+  source = study(tmp_path, [*records, run("sgd", 0, 0.9, **cell)])
+  resolutions = records_lib._resolved_facts.cache_info  # pylint: disable=protected-access
+  resolved = resolutions().misses
+  assert {phase.form_of(r) for r in source.records} == {"heavy_ball"}
+  assert {phase.micro_batches_per_update(r) for r in source.records} == {1}
+  # Once per cell (the three seeds of pb are one), however often it is asked.
+  assert resolutions().misses - resolved == 2
+  missing = study(tmp_path, [run("pb", 0, 0.8, stages=4, config="configs/missing.py")],
+                  name="missing")
+  (record,) = missing.records
+  assert phase.form_of(record) is None and phase.micro_batches_per_update(record) == 1
 
 
 def test_gaps_pair_by_seed_else_take_the_baselines_mean_and_the_interval_is_students(tmp_path):

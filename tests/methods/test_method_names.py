@@ -1,4 +1,4 @@
-"""Only the preset modules name the presets: every other module asks a record what a method is."""
+"""Only the preset modules name the presets: every other module asks a preset what a method is."""
 
 import ast
 import pathlib
@@ -43,11 +43,11 @@ def _names_compared(tree: ast.AST):
 
 
 def test_no_module_compares_or_collects_methods_by_name_outside_their_records():
-  # Callers ask methods.record_of (or the Method) what a method is; only the records name them.
+  # Callers ask methods.preset_of (or the Method) what a method is; only the presets name them.
   root = ROOT
-  records = pathlib.Path(methods.__file__).parent
+  presets = pathlib.Path(methods.__file__).parent
   files = [f for f in [*root.rglob("*.py"), *(root.parent / "scripts").glob("*.py")]
-           if records not in f.parents]
+           if presets not in f.parents]
   assert len(files) > 30
   found = []
   for path in files:
@@ -83,12 +83,12 @@ def _single_names(tree: ast.AST):
 
 def test_no_module_of_the_package_names_a_method_outside_the_presets():
   # A name in a module is a classification by name waiting to go stale: a caller takes it from
-  # the records (methods.PLAIN_PIPELINE, methods.RECOMMENDED, a trait), or from its config.
-  records = pathlib.Path(methods.__file__).parent
+  # the presets (methods.PLAIN_PIPELINE, methods.RECOMMENDED, a trait), or from its config.
+  presets = pathlib.Path(methods.__file__).parent
   found = []
   for path in ROOT.rglob("*.py"):
     where = str(path.relative_to(ROOT.parent))
-    if records in path.parents or any(where.startswith(p) for p in OTHER_MEANINGS):
+    if presets in path.parents or any(where.startswith(p) for p in OTHER_MEANINGS):
       continue
     for line, statement, name in _single_names(ast.parse(path.read_text())):
       if name in methods.BASE_OPTIMIZERS and "optimizer" in statement:

@@ -108,7 +108,7 @@ ORACLES["pipedream_muon_delay_adaptive"] = oracle.OracleMethod(
 
 def taking(name, **kwargs):
   """The keywords of ``kwargs`` that preset ``name``'s hyperparameters have."""
-  return {key: value for key, value in kwargs.items() if key in methods.record_of(name).fields()}
+  return {key: value for key, value in kwargs.items() if key in methods.preset_of(name).fields()}
 
 
 def test_every_preset_has_an_oracle():
@@ -122,7 +122,7 @@ def test_every_preset_has_a_name_for_reports():
 def test_no_two_presets_share_a_colour():
   # A figure with one series per method (the phase diagram draws every preset a study ran) must
   # tell each apart.
-  colours = [record.color for record in methods.RECORDS.values()]
+  colours = [preset.color for preset in methods.PRESETS.values()]
   assert len(colours) == len(set(colours)), sorted(c for c in colours if colours.count(c) > 1)
 
 
@@ -456,7 +456,8 @@ def test_traits_agree_with_the_built_method(name):
   given = taking(name, **kwargs)
   hyperparameters = methods.hyperparameters_of(name, given.pop("learning_rate"), **given)
   assert hyperparameters.micro_batches_per_update == method.micro_batches_per_update
-  assert traits.accumulates_micro_batches == (method.micro_batches_per_update == 3)
+  with pytest.warns(DeprecationWarning, match="micro_batches_per_update"):
+    assert traits.micro_batches_per_step(3) == method.micro_batches_per_update
   # Only a method that drains between steps never computes on stale weights.
   assert traits.delay_free == (method.micro_batches_per_flush is not None)
 
@@ -464,7 +465,6 @@ def test_traits_agree_with_the_built_method(name):
 def test_traits_name_the_baselines_and_the_recommendation():
   having = lambda field: [n for n in methods.METHODS if getattr(methods.traits_of(n), field)]
   assert having("one_stage") == ["muon", "sgd"]
-  assert having("accumulates_micro_batches") == ["pipedream_muon", "sync"]
   assert having("plain_pipeline") == ["pb"]
   assert having("recommended") == [methods.RECOMMENDED] == ["pb_sc_lwp"]
   assert not methods.traits_of(methods.RECOMMENDED).delay_free
@@ -504,13 +504,13 @@ def test_a_preset_refuses_a_hyperparameter_it_does_not_read():
 
 
 @pytest.mark.parametrize("name", methods.METHODS)
-def test_each_preset_is_one_module_holding_its_record(name):
-  record = methods.record_of(name)
+def test_each_preset_is_one_module_holding_its_preset(name):
+  preset = methods.preset_of(name)
   module = importlib.import_module(f"pipejax.methods.{name}")
-  assert module.RECORD is record and record.name == name
-  assert dataclasses.is_dataclass(record.hyperparameters)
-  assert issubclass(record.hyperparameters, methods.Hyperparameters)
-  assert record.display_name == methods.DISPLAY_NAMES[name]
+  assert module.PRESET is preset and preset.name == name
+  assert dataclasses.is_dataclass(preset.hyperparameters)
+  assert issubclass(preset.hyperparameters, methods.Hyperparameters)
+  assert preset.display_name == methods.DISPLAY_NAMES[name]
 
 
 def test_the_builders_keep_their_names_beside_the_preset_modules():
@@ -531,7 +531,7 @@ def _after_unit_gradients(name, dtype, steps=2000):
   # Nesterov AsyncPP takes b1 <= 0.99, where a bfloat16 first moment stalls near 0.9 of its value.
   momentum = 0.99 if name == "nesterov_asyncpp" else _BATCH_ONE_MOMENTUM
   method = methods.make_method(name, learning_rate=1e-6, momentum=momentum,
-                               optimizer=methods.record_of(name).optimizers[0],
+                               optimizer=methods.preset_of(name).optimizers[0],
                                **taking(name, num_stages=4))
   optimizer = method.optimizer(1)
   params = {"w": jnp.ones((2, 2), dtype)}
@@ -562,16 +562,16 @@ def test_bfloat16_weights_keep_a_float32_momentum_that_does_not_stall(name):
 
 
 def test_float32_weights_get_each_presets_own_updates_bit_for_bit():
-  """make_method's float32 state changes nothing on float32 weights: the preset's record, built
+  """make_method's float32 state changes nothing on float32 weights: the preset, built
   without it, gives the same bits."""
   params = {"w": jax.random.normal(jax.random.PRNGKey(0), (3, 2))}
   grads = [{"w": jax.random.normal(jax.random.PRNGKey(k), (3, 2))} for k in range(1, 4)]
   for name in methods.METHODS:
-    kwargs = dict(learning_rate=0.1, momentum=0.9, optimizer=methods.record_of(name).optimizers[0],
+    kwargs = dict(learning_rate=0.1, momentum=0.9, optimizer=methods.preset_of(name).optimizers[0],
                   **taking(name, num_stages=4))
     wrapped = methods.make_method(name, **kwargs)
     learning_rate = kwargs.pop("learning_rate")
-    bare = methods.record_of(name).build(methods.hyperparameters_of(name, learning_rate, **kwargs))
+    bare = methods.preset_of(name).build(methods.hyperparameters_of(name, learning_rate, **kwargs))
     results = []
     for method in (wrapped, bare):
       optimizer, p = method.optimizer(2), params
@@ -582,3 +582,18 @@ def test_float32_weights_get_each_presets_own_updates_bit_for_bit():
         p = optax.apply_updates(p, updates)
       results.append((p, method.forward_weights(p, state, 2)))
     leaves_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("old, new", [("RECORDS", "PRESETS"), ("record_of", "preset_of"),
+                                      ("Record", "Preset")])
+def test_the_presets_old_names_answer_with_a_warning_naming_the_new(old, new):
+  with pytest.warns(DeprecationWarning, match=f"replaced by pipejax.methods.{new}"):
+    assert getattr(methods, old) is getattr(methods, new)
+
+
+def test_the_old_preset_module_answers_with_a_warning_naming_the_new():
+  from pipejax.methods import record  # pylint: disable=import-outside-toplevel
+  with pytest.warns(DeprecationWarning, match=r"replaced by pipejax\.methods\.preset\.Preset"):
+    assert record.Record is methods.Preset
+  with pytest.raises(AttributeError):
+    _ = record.RECORD

@@ -190,3 +190,28 @@ def test_only_the_records_module_reads_a_lines_fields_by_key():
            for number, line in enumerate(path.read_text().splitlines(), 1)
            if re.search(r"""\[["'](overrides|status)["']\]""", line)]
   assert len(sources) > 100 and not found, found
+
+
+def test_a_record_holds_the_plan_its_trainer_resolved_and_reads_its_update_from_it(tmp_path):
+  plan = {"method": "sync", "optimizer": "adam", "micro_batches_per_update": 4,
+          "recipe": {"form": "ema", "learning_rate": 0.001}, "seed": 0}
+  (tmp_path / "summary.json").write_text(json.dumps(
+      {"test_accuracy": 0.5, "test_loss": 1.0, "initial_test_loss": 2.0, "plan": plan}))
+  # The study's config file says otherwise (momentum SGD, one micro-batch): the plan wins.
+  study = Study(name="t", config="configs/deep_mlp.py", grids=[{"method": ("sync",)}])
+  made = study_records.record_from_run(study, {"method": "sync", "seed": 0}, str(tmp_path), 0,
+                                       1.0, "")
+  assert made.status == study_records.FINISHED and made.plan == plan
+  read = study_records.parse_record(json.loads(json.dumps(made.to_json())))
+  assert read.plan == plan
+  assert read.plan_facts == study_records.PlanFacts("adam", "ema", 4)
+
+
+def test_a_record_without_a_plan_resolves_the_settings_its_trainer_was_given():
+  # The study fixes sync's section for every run; its trainers got it only where sync ran.
+  fixed = {"method_kwargs.sync.micro_batches": 4, "optimizer": "adam"}
+  of = lambda method: study_records.parse_record(
+      {"run": "r", "overrides": {"method": method, "seed": 0}, "fixed": fixed,
+       "config": "configs/deep_mlp.py", "status": "finished"}).plan_facts
+  assert of("sync") == study_records.PlanFacts("adam", "ema", 4)
+  assert of("pb") == study_records.PlanFacts("adam", "ema", 1)

@@ -19,7 +19,7 @@ from pipejax.study import spec as study_lib
 from pipejax.train import checkpoint, config_checks, experiment, resume, trainer
 from pipejax.train import plan as plan_lib
 from pipejax.train.config_checks import ANNEALING_KEYS, TRAINER_SET, ConfigError
-from tests.helpers import digits_config
+from tests.helpers import ROOT, digits_config
 
 
 class _Checkpointer:
@@ -58,6 +58,18 @@ def test_the_plan_is_frozen_and_says_what_the_run_reads():
   assert planned["model"]["kwargs"] == {"hidden": [16, 12], "layers_per_stage": 1}
   asynchronous = plan_lib.resolve(digits_config(method="pb"))
   assert (asynchronous.micro_batches_per_update, asynchronous.micro_batches_per_flush) == (1, None)
+
+
+def test_a_config_file_with_a_studys_settings_resolves_as_its_trainer_did():
+  # The settings as results.jsonl holds them: JSON values, a list for a tuple, a new keyword.
+  plan = plan_lib.resolve_file(os.path.join(ROOT, "configs", "deep_mlp.py"), {
+      "method": "sync", "method_kwargs.sync.micro_batches": 4, "optimizer": "adam",
+      "model_kwargs.depth": 6, "mesh.partition": [], "seed": 3})
+  assert (plan.method, plan.optimizer, plan.recipe.form) == ("sync", "adam", "ema")
+  assert (plan.micro_batches_per_update, plan.model.kwargs["depth"], plan.seed) == (4, 6, 3)
+  assert plan.mesh.partition == ()
+  with pytest.raises(ValueError, match="'mesh.stages' is not a field of the config"):
+    plan_lib.resolve_file(os.path.join(ROOT, "configs", "deep_mlp.py"), {"mesh.stages": 2})
 
 
 def test_an_epsilon_the_method_does_not_read_is_refused():
@@ -133,7 +145,7 @@ _VALUES = {"micro_batches": 2, "horizon": 2, "gamma": 0.5, "dc_strength": 0.1, "
 def _expected(method: str, optimizer: str, key: str, section: dict) -> str | None:
   """What resolving ``method_kwargs.METHOD = section`` must say of ``key``, from the presets'
   records alone: a fragment of the refusal, or None where the run reads it."""
-  fields = methods.record_of(method).fields()
+  fields = methods.preset_of(method).fields()
   if key in ANNEALING_KEYS:
     if "anneal_steps" not in fields:
       return "has no hyperparameter"
@@ -154,10 +166,10 @@ def test_method_kwargs_fuzzed_against_the_chosen_method_are_read_or_refused():
   """Seeded: a random method, base optimizer and section of method_kwargs; each key is either
   refused, naming it, or reaches the plan."""
   rng = random.Random(66)
-  keys = sorted({f for r in methods.RECORDS.values() for f in r.fields()} | set(_VALUES))
+  keys = sorted({f for r in methods.PRESETS.values() for f in r.fields()} | set(_VALUES))
   for _ in range(60):
     method = rng.choice(methods.METHODS)
-    optimizer = rng.choice(methods.record_of(method).optimizers)
+    optimizer = rng.choice(methods.preset_of(method).optimizers)
     key = rng.choice(keys)
     section = {key: _VALUES.get(key, 0.5)}
     if key in ANNEALING_KEYS and method == "sgd" and optimizer == "sgd" and rng.random() < 0.5:

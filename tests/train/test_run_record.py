@@ -91,7 +91,7 @@ def test_a_method_with_no_delay_is_never_warned_and_one_measured_without_a_claim
     config.method = name
     warning = experiment.delay_memory_warning(plan_lib.resolve(config), accounting.stage_delays(32))
     assert "its cost here is unmeasured" in warning and "gap" not in warning, name
-  for name in (n for n, record in methods.RECORDS.items() if record.traits.delay_free):
+  for name in (n for n, record in methods.PRESETS.items() if record.traits.delay_free):
     config.method = name
     assert experiment.delay_memory_warning(plan_lib.resolve(config),
                                            accounting.stage_delays(32)) is None

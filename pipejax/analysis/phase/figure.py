@@ -27,7 +27,7 @@ def _panel(ax, rows: Sequence[Row]) -> None:
   drawn = {id(row) for row in predicted}
   twin = ax.twinx() if predicted else None
   for row in rows:
-    color = methods_lib.record_of(row.method).color
+    color = methods_lib.preset_of(row.method).color
     x = row.delay_memory * (1 + _SPREAD * (order.index(row.method) - (len(order) - 1) / 2))
     if row.gaps:
       s = row.interval
@@ -67,7 +67,7 @@ def _panel(ax, rows: Sequence[Row]) -> None:
 
 
 def draw(rows: Sequence[Row], path: str) -> str:
-  """Writes the phase diagram to ``path``: a panel per unit, a colour per method (its record's),
+  """Writes the phase diagram to ``path``: a panel per unit, a colour per method (its preset's),
   the measured gap with its 95% CI against ``x`` on a log axis, the diverged runs as crosses at
   the top, the quadratic's prediction as hollow squares on its own right axis (unstable: a
   hollow triangle under the crosses). Returns ``path``."""
@@ -79,7 +79,7 @@ def draw(rows: Sequence[Row], path: str) -> str:
   fig, axes = plt.subplots(1, len(units), figsize=(7.5 * len(units), 5.2), squeeze=False)
   for ax, unit in zip(axes.flat, units):
     _panel(ax, [row for row in rows if row.unit.name == unit])
-  handles = [lines_lib.Line2D([], [], color=methods_lib.record_of(m).color, marker="o", ls="none",
+  handles = [lines_lib.Line2D([], [], color=methods_lib.preset_of(m).color, marker="o", ls="none",
                               label=methods_lib.DISPLAY_NAMES.get(m, m)) for m in order]
   handles += [lines_lib.Line2D([], [], color="gray", marker="x", ls="none", mew=2,
                                label="runs diverged (count in the table)"),

@@ -8,7 +8,6 @@ import collections
 import dataclasses
 from typing import Sequence
 
-from pipejax import methods as methods_lib
 from pipejax.analysis.phase.runs import (method_of, is_baseline, is_pipelined, network_of,
                                          training_overrides, settings_of, usable, value_of, seed_of,
                                          settings_text)
@@ -125,16 +124,10 @@ def gap_of(record: RunRecord, baseline: Baseline, unit: Unit) -> tuple[float, bo
 
 
 def micro_batches_per_update(record: RunRecord) -> int:
-  """The micro-batches one update of the run applies: its method's ``micro_batches`` where the
-  method accumulates them (:class:`pipejax.methods.Traits`), as its study set it or by default."""
-  method = method_of(record)
-  if method not in methods_lib.RECORDS or \
-      not methods_lib.traits_of(method).accumulates_micro_batches:
-    return 1
-  settings = record.settings
-  fields = dataclasses.fields(methods_lib.record_of(method).hyperparameters)
-  default = next(f.default for f in fields if f.name == "micro_batches")
-  return int(settings.get(f"method_kwargs.{method}.micro_batches", default))
+  """The micro-batches one update of the run applies, from its plan
+  (:attr:`~pipejax.study.records.RunRecord.plan_facts`); 1 when it has no plan."""
+  facts = record.plan_facts
+  return 1 if facts is None else facts.micro_batches_per_update
 
 
 def _facts(runs: Sequence[RunRecord],

@@ -8,7 +8,6 @@ import functools
 import math
 from typing import Sequence
 
-from pipejax import config as config_lib
 from pipejax.analysis import depth_limits
 from pipejax.analysis import quadratic
 from pipejax.analysis.phase.gaps import Row, rows_of
@@ -28,21 +27,12 @@ def relative_gap(method: str, delay: int, momentum: float, lr_lambda: float) -> 
   return quadratic_noise.predicted_gap(method, delay, momentum, lr_lambda, 1.0) / reference
 
 
-@functools.lru_cache(maxsize=None)
-def _config_optimizer(config: str) -> str | None:
-  try:
-    return config_lib.load_config(config).optimizer
-  except config_lib.ConfigFileError:
-    return None
-
-
 def form_of(record: RunRecord) -> str | None:
-  """The run's base update as the quadratic reads it: ``'ema'`` for Adam, ``'heavy_ball'`` for
-  SGD (:class:`pipejax.optim.Recipe`'s ``form``); None when its config cannot be read."""
-  optimizer = record.overrides.get("optimizer") or (record.fixed or {}).get("optimizer")
-  if optimizer is None and record.config:
-    optimizer = _config_optimizer(record.config)
-  return None if optimizer is None else ("ema" if optimizer == "adam" else "heavy_ball")
+  """The run's base update as the quadratic reads it, from its plan
+  (:attr:`~pipejax.study.records.RunRecord.plan_facts`): ``'ema'`` for Adam, ``'heavy_ball'``
+  for SGD (:class:`pipejax.optim.Recipe`'s ``form``); None when it has no plan."""
+  facts = record.plan_facts
+  return None if facts is None else facts.update_form
 
 
 def rate_fraction(reading: dict) -> float | None:

@@ -18,13 +18,13 @@ def is_baseline(record: RunRecord) -> bool:
   """A run without a pipeline: its method trains the whole network as one stage."""
 
   name = method_of(record)
-  return name in methods_lib.RECORDS and methods_lib.traits_of(name).one_stage
+  return name in methods_lib.PRESETS and methods_lib.traits_of(name).one_stage
 
 
 def is_pipelined(record: RunRecord) -> bool:
   """A run of a method that computes on stale weights (a delay to compensate)."""
   name = method_of(record)
-  return name in methods_lib.RECORDS and not methods_lib.traits_of(name).delay_free
+  return name in methods_lib.PRESETS and not methods_lib.traits_of(name).delay_free
 
 
 def network_of(record: RunRecord) -> tuple:

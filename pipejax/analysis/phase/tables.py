@@ -71,7 +71,7 @@ def rows_table(rows: Sequence[Row], unit: Unit) -> str:
 def baseline_name(baseline: Baseline) -> str:
   """How the tables name a baseline: a preset defined for several base updates (the one-stage
   reference) by the update it ran, 'Adam' or 'momentum SGD'; another (Muon) by its own name."""
-  record = methods_lib.record_of(baseline.method)
+  record = methods_lib.preset_of(baseline.method)
   if len(record.optimizers) > 1:
     form = form_of(next(iter(baseline.runs.values())))
     update = {"ema": "Adam", "heavy_ball": "momentum SGD"}.get(form, record.display_name)

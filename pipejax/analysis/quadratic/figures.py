@@ -22,13 +22,13 @@ from pipejax.analysis.quadratic import simulation as quadratic_simulation
 
 
 def _color(method: str) -> str:
-  return methods_lib.record_of(method).color
+  return methods_lib.preset_of(method).color
 
 
 def _label(method: str) -> str:
   """The display name, with what the quadratic makes of it: no delay, or PipeMare's ``η / τ``."""
   form = quadratic.FORMS[method]
-  name = methods_lib.record_of(method).display_name
+  name = methods_lib.preset_of(method).display_name
   if not form.delayed:
     return f"{name} (no delay)"
   return f"{name} (lr/τ)" if form.rate_over_delay else name

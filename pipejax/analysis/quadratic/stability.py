@@ -61,9 +61,9 @@ import numpy as np
 from pipejax import methods as methods_lib
 from pipejax import optim
 
-# Every preset whose record gives its form on the quadratic (pipejax.methods.QuadraticForm).
-FORMS = {name: record.quadratic for name, record in methods_lib.RECORDS.items()
-         if record.quadratic is not None}
+# Every preset whose preset gives its form on the quadratic (pipejax.methods.QuadraticForm).
+FORMS = {name: preset.quadratic for name, preset in methods_lib.PRESETS.items()
+         if preset.quadratic is not None}
 METHODS = tuple(FORMS)
 PIPELINE_METHODS = tuple(name for name, form in FORMS.items() if form.delayed)
 # The unpipelined reference, the one method outside PIPELINE_METHODS.
