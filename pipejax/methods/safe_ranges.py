@@ -110,12 +110,12 @@ def token_tax(method: str, stages: int, micro_batches_per_update: int,
   if not readings:
     return None
   lowest = min(readings, key=lambda r: r["target"])
-  interval = (f" [{lowest['low']:.2f}, {lowest['high']:.2f}], {lowest['seeds']} seeds"
-              if lowest["low"] is not None else f", {lowest['seeds']} seed"
-              + ("s" if lowest["seeds"] != 1 else ""))
+  seeds = f"{lowest['seeds']} seed{'s' if lowest['seeds'] != 1 else ''}"
+  interval = (f"95% CI [{lowest['low']:.2f}, {lowest['high']:.2f}] over {seeds}"
+              if lowest["low"] is not None else seeds)
   others = [r["tax"] for r in readings if r is not lowest]
-  spread = (f" ({min(others):.2f}x to {max(others):.2f}x at its {len(others)} higher "
-            f"target{'s' if len(others) > 1 else ''})" if others else "")
+  spread = (f"; {min(others):.2f}x to {max(others):.2f}x at its {len(others)} higher "
+            f"target{'s' if len(others) > 1 else ''}" if others else "")
   return (f"the {lowest['study']} study measured a token tax at {stages} stages: it needed "
-          f"{lowest['tax']:.2f}x{interval} the sequences of {lowest['against']} to reach "
-          f"{lowest['target']:g} {lowest['unit']}{spread}")
+          f"{lowest['tax']:.2f} times the sequences of {lowest['against']} to reach "
+          f"{lowest['target']:g} {lowest['unit']} ({interval}{spread})")

@@ -58,8 +58,8 @@ def test_the_sentence_states_the_lowest_target_and_the_spread_of_the_others():
        "unit": "bits per byte", "tax": 2.4, "against": "Muon", "low": 2.1, "high": 2.7,
        "seeds": 2}]}
   text = safe_ranges.token_tax("pipedream_muon", 32, 1, taxes)
-  assert "needed 2.40x [2.10, 2.70], 2 seeds the sequences of Muon to reach 2.8 bits" in text
-  assert "(3.50x to 3.50x at its 1 higher target)" in text
+  assert ("needed 2.40 times the sequences of Muon to reach 2.8 bits per byte (95% CI [2.10, "
+          "2.70] over 2 seeds; 3.50x to 3.50x at its 1 higher target)") in text
   assert safe_ranges.token_tax("pipedream_muon", 16, 1, taxes) is None
   assert safe_ranges.token_tax("pipedream_muon", 32, 8, taxes) is None
   assert safe_ranges.token_tax("pb_muon", 32, 1, taxes) is None
@@ -75,7 +75,7 @@ def test_the_start_up_warning_states_a_measured_tax(monkeypatch):
   monkeypatch.setattr(safe_ranges, "load_taxes", lambda path=None: taxes)
   # At 8 stages PB + Muon holds level (lm_depth): the tax alone is the warning.
   warning = experiment.delay_memory_warning(plan, accounting.stage_delays(8))
-  assert warning is not None and "needed 1.70x, 1 seed the sequences of Muon" in warning
+  assert warning is not None and "needed 1.70 times the sequences of Muon to reach 2.6 bits per byte (1 seed)" in warning
   assert "behind" not in warning
   # At 32 stages it is behind, and no tax is measured there: the gap alone.
   warning = experiment.delay_memory_warning(plan, accounting.stage_delays(32))
