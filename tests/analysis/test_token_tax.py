@@ -75,7 +75,8 @@ def test_the_start_up_warning_states_a_measured_tax(monkeypatch):
   monkeypatch.setattr(safe_ranges, "load_taxes", lambda path=None: taxes)
   # At 8 stages PB + Muon holds level (lm_depth): the tax alone is the warning.
   warning = experiment.delay_memory_warning(plan, accounting.stage_delays(8))
-  assert warning is not None and "needed 1.70 times the sequences of Muon to reach 2.6 bits per byte (1 seed)" in warning
+  assert warning is not None and (
+      "needed 1.70 times the sequences of Muon to reach 2.6 bits per byte (1 seed)") in warning
   assert "behind" not in warning
   # At 32 stages it is behind, and no tax is measured there: the gap alone.
   warning = experiment.delay_memory_warning(plan, accounting.stage_delays(32))
