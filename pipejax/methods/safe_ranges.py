@@ -39,7 +39,8 @@ class Finding:
 
 @functools.lru_cache(maxsize=None)
 def load(path: str = PATH) -> dict:
-  """The generated file's per-preset entries (empty when the file is absent)."""
+  """A generated file's per-preset entries (empty when the file is absent): by default the safe
+  ranges."""
   if not os.path.exists(path):
     return {}
   with open(path, encoding="utf-8") as f:
@@ -91,13 +92,9 @@ def finding(method: str, x: float, momentum: float, ranges: dict | None = None) 
                  "cost here is unmeasured")
 
 
-@functools.lru_cache(maxsize=None)
 def load_taxes(path: str = TAX_PATH) -> dict:
   """The generated token-tax file's per-preset readings (empty when the file is absent)."""
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)["methods"]
+  return load(path)
 
 
 def token_tax(method: str, stages: int, micro_batches_per_update: int,
