@@ -36,8 +36,8 @@ Order: the short baseline budgets first (minutes each), then x2 on seed 0
 (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2 decides the rest; then x0.5
 on seed 0, PipeDream + Muon at 8 sequences per update first among them (under PipeDream-2BW it
 ties with ZB-H1 at batch 8 at a tax of 2.32x, where at 1 sequence per update it needs 0.89x,
-and at x1 the two end level); then seed 1 at every budget for the baseline and the best asynchronous method at
-their best rates; then x4 where the budget allows.
+and at x1 the two end level); then seed 1 at every budget for the baseline and the best
+asynchronous method at their best rates; then x4 where the budget allows.
 
 Cost, from lm_regime's records (wall seconds at x1 beside one to five other trainers on the
 2-core CPU): a 32-stage pipelined run 2,900 to 9,400 s (median about 5,000 s), one-stage Muon
