@@ -177,7 +177,8 @@ def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
     return text + f"; it does not fall, so the fit never reaches {goal:g}×."
   cross = math.exp(mx + (math.log(goal) - my) / slope)
   return text + (f"; extrapolated, it would reach {goal:g}× at about {cross:,.0f} samples of "
-                 "the baseline (an extrapolation of the fit, not a measurement).")
+                 f"the baseline, {cross / points[-1][0]:,.0f} times the most of these targets "
+                 "needs (an extrapolation of the fit, not a measurement).")
 
 
 def _figure(path: str, curves: dict[str, list[BudgetPoint]], targets: Sequence[float],

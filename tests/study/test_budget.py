@@ -87,7 +87,8 @@ def test_tax_trend_extrapolates_a_falling_tax_to_the_goal():
   taxes = [(1000.0, 2.0), (4000.0, 1.5)]
   slope = math.log(0.75) / math.log(4)
   cross = 1000 * math.exp(math.log(1.1 / 2) / slope)
-  assert f"{cross:,.0f}" in budget.tax_trend(taxes, 1.1)
+  assert f"{cross:,.0f} samples of the baseline, {cross / 4000:,.0f} times" in \
+      budget.tax_trend(taxes, 1.1)
   assert "does not fall" in budget.tax_trend([(1000.0, 1.5), (4000.0, 1.6)], 1.1)
 
 
