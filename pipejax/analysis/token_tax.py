@@ -49,9 +49,9 @@ def measured_taxes(tokens: budget.TokensToTarget, records: Sequence[RunRecord],
     found.setdefault(method, []).append({
         "study": study, "series": reading.series, "stages": stages,
         "micro_batches_per_update": per_update, "target": reading.target,
-        "unit": tokens.unit, "tax": round(reading.tax, 3), "against": reading.against,
-        "low": round(iv.low, 3) if iv.n >= 2 else None,
-        "high": round(iv.high, 3) if iv.n >= 2 else None, "seeds": iv.n})
+        "unit": tokens.unit, "tax": round(reading.tax, 4), "against": reading.against,
+        "low": round(iv.low, 4) if iv.n >= 2 else None,
+        "high": round(iv.high, 4) if iv.n >= 2 else None, "seeds": iv.n})
   return dict(sorted(found.items()))
 
 
