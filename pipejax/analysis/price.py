@@ -151,15 +151,17 @@ class TimeToTarget:
     """The stage costs file, relative to ``workdir`` unless absolute."""
     return read_costs(os.path.join(workdir, self.costs))  # an absolute path stays itself
 
-  def timed(self, records: Sequence[dict], costs: StageCosts) -> list[tuple]:
+  def timed(self, records: Sequence[dict], costs: StageCosts,
+            targets: Sequence[float] | None = None) -> list[tuple]:
     """Per run: (series, schedule's name, batch, time per sample, crossings, times to each
-    target), the time ``inf`` where the series does not reach the target inside its budgets."""
+    target), the time ``inf`` where the series does not reach the target inside its budgets.
+    ``targets`` (in the report's unit) default to the section's."""
     curves = self.tokens.points(records)
     found = []
     for series, schedule, batch in self.runs:
       per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
       reached = [budget.crossings(curves[series], t / self.tokens.scale)
-                 for t in self.tokens.targets]
+                 for t in (self.tokens.targets if targets is None else targets)]
       times = [c.samples * per_sample if c.kind == "reached" else math.inf for c in reached]
       found.append((series, schedule_name(schedule, costs, self.num_devices), batch, per_sample,
                     reached, times))
@@ -226,13 +228,10 @@ class TimeToTarget:
     if not at_goal:
       return [f"The goal: no run of {tokens.baseline} at {self.goal_samples:,} sequences yet."]
     target = at_goal[0].mean
-    curves, synchronous = tokens.points(records), set(tokens.synchronous or (tokens.baseline,))
-    times = {}
-    for series, schedule, batch in self.runs:
-      crossing = budget.crossings(curves[series], target)
-      per_sample = time_per_sample(schedule, costs, self.num_devices, batch)
-      times[(series, schedule_name(schedule, costs, self.num_devices))] = (
-          crossing.samples * per_sample if crossing.kind == "reached" else math.inf)
+    synchronous = set(tokens.synchronous or (tokens.baseline,))
+    times = {(series, name): to_target
+             for series, name, _, _, _, (to_target,) in self.timed(
+                 records, costs, (target * tokens.scale,))}
     sync_best = min(((t, key) for key, t in times.items() if key[0] in synchronous),
                     default=(math.inf, None))
     readings = tokens.taxes(records)

@@ -40,11 +40,12 @@ def measured_taxes(tokens: budget.TokensToTarget, records: Sequence[RunRecord],
                    study: str) -> dict:
   """Per preset, every tax ``tokens`` reads from ``records``: its depth, micro-batches per
   update, target, tax, 95% interval over seeds (None below two seeds) and seeds."""
-  where_of = dict(tokens.series)
+  readings = tokens.taxes(records)
+  facts = {label: _series_facts(records, where, label) for label, where in tokens.series
+           if any(r.series == label for r in readings)}
   found: dict[str, list] = {}
-  for reading in tokens.taxes(records):
-    method, stages, per_update = _series_facts(records, where_of[reading.series],
-                                               reading.series)
+  for reading in readings:
+    method, stages, per_update = facts[reading.series]
     iv = reading.interval
     found.setdefault(method, []).append({
         "study": study, "series": reading.series, "stages": stages,

@@ -59,14 +59,19 @@ def record(method, samples, loss):
        "overrides": {"method": method, "seed": 0, "epochs": samples}})
 
 
-def test_the_section_multiplies_samples_to_target_by_time_per_sample(tmp_path):
-  costs = uniform_costs(4, 3.0e9)
+def sync_and_async_section(tmp_path, costs, **kwargs):
+  """A section of a synchronous series under 1F1B at 8 and an asynchronous one under PB at 1, on
+  4 devices, with ``costs`` written where it reads them."""
   (tmp_path / "costs.json").write_text(json.dumps(costs.as_dict()))
   tokens = budget.TokensToTarget(
       series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
       baseline="Sync", targets=(2.5,))
-  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)),
-                               "costs.json", num_devices=4)
+  return price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+                            num_devices=4, **kwargs)
+
+
+def test_the_section_multiplies_samples_to_target_by_time_per_sample(tmp_path):
+  section = sync_and_async_section(tmp_path, uniform_costs(4, 3.0e9))
   records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0),
              record("async", 1000, 2.9), record("async", 4000, 2.1)]
   text = section(records, str(tmp_path))
@@ -117,15 +122,9 @@ def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path)
   # samples (tax 1.05 everywhere), and pb at 1 sequence per update costs 3 + 8 a sequence,
   # against 1f1b at 8 micro-batches' (3 (8 + 3) + 8) / 8 = 5.125: Async's time is
   # 1.05 × 11 / 5.125 = 2.25 times Sync's, so the tax is met and the time is not.
-  costs = uniform_costs(4, 8.0)
-  (tmp_path / "costs.json").write_text(json.dumps(costs.as_dict()))
-  tokens = budget.TokensToTarget(
-      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
-      baseline="Sync", targets=(2.5,))
+  section = sync_and_async_section(tmp_path, uniform_costs(4, 8.0), goal_samples=4000)
   records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
              record("async", 1050, 3.0), record("async", 4200, 2.0), record("async", 8400, 1.8)]
-  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)),
-                               "costs.json", num_devices=4, goal_samples=4000)
   lines = section.goal(records, str(tmp_path))
   assert "Sync's loss at 4,000 sequences (2.000 )" in lines[0]
   assert f"Sync under 1f1b, {4000 * 5.125 / 1e9:,.1f} × 10⁹" in lines[0]
