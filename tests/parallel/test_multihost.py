@@ -43,6 +43,9 @@ CONFIG = ["--config=configs/default.py:smoke", "--config.mesh.stage=2", "--confi
           "--config.checkpoint_every_samples=200", "--config.plot_curves=False"]
 TOTAL = 400
 FIRST_PROGRESS = re.compile(r"\[\d+/400 samples")
+# A progress line after the second chunk: by then both programs of a chunk are compiled (the
+# filling pipeline's, then the full one's, without the guard against empty slots).
+SECOND_PROGRESS = re.compile(r"\[\d+/400 samples(?:.|\n)*\[\d+/400 samples")
 
 
 def _env(devices: int, cache: pathlib.Path) -> dict:
@@ -295,7 +298,10 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
   processes = _start(tmp_path / "killed", 2, cache, [
       "--heartbeat_timeout=5", "--config.mesh.stage=1", "--config.mesh.data=4",
       "--config.micro_batch_size=4"])
-  _wait_for_line(processes[0][1], FIRST_PROGRESS, processes)
+  # Killed while the survivor compiles (seconds on a loaded machine), the survivor reaches no
+  # collective before the 5 s heartbeat, and JAX's coordination service aborts it instead: wait
+  # until the chunks' programs are compiled, so that the survivor's next step is a collective.
+  _wait_for_line(processes[0][1], SECOND_PROGRESS, processes)
   for (_, log), slots in zip(processes, ("[0, 1]", "[2, 3]")):
     assert f"loads rows {slots} of every micro-batch of 4" in log.read_text()
   killed_at = time.monotonic()
