@@ -36,19 +36,20 @@ Order: the short baseline budgets first (minutes each), then x2 on seed 0
 (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2 decides the rest; then x0.5
 on seed 0, PipeDream + Muon at 8 sequences per update first among them (under PipeDream-2BW it
 ties with ZB-H1 at batch 8 at a tax of 2.32x, where at 1 sequence per update it needs 0.89x,
-and at x1 the two end level); then seed 1 at every budget for the baseline and the best
-asynchronous method at their best rates; then x4 where the budget allows.
+and at x1 the two end level); then seed 1 for the best synchronous baseline (Muon at batch 8,
+the sooner to every target measured) and the best asynchronous method (PipeDream + Muon), each
+at the rate seed 0 found best at that budget; then x4 for the same two where the budget allows.
 
-Cost, from lm_regime's records (wall seconds at x1 beside one to five other trainers on the
-2-core CPU): a 32-stage pipelined run 2,900 to 9,400 s (median about 5,000 s), one-stage Muon
-at batch 1 2,000 to 6,000 s, one-stage Muon at batch 8 120 to 3,400 s (it takes an eighth of
-the optimizer steps). Run time scales with the budget. The grid below, without the x1 cells it
-copies, is 10 runs at x2 (about 5,000 s x 2 each: 28 trainer-hours), 10 at x0.5 (7 hours), 4
-seed-1 runs at x2 and x0.5 for the baseline and the best asynchronous method (8 hours), 4 at x4
-(22 hours) and the 7 extra baseline runs at batch 8 (about an hour; measured: 6 to 11 minutes
-each at x0.125 and x0.25 beside two other trainers): about 65 trainer-hours, or 33 hours of
-this CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are about
-18 hours of this CPU.
+Cost, measured on the 2-core CPU beside one to two other trainers (wall time of one run):
+Muon at batch 8 6 to 11 minutes at x0.125 and x0.25, 15 to 35 at x0.5, 30 at x1, 122 at x2;
+a 32-stage pipeline at batch 1 50 to 57 minutes at x0.5 and 49 to 90 at x1; PipeDream + Muon
+at 8 sequences per update 127 minutes at x1; one-stage Muon at batch 1 33 to 100 minutes at x1.
+Run time scales with the budget. The grid below, without the x1 cells it copies: 10 runs at x2
+(about 20 trainer-hours), 10 at x0.5 (about 7), the 8 extra baseline runs at x0.125 to x1 on
+seed 0 (about 1.5), the 7 seed-1 runs (about 8: the baseline's five about 3.5, PipeDream's x0.5
+and x2 about 4.5) and 4 at x4 (the baseline's about 8, PipeDream's about 10 each: 28): about
+65 trainer-hours, or 33 hours of this CPU at two trainers at a time, five to six sessions. x2 and
+x0.5 on seed 0 alone are about 14 hours of this CPU.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -80,10 +81,15 @@ PIPEDREAM_BATCH = ("pipedream_muon", {
     "reference.batch_size": (SEQUENCES_PER_UPDATE,)}, 8e-3)
 PB_MUON = ("pb_muon", {}, 2e-3)
 METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
-# Seed 1 at every budget for the baseline and the best asynchronous method.
-SECOND_SEED = (MUON, PIPEDREAM)
-# x4 only for these: 2.7 epochs of the training split at about 5.5 hours a run.
-LONGEST = (MUON, PIPEDREAM)
+# Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured) and the
+# best asynchronous method, at each budget at the rate seed 0 found best there (batch 8 up to x1:
+# twice its x1 best, level with its x1 best within 0.005 bits per byte at x0.5 and x1).
+SECOND_SEED = ((MUON_BATCH, {0.125: 1.6e-2, 0.25: 1.6e-2, 0.5: 1.6e-2, 1.0: 1.6e-2, 2.0: 8e-3}),
+               (PIPEDREAM, {0.5: 2e-3, 2.0: 2e-3}))
+# lm_regime's seed-1 runs at x1, copied: Muon at batch 1 and PipeDream + Muon.
+SECOND_SEED_X1 = (MUON, PIPEDREAM)
+# x4 only for these: 2.7 epochs of the training split, about 5.5 hours a run at batch 1.
+LONGEST = (MUON_BATCH, PIPEDREAM)
 # Budgets below x0.5 for the cheap baseline only: a pipeline's loss at x0.5 lies above what the
 # baseline reaches at x0.5, and its tax there needs the baseline's curve to bracket that loss.
 SHORT = (0.125, 0.25)
@@ -127,10 +133,10 @@ def _grids() -> list[dict]:
     for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
       grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))
                 for m, extra, best in METHODS]
-  for multiplier in (2.0, 0.5):
-    grids += [_cell(m, extra, (best,), (1,), _schedule(multiplier))
-              for m, extra, best in SECOND_SEED]
-  grids += [_cell(m, extra, (best,), (1,), {}) for m, extra, best in SECOND_SEED]
+  for (m, extra, _), rates in SECOND_SEED:
+    grids += [_cell(m, extra, (rate,), (1,), _schedule(multiplier) if multiplier != 1 else {})
+              for multiplier, rate in rates.items()]
+  grids += [_cell(m, extra, (best,), (1,), {}) for m, extra, best in SECOND_SEED_X1]
   grids += [_cell(m, extra, (best,), (0, 1), _schedule(4.0)) for m, extra, best in LONGEST]
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
