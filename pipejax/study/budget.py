@@ -169,16 +169,31 @@ def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
   if sxx == 0:
     return ""
   slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-  text = (f"Fitted over {len(points)} targets, the tax scales as samples^{slope:+.2f} "
-          "(log tax linear in the baseline's log samples to the target)")
+  text = (f"Fitted over {len(points)} targets, whose baseline samples span "
+          f"{points[-1][0] / points[0][0]:.1f}-fold ({points[0][0]:,.0f} to {points[-1][0]:,.0f}), "
+          f"the tax scales as samples^{slope:+.2f} (log tax linear in the baseline's log samples "
+          "to the target)")
   if points[-1][1] <= goal:
     return text + f"; it is already at or below {goal:g}× at the longest target reached."
   if slope >= 0:
     return text + f"; it does not fall, so the fit never reaches {goal:g}×."
   cross = math.exp(mx + (math.log(goal) - my) / slope)
-  return text + (f"; extrapolated, it would reach {goal:g}× at about {cross:,.0f} samples of "
-                 f"the baseline, {cross / points[-1][0]:,.0f} times the most of these targets "
+  return text + (f"; extrapolated, it would reach {goal:g}× at about {_about(cross)} samples of "
+                 f"the baseline, {_about(cross / points[-1][0])} times the most of these targets "
                  "needs (an extrapolation of the fit, not a measurement).")
+
+
+_SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+def _about(x: float) -> str:
+  """``x`` to two significant figures: ``18,000``, or ``1.6·10¹⁴`` from a million up (the
+  precision of an extrapolation, not of a measurement)."""
+  rounded = float(f"{x:.2g}")
+  if rounded < 1e6:
+    return f"{rounded:,.0f}" if rounded >= 10 else f"{rounded:g}"
+  exponent = math.floor(math.log10(rounded))
+  return f"{rounded / 10 ** exponent:.1f}·10{str(exponent).translate(_SUPERSCRIPT)}"
 
 
 def _figure(path: str, curves: dict[str, list[BudgetPoint]], targets: Sequence[float],

@@ -87,8 +87,11 @@ def test_tax_trend_extrapolates_a_falling_tax_to_the_goal():
   taxes = [(1000.0, 2.0), (4000.0, 1.5)]
   slope = math.log(0.75) / math.log(4)
   cross = 1000 * math.exp(math.log(1.1 / 2) / slope)
-  assert f"{cross:,.0f} samples of the baseline, {cross / 4000:,.0f} times" in \
-      budget.tax_trend(taxes, 1.1)
+  # cross is about 17,800 samples, 4.46 times 4,000: both to two significant figures.
+  assert 17_000 < cross < 18_500
+  text = budget.tax_trend(taxes, 1.1)
+  assert "about 18,000 samples of the baseline, 4.5 times" in text
+  assert "span 4.0-fold (1,000 to 4,000)" in text
   assert "does not fall" in budget.tax_trend([(1000.0, 1.5), (4000.0, 1.6)], 1.1)
 
 
@@ -163,6 +166,16 @@ def test_the_tax_readings_are_the_series_samples_over_the_best_synchronous_serie
   assert reading.baseline_samples == pytest.approx(2000.0)
   assert reading.tax == pytest.approx(1000 * 4 ** (1 / 1.1) / 2000)
   assert reading.interval.n == 1  # one seed: no interval
+
+
+def test_a_nearly_flat_tax_extrapolates_in_powers_of_ten_not_to_the_sample():
+  # tax = 2.7 (s / 5000) ** -0.04: reaches 1.1 at 5000 (2.7 / 1.1) ** 25, about 2.8e13 samples.
+  taxes = [(5000.0, 2.7), (9000.0, 2.7 * 1.8 ** -0.04)]
+  cross = 5000 * (2.7 / 1.1) ** 25
+  assert 2.75e13 < cross < 2.85e13
+  text = budget.tax_trend(taxes, 1.1)
+  assert "samples^-0.04" in text
+  assert "about 2.8·10¹³ samples of the baseline, 3.1·10⁹ times" in text
 
 
 def test_the_tax_trend_reads_the_longest_target_whatever_the_order_given():
