@@ -242,6 +242,9 @@ class TimeToTarget:
              + (f" ({sync_best[1][0]} under {sync_best[1][1]}, {sync_best[0] / 1e9:,.1f} × 10⁹ "
                 "FLOP-times)."
                 if sync_best[1] else " (none reaches it inside its budgets yet).")]
+    per_sample = {(series, schedule): time_per_sample(schedule, costs, self.num_devices, batch)
+                  for series, schedule, batch in self.runs}
+    fastest_sync = min(t for (series, _), t in per_sample.items() if series in synchronous)
     met = []
     for (series, name), time in times.items():
       if series in synchronous:
@@ -250,6 +253,12 @@ class TimeToTarget:
       longest = min(mine, key=lambda r: r.target) if mine else None
       tax = (f"tax {longest.tax:.2f}× at {longest.target:g} {tokens.unit}" if longest
              else "no tax measured yet")
+      tie = fastest_sync / per_sample[series, name]
+      trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in mine])
+      if longest and longest.tax > tie and trend and trend.samples_at(tie):
+        tax += (f", falling as samples^{trend.slope:+.2f}: extrapolated, to its break-even "
+                f"{tie:.2f}× at about {budget.about(trend.samples_at(tie))} sequences of the "
+                "best synchronous run")
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
               else "does not reach it inside its budgets")
       ok = bool(longest) and longest.tax <= self.goal_tax and time < sync_best[0]

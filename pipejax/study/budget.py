@@ -156,37 +156,65 @@ def _tax_text(tax: float | None, interval: statistics.Interval) -> str:
   return text
 
 
-def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
-  """A sentence on how the tax moves with the baseline's samples to the target, and, fitting
-  log tax linearly in log samples, at what samples it would cross ``goal``."""
-  points = sorted((s, t) for s, t in taxes if t and t > 0)  # the most samples last
+@dataclasses.dataclass(frozen=True)
+class TaxTrend:
+  """log tax linear in the baseline's log samples to the target, fitted over ``points``
+  (baseline samples, tax), the most samples last."""
+
+  slope: float
+  mean_log_samples: float
+  mean_log_tax: float
+  points: tuple[tuple[float, float], ...]
+
+  def samples_at(self, tax: float) -> float | None:
+    """The baseline samples at which the fitted tax equals ``tax``; None where it never
+    falls."""
+    if self.slope >= 0:
+      return None
+    return math.exp(self.mean_log_samples + (math.log(tax) - self.mean_log_tax) / self.slope)
+
+
+def fit_tax_trend(taxes: Sequence[tuple[float, float]]) -> TaxTrend | None:
+  """The least-squares :class:`TaxTrend` of ``(baseline samples, tax)`` pairs; None with fewer
+  than two distinct samples."""
+  points = tuple(sorted((s, t) for s, t in taxes if t and t > 0))
   if len(points) < 2:
-    return ""
+    return None
   xs = [math.log(s) for s, _ in points]
   ys = [math.log(t) for _, t in points]
   mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
   sxx = sum((x - mx) ** 2 for x in xs)
   if sxx == 0:
-    return ""
+    return None
   slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+  return TaxTrend(slope, mx, my, points)
+
+
+def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
+  """A sentence on how the tax moves with the baseline's samples to the target, and, fitting
+  log tax linearly in log samples, at what samples it would cross ``goal``."""
+  trend = fit_tax_trend(taxes)
+  if trend is None:
+    return ""
+  points, slope = trend.points, trend.slope
   text = (f"Fitted over {len(points)} targets, whose baseline samples span "
           f"{points[-1][0] / points[0][0]:.1f}-fold ({points[0][0]:,.0f} to {points[-1][0]:,.0f}), "
           f"the tax scales as samples^{slope:+.2f} (log tax linear in the baseline's log samples "
           "to the target)")
   if points[-1][1] <= goal:
     return text + f"; it is already at or below {goal:g}× at the longest target reached."
-  if slope >= 0:
+  cross = trend.samples_at(goal)
+  if cross is None:
     return text + f"; it does not fall, so the fit never reaches {goal:g}×."
-  cross = math.exp(mx + (math.log(goal) - my) / slope)
-  return text + (f"; extrapolated, it would reach {goal:g}× at about {_about(cross)} samples of "
-                 f"the baseline, {_about(cross / points[-1][0])} times the most of these targets "
+  return text + (f"; extrapolated, it would reach {goal:g}× at about {about(cross)} samples of "
+                 f"the baseline, {about(cross / points[-1][0])} times the most of these targets "
                  "needs (an extrapolation of the fit, not a measurement).")
 
 
 _SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
 
 
-def _about(x: float) -> str:
+def about(x: float) -> str:
   """``x`` to two significant figures: ``18,000``, or ``1.6·10¹⁴`` from a million up (the
   precision of an extrapolation, not of a measurement)."""
   rounded = float(f"{x:.2g}")

@@ -1,6 +1,7 @@
 """The time to a target loss (pipejax.analysis.price) against the closed forms of the schedules."""
 
 import json
+import math
 
 import pytest
 
@@ -139,3 +140,25 @@ def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path)
   slow = [record("async", 2000, 3.0), record("async", 8000, 2.0)]
   lines = section.goal(records[:3] + slow, str(tmp_path))
   assert "tax 2.00×" in lines[1] and lines[1].endswith("not met.")
+
+
+def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
+  # Sync crosses 2.5 at 2,000 and 2.2 at 1000 * 4 ** 0.8 (loss linear in log samples); Async at
+  # 4 and 3 times those. On these costs Async ties at 5.125 / 11 times Sync's samples, which the
+  # fit tax = 4 (s / 2000) ** slope reaches at 2000 (tie / 4) ** (1 / slope).
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=(2.5, 2.2))
+  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+                               num_devices=4, goal_samples=4000)
+  sync_at = (2000.0, 1000 * 4 ** 0.8)
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
+             record("async", 4000, 3.0), record("async", 4 * sync_at[0], 2.5),
+             record("async", 3 * sync_at[1], 2.2), record("async", 16000, 1.5)]
+  slope = math.log(3 / 4) / math.log(sync_at[1] / sync_at[0])
+  tie = 5.125 / 11
+  cross = 2000 * (tie / 4) ** (1 / slope)
+  line = section.goal(records, str(tmp_path))[1]
+  assert f"tax 3.00× at 2.2 , falling as samples^{slope:+.2f}" in line
+  assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
