@@ -229,9 +229,9 @@ class TimeToTarget:
       return [f"The goal: no run of {tokens.baseline} at {self.goal_samples:,} sequences yet."]
     target = at_goal[0].mean
     synchronous = set(tokens.synchronous or (tokens.baseline,))
-    times = {(series, name): to_target
-             for series, name, _, _, _, (to_target,) in self.timed(
-                 records, costs, (target * tokens.scale,))}
+    timed = self.timed(records, costs, (target * tokens.scale,))
+    times = {(series, name): to_target for series, name, _, _, _, (to_target,) in timed}
+    per_sample = {(series, name): each for series, name, _, each, _, _ in timed}
     sync_best = min(((t, key) for key, t in times.items() if key[0] in synchronous),
                     default=(math.inf, None))
     readings = tokens.taxes(records)
@@ -242,8 +242,6 @@ class TimeToTarget:
              + (f" ({sync_best[1][0]} under {sync_best[1][1]}, {sync_best[0] / 1e9:,.1f} × 10⁹ "
                 "FLOP-times)."
                 if sync_best[1] else " (none reaches it inside its budgets yet).")]
-    per_sample = {(series, schedule): time_per_sample(schedule, costs, self.num_devices, batch)
-                  for series, schedule, batch in self.runs}
     fastest_sync = min(t for (series, _), t in per_sample.items() if series in synchronous)
     met = []
     for (series, name), time in times.items():
@@ -255,10 +253,11 @@ class TimeToTarget:
              else "no tax measured yet")
       tie = fastest_sync / per_sample[series, name]
       trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in mine])
-      if longest and longest.tax > tie and trend and trend.samples_at(tie):
+      at_tie = trend.samples_at(tie) if trend else None
+      if longest and longest.tax > tie and at_tie:
         tax += (f", falling as samples^{trend.slope:+.2f}: extrapolated, to its break-even "
-                f"{tie:.2f}× at about {budget.about(trend.samples_at(tie))} sequences of the "
-                "best synchronous run")
+                f"{tie:.2f}× at about {budget.about(at_tie)} sequences of the best synchronous "
+                "run")
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
               else "does not reach it inside its budgets")
       ok = bool(longest) and longest.tax <= self.goal_tax and time < sync_best[0]
