@@ -296,11 +296,10 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
   # A data-only mesh, so that both processes load data (on the data x stage mesh above, the first
   # stage's devices, and so all loading, are process 0's).
   processes = _start(tmp_path / "killed", 2, cache, [
-      "--heartbeat_timeout=5", "--config.mesh.stage=1", "--config.mesh.data=4",
-      "--config.micro_batch_size=4"])
+      "--config.mesh.stage=1", "--config.mesh.data=4", "--config.micro_batch_size=4"])
   # Killed while the survivor compiles (seconds on a loaded machine), the survivor reaches no
-  # collective before the 5 s heartbeat, and JAX's coordination service aborts it instead: wait
-  # until the chunks' programs are compiled, so that the survivor's next step is a collective.
+  # collective before the heartbeat times out: wait until the chunks' programs are compiled, so
+  # that its next step is a collective. The default heartbeat (30 s) keeps the test under a minute.
   _wait_for_line(processes[0][1], SECOND_PROGRESS, processes)
   for (_, log), slots in zip(processes, ("[0, 1]", "[2, 3]")):
     assert f"loads rows {slots} of every micro-batch of 4" in log.read_text()
@@ -309,10 +308,37 @@ def test_a_killed_process_makes_the_other_exit_within_a_minute(tmp_path, cache):
   results = _finish(processes, timeout=120)
   survivor_code, survivor_log = results[0]
   assert time.monotonic() - killed_at < 60
-  # On localhost the dead process's connections close, so the next collective fails at once and
-  # the trainer says what happened; JAX's heartbeat (5 s here) is the backstop for silent deaths.
-  assert survivor_code == 1, survivor_log[-3000:]
-  assert "another process of the run died" in survivor_log, survivor_log[-3000:]
+  # On localhost the dead process's connections close, so the next collective usually fails at
+  # once and the trainer says what happened. Now and then (about 1 run in 25 on a loaded 2-core
+  # machine) gloo's collective does not fail, and JAX's heartbeat, the designed backstop for
+  # silent deaths, ends the survivor with JAX's own message: either way it exits, explained.
+  if survivor_code == 1:
+    assert "another process of the run died" in survivor_log, survivor_log[-3000:]
+  else:
+    assert survivor_code == -signal.SIGABRT, survivor_log[-3000:]
+    assert "stopped sending heartbeats" in survivor_log, survivor_log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_frozen_process_is_caught_by_the_heartbeat(tmp_path, cache):
+  # A stopped process keeps its connections open, so no collective fails: only the heartbeat
+  # tells the survivor, and JAX's coordination service ends it with its own message.
+  processes = _start(tmp_path / "frozen", 2, cache, [
+      "--heartbeat_timeout=5", "--config.mesh.stage=1", "--config.mesh.data=4",
+      "--config.micro_batch_size=4"])
+  _wait_for_line(processes[0][1], SECOND_PROGRESS, processes)
+  frozen_at = time.monotonic()
+  processes[1][0].send_signal(signal.SIGSTOP)
+  try:
+    survivor = processes[0][0]
+    survivor.wait(timeout=120)
+    assert time.monotonic() - frozen_at < 60
+  finally:
+    processes[1][0].kill()
+    _stop_all(processes)
+  log = processes[0][1].read_text()
+  assert survivor.returncode == -signal.SIGABRT, log[-3000:]
+  assert "stopped sending heartbeats" in log, log[-3000:]
 
 
 # ----------------------------------------------------------------------------- start-up
