@@ -253,7 +253,7 @@ class TimeToTarget:
              else "no tax measured yet")
       tie = fastest_sync / per_sample[series, name]
       trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in mine])
-      at_tie = trend.samples_at(tie) if trend else None
+      at_tie = trend.samples_at(tie) if trend and trend.extrapolable else None
       if longest and longest.tax > tie and at_tie:
         tax += (f", falling as samples^{trend.slope:+.2f}: extrapolated, to its break-even "
                 f"{tie:.2f}× at about {budget.about(at_tie)} sequences of the best synchronous "

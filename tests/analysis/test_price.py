@@ -162,3 +162,20 @@ def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
   line = section.goal(records, str(tmp_path))[1]
   assert f"tax 3.00× at 2.2 , falling as samples^{slope:+.2f}" in line
   assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
+
+
+def test_a_falling_tax_over_too_short_a_span_is_not_extrapolated(tmp_path):
+  # As above, with targets 2.5 and 2.4, which Sync crosses at 2,000 and 1000 * 4 ** 0.6 samples
+  # (1.15-fold): the tax falls from 4x to 3x, and the line states it without a break-even.
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=(2.5, 2.4))
+  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+                               num_devices=4, goal_samples=4000)
+  sync_at = (2000.0, 1000 * 4 ** 0.6)
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
+             record("async", 4000, 3.0), record("async", 4 * sync_at[0], 2.5),
+             record("async", 3 * sync_at[1], 2.4), record("async", 16000, 1.5)]
+  line = section.goal(records, str(tmp_path))[1]
+  assert "tax 3.00× at 2.4 ;" in line and "break-even" not in line

@@ -178,6 +178,20 @@ def test_a_nearly_flat_tax_extrapolates_in_powers_of_ten_not_to_the_sample():
   assert "about 2.8·10¹³ samples of the baseline, 3.1·10⁹ times" in text
 
 
+def test_a_tax_trend_over_too_short_a_span_is_not_extrapolated():
+  # Falling as samples^-0.11 over 1.2-fold: fitted and stated, never read out to the goal.
+  short = [(5000.0, 3.85), (6000.0, 3.85 * 1.2 ** -0.11)]
+  trend = budget.fit_tax_trend(short)
+  assert trend.span == pytest.approx(1.2) and not trend.extrapolable
+  assert trend.slope == pytest.approx(-0.11)
+  text = budget.tax_trend(short, 1.1)
+  assert "samples^-0.11" in text and "too short a span to extrapolate" in text
+  assert "about" not in text
+  wide = [(5000.0, 3.85), (5000.0 * budget.MIN_SPAN, 3.85 * budget.MIN_SPAN ** -0.11)]
+  assert budget.fit_tax_trend(wide).extrapolable
+  assert "extrapolated, it would reach 1.1×" in budget.tax_trend(wide, 1.1)
+
+
 def test_the_tax_trend_reads_the_longest_target_whatever_the_order_given():
   # Falling from 2.0 at 1,000 samples to 1.0 at 4,000: at the goal at the longest target.
   taxes = [(1000.0, 2.0), (4000.0, 1.0)]
