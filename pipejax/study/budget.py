@@ -158,8 +158,8 @@ def _tax_text(tax: float | None, interval: statistics.Interval) -> str:
 
 # The least span of baseline samples over which a tax trend is extrapolated. An error in the
 # slope moves the extrapolated crossing by the log of its distance over the log of the span: a
-# fit over 1.2-fold (two neighbouring targets) put PB + Muon's 1.1x at 3.7e8 samples, five powers
-# of ten out, on a slope that one more target could halve.
+# fit over two neighbouring targets (1.2-fold) can put 1.1x five powers of ten out, on a slope
+# that one more target could halve.
 MIN_SPAN = 1.5
 
 
