@@ -29,8 +29,8 @@ lengthen), the x1 best and twice it at x0.5. The methods:
 The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice and four times
 it, since the best rate rises as runs shorten): it is cheap (an eighth of the optimizer steps),
 and a pipeline's x0.5 loss lies above the baseline's x0.5 loss, so the tax there needs a shorter
-baseline budget to bracket it. At x1 it also runs at twice its best rate, since lm_regime's
-batch-8 sweep (4e-3 and 8e-3) ended at its best.
+baseline budget to bracket it. At x1 and x2 it also runs at twice its best rate: lm_regime's
+batch-8 sweep (4e-3 and 8e-3) ended at its best, and at x2 its best beat half of it.
 
 Order: the short baseline budgets first (minutes each), then x2 on seed 0
 (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2 decides the rest; then x0.5
@@ -44,7 +44,9 @@ Cost, measured on the 2-core CPU beside one to two other trainers (wall time of 
 Muon at batch 8 6 to 11 minutes at x0.125 and x0.25, 15 to 35 at x0.5, 30 at x1, 122 at x2;
 a 32-stage pipeline at batch 1 50 to 57 minutes at x0.5 and 49 to 90 at x1; PipeDream + Muon
 at 8 sequences per update 127 minutes at x1; one-stage Muon at batch 1 33 to 100 minutes at x1.
-Run time scales with the budget. The grid below, without the x1 cells it copies: 10 runs at x2
+Another machine of the same kind, with two or three trainers at a time, ran them 2.5 to 6 times
+faster: a 32-stage pipeline at batch 1 23 minutes at x0.5, Muon at batch 8 21 to 33 at x2.
+Run time scales with the budget. The grid below, without the x1 cells it copies: 11 runs at x2
 (about 20 trainer-hours), 10 at x0.5 (about 7), the 8 extra baseline runs at x0.125 to x1 on
 seed 0 (about 1.5), the 7 seed-1 runs (about 8: the baseline's five about 3.5, PipeDream's x0.5
 and x2 about 4.5) and 4 at x4 (the baseline's about 8, PipeDream's about 10 each: 28): about
@@ -127,8 +129,10 @@ def _grids() -> list[dict]:
   m, extra, best = MUON_BATCH
   grids = [_cell(m, extra, (best, best * 2, best * 4), (0,), _schedule(multiplier))
            for multiplier in SHORT]
-  # x1 at twice its best: lm_regime's batch-8 sweep (4e-3, 8e-3) ended at its best.
+  # x1 and x2 at twice its best: lm_regime's batch-8 sweep (4e-3, 8e-3) ended at its best, and at
+  # x2 its best beat half of it, so each bracket needs the rate above.
   grids.append(_cell(m, extra, (best * 2,), (0,), {}))
+  grids.append(_cell(m, extra, (best * 2,), (0,), _schedule(2.0)))
   for multiplier in (2.0, 0.5):  # every method at the x1 best rate first, then the other rate
     for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
       grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))
