@@ -50,7 +50,8 @@ class BudgetPoint:
 
 def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoint]:
   """A series' points, shortest budget first: at each budget (a run's ``samples``) the rate with
-  the lowest mean final loss over its seeds (the rate tuned per budget)."""
+  the lowest mean final loss (the rate tuned per budget), over the seeds every rate there has
+  where there are any: a rate's extra seed would otherwise move its mean by that seed's luck."""
   runs = [r for r in select(records, where) if r.status == FINISHED
           and is_number(r.test_loss) and is_number(r.samples)]
   by_budget: dict[int, dict] = {}
@@ -60,8 +61,12 @@ def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoin
   points = []
   for samples in sorted(by_budget):
     rates = by_budget[samples]
-    best = min(rates, key=lambda rate: sum(r.test_loss for _, r in rates[rate])
-               / len(rates[rate]))
+    shared = set.intersection(*({seed for seed, _ in runs_at} for runs_at in rates.values()))
+
+    def mean_loss(rate):
+      losses = [r.test_loss for seed, r in rates[rate] if seed in shared or not shared]
+      return sum(losses) / len(losses)
+    best = min(rates, key=mean_loss)
     points.append(BudgetPoint(
         samples, best, {seed: r.test_loss for seed, r in rates[best]},
         {seed: r.train_loss for seed, r in rates[best] if is_number(r.train_loss)}))

@@ -19,6 +19,18 @@ def record(method, samples, loss, seed=0, lr=1e-3, train_loss=None, status="fini
   return study_records.parse_record(r)
 
 
+def test_the_best_rate_is_chosen_on_the_seeds_every_rate_has():
+  # 1e-3 on seeds 0 and 1 (mean 2.35) against 2e-3 on seed 0 only (2.32): on seed 0, the seed
+  # both have, 1e-3 is the better (2.30), whatever seed 1 did.
+  records = [record("a", 1000, 2.30, seed=0, lr=1e-3), record("a", 1000, 2.40, seed=1, lr=1e-3),
+             record("a", 1000, 2.32, seed=0, lr=2e-3)]
+  (point,) = budget.budget_points(records, (("method", "a"),))
+  assert point.rate == 1e-3 and point.losses == {0: 2.30, 1: 2.40}
+  # Without a seed in common, each rate's own mean decides.
+  records[2] = record("a", 1000, 2.32, seed=2, lr=2e-3)
+  assert budget.budget_points(records, (("method", "a"),))[0].rate == 2e-3
+
+
 def test_crossing_interpolates_linearly_in_log_samples():
   # Between (1000, 3.0) and (4000, 2.0), the loss 2.5 lies halfway: at sqrt(1000 * 4000).
   kind, samples = budget.crossing([(1000, 3.0), (4000, 2.0)], 2.5)
