@@ -142,24 +142,30 @@ def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path)
   assert "tax 2.00×" in lines[1] and lines[1].endswith("not met.")
 
 
+def _falling_tax_goal_line(tmp_path, targets, sync_at) -> str:
+  """The goal line of Async, whose crossings of ``targets`` are 4 and 3 times Sync's
+  (``sync_at``), with Sync under 1F1B at batch 8 and Async under PB on 4 uniform stages."""
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=targets)
+  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+                               num_devices=4, goal_samples=4000)
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
+             record("async", 4000, 3.0), record("async", 4 * sync_at[0], targets[0]),
+             record("async", 3 * sync_at[1], targets[1]), record("async", 16000, 1.5)]
+  return section.goal(records, str(tmp_path))[1]
+
+
 def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
   # Sync crosses 2.5 at 2,000 and 2.2 at 1000 * 4 ** 0.8 (loss linear in log samples); Async at
   # 4 and 3 times those. On these costs Async ties at 5.125 / 11 times Sync's samples, which the
   # fit tax = 4 (s / 2000) ** slope reaches at 2000 (tie / 4) ** (1 / slope).
-  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
-  tokens = budget.TokensToTarget(
-      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
-      baseline="Sync", targets=(2.5, 2.2))
-  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
-                               num_devices=4, goal_samples=4000)
   sync_at = (2000.0, 1000 * 4 ** 0.8)
-  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
-             record("async", 4000, 3.0), record("async", 4 * sync_at[0], 2.5),
-             record("async", 3 * sync_at[1], 2.2), record("async", 16000, 1.5)]
+  line = _falling_tax_goal_line(tmp_path, (2.5, 2.2), sync_at)
   slope = math.log(3 / 4) / math.log(sync_at[1] / sync_at[0])
   tie = 5.125 / 11
   cross = 2000 * (tie / 4) ** (1 / slope)
-  line = section.goal(records, str(tmp_path))[1]
   assert f"tax 3.00× at 2.2 , falling as samples^{slope:+.2f}" in line
   assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
 
@@ -167,15 +173,5 @@ def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
 def test_a_falling_tax_over_too_short_a_span_is_not_extrapolated(tmp_path):
   # As above, with targets 2.5 and 2.4, which Sync crosses at 2,000 and 1000 * 4 ** 0.6 samples
   # (1.15-fold): the tax falls from 4x to 3x, and the line states it without a break-even.
-  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
-  tokens = budget.TokensToTarget(
-      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
-      baseline="Sync", targets=(2.5, 2.4))
-  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
-                               num_devices=4, goal_samples=4000)
-  sync_at = (2000.0, 1000 * 4 ** 0.6)
-  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0), record("sync", 8000, 1.8),
-             record("async", 4000, 3.0), record("async", 4 * sync_at[0], 2.5),
-             record("async", 3 * sync_at[1], 2.4), record("async", 16000, 1.5)]
-  line = section.goal(records, str(tmp_path))[1]
+  line = _falling_tax_goal_line(tmp_path, (2.5, 2.4), (2000.0, 1000 * 4 ** 0.6))
   assert "tax 3.00× at 2.4 ;" in line and "break-even" not in line
