@@ -236,6 +236,30 @@ def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
                  "needs (an extrapolation of the fit, not a measurement).")
 
 
+def slope_interval(readings: Sequence[TaxReading]) -> statistics.Interval:
+  """The tax trend's slope fitted on each seed's own runs (its taxes paired with the baseline's
+  same seed), and the Student-t interval of those slopes over the seeds whose fit spans at least
+  :data:`MIN_SPAN`: the test of whether the tax falls or rises with the budget."""
+  seeds = sorted({seed for r in readings for seed in r.per_seed})
+  slopes = []
+  for seed in seeds:
+    trend = fit_tax_trend([r.per_seed[seed] for r in readings if seed in r.per_seed])
+    if trend is not None and trend.extrapolable:
+      slopes.append(trend.slope)
+  return statistics.paired(slopes)
+
+
+def slope_interval_text(interval: statistics.Interval) -> str:
+  """One sentence on :func:`slope_interval`; empty under two seeds."""
+  if interval.n < 2:
+    return ""
+  verdict = ("it falls" if interval.high < 0 else "it rises" if interval.low > 0
+             else "neither a fall nor a rise is shown")
+  return (f" Fitted on each seed's own runs, the slope is {interval.mean:+.2f} "
+          f"[{interval.low:+.2f}, {interval.high:+.2f}], n = {interval.n} seeds, "
+          f"p = {interval.p_value:.2g} (t-test of no trend): {verdict}.")
+
+
 _SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
 
 
@@ -287,6 +311,8 @@ class TaxReading:
   interval: statistics.Interval  # paired by seed; n < 2 where no seed crossed in both
   against: str
   baseline_samples: float
+  # seed -> (the baseline's samples to the target on that seed, the tax on that seed)
+  per_seed: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +398,11 @@ class TokensToTarget:
           continue  # a synchronous series got there sooner than its shortest budget says
         tax, interval = token_tax(found[label][i], best)
         if tax is not None:
-          readings.append(TaxReading(label, target, tax, interval, against, best.samples))
+          mine = found[label][i].per_seed
+          per_seed = {seed: (best.per_seed[seed], mine[seed] / best.per_seed[seed])
+                      for seed in sorted(set(mine) & set(best.per_seed))}
+          readings.append(TaxReading(label, target, tax, interval, against, best.samples,
+                                     per_seed))
     return readings
 
   def _targets_table(self, curves) -> str:
@@ -398,6 +428,7 @@ class TokensToTarget:
           + " |")
       trend = tax_trend([(r.baseline_samples, r.tax) for r in mine.values()], self.goal)
       if trend:
+        trend += slope_interval_text(slope_interval(list(mine.values())))
         trends.append(f"* {label}: {trend}")
     if trends:
       lines += ["", *trends]

@@ -1,5 +1,6 @@
 """Tokens to a target loss (pipejax.study.budget) against hand computations."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -178,6 +179,40 @@ def test_the_tax_readings_are_the_series_samples_over_the_best_synchronous_serie
   assert reading.baseline_samples == pytest.approx(2000.0)
   assert reading.tax == pytest.approx(1000 * 4 ** (1 / 1.1) / 2000)
   assert reading.interval.n == 1  # one seed: no interval
+  assert reading.per_seed == {0: (pytest.approx(2000.0), pytest.approx(reading.tax))}
+
+
+def _readings_with_slopes(slopes, samples=(1000.0, 2000.0, 4000.0)):
+  """Per seed, a tax of 2 (s / 1000) ** slope at each baseline sample s."""
+  return [budget.TaxReading("Async", float(i), 2.0, None, "Sync", s,
+                            {seed: (s, 2.0 * (s / 1000) ** slope)
+                             for seed, slope in enumerate(slopes)})
+          for i, s in enumerate(samples)]
+
+
+def test_the_tax_trend_is_tested_on_each_seeds_own_slope():
+  # Three seeds whose taxes fall exactly as s^-0.2, s^-0.25 and s^-0.3: the mean slope -0.25,
+  # its standard deviation 0.05 and Student-t interval -0.25 +/- t(0.975, 2) 0.05 / sqrt(3).
+  iv = budget.slope_interval(_readings_with_slopes((-0.2, -0.25, -0.3)))
+  half = stats.t.ppf(0.975, 2) * 0.05 / math.sqrt(3)
+  assert iv.n == 3 and iv.mean == pytest.approx(-0.25)
+  assert (iv.low, iv.high) == (pytest.approx(-0.25 - half), pytest.approx(-0.25 + half))
+  assert iv.p_value == pytest.approx(2 * stats.t.sf(0.25 / (0.05 / math.sqrt(3)), 2))
+  assert "it falls" in budget.slope_interval_text(iv)
+  # Two seeds with slopes of opposite sign show neither a fall nor a rise.
+  text = budget.slope_interval_text(budget.slope_interval(_readings_with_slopes((-0.1, 0.1))))
+  assert "n = 2 seeds" in text and "neither a fall nor a rise" in text
+  # One seed gives no interval and no sentence.
+  assert budget.slope_interval_text(budget.slope_interval(_readings_with_slopes((-0.2,)))) == ""
+
+
+def test_a_seed_whose_targets_span_too_little_is_left_out_of_the_slope_test():
+  readings = _readings_with_slopes((-0.2, -0.3, 0.5))
+  # Seed 2 crossed only the first two targets' neighbourhood: 1,000 to 1,200, under 1.5-fold.
+  readings = [dataclasses.replace(r, per_seed={**r.per_seed, 2: (1000.0 + 100 * i, 1.0)})
+              for i, r in enumerate(readings)]
+  iv = budget.slope_interval(readings)
+  assert iv.n == 2 and iv.mean == pytest.approx(-0.25)
 
 
 def test_a_nearly_flat_tax_extrapolates_in_powers_of_ten_not_to_the_sample():
