@@ -37,9 +37,10 @@ Order: the short baseline budgets first (minutes each), then x2 on seed 0
 on seed 0, PipeDream + Muon at 8 sequences per update first among them (under PipeDream-2BW it
 ties with ZB-H1 at batch 8 at a tax of 2.32x, where at 1 sequence per update it needs 0.89x,
 and at x1 the two end level); then seed 1 for the best synchronous baseline (Muon at batch 8,
-the sooner to every target measured) and the best asynchronous method (PipeDream + Muon, at 1
-and 8 sequences per update), each at the rate seed 0 found best at that budget; then x4 for the
-baseline and PipeDream + Muon where the budget allows.
+the sooner to every target measured), the best asynchronous method (PipeDream + Muon, at 1
+and 8 sequences per update) and PB + Muon at x0.5 and x1 (where its tax is read), each at the
+rate seed 0 found best at that budget; then x4 for the baseline and PipeDream + Muon where the
+budget allows.
 
 Cost, measured on the 2-core CPU beside one to two other trainers (wall time of one run):
 Muon at batch 8 6 to 11 minutes at x0.125 and x0.25, 15 to 35 at x0.5, 30 at x1, 122 at x2;
@@ -49,10 +50,10 @@ Another machine of the same kind, with two or three trainers at a time, ran them
 faster: a 32-stage pipeline at batch 1 23 minutes at x0.5, Muon at batch 8 21 to 33 at x2.
 Run time scales with the budget. The grid below, without the x1 cells it copies: 12 runs at x2
 (about 20 trainer-hours), 10 at x0.5 (about 7), the 8 extra baseline runs at x0.125 to x1 on
-seed 0 (about 1.5), the 10 seed-1 runs (about 12: the baseline's five about 3.5, PipeDream's
-x0.5 and x2 about 4.5, PipeDream's at 8 sequences per update about 4) and 4 at x4 (the
-baseline's about 8, PipeDream's about 10 each: 28): about 69 trainer-hours, or 35 hours of the
-slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
+seed 0 (about 1.5), the 12 seed-1 runs (about 14: the baseline's five about 3.5, PipeDream's
+x0.5 and x2 about 4.5, PipeDream's at 8 sequences per update about 4, PB + Muon's about 2) and 4
+at x4 (the baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 36
+hours of the slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
 about 14 hours of that CPU.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
@@ -85,13 +86,15 @@ PIPEDREAM_BATCH = ("pipedream_muon", {
     "reference.batch_size": (SEQUENCES_PER_UPDATE,)}, 8e-3)
 PB_MUON = ("pb_muon", {}, 2e-3)
 METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
-# Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured) and the
+# Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured), the
 # best asynchronous methods (PipeDream + Muon at 1 sequence per update, the lower tax; at 8, the
-# sooner on time), at each budget at the rate seed 0 found best there (batch 8 up to x1:
-# twice its x1 best, level with its x1 best within 0.005 bits per byte at x0.5 and x1).
+# sooner on time) and PB + Muon where it has a tax (x0.5 and x1), at each budget at the rate seed
+# 0 found best there (batch 8 up to x1: twice its x1 best, level with its x1 best within 0.005
+# bits per byte at x0.5 and x1).
 SECOND_SEED = ((MUON_BATCH, {0.125: 1.6e-2, 0.25: 1.6e-2, 0.5: 1.6e-2, 1.0: 1.6e-2, 2.0: 8e-3}),
                (PIPEDREAM, {0.5: 2e-3, 2.0: 2e-3}),
-               (PIPEDREAM_BATCH, {0.5: 8e-3, 1.0: 8e-3, 2.0: 8e-3}))
+               (PIPEDREAM_BATCH, {0.5: 8e-3, 1.0: 8e-3, 2.0: 8e-3}),
+               (PB_MUON, {0.5: 2e-3, 1.0: 2e-3}))
 # lm_regime's seed-1 runs at x1, copied: Muon at batch 1 and PipeDream + Muon.
 SECOND_SEED_X1 = (MUON, PIPEDREAM)
 # x4 only for these: 2.7 epochs of the training split, about 5.5 hours a run at batch 1.
