@@ -49,12 +49,12 @@ at 8 sequences per update 127 minutes at x1; one-stage Muon at batch 1 33 to 100
 Another machine of the same kind, with two or three trainers at a time, ran them 2.5 to 6 times
 faster: a 32-stage pipeline at batch 1 23 minutes at x0.5, Muon at batch 8 21 to 33 at x2.
 Run time scales with the budget. The grid below, without the x1 cells it copies: 12 runs at x2
-(about 20 trainer-hours), 10 at x0.5 (about 7), the 8 extra baseline runs at x0.125 to x1 on
-seed 0 (about 1.5), the 12 seed-1 runs (about 14: the baseline's five about 3.5, PipeDream's
-x0.5 and x2 about 4.5, PipeDream's at 8 sequences per update about 4, PB + Muon's about 2) and 4
-at x4 (the baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 36
-hours of the slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
-about 14 hours of that CPU.
+(about 20 trainer-hours), 10 at x0.5 (about 7), the 8 extra baseline runs at x0.125 to x1 on seed 0
+(about 1.5), the 12 seed-1 runs (about 14: the baseline's five about 3.5, PipeDream's x0.5 and x2
+about 4.5, PipeDream's at 8 sequences per update about 4, PB + Muon's about 2) and 4 at x4 (the
+baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 36 hours of the
+slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are about 14
+hours of that CPU.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
