@@ -4,6 +4,7 @@ r"""Runs a study: a grid of trainings (config x method x seed x overrides), N at
     python scripts/study.py --study=configs/studies/depth.py:smoke --workdir=/tmp/depth_smoke
     python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth \
         --report_only
+    python scripts/study.py --study=configs/studies/depth.py --workdir=docs/studies/depth --list
 
 Each run is its own ``scripts/train.py`` process in ``WORKDIR/runs/RUN_ID`` (its log in
 ``log.txt`` there). A finished or diverged run is appended to ``WORKDIR/results.jsonl`` and never
@@ -14,12 +15,13 @@ study at a time holds a workdir. ``WORKDIR/report.md``, ``results.csv`` and the 
 rewritten after every run. Runs share a persistent XLA compilation cache
 (``WORKDIR/runs/.jax_cache``), so runs that differ only by seed compile once.
 
-Exit status: 0 every selected run done; 75 some runs not done (stopped by a signal; named; rerun
-to continue); 1 some failed (named; retried on rerun), or the workdir is held by another study or
-cannot be written; 2 a study file or flag that cannot be used (a mistyped or malformed flag, a
-typo in the file, a grid key that is not a config field, a --where that selects nothing, the
-flag --report_only on a workdir without a study), or a study whose settings differ from the
-workdir's records; nothing is created then.
+Exit status: 0 every selected run done (with --list: listed); 75 some runs not done (stopped by
+a signal; named; rerun to continue); 1 some failed (named; retried on rerun), or the workdir is
+held by another study or cannot be written; 2 a study file or flag that cannot be used (a
+mistyped or malformed flag, a typo in the file, a grid key that is not a config field, a --where
+that selects nothing, the flag --report_only on a workdir without a study, --list with
+--report_only), or a study whose settings differ from the workdir's records; nothing is created
+then.
 The scheduler is ``pipejax/study/launcher.py``.
 """
 
@@ -42,6 +44,10 @@ _PARALLEL = flags.DEFINE_integer("parallel", None, "Trainings at a time; default
                                  "check then counts on 1/N of the memory.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False,
                                  "Only rewrite the report from results.jsonl.")
+_LIST = flags.DEFINE_bool("list", False,
+                          "Only list the selected runs and where each stands in the workdir "
+                          "(done, failed, stopped at a checkpoint, to run); trains nothing and "
+                          "writes nothing, so it may run beside the study.")
 _WHERE = flags.DEFINE_list("where", [], "Run only the grid points with these overrides, e.g. "
                            "--where=model_kwargs.depth=32,method=pb|pb_sc_lwp (one of the values "
                            "separated by '|'; the report covers all).")
@@ -57,6 +63,10 @@ def main(argv):
       preflight.check_config_keys(study)
   except study_lib.StudyError as e:
     print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if _LIST.value and _REPORT_ONLY.value:
+    print("error: --list and --report_only are two different things to do (list where the runs "
+          "stand; rewrite the report); give one of them.", file=sys.stderr)
     sys.exit(2)
   if not _WORKDIR.value.strip():  # abspath would make it the current directory
     print("error: --workdir is empty; give the study's own directory, e.g. "
@@ -84,7 +94,7 @@ def main(argv):
       sys.exit(2)
     where[key] = value
   sys.exit(launcher.main(study, workdir, parallel=parallel, command=command, where=where,
-                         report_only=_REPORT_ONLY.value))
+                         report_only=_REPORT_ONLY.value, list_only=_LIST.value))
 
 
 if __name__ == "__main__":

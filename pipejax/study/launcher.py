@@ -34,7 +34,7 @@ from typing import Sequence
 
 from pipejax import cli
 from pipejax.study import spec as study_lib
-from pipejax.study.lock import StudyBusy, describe_holder, hold
+from pipejax.study.lock import StudyBusy, describe_holder, hold, running_trainer
 from pipejax.study.preflight import check_report_workdir, check_selection, selected
 from pipejax.study import records as study_records
 from pipejax.study import report as study_report
@@ -181,6 +181,51 @@ def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None =
     else:
       result.not_done.append(rid)
   return result
+
+
+def _checkpointed_samples(run_dir: str) -> int | None:
+  """The samples of the newest checkpoint directory of a run (orbax names each by its samples),
+  read from the names alone: listing must not wait on orbax, nor touch a running trainer's."""
+  try:
+    names = os.listdir(os.path.join(run_dir, "checkpoints"))
+  except OSError:
+    return None
+  samples = [int(name) for name in names if name.isdigit()]
+  return max(samples) if samples else None
+
+
+def list_runs(study: study_lib.Study, workdir: str,
+              where: dict[str, str] | None = None) -> str:
+  """Each run ``where`` selects, in the order the study runs them, with where it stands in
+  ``workdir``: done (finished, diverged or skipped), failed, running, stopped at a checkpoint, or
+  to run.
+  Reads the records and the runs' directories and writes nothing, so it may run beside the
+  study that holds the workdir."""
+  records = {r.run: r for r in study_records.read_results(workdir)} if os.path.isdir(
+      workdir) else {}
+  lines, counts = [], {}
+  for overrides in selected(study, where):
+    rid = study_lib.run_id(overrides)
+    record = records.get(rid)
+    if study_records.is_done(record, study, overrides):
+      kind, detail = record.status, ""
+    elif record is not None and record.status == study_records.FAILED:
+      kind, detail = "failed", " (retried on rerun)"
+    else:
+      run_dir = os.path.join(workdir, "runs", study_lib.directory_name(rid))
+      samples, pid = _checkpointed_samples(run_dir), running_trainer(run_dir)
+      at = f"last checkpoint at {samples:,} samples" if samples is not None else ""
+      if pid is not None:
+        kind, detail = "running", f" (process {pid}{', ' + at if at else ''})"
+      elif samples is not None:
+        kind, detail = "stopped", f" ({at}: resumes from it on rerun)"
+      else:
+        kind, detail = "to run", ""
+    counts[kind] = counts.get(kind, 0) + 1
+    lines.append(f"{kind}{detail}: {rid}")
+  summary = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+  return "\n".join([f"Study {study.name!r}, {workdir}: {sum(counts.values())} runs selected"
+                    + (f" ({summary})." if summary else "."), *lines])
 
 
 def _names(runs: Sequence[str], limit: int = 10) -> str:
@@ -408,12 +453,15 @@ def _print_outcome(result: Outcome, workdir: str) -> None:
 
 def main(study: study_lib.Study, workdir: str, *, parallel: int, command: str,
          where: dict[str, str] | None = None, report_only: bool = False,
-         trainer: Sequence[str] = TRAINER) -> int:
+         list_only: bool = False, trainer: Sequence[str] = TRAINER) -> int:
   """What scripts/study.py does; returns its exit code. A problem a user can fix is printed
   as one paragraph, never as a traceback."""
   action = "Writing the report" if report_only else "Running the study"
   try:
     check_selection(study, where)
+    if list_only:
+      print(list_runs(study, workdir, where))
+      return EXIT_COMPLETE
     if report_only:
       check_report_workdir(workdir)
       check_records(study, workdir)

@@ -38,6 +38,20 @@ def describe_holder(lock: workdir_lib.FileLock, trainers: Sequence[int] = ()) ->
                 f"trainers: {' '.join(str(p) for p in trainers)}\n")
 
 
+def running_trainer(run_dir: str) -> int | None:
+  """The process id of the trainer that holds ``run_dir`` on this host, read from the text its
+  lock file keeps (never by taking the lock, which would make a trainer starting that instant
+  refuse its workdir); None when none runs there."""
+  try:
+    with open(os.path.join(run_dir, workdir_lib.LOCK_FILE)) as f:
+      holder = re.search(r"process (\d+) on (\S+)", f.read())
+  except OSError:
+    return None
+  if holder and holder.group(2) == socket.gethostname() and _alive(int(holder.group(1))):
+    return int(holder.group(1))
+  return None
+
+
 @contextlib.contextmanager
 def hold(workdir: str, wait_s: float = 300.0):
   """Holds ``workdir``'s study lock for the block; :class:`StudyBusy` if another study has it.

@@ -197,9 +197,9 @@ def _study_file(tmp_path, text, name="s.py"):
 
 @pytest.mark.parametrize("args", [
     ("--where=method=pbx",), ("--where=method=pb|sgdx,seed=3",), ("--report_only",),
-    ("--where=method=pb,method=sgd",)],
+    ("--where=method=pb,method=sgd",), ("--list", "--report_only")],
     ids=["no value matches", "one key matches nothing", "report of a missing workdir",
-         "a key named twice"])
+         "a key named twice", "list and report at once"])
 def test_a_selection_or_report_with_nothing_to_do_fails_in_one_line_creating_nothing(
     tmp_path, args):
   workdir = tmp_path / "mistyped"

@@ -18,6 +18,7 @@ from pipejax.study import records as study_records
 from pipejax.study import report as study_report
 from pipejax.study import launcher
 from pipejax.study.spec import Study, Table
+from pipejax.train import workdir as workdir_lib
 
 from tests.helpers import ROOT
 from tests.study.helpers import STUDY, TWO_RUNS, alive, record, run_main, start_study, changed
@@ -284,3 +285,39 @@ def test_a_stopped_study_stops_its_trainers_and_exits_75_naming_the_runs(tmp_pat
   assert process.returncode == launcher.EXIT_STOPPED, out
   assert not any(alive(pid) for pid in trainers)
   assert "SIGTERM: stopping" in out and "Not done (2, stopped before the end)" in out
+
+
+def test_list_says_where_each_selected_run_stands_and_writes_nothing(tmp_path, capsys):
+  """One run of each kind: finished, failed, running (its trainer's lock names a live process of
+  this host), stopped (a checkpoint, no trainer) and never started."""
+  study = Study(name="t", config="c.py", grids=[{"model_kwargs.depth": (4,), "method": ("sgd",),
+                                                  "seed": (0, 1, 2, 3, 4)}])
+  ids = [study_lib.run_id({"model_kwargs.depth": 4, "method": "sgd", "seed": s})
+         for s in range(5)]
+  records = [record("sgd", 4, 0, 0.8), record("sgd", 4, 1, 0.0, status=study_records.FAILED)]
+  (tmp_path / study_records.RESULTS_FILE).write_text(
+      "".join(json.dumps(r.to_json()) + "\n" for r in records))
+  run_dirs = [tmp_path / "runs" / study_lib.directory_name(rid) for rid in ids]
+  (run_dirs[2] / "checkpoints" / "250").mkdir(parents=True)
+  (run_dirs[2] / ".lock").write_text(workdir_lib.this_process())
+  (run_dirs[3] / "checkpoints" / "500").mkdir(parents=True)
+  (run_dirs[3] / "checkpoints" / "1000").mkdir()
+  (run_dirs[3] / "checkpoints" / "1500.orbax-checkpoint-tmp-1").mkdir()
+  # A trainer that has ended leaves its lock's text behind: no longer running.
+  (run_dirs[3] / ".lock").write_text(f"process {2 ** 22 + 1} on {os.uname().nodename}")
+  before = sorted(str(p) for p in tmp_path.rglob("*"))
+  assert run_main(tmp_path, (), study=study, list_only=True) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == (f"Study 't', {tmp_path}: 5 runs selected (1 finished, 1 failed, "
+                      "1 running, 1 stopped, 1 to run).")
+  assert lines[1:] == [
+      f"finished: {ids[0]}", f"failed (retried on rerun): {ids[1]}",
+      f"running (process {os.getpid()}, last checkpoint at 250 samples): {ids[2]}",
+      f"stopped (last checkpoint at 1,000 samples: resumes from it on rerun): {ids[3]}",
+      f"to run: {ids[4]}"]
+  assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+  # A workdir not made yet: every run is to run, and it stays unmade.
+  assert run_main(tmp_path / "new", (), study=study, list_only=True,
+                  where={"seed": "0|1"}) == 0
+  assert capsys.readouterr().out.splitlines()[1:] == [f"to run: {ids[0]}", f"to run: {ids[1]}"]
+  assert not (tmp_path / "new").exists()
