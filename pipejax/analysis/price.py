@@ -29,6 +29,7 @@ from typing import Sequence
 from pipejax import schedules
 from pipejax.schedules import LayerCost
 from pipejax.study import budget
+from pipejax.study import statistics
 
 SYNCHRONOUS = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2")
 INTERLEAVED = "interleaved"
@@ -119,6 +120,22 @@ def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
   return f"≤ {value}" if kind == "before" else value
 
 
+def _sooner_interval_text(first: tuple[float, budget.Crossing],
+                          second: tuple[float, budget.Crossing]) -> str:
+  """', [low, high] over n seeds, p = ...' for how many times sooner ``first`` (time per sample,
+  crossing) reaches a target than ``second``, per seed on each seed's own runs; '' under two."""
+  (first_each, first_at), (second_each, second_at) = first, second
+  seeds = sorted(set(first_at.per_seed) & set(second_at.per_seed))
+  logs = [math.log(second_at.per_seed[s] * second_each / (first_at.per_seed[s] * first_each))
+          for s in seeds]
+  result = statistics.paired(logs)
+  if result.n < 2:
+    return ""
+  verdict = "" if result.excludes_zero() else ": not told apart, the interval includes 1×"
+  return (f" ([{math.exp(result.low):.2f}, {math.exp(result.high):.2f}] on each seed's own "
+          f"runs, n = {result.n}, p = {result.p_value:.2g}{verdict})")
+
+
 @dataclasses.dataclass(frozen=True)
 class TimeToTarget:
   """A report section: the cost model's time to each target loss on ``num_devices`` devices.
@@ -172,9 +189,11 @@ class TimeToTarget:
     return self._fastest(self._best(self.timed(records, self.read_costs(workdir))))
 
   @staticmethod
-  def _best(timed: list[tuple]) -> dict[str, tuple[float, list, str]]:
-    return {f"{series} ({name})": (per_sample, times, series)
-            for series, name, _, per_sample, _, times in timed}
+  def _best(timed: list[tuple]) -> dict[str, tuple[float, list, str, list]]:
+    """Per run, keyed 'series (schedule)': (time per sample, times to each target, series,
+    crossings of each target)."""
+    return {f"{series} ({name})": (per_sample, times, series, reached)
+            for series, name, _, per_sample, reached, times in timed}
 
   def __call__(self, records: Sequence[dict], workdir: str) -> str:
     costs = self.read_costs(workdir)
@@ -198,23 +217,27 @@ class TimeToTarget:
       lines += ["", f"![Time to target]({figure})"]
     return "\n".join(lines)
 
-  def _fastest(self, best: dict[str, tuple[float, list, str]]) -> list[str]:
-    """Per target, the fastest synchronous and asynchronous runs, where both reached it."""
+  def _fastest(self, best: dict[str, tuple[float, list, str, list]]) -> list[str]:
+    """Per target, the fastest synchronous and asynchronous runs, where both reached it, and how
+    many times sooner the first gets there: on the seeds' mean curves, with the interval over
+    seeds of the same ratio on each seed's own runs (paired by seed) where two or more have it."""
     synchronous = set(self.tokens.synchronous or (self.tokens.baseline,))
     lines = []
     for i, target in enumerate(self.tokens.targets):
       sides = []
       for is_sync in (True, False):
-        reached = [(times[i], key) for key, (_, times, series) in best.items()
+        reached = [(times[i], key) for key, (_, times, series, _) in best.items()
                    if (series in synchronous) == is_sync and math.isfinite(times[i])]
         sides.append(min(reached) if reached else None)
       if all(sides):
         (sync_time, sync_key), (async_time, async_key) = sides
         faster = "asynchronous" if async_time < sync_time else "synchronous"
+        first, second = ((best[k][0], best[k][3][i]) for _, k in sorted(sides))
         lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync_key}, "
                      f"{sync_time / 1e9:,.1f}; fastest asynchronous {async_key}, "
                      f"{async_time / 1e9:,.1f}: the {faster} one first, "
-                     f"{max(sides)[0] / min(sides)[0]:.2f}× sooner.")
+                     f"{max(sides)[0] / min(sides)[0]:.2f}× sooner"
+                     f"{_sooner_interval_text(first, second)}.")
     return lines or ["No target is reached inside the budgets by both a synchronous and an "
                      "asynchronous series yet (a target below a series' shortest budget counts "
                      "only once a shorter budget brackets it)."]
@@ -273,7 +296,7 @@ class TimeToTarget:
     from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     drawn = False
-    for label, (_, times, _) in best.items():
+    for label, (_, times, _, _) in best.items():
       points = [(t, time / 1e9) for t, time in zip(self.tokens.targets, times)
                 if math.isfinite(time)]
       if points:

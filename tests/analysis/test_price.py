@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from scipy import stats
 
 from pipejax import schedules
 from pipejax.analysis import price
@@ -54,10 +55,10 @@ def test_damaged_stage_costs_are_refused_in_one_line(tmp_path):
     price.read_costs(str(path))
 
 
-def record(method, samples, loss):
+def record(method, samples, loss, seed=0):
   return study_records.parse_record(
-      {"run": f"{method},{samples}", "status": "finished", "test_loss": loss, "samples": samples,
-       "overrides": {"method": method, "seed": 0, "epochs": samples}})
+      {"run": f"{method},{samples},{seed}", "status": "finished", "test_loss": loss,
+       "samples": samples, "overrides": {"method": method, "seed": seed, "epochs": samples}})
 
 
 def sync_and_async_section(tmp_path, costs, **kwargs):
@@ -83,6 +84,32 @@ def test_the_section_multiplies_samples_to_target_by_time_per_sample(tmp_path):
   assert f"| {async_time / 1e9:,.1f} |" in text
   assert f"the synchronous one first, {async_time / sync_time:.2f}× sooner" in text
   assert (tmp_path / "time_to_target.png").exists()
+
+
+@pytest.mark.parametrize("update, async_seed_1, verdict", [
+    (3.0e9, 2.95, "p = "), (0.0, 3.1, "not told apart, the interval includes 1×")])
+def test_how_much_sooner_carries_an_interval_over_seeds_on_their_own_runs(
+    tmp_path, update, async_seed_1, verdict):
+  # Sync crosses 2.5 at 2,000 on both seeds; Async at 2,000 on seed 0 and at
+  # 1000 * 4 ** ((async_seed_1 - 2.5) / 0.8) on seed 1. Per seed, the time ratio is Async's
+  # samples times its time per sample over Sync's: the interval is Student's in log ratios.
+  section = sync_and_async_section(tmp_path, uniform_costs(4, update))
+  records = [record("sync", 1000, 3.0, seed) for seed in (0, 1)]
+  records += [record("sync", 4000, 2.0, seed) for seed in (0, 1)]
+  records += [record("async", 1000, 2.9), record("async", 4000, 2.1),
+              record("async", 1000, async_seed_1, 1), record("async", 4000, 2.3, 1)]
+  async_each, sync_each = 3 + update, (3 * (8 + 3) + update) / 8
+  async_at = [2000.0, 1000 * 4 ** ((async_seed_1 - 2.5) / (async_seed_1 - 2.3))]
+  logs = [math.log(a * async_each / (2000 * sync_each)) for a in async_at]
+  if sum(logs) < 0:  # Async first: the ratio is Sync's time over Async's
+    logs = [-v for v in logs]
+  mean, sd = sum(logs) / 2, abs(logs[0] - logs[1]) / math.sqrt(2)
+  half = stats.t.ppf(0.975, 1) * sd / math.sqrt(2)
+  text = section([*records], str(tmp_path))
+  assert (f"sooner ([{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}] on each seed's "
+          "own runs, n = 2, p = ") in text
+  assert verdict in text
+  assert ("not told apart" in text) == (mean - half < 0)
 
 
 def test_a_run_of_an_unknown_series_or_schedule_is_refused():
