@@ -19,9 +19,8 @@ Exit status: 0 every selected run done (with --list: listed); 75 some runs not d
 a signal; named; rerun to continue); 1 some failed (named; retried on rerun), or the workdir is
 held by another study or cannot be written; 2 a study file or flag that cannot be used (a
 mistyped or malformed flag, a typo in the file, a grid key that is not a config field, a --where
-that selects nothing, the flag --report_only on a workdir without a study, --list with
---report_only), or a study whose settings differ from the workdir's records; nothing is created
-then.
+that selects nothing, the flag --report_only on a workdir without a study or beside --list), or
+a study whose settings differ from the workdir's records; nothing is created then.
 The scheduler is ``pipejax/study/launcher.py``.
 """
 
