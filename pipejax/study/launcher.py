@@ -198,9 +198,8 @@ def list_runs(study: study_lib.Study, workdir: str,
               where: dict[str, str] | None = None) -> str:
   """Each run ``where`` selects, in the order the study runs them, with where it stands in
   ``workdir``: done (finished, diverged or skipped), failed, running, stopped at a checkpoint, or
-  to run.
-  Reads the records and the runs' directories and writes nothing, so it may run beside the
-  study that holds the workdir."""
+  to run. Reads the records and the runs' directories and writes nothing, so it may run beside
+  the study that holds the workdir."""
   records = {r.run: r for r in study_records.read_results(workdir)} if os.path.isdir(
       workdir) else {}
   lines, counts = [], {}
