@@ -253,8 +253,8 @@ def slope_interval_text(interval: statistics.Interval) -> str:
   """One sentence on :func:`slope_interval`; empty under two seeds."""
   if interval.n < 2:
     return ""
-  verdict = ("it falls" if interval.high < 0 else "it rises" if interval.low > 0
-             else "neither a fall nor a rise is shown")
+  verdict = ("neither a fall nor a rise is shown" if not interval.excludes_zero()
+             else "it falls" if interval.mean < 0 else "it rises")
   return (f" Fitted on each seed's own runs, the slope is {interval.mean:+.2f} "
           f"[{interval.low:+.2f}, {interval.high:+.2f}], n = {interval.n} seeds, "
           f"p = {interval.p_value:.2g} (t-test of no trend): {verdict}.")
