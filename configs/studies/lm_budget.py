@@ -30,7 +30,10 @@ The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice a
 it, since the best rate rises as runs shorten): it is cheap (an eighth of the optimizer steps),
 and a pipeline's x0.5 loss lies above the baseline's x0.5 loss, so the tax there needs a shorter
 baseline budget to bracket it. At x1 and x2 it also runs at twice its best rate: lm_regime's
-batch-8 sweep (4e-3 and 8e-3) ended at its best, and at x2 its best beat half of it.
+batch-8 sweep (4e-3 and 8e-3) ended at its best, and at x2 its best beat half of it. Twice its
+best then came out best from x0.125 to x2, the highest rate tried from x0.5 up, so x0.5 to x2
+also run at four times it (seed 0): the report's budgets table marks each budget whose best has
+no tried rate on one side.
 
 Order: the short baseline budgets first (minutes each), then x2 on seed 0
 (``--where=epochs=1.333333,seed=0``), since the trend from x1 to x2 decides the rest; then x0.5
@@ -53,7 +56,9 @@ Run time scales with the budget. The grid below, without the x1 cells it copies:
 (about 1.5), the 12 seed-1 runs (about 14: the baseline's five about 3.5, PipeDream's x0.5 and x2
 about 4.5, PipeDream's at 8 sequences per update about 4, PB + Muon's about 2) and 4 at x4 (the
 baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 36 hours of the
-slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are about 14
+slower CPU at two trainers at a time, five to six sessions. The baseline's three runs at four
+times its best add about 1.5 trainer-hours (15, 30 and 35 minutes of this CPU beside another
+trainer). x2 and x0.5 on seed 0 alone are about 14
 hours of that CPU.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
@@ -141,6 +146,11 @@ def _grids() -> list[dict]:
   # best on seed 0, so it has seed 1 too.
   grids.append(_cell(m, extra, (best * 2,), (0,), {}))
   grids.append(_cell(m, extra, (best * 2,), (0, 1), _schedule(2.0)))
+  # Four times its best at x0.5 to x2, where twice it is the best and the highest rate tried. It
+  # lost at x0.25, but the best rate did not fall from x0.125 to x2, so the baseline's bracket
+  # from above is measured rather than assumed.
+  grids += [_cell(m, extra, (best * 4,), (0,), _schedule(multiplier) if multiplier != 1 else {})
+            for multiplier in (0.5, 1.0, 2.0)]
   for multiplier in (2.0, 0.5):  # every method at the x1 best rate first, then the other rate
     for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
       grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from pipejax.study import statistics
 from pipejax.study.cells import select
-from pipejax.study.records import FINISHED, RunRecord, is_number
+from pipejax.study.records import DIVERGED, FINISHED, RunRecord, is_number
 
 # One series: (label, where), where is the ``cells.select`` filter of its runs.
 Series = tuple[str, tuple]
@@ -42,18 +42,47 @@ class BudgetPoint:
   rate: float | None
   losses: dict[int, float]  # seed -> final test loss (nats)
   train_losses: dict[int, float]  # seed -> the last evaluation interval's training loss
+  rates_tried: tuple = ()  # every rate that finished or diverged at this budget, lowest first
 
   @property
   def mean(self) -> float:
     return sum(self.losses.values()) / len(self.losses)
+
+  @property
+  def bracket(self) -> str:
+    """Whether a tried rate lies on each side of the best: 'yes', or why not ('one rate',
+    'highest tried', 'lowest tried'). Unbracketed, a rate beyond might reach a lower loss."""
+    rates = [r for r in self.rates_tried if r is not None]
+    if len(rates) < 2 or self.rate is None:
+      return "one rate"
+    if self.rate == rates[-1]:
+      return "highest tried"
+    if self.rate == rates[0]:
+      return "lowest tried"
+    return "yes"
 
 
 def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoint]:
   """A series' points, shortest budget first: at each budget (a run's ``samples``) the rate with
   the lowest mean final loss (the rate tuned per budget), over the seeds every rate there has
   where there are any: a rate's extra seed would otherwise move its mean by that seed's luck."""
-  runs = [r for r in select(records, where) if r.status == FINISHED
+  selected = select(records, where)
+  runs = [r for r in selected if r.status == FINISHED
           and is_number(r.test_loss) and is_number(r.samples)]
+  # A rate that diverged (so recorded, or finished on a loss that is not a number) is worse than
+  # any that finished: it brackets the best from its side. A trainer stopped by divergence
+  # leaves no sample count, so its budget is that of the finished runs with the same settings
+  # but for the rate and the seed.
+  def settings(r):
+    return tuple(sorted((k, str(v)) for k, v in r.overrides.items()
+                        if k not in ("reference.lr", "seed")))
+  budget_of = {settings(r): int(r.samples) for r in runs}
+  diverged_rates: dict[int, set] = {}
+  for r in selected:
+    if r.status == DIVERGED or (r.status == FINISHED and not is_number(r.test_loss)):
+      if settings(r) in budget_of:
+        diverged_rates.setdefault(budget_of[settings(r)], set()).add(
+            r.overrides.get("reference.lr"))
   by_budget: dict[int, dict] = {}
   for r in runs:
     rate = r.overrides.get("reference.lr", r.learning_rate)
@@ -69,8 +98,30 @@ def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoin
     best = min(rates, key=mean_loss)
     points.append(BudgetPoint(
         samples, best, {seed: r.test_loss for seed, r in rates[best]},
-        {seed: r.train_loss for seed, r in rates[best] if is_number(r.train_loss)}))
+        {seed: r.train_loss for seed, r in rates[best] if is_number(r.train_loss)},
+        tuple(sorted(set(rates) | diverged_rates.get(samples, set()),
+                     key=lambda rate: (rate is None, rate)))))
   return points
+
+
+def brackets(points: Sequence[BudgetPoint]) -> list[str]:
+  """Each point's :attr:`BudgetPoint.bracket`, and, where its best is the highest (lowest) rate
+  tried, whether a higher rate lost at a shorter budget (a lower one at a longer budget): if the
+  best rate falls as budgets lengthen, that rate loses here too. A prior, not a measurement, so
+  the text says which it is."""
+  texts = []
+  for i, p in enumerate(points):
+    text = p.bracket
+    if text == "highest tried" and any(
+        r is not None and q.rate is not None and r > max(p.rate, q.rate)
+        for q in points[:i] for r in q.rates_tried):
+      text += "; a higher rate lost at a shorter budget"
+    elif text == "lowest tried" and any(
+        r is not None and q.rate is not None and r < min(p.rate, q.rate)
+        for q in points[i + 1:] for r in q.rates_tried):
+      text += "; a lower rate lost at a longer budget"
+    texts.append(text)
+  return texts
 
 
 def crossing(curve: Sequence[tuple[int, float]], target: float) -> tuple[str, float | None]:
@@ -308,11 +359,17 @@ class TaxReading:
   series: str
   target: float  # in the section's unit
   tax: float
-  interval: statistics.Interval  # paired by seed; n < 2 where no seed crossed in both
   against: str
   baseline_samples: float
   # seed -> (the baseline's samples to the target on that seed, the tax on that seed)
   per_seed: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def interval(self) -> statistics.Interval:
+    """The tax's interval paired by seed (geometric); n < 2 where under two seeds crossed in
+    both series."""
+    taxes = [tax for _, tax in self.per_seed.values()]
+    return log_interval(taxes) if taxes else statistics.interval([])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,16 +415,29 @@ class TokensToTarget:
     lines = ["Each budget's best rate and its final losses (validation, and training over the "
              "last evaluation interval where the record has it: below the validation loss past "
              "an epoch, repeated data shows).", "",
-             f"| series | sequences | best rate | validation ({self.unit}) | n | training |",
-             "|---|---|---|---|---|---|"]
+             f"| series | sequences | best rate | rates tried | bracketed "
+             f"| validation ({self.unit}) | n | training |",
+             "|---|---|---|---|---|---|---|---|"]
+    unbracketed = by_prior = 0
     for label, points in curves.items():
-      for p in points:
+      for p, bracket in zip(points, brackets(points)):
         iv = statistics.interval([v * self.scale for v in p.losses.values()])
         value = f"{iv.mean:.3f}" + (f" [{iv.low:.3f}, {iv.high:.3f}]" if iv.n >= 2 else "")
         train = (f"{sum(p.train_losses.values()) / len(p.train_losses) * self.scale:.3f}"
                  if p.train_losses else "—")
-        lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {value} | {iv.n} "
-                     f"| {train} |")
+        tried = ", ".join(_rate_text(rate) for rate in p.rates_tried)
+        unbracketed += p.bracket != "yes"
+        by_prior += ";" in bracket
+        lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {tried} "
+                     f"| {bracket} | {value} | {iv.n} | {train} |")
+    total = sum(len(points) for points in curves.values())
+    if unbracketed:
+      lines += ["", f"{unbracketed} of {total} budgets have no tried rate on one side of their "
+                "best: a rate beyond might reach a lower loss there and shorten that series' "
+                "samples to a target. An asynchronous series' tax there may be overstated; the "
+                f"taxes against a synchronous series there, understated. Of these, {by_prior} "
+                "are bracketed on that side only if the best rate falls as budgets lengthen "
+                "(a neighbouring budget's loss at a rate beyond, not this one's)."]
     return "\n".join(lines)
 
   def crossings(self, curves: dict[str, list[BudgetPoint]]) -> dict[str, list[Crossing]]:
@@ -396,13 +466,12 @@ class TokensToTarget:
         if any(found[s][i].kind == "before" and found[s][i].samples < best.samples
                for s in synchronous):
           continue  # a synchronous series got there sooner than its shortest budget says
-        tax, interval = token_tax(found[label][i], best)
+        tax, _ = token_tax(found[label][i], best)
         if tax is not None:
           mine = found[label][i].per_seed
           per_seed = {seed: (best.per_seed[seed], mine[seed] / best.per_seed[seed])
                       for seed in sorted(set(mine) & set(best.per_seed))}
-          readings.append(TaxReading(label, target, tax, interval, against, best.samples,
-                                     per_seed))
+          readings.append(TaxReading(label, target, tax, against, best.samples, per_seed))
     return readings
 
   def _targets_table(self, curves) -> str:

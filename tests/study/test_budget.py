@@ -32,6 +32,60 @@ def test_the_best_rate_is_chosen_on_the_seeds_every_rate_has():
   assert budget.budget_points(records, (("method", "a"),))[0].rate == 2e-3
 
 
+def test_a_budget_says_whether_its_best_rate_is_bracketed():
+  def point(*losses_by_rate):
+    records = [record("a", 1000, loss, lr=lr) for lr, loss in losses_by_rate]
+    (p,) = budget.budget_points(records, (("method", "a"),))
+    return p
+  inside = point((1e-3, 3.0), (4e-3, 2.9), (2e-3, 2.8))
+  assert inside.rates_tried == (1e-3, 2e-3, 4e-3) and inside.bracket == "yes"
+  assert point((1e-3, 3.0), (2e-3, 2.8)).bracket == "highest tried"
+  assert point((1e-3, 2.7), (2e-3, 2.8)).bracket == "lowest tried"
+  assert point((1e-3, 2.7)).bracket == "one rate"
+  # A rate that diverged is worse than any that finished: it brackets the best from above. One
+  # that failed (a crash, not the method) or was skipped says nothing of the rate.
+  records = [record("a", 1000, 2.7, lr=1e-3), record("a", 1000, 2.9, lr=5e-4),
+             record("a", 1000, float("nan"), lr=2e-3, status="diverged")]
+  (p,) = budget.budget_points(records, (("method", "a"),))
+  assert p.rates_tried == (5e-4, 1e-3, 2e-3) and p.bracket == "yes"
+  # Stopped by its trainer, a diverged run has no sample count: its settings place it.
+  stopped = study_records.parse_record(
+      {"run": "stopped", "status": "diverged",
+       "overrides": {"method": "a", "seed": 1, "reference.lr": 4e-3, "epochs": 1000}})
+  (p,) = budget.budget_points(records[:2] + [stopped], (("method", "a"),))
+  assert p.rates_tried == (5e-4, 1e-3, 4e-3) and p.bracket == "yes"
+  for status in ("failed", "skipped"):
+    records[2] = record("a", 1000, float("nan"), lr=2e-3, status=status)
+    (p,) = budget.budget_points(records, (("method", "a"),))
+    assert p.bracket == "highest tried"
+
+
+def test_a_neighbouring_budget_brackets_only_under_the_falling_rate_prior():
+  records = [record("a", 1000, 3.0, lr=1e-3), record("a", 1000, 3.1, lr=4e-3),  # 4e-3 lost
+             record("a", 2000, 2.5, lr=1e-3), record("a", 2000, 2.6, lr=5e-4),
+             record("a", 4000, 2.0, lr=1e-3), record("a", 4000, 2.1, lr=2e-3),
+             record("a", 8000, 1.5, lr=1e-3)]
+  points = budget.budget_points(records, (("method", "a"),))
+  assert [p.bracket for p in points] == ["lowest tried", "highest tried", "lowest tried",
+                                         "one rate"]
+  # 1,000's lowest is backed by 5e-4 losing at 2,000; 2,000's highest by 4e-3 at 1,000. 4,000's
+  # lowest has no longer budget that tried below 1e-3; a budget with one rate takes no prior.
+  assert budget.brackets(points) == [
+      "lowest tried; a lower rate lost at a longer budget",
+      "highest tried; a higher rate lost at a shorter budget", "lowest tried", "one rate"]
+
+
+def test_the_budgets_table_counts_the_unbracketed_budgets(tmp_path):
+  records = [record("sync", 1000, 3.0, lr=1e-3), record("sync", 1000, 2.9, lr=2e-3),
+             record("sync", 1000, 3.1, lr=4e-3), record("sync", 4000, 2.0)]
+  section = budget.TokensToTarget(series=(("Sync", (("method", "sync"),)),),
+                                  baseline="Sync", targets=(2.5,))
+  text = section(records, "")
+  assert "| Sync | 1,000 | 0.002 | 0.001, 0.002, 0.004 | yes | 2.900 | 1 | — |" in text
+  assert "1 of 2 budgets have no tried rate on one side" in text
+  assert "Of these, 0 are bracketed on that side only if" in text
+
+
 def test_crossing_interpolates_linearly_in_log_samples():
   # Between (1000, 3.0) and (4000, 2.0), the loss 2.5 lies halfway: at sqrt(1000 * 4000).
   kind, samples = budget.crossing([(1000, 3.0), (4000, 2.0)], 2.5)
@@ -90,6 +144,13 @@ def test_token_tax_is_the_ratio_and_its_interval_is_paired_by_seed():
   assert interval.n == 3
   assert interval.mean == pytest.approx(math.exp(ratios.mean()))
   assert budget.token_tax(budget.Crossing("not reached", None, {}), base)[0] is None
+  # A reading's interval is the same pairing, from its per-seed taxes.
+  reading = budget.TaxReading("m", 2.5, tax, "b", 1000.0,
+                              {s: (base.per_seed[s], method.per_seed[s] / base.per_seed[s])
+                               for s in (0, 1, 2)})
+  assert (reading.interval.mean, reading.interval.low, reading.interval.high) == pytest.approx(
+      (interval.mean, interval.low, interval.high))
+  assert budget.TaxReading("m", 2.5, tax, "b", 1000.0).interval.n == 0
 
 
 def test_tax_trend_extrapolates_a_falling_tax_to_the_goal():
@@ -115,7 +176,8 @@ def test_the_section_renders_tables_a_figure_and_the_tax(tmp_path):
       series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
       baseline="Sync", targets=(2.5,), unit="nats")
   text = section(records, str(tmp_path))
-  assert "| Sync | 4,000 | 0.001 | 2.000 | 1 | 1.700 |" in text
+  assert "| Sync | 4,000 | 0.001 | 0.001 | one rate | 2.000 | 1 | 1.700 |" in text
+  assert "4 of 4 budgets have no tried rate on one side of their best" in text
   async_samples = 1000 * 4 ** (1.0 / 1.1)
   assert f"| Async | {async_samples:,.0f} |" in text
   assert f"| Async | {async_samples / 2000:.2f}× |" in text
@@ -184,7 +246,7 @@ def test_the_tax_readings_are_the_series_samples_over_the_best_synchronous_serie
 
 def _readings_with_slopes(slopes, samples=(1000.0, 2000.0, 4000.0)):
   """Per seed, a tax of 2 (s / 1000) ** slope at each baseline sample s."""
-  return [budget.TaxReading("Async", float(i), 2.0, None, "Sync", s,
+  return [budget.TaxReading("Async", float(i), 2.0, "Sync", s,
                             {seed: (s, 2.0 * (s / 1000) ** slope)
                              for seed, slope in enumerate(slopes)})
           for i, s in enumerate(samples)]
