@@ -82,7 +82,7 @@ def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoin
     if r.status == DIVERGED or (r.status == FINISHED and not is_number(r.test_loss)):
       if settings(r) in budget_of:
         diverged_rates.setdefault(budget_of[settings(r)], set()).add(
-            r.overrides.get("reference.lr"))
+            r.overrides.get("reference.lr", r.learning_rate))
   by_budget: dict[int, dict] = {}
   for r in runs:
     rate = r.overrides.get("reference.lr", r.learning_rate)
@@ -427,7 +427,7 @@ class TokensToTarget:
                  if p.train_losses else "—")
         tried = ", ".join(_rate_text(rate) for rate in p.rates_tried)
         unbracketed += p.bracket != "yes"
-        by_prior += ";" in bracket
+        by_prior += bracket != p.bracket
         lines.append(f"| {label} | {p.samples:,} | {_rate_text(p.rate)} | {tried} "
                      f"| {bracket} | {value} | {iv.n} | {train} |")
     total = sum(len(points) for points in curves.values())
