@@ -17,8 +17,8 @@ The x1 cells are lm_regime's runs, copied into this study's records with their r
 2e-3 (its best) and 1e-3, PB + Muon at 2e-3 and 1e-3, and both at 8 sequences per update. Their
 workdirs are gone, so they carry no training curve.
 
-Each budget's rates: the x1 best and half of it at x2 and x4 (the best rate falls as runs
-lengthen), the x1 best and twice it at x0.5. The methods:
+Each budget's rates: the x1 best and half of it at x2 (the best rate falls as runs lengthen),
+the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 
 * synchronous Muon at batch 1 (``method=muon``) and at batch 8 (``micro_batch_size=8``), the
   baselines: at 8 sequences per update a GPipe or 1F1B flush idles 31 of every 39 device-slots
@@ -42,8 +42,10 @@ ties with ZB-H1 at batch 8 at a tax of 2.32x, where at 1 sequence per update it 
 and at x1 the two end level); then seed 1 for the best synchronous baseline (Muon at batch 8,
 the sooner to every target measured), the best asynchronous method (PipeDream + Muon, at 1
 and 8 sequences per update) and PB + Muon at x0.5 and x1 (where its tax is read), each at the
-rate seed 0 found best at that budget; then x4 for the baseline and PipeDream + Muon where the
-budget allows.
+rate seed 0 found best at that budget; then x4, two seeds, for the baseline and the
+asynchronous series whose tax falls with the budget (PipeDream + Muon at 8 sequences per update:
+at 1 its tax shows no trend), which also tests the report's extrapolation that under
+PipeDream-2BW it overtakes ZB-H1 at batch 8 at about 39,000 sequences of the baseline.
 
 Cost, measured on the 2-core CPU beside one to two other trainers (wall time of one run):
 Muon at batch 8 6 to 11 minutes at x0.125 and x0.25, 15 to 35 at x0.5, 30 at x1, 122 at x2;
@@ -56,10 +58,11 @@ Run time scales with the budget. The grid below, without the x1 cells it copies:
 (about 1.5), the 12 seed-1 runs (about 14: the baseline's five about 3.5, PipeDream's x0.5 and x2
 about 4.5, PipeDream's at 8 sequences per update about 4, PB + Muon's about 2) and 4 at x4 (the
 baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 36 hours of the
-slower CPU at two trainers at a time, five to six sessions. The baseline's three runs at four
-times its best add about 1.5 trainer-hours (15, 30 and 35 minutes of this CPU beside another
-trainer). x2 and x0.5 on seed 0 alone are about 14
-hours of that CPU.
+slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
+about 14 hours of that CPU. On the faster machine: the baseline's three runs at four times its
+best about 1.5 trainer-hours (15, 30 and 35 minutes beside another trainer); PipeDream + Muon at 8
+sequences per update 95 minutes at x2, so about 3.2 hours a run at x4, longer than a session:
+each resumes from its checkpoint where the machine is kept.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -100,10 +103,17 @@ SECOND_SEED = ((MUON_BATCH, {0.125: 1.6e-2, 0.25: 1.6e-2, 0.5: 1.6e-2, 1.0: 1.6e
                (PIPEDREAM, {0.5: 2e-3, 2.0: 2e-3}),
                (PIPEDREAM_BATCH, {0.5: 8e-3, 1.0: 8e-3, 2.0: 8e-3}),
                (PB_MUON, {0.5: 2e-3, 1.0: 2e-3}))
+# PipeDream + Muon at 8 sequences per update came out best at x2 at half its x1 best (4e-3 on
+# seed 0, 0.07 bits per byte below 8e-3), the lowest rate it tried there: so it also runs at a
+# quarter of it at x2, at half of it at x0.5 (where twice it lost), and at half of it on seed 1 at
+# x2, so that its x2 point keeps two seeds. (budget multiplier, rate, seed) of each.
+RETUNED_PIPEDREAM_BATCH = ((2.0, 2e-3, 0), (0.5, 4e-3, 0), (2.0, 4e-3, 1))
 # lm_regime's seed-1 runs at x1, copied: Muon at batch 1 and PipeDream + Muon.
 SECOND_SEED_X1 = (MUON, PIPEDREAM)
-# x4 only for these: 2.7 epochs of the training split, about 5.5 hours a run at batch 1.
-LONGEST = (MUON_BATCH, PIPEDREAM)
+# x4 only for these, two seeds each (2.7 epochs of the training split): the cheap baseline at
+# both of its x2 rates, level there within 0.003 bits per byte; PipeDream + Muon at 8 sequences
+# per update at its x2 best.
+LONGEST = ((MUON_BATCH, (1.6e-2, 8e-3)), (PIPEDREAM_BATCH, (4e-3,)))
 # Budgets below x0.5 for the cheap baseline only: a pipeline's loss at x0.5 lies above what the
 # baseline reaches at x0.5, and its tax there needs the baseline's curve to bracket that loss.
 SHORT = (0.125, 0.25)
@@ -159,7 +169,10 @@ def _grids() -> list[dict]:
     grids += [_cell(m, extra, (rate,), (1,), _schedule(multiplier) if multiplier != 1 else {})
               for multiplier, rate in rates.items()]
   grids += [_cell(m, extra, (best,), (1,), {}) for m, extra, best in SECOND_SEED_X1]
-  grids += [_cell(m, extra, (best,), (0, 1), _schedule(4.0)) for m, extra, best in LONGEST]
+  m, extra, _ = PIPEDREAM_BATCH
+  grids += [_cell(m, extra, (rate,), (seed,), _schedule(multiplier))
+            for multiplier, rate, seed in RETUNED_PIPEDREAM_BATCH]
+  grids += [_cell(m, extra, rates, (0, 1), _schedule(4.0)) for (m, extra, _), rates in LONGEST]
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids
