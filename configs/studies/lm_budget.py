@@ -44,8 +44,8 @@ the sooner to every target measured), the best asynchronous method (PipeDream + 
 and 8 sequences per update) and PB + Muon at x0.5 and x1 (where its tax is read), each at the
 rate seed 0 found best at that budget; then x4, two seeds, for the baseline and the
 asynchronous series whose tax falls with the budget (PipeDream + Muon at 8 sequences per update:
-at 1 its tax shows no trend), which also tests the report's extrapolation that under
-PipeDream-2BW it overtakes ZB-H1 at batch 8 at about 39,000 sequences of the baseline.
+at 1 its tax shows no trend), which also tests whether under PipeDream-2BW it overtakes ZB-H1
+at batch 8 at the lower targets (the two are level at 2.6 bits per byte in the x2 records).
 
 Cost, measured on the 2-core CPU beside one to two other trainers (wall time of one run):
 Muon at batch 8 6 to 11 minutes at x0.125 and x0.25, 15 to 35 at x0.5, 30 at x1, 122 at x2;
@@ -61,8 +61,9 @@ baseline's about 8, PipeDream's about 10 each: 28): about 71 trainer-hours, or 3
 slower CPU at two trainers at a time, five to six sessions. x2 and x0.5 on seed 0 alone are
 about 14 hours of that CPU. On the faster machine: the baseline's three runs at four times its
 best about 1.5 trainer-hours (15, 30 and 35 minutes beside another trainer); PipeDream + Muon at 8
-sequences per update 95 minutes at x2, so about 3.2 hours a run at x4, longer than a session:
-each resumes from its checkpoint where the machine is kept.
+sequences per update 92 to 95 minutes at x2, so about 3.2 hours a run at x4, longer than a
+session (each resumes from its checkpoint where the machine is kept); the baseline's four x4
+runs about 65 minutes each: x4 is about 11 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
