@@ -138,6 +138,10 @@ def _rates(multiplier: float, best: float) -> tuple:
 
 
 def _schedule(multiplier: float) -> dict:
+  """The schedule's overrides of a budget; none at x1, whose runs are lm_regime's (the config's
+  own schedule), so that a run there has lm_regime's identity."""
+  if multiplier == 1:
+    return {}
   return {"epochs": (epochs(multiplier),),
           "warmup_epochs": (round(epochs(multiplier) * WARMUP_FRACTION, 6),)}
 
@@ -160,14 +164,14 @@ def _grids() -> list[dict]:
   # Four times its best at x0.5 to x2, where twice it is the best and the highest rate tried. It
   # lost at x0.25, but the best rate did not fall from x0.125 to x2, so the baseline's bracket
   # from above is measured rather than assumed.
-  grids += [_cell(m, extra, (best * 4,), (0,), _schedule(multiplier) if multiplier != 1 else {})
+  grids += [_cell(m, extra, (best * 4,), (0,), _schedule(multiplier))
             for multiplier in (0.5, 1.0, 2.0)]
   for multiplier in (2.0, 0.5):  # every method at the x1 best rate first, then the other rate
     for rate_of in (lambda rates: rates[:1], lambda rates: rates[1:]):
       grids += [_cell(m, extra, rate_of(_rates(multiplier, best)), (0,), _schedule(multiplier))
                 for m, extra, best in METHODS]
   for (m, extra, _), rates in SECOND_SEED:
-    grids += [_cell(m, extra, (rate,), (1,), _schedule(multiplier) if multiplier != 1 else {})
+    grids += [_cell(m, extra, (rate,), (1,), _schedule(multiplier))
               for multiplier, rate in rates.items()]
   grids += [_cell(m, extra, (best,), (1,), {}) for m, extra, best in SECOND_SEED_X1]
   m, extra, _ = PIPEDREAM_BATCH
