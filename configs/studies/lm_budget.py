@@ -105,10 +105,11 @@ SECOND_SEED = ((MUON_BATCH, {0.125: 1.6e-2, 0.25: 1.6e-2, 0.5: 1.6e-2, 1.0: 1.6e
                (PIPEDREAM_BATCH, {0.5: 8e-3, 1.0: 8e-3, 2.0: 8e-3}),
                (PB_MUON, {0.5: 2e-3, 1.0: 2e-3}))
 # PipeDream + Muon at 8 sequences per update came out best at x2 at half its x1 best (4e-3 on
-# seed 0, 0.07 bits per byte below 8e-3), the lowest rate it tried there: so it also runs at a
-# quarter of it at x2, at half of it at x0.5 (where twice it lost), and at half of it on seed 1 at
-# x2, so that its x2 point keeps two seeds. (budget multiplier, rate, seed) of each.
-RETUNED_PIPEDREAM_BATCH = ((2.0, 2e-3, 0), (0.5, 4e-3, 0), (2.0, 4e-3, 1))
+# seed 0, 0.07 bits per byte below 8e-3), the lowest rate it tried there, and level with it at
+# x1 (0.003 below): so it also runs at a quarter of it at x2, at half of it at x0.5 (where twice
+# it lost), and at half of it on seed 1 at x1 and x2, so that those points keep two seeds.
+# (budget multiplier, rate, seed) of each.
+RETUNED_PIPEDREAM_BATCH = ((2.0, 2e-3, 0), (0.5, 4e-3, 0), (2.0, 4e-3, 1), (1.0, 4e-3, 1))
 # lm_regime's seed-1 runs at x1, copied: Muon at batch 1 and PipeDream + Muon.
 SECOND_SEED_X1 = (MUON, PIPEDREAM)
 # x4 only for these, two seeds each (2.7 epochs of the training split): the cheap baseline at
