@@ -29,6 +29,7 @@ from typing import Sequence
 from pipejax.study import statistics
 from pipejax.study.cells import select
 from pipejax.study.records import DIVERGED, FINISHED, RunRecord, is_number
+from pipejax.study.spec import key_of
 
 # One series: (label, where), where is the ``cells.select`` filter of its runs.
 Series = tuple[str, tuple]
@@ -62,6 +63,11 @@ class BudgetPoint:
     return "yes"
 
 
+def _rate(record: RunRecord) -> float | None:
+  """The run's learning rate as the study set it, else as the trainer reported it."""
+  return record.overrides.get("reference.lr", record.learning_rate)
+
+
 def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoint]:
   """A series' points, shortest budget first: at each budget (a run's ``samples``) the rate with
   the lowest mean final loss (the rate tuned per budget), over the seeds every rate there has
@@ -74,18 +80,17 @@ def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoin
   # leaves no sample count, so its budget is that of the finished runs with the same settings
   # but for the rate and the seed.
   def settings(r):
-    return tuple(sorted((k, str(v)) for k, v in r.overrides.items()
-                        if k not in ("reference.lr", "seed")))
+    return key_of({k: v for k, v in r.overrides.items() if k not in ("reference.lr", "seed")})
   budget_of = {settings(r): int(r.samples) for r in runs}
   diverged_rates: dict[int, set] = {}
   for r in selected:
     if r.status == DIVERGED or (r.status == FINISHED and not is_number(r.test_loss)):
       if settings(r) in budget_of:
         diverged_rates.setdefault(budget_of[settings(r)], set()).add(
-            r.overrides.get("reference.lr", r.learning_rate))
+            _rate(r))
   by_budget: dict[int, dict] = {}
   for r in runs:
-    rate = r.overrides.get("reference.lr", r.learning_rate)
+    rate = _rate(r)
     by_budget.setdefault(int(r.samples), {}).setdefault(rate, []).append((r.seed, r))
   points = []
   for samples in sorted(by_budget):
