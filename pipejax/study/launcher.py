@@ -173,14 +173,18 @@ def outcome(study: study_lib.Study, workdir: str, where: dict[str, str] | None =
   for overrides in selected(study, where):
     rid = study_lib.run_id(overrides)
     result.planned.append(rid)
-    record = records.get(rid)
-    if study_records.is_done(record, study, overrides):
-      result.done.append(rid)
-    elif record is not None and record.status == study_records.FAILED:
-      result.failed.append(rid)
-    else:
-      result.not_done.append(rid)
+    getattr(result, _standing(records.get(rid), study, overrides)).append(rid)
   return result
+
+
+def _standing(record: study_records.RunRecord | None, study: study_lib.Study,
+              overrides: study_lib.Overrides) -> str:
+  """Which list of :class:`Outcome` a run's record puts it in: "done", "failed" or "not_done"."""
+  if study_records.is_done(record, study, overrides):
+    return "done"
+  if record is not None and record.status == study_records.FAILED:
+    return "failed"
+  return "not_done"
 
 
 def _checkpointed_samples(run_dir: str) -> int | None:
@@ -206,9 +210,10 @@ def list_runs(study: study_lib.Study, workdir: str,
   for overrides in selected(study, where):
     rid = study_lib.run_id(overrides)
     record = records.get(rid)
-    if study_records.is_done(record, study, overrides):
+    standing = _standing(record, study, overrides)
+    if standing == "done":
       kind, detail = record.status, ""
-    elif record is not None and record.status == study_records.FAILED:
+    elif standing == "failed":
       kind, detail = "failed", " (retried on rerun)"
     else:
       run_dir = os.path.join(workdir, "runs", study_lib.directory_name(rid))
