@@ -212,7 +212,7 @@ class TimeToTarget:
     lines += ["", *self._fastest(best)]
     if self.goal_samples:
       lines += ["", *self.goal(records, workdir)]
-    figure = self._figure(os.path.join(workdir, self.figure), best) if workdir else None
+    figure = self._figure(os.path.join(workdir, self.figure), timed) if workdir else None
     if figure:
       lines += ["", f"![Time to target]({figure})"]
     return "\n".join(lines)
@@ -290,17 +290,21 @@ class TimeToTarget:
                  "No asynchronous run meets the goal in the records so far.")
     return lines
 
-  def _figure(self, path: str, best: dict[str, tuple[float, list, str]]) -> str | None:
+  def _figure(self, path: str, timed: list[tuple]) -> str | None:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    styles = line_styles([(series, name) for series, name, *_ in timed])
+    palette = plt.get_cmap("tab10" if len({s for s, *_ in timed}) <= 10 else "tab20")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     drawn = False
-    for label, (_, times, _, _) in best.items():
+    for series, name, _, _, _, times in timed:
       points = [(t, time / 1e9) for t, time in zip(self.tokens.targets, times)
                 if math.isfinite(time)]
       if points:
-        ax.plot(*zip(*points), "o-", label=label, lw=1)
+        colour, marker, dash = styles[series, name]
+        ax.plot(*zip(*points), label=f"{series} ({name})", lw=1, ms=5, mfc="none",
+                color=palette(colour % palette.N), marker=marker, ls=dash)
         drawn = True
     if not drawn:
       plt.close(fig)
@@ -310,11 +314,25 @@ class TimeToTarget:
     ax.set_xlabel(f"target validation loss ({self.tokens.unit})")
     ax.set_ylabel(f"time to target ({UNIT.split(' (')[0]})")
     ax.set_title(f"Time to a target loss on {self.num_devices} devices (cost model)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return os.path.basename(path)
+
+
+def line_styles(lines: Sequence[tuple[str, str]]) -> dict[tuple[str, str], tuple[int, str, str]]:
+  """(colour index, marker, dash) for each (series, schedule) line of the time figure: the series
+  sets the colour, the schedule the marker and dash, so that no two series share a colour and
+  schedules of equal time (1F1B and its interleaving at one layer a device) stay legible where
+  their lines overlap."""
+  series_order = list(dict.fromkeys(series for series, _ in lines))
+  schedule_order = list(dict.fromkeys(name for _, name in lines))
+  markers, dashes = "os^vDP<>X*", ("-", "--", ":", "-.")
+  return {(series, name): (series_order.index(series),
+                           markers[schedule_order.index(name) % len(markers)],
+                           dashes[schedule_order.index(name) % len(dashes)])
+          for series, name in lines}
 
 
 def break_even(section: TimeToTarget, costs: StageCosts) -> str:

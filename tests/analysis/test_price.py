@@ -202,3 +202,17 @@ def test_a_falling_tax_over_too_short_a_span_is_not_extrapolated(tmp_path):
   # (1.15-fold): the tax falls from 4x to 3x, and the line states it without a break-even.
   line = _falling_tax_goal_line(tmp_path, (2.5, 2.4), (2000.0, 1000 * 4 ** 0.6))
   assert "tax 3.00× at 2.4 ;" in line and "break-even" not in line
+
+
+def test_the_time_figure_gives_each_series_a_colour_and_each_schedule_a_line_style():
+  lines = [(series, schedule) for series in ("sync at 1", "sync at 8")
+           for schedule in price.SYNCHRONOUS] + [("pipedream", "2bw"), ("pb", "pb")]
+  styles = price.line_styles(lines)
+  colour_of = {}
+  for (series, _), (colour, _, _) in styles.items():
+    assert colour_of.setdefault(series, colour) == colour
+  assert len(set(colour_of.values())) == 4
+  style_of = {}
+  for (_, schedule), (_, marker, dash) in styles.items():
+    assert style_of.setdefault(schedule, (marker, dash)) == (marker, dash)
+  assert len(set(style_of.values())) == len(style_of) == len(price.SYNCHRONOUS) + 2
