@@ -23,6 +23,10 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 * synchronous Muon at batch 1 (``method=muon``) and at batch 8 (``micro_batch_size=8``), the
   baselines: at 8 sequences per update a GPipe or 1F1B flush idles 31 of every 39 device-slots
   on 32 devices, which is the price the time-to-target section sets against the token tax;
+* synchronous Muon at batch 32, seed 0: under ZB-H1 on 32 devices its time per sequence is 0.44
+  of batch 8's in the cost model, level with PipeDream-2BW at 8, so whether the synchronous
+  pipeline at its best batch comes first turns on its token efficiency. Swept at x1 (8e-3,
+  1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best;
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PB + Muon, the pipeline without stashing.
 
@@ -63,7 +67,8 @@ about 14 hours of that CPU. On the faster machine: the baseline's three runs at 
 best about 1.5 trainer-hours (15, 30 and 35 minutes beside another trainer); PipeDream + Muon at 8
 sequences per update 92 to 95 minutes at x2, so about 3.2 hours a run at x4, longer than a
 session (each resumes from its checkpoint where the machine is kept); the baseline's four x4
-runs about 65 minutes each: x4 is about 11 trainer-hours.
+runs about 65 minutes each: x4 is about 11 trainer-hours. Muon at batch 32 took 8 to 9 minutes a
+run at x1 beside one other trainer, so its six runs are about 1.2 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -94,6 +99,15 @@ PIPEDREAM_BATCH = ("pipedream_muon", {
     "method_kwargs.pipedream_muon.micro_batches": (SEQUENCES_PER_UPDATE,),
     "reference.batch_size": (SEQUENCES_PER_UPDATE,)}, 8e-3)
 PB_MUON = ("pb_muon", {}, 2e-3)
+# Synchronous Muon at 32 sequences per update: under ZB-H1 on 32 devices its time per sequence is
+# 0.44 of batch 8's (the cost model), level with PipeDream-2BW at 8, so the time comparison turns
+# on its token efficiency. Swept at x1 (1.6e-2 best, bracketed on both sides), then run at that
+# rate at the other budgets, seed 0.
+WIDE_BATCH = 32
+MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
+                      "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
+WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
+WIDE_BUDGETS = (0.5, 2.0, 4.0)
 METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
 # Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured), the
 # best asynchronous methods (PipeDream + Muon at 1 sequence per update, the lower tax; at 8, the
@@ -179,6 +193,9 @@ def _grids() -> list[dict]:
   grids += [_cell(m, extra, (rate,), (seed,), _schedule(multiplier))
             for multiplier, rate, seed in RETUNED_PIPEDREAM_BATCH]
   grids += [_cell(m, extra, rates, (0, 1), _schedule(4.0)) for (m, extra, _), rates in LONGEST]
+  m, extra, best = MUON_WIDE
+  grids.append(_cell(m, extra, WIDE_RATES_X1, (0,), {}))
+  grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in WIDE_BUDGETS]
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids
@@ -193,6 +210,7 @@ def _series() -> tuple:
     return tuple(pairs)
   return (("Muon, no pipeline, batch 1", where(*MUON[:2])),
           (f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}", where(*MUON_BATCH[:2])),
+          (f"Muon, no pipeline, batch {WIDE_BATCH}", where(*MUON_WIDE[:2])),
           ("PipeDream + Muon, 1 sequence per update", where(*PIPEDREAM[:2])),
           (f"PipeDream + Muon, {SEQUENCES_PER_UPDATE} sequences per update",
            where(*PIPEDREAM_BATCH[:2])),
@@ -203,9 +221,10 @@ def _time_to_target(tokens: study_budget.TokensToTarget) -> price.TimeToTarget:
   """Each synchronous series under every synchronous schedule at its batch; PipeDream at 1
   sequence per update under PipeDream's schedule, at 8 under PipeDream-2BW's; PB under PB's."""
   labels = [label for label, _ in tokens.series]
-  batch_one, batch_many, pipedream, pipedream_many, pb = labels
+  batch_one, batch_many, batch_wide, pipedream, pipedream_many, pb = labels
   runs = ([(batch_one, s, 1) for s in price.SYNCHRONOUS] +
           [(batch_many, s, SEQUENCES_PER_UPDATE) for s in price.SYNCHRONOUS] +
+          [(batch_wide, s, WIDE_BATCH) for s in price.SYNCHRONOUS] +
           [(pipedream, "pipedream", 1), (pipedream_many, "2bw", SEQUENCES_PER_UPDATE),
            (pb, "pb", 1)])
   return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES,
@@ -235,7 +254,8 @@ def get_study(arg: str | None = None) -> Study:
   tokens = study_budget.TokensToTarget(
       series=_series(), baseline="Muon, no pipeline, batch 1",
       synchronous=("Muon, no pipeline, batch 1",
-                   f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}"),
+                   f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}",
+                   f"Muon, no pipeline, batch {WIDE_BATCH}"),
       targets=TARGETS_BITS, scale=BITS_PER_NAT, unit="bits per byte")
   return Study(
       name="lm budget", config="configs/char_lm.py", grids=_grids(),
