@@ -23,10 +23,11 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 * synchronous Muon at batch 1 (``method=muon``) and at batch 8 (``micro_batch_size=8``), the
   baselines: at 8 sequences per update a GPipe or 1F1B flush idles 31 of every 39 device-slots
   on 32 devices, which is the price the time-to-target section sets against the token tax;
-* synchronous Muon at batch 32, seed 0: under ZB-H1 on 32 devices its time per sequence is 0.44
+* synchronous Muon at batch 32: under ZB-H1 on 32 devices its time per sequence is 0.44
   of batch 8's in the cost model, level with PipeDream-2BW at 8, so whether the synchronous
   pipeline at its best batch comes first turns on its token efficiency. Swept at x1 (8e-3,
-  1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best;
+  1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best, two seeds at each budget, and at half
+  of it at x2;
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PB + Muon, the pipeline without stashing.
 
@@ -68,7 +69,7 @@ best about 1.5 trainer-hours (15, 30 and 35 minutes beside another trainer); Pip
 sequences per update 92 to 95 minutes at x2, so about 3.2 hours a run at x4, longer than a
 session (each resumes from its checkpoint where the machine is kept); the baseline's four x4
 runs about 65 minutes each: x4 is about 11 trainer-hours. Muon at batch 32 took 8 to 9 minutes a
-run at x1 beside one other trainer, so its six runs are about 1.2 trainer-hours.
+run at x1 beside one other trainer and 17 at x2, so its eleven runs are about 2.5 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -102,7 +103,8 @@ PB_MUON = ("pb_muon", {}, 2e-3)
 # Synchronous Muon at 32 sequences per update: under ZB-H1 on 32 devices its time per sequence is
 # 0.44 of batch 8's (the cost model), level with PipeDream-2BW at 8, so the time comparison turns
 # on its token efficiency. Swept at x1 (1.6e-2 best, bracketed on both sides), then run at that
-# rate at the other budgets, seed 0.
+# rate at every budget on two seeds, and at half of it at x2 (the best rate falls as runs
+# lengthen).
 WIDE_BATCH = 32
 MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
                       "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
@@ -195,7 +197,10 @@ def _grids() -> list[dict]:
   grids += [_cell(m, extra, rates, (0, 1), _schedule(4.0)) for (m, extra, _), rates in LONGEST]
   m, extra, best = MUON_WIDE
   grids.append(_cell(m, extra, WIDE_RATES_X1, (0,), {}))
-  grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in WIDE_BUDGETS]
+  grids.append(_cell(m, extra, (best,), (1,), {}))
+  grids += [_cell(m, extra, (best,), (0, 1), _schedule(multiplier))
+            for multiplier in WIDE_BUDGETS]
+  grids.append(_cell(m, extra, (best / 2,), (0,), _schedule(2.0)))
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids
