@@ -42,7 +42,8 @@ class BudgetPoint:
   samples: int
   rate: float | None
   losses: dict[int, float]  # seed -> final test loss (nats)
-  train_losses: dict[int, float]  # seed -> the last evaluation interval's training loss
+  # seed -> the last evaluation interval's training loss, where it spans at most half the run
+  train_losses: dict[int, float]
   rates_tried: tuple = ()  # every rate that finished or diverged at this budget, lowest first
 
   @property
@@ -103,10 +104,23 @@ def budget_points(records: Sequence[RunRecord], where: tuple) -> list[BudgetPoin
     best = min(rates, key=mean_loss)
     points.append(BudgetPoint(
         samples, best, {seed: r.test_loss for seed, r in rates[best]},
-        {seed: r.train_loss for seed, r in rates[best] if is_number(r.train_loss)},
+        {seed: r.train_loss for seed, r in rates[best] if _is_final_train_loss(r)},
         tuple(sorted(set(rates) | diverged_rates.get(samples, set()),
                      key=lambda rate: (rate is None, rate)))))
   return points
+
+
+def _is_final_train_loss(record) -> bool:
+  """Whether the record's training loss (its last evaluation interval's mean) reads as a final
+  one: not where that interval spans more than half the run, whose mean takes in the fast fall at
+  the start of training (a short run evaluated only at its end)."""
+  if not is_number(record.train_loss):
+    return False
+  curve = record.train_curve or ()
+  if not curve or not record.samples:
+    return True
+  start = curve[-2][0] if len(curve) >= 2 else 0
+  return curve[-1][0] - start <= record.samples / 2
 
 
 def brackets(points: Sequence[BudgetPoint]) -> list[str]:
@@ -418,8 +432,8 @@ class TokensToTarget:
 
   def _budgets_table(self, curves) -> str:
     lines = ["Each budget's best rate and its final losses (validation, and training over the "
-             "last evaluation interval where the record has it: below the validation loss past "
-             "an epoch, repeated data shows).", "",
+             "last evaluation interval where the record has it and that interval spans at most "
+             "half the run: below the validation loss past an epoch, repeated data shows).", "",
              f"| series | sequences | best rate | rates tried | bracketed "
              f"| validation ({self.unit}) | n | training |",
              "|---|---|---|---|---|---|---|---|"]

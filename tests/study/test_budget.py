@@ -184,6 +184,20 @@ def test_the_section_renders_tables_a_figure_and_the_tax(tmp_path):
   assert (tmp_path / "tokens_to_target.png").exists()
 
 
+def test_a_training_loss_averaged_over_more_than_half_the_run_is_not_shown_as_final():
+  # Evaluated only at its end, the run's one interval is all of it: its training loss is the
+  # mean from the start, not a final loss. Evaluated at 3,000 too, the last interval is a quarter.
+  def with_curve(samples, curve, seed):
+    r = record("sync", samples, 2.0, seed=seed, train_loss=curve[-1][1])
+    return dataclasses.replace(r, train_curve=curve)
+  whole = with_curve(4000, [[4000, 3.5]], seed=0)
+  late = with_curve(4000, [[3000, 2.6], [4000, 1.9]], seed=1)
+  (point,) = budget.budget_points([whole, late], (("method", "sync"),))
+  assert point.train_losses == {1: 1.9}
+  (point,) = budget.budget_points([whole], (("method", "sync"),))
+  assert point.train_losses == {}
+
+
 def test_a_series_name_the_section_does_not_have_is_refused():
   with pytest.raises(ValueError, match="not one of its series"):
     budget.TokensToTarget(series=(("A", ()),), baseline="B", targets=(1.0,))
