@@ -29,6 +29,11 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
   1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best, two seeds at each budget, and at half
   of it at x2;
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
+* PipeDream + Muon at 32 sequences per update, a pilot at x1 and x0.5 (seed 0; half of batch
+  32's x1 best first, since PipeDream at 8 per update came out best at half of batch 8's, then
+  that rate itself): under PipeDream-2BW its time per sequence is 0.81 of ZB-H2's at batch 32 in
+  the cost model, so it comes first wherever its token tax against batch 32 is below 1.24x, and
+  its delay in updates is a quarter of that at 8 per update;
 * PB + Muon, the pipeline without stashing.
 
 The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice and four times
@@ -69,7 +74,9 @@ best about 1.5 trainer-hours (15, 30 and 35 minutes beside another trainer); Pip
 sequences per update 92 to 95 minutes at x2, so about 3.2 hours a run at x4, longer than a
 session (each resumes from its checkpoint where the machine is kept); the baseline's four x4
 runs about 65 minutes each: x4 is about 11 trainer-hours. Muon at batch 32 took 8 to 9 minutes a
-run at x1 beside one other trainer and 17 at x2, so its eleven runs are about 2.5 trainer-hours.
+run at x1 beside one other trainer and 17 at x2, so its eleven runs are about 2.5 trainer-hours;
+PipeDream + Muon at 32 per update about as long as at 8 (one micro-batch a tick either way), so
+its three pilot runs are about 2 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
@@ -110,6 +117,12 @@ MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
                       "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
 WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
 WIDE_BUDGETS = (0.5, 2.0, 4.0)
+# PipeDream + Muon at 32 sequences per update: a pilot at x1 at half and at the whole of batch
+# 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets.
+PIPEDREAM_WIDE = ("pipedream_muon", {
+    "method_kwargs.pipedream_muon.micro_batches": (WIDE_BATCH,),
+    "reference.batch_size": (WIDE_BATCH,)}, 8e-3)
+PIPEDREAM_WIDE_RATES_X1 = (8e-3, 1.6e-2)
 METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
 # Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured), the
 # best asynchronous methods (PipeDream + Muon at 1 sequence per update, the lower tax; at 8, the
@@ -201,6 +214,9 @@ def _grids() -> list[dict]:
   grids += [_cell(m, extra, (best,), (0, 1), _schedule(multiplier))
             for multiplier in WIDE_BUDGETS]
   grids.append(_cell(m, extra, (best / 2,), (0,), _schedule(2.0)))
+  m, extra, best = PIPEDREAM_WIDE
+  grids.append(_cell(m, extra, PIPEDREAM_WIDE_RATES_X1, (0,), {}))
+  grids.append(_cell(m, extra, (best,), (0,), _schedule(0.5)))
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids
@@ -219,19 +235,21 @@ def _series() -> tuple:
           ("PipeDream + Muon, 1 sequence per update", where(*PIPEDREAM[:2])),
           (f"PipeDream + Muon, {SEQUENCES_PER_UPDATE} sequences per update",
            where(*PIPEDREAM_BATCH[:2])),
+          (f"PipeDream + Muon, {WIDE_BATCH} sequences per update", where(*PIPEDREAM_WIDE[:2])),
           ("PB + Muon", where(*PB_MUON[:2])))
 
 
 def _time_to_target(tokens: study_budget.TokensToTarget) -> price.TimeToTarget:
   """Each synchronous series under every synchronous schedule at its batch; PipeDream at 1
-  sequence per update under PipeDream's schedule, at 8 under PipeDream-2BW's; PB under PB's."""
+  sequence per update under PipeDream's schedule, at 8 and 32 under PipeDream-2BW's; PB under
+  PB's."""
   labels = [label for label, _ in tokens.series]
-  batch_one, batch_many, batch_wide, pipedream, pipedream_many, pb = labels
+  batch_one, batch_many, batch_wide, pipedream, pipedream_many, pipedream_wide, pb = labels
   runs = ([(batch_one, s, 1) for s in price.SYNCHRONOUS] +
           [(batch_many, s, SEQUENCES_PER_UPDATE) for s in price.SYNCHRONOUS] +
           [(batch_wide, s, WIDE_BATCH) for s in price.SYNCHRONOUS] +
           [(pipedream, "pipedream", 1), (pipedream_many, "2bw", SEQUENCES_PER_UPDATE),
-           (pb, "pb", 1)])
+           (pipedream_wide, "2bw", WIDE_BATCH), (pb, "pb", 1)])
   return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES,
                            goal_samples=SEQUENCES_X1)
 

@@ -114,8 +114,8 @@ def schedule_name(schedule: str, costs: StageCosts, num_devices: int) -> str:
 
 
 def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
-  if kind == "not reached" or samples is None:
-    return "not reached"
+  if samples is None:  # 'not reached' or 'no runs'
+    return kind
   value = f"{samples * per_sample / 1e9:,.1f}"
   return f"≤ {value}" if kind == "before" else value
 
@@ -254,6 +254,7 @@ class TimeToTarget:
     synchronous = set(tokens.synchronous or (tokens.baseline,))
     timed = self.timed(records, costs, (target * tokens.scale,))
     times = {(series, name): to_target for series, name, _, _, _, (to_target,) in timed}
+    no_runs = {(series, name) for series, name, _, _, (c,), _ in timed if c.kind == "no runs"}
     per_sample = {(series, name): each for series, name, _, each, _, _ in timed}
     sync_best = min(((t, key) for key, t in times.items() if key[0] in synchronous),
                     default=(math.inf, None))
@@ -282,6 +283,7 @@ class TimeToTarget:
                 f"{tie:.2f}× at about {budget.about(at_tie)} sequences of the best synchronous "
                 "run")
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
+              else "no runs yet" if (series, name) in no_runs
               else "does not reach it inside its budgets")
       ok = bool(longest) and longest.tax <= self.goal_tax and time < sync_best[0]
       met += [series] if ok else []

@@ -148,11 +148,12 @@ def crossing(curve: Sequence[tuple[int, float]], target: float) -> tuple[str, fl
 
   Returns ('reached', samples) interpolated linearly in log samples between the bracketing
   budgets; ('before', shortest budget) when the shortest already is at or below the target;
-  ('not reached', None) when no budget reaches it. A curve that rises again after reaching the
-  target (an overlong budget that overfits) keeps its first crossing.
+  ('not reached', None) when no budget reaches it; ('no runs', None) for an empty curve, a series
+  whose runs have not finished yet. A curve that rises again after reaching the target (an
+  overlong budget that overfits) keeps its first crossing.
   """
   if not curve:
-    return "not reached", None
+    return "no runs", None
   if curve[0][1] <= target:
     return "before", float(curve[0][0])
   for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
@@ -185,7 +186,7 @@ def log_interval(values: Sequence[float]) -> statistics.Interval:
 
 @dataclasses.dataclass(frozen=True)
 class Crossing:
-  kind: str  # 'reached', 'before' or 'not reached'
+  kind: str  # 'reached', 'before', 'not reached' or 'no runs'
   samples: float | None  # from the seeds' mean curve
   per_seed: dict[int, float]
 
@@ -211,8 +212,8 @@ def _rate_text(rate) -> str:
 
 
 def _samples_text(c: Crossing) -> str:
-  if c.kind == "not reached":
-    return "not reached"
+  if c.samples is None:  # 'not reached' or 'no runs'
+    return c.kind
   if c.kind == "before":
     return f"≤ {c.samples:,.0f}"
   text = f"{c.samples:,.0f}"

@@ -169,6 +169,23 @@ def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path)
   assert "tax 2.00×" in lines[1] and lines[1].endswith("not met.")
 
 
+def test_a_series_without_runs_reads_no_runs_rather_than_not_reached(tmp_path):
+  # Async has no record: its row and its goal line say so, where a series whose runs end above
+  # the target reads "not reached" and "does not reach it".
+  section = sync_and_async_section(tmp_path, uniform_costs(4, 8.0), goal_samples=4000)
+  sync = [record("sync", 1000, 3.0), record("sync", 4000, 2.0)]
+  text = section(sync, str(tmp_path))
+  assert "| Async | pb | 1 | 0.00·10⁶ | no runs |" in text
+  assert section.goal(sync, str(tmp_path))[1] == \
+      "* Async (pb): no tax measured yet; no runs yet: not met."
+  tokens_text = section.tokens(sync, str(tmp_path))
+  assert "| Async | no runs |" in tokens_text
+  above = [record("async", 1000, 3.5), record("async", 4000, 2.6)]
+  assert "| Async | not reached |" in section.tokens(sync + above, str(tmp_path))
+  assert section.goal(sync + above, str(tmp_path))[1].endswith(
+      "does not reach it inside its budgets: not met.")
+
+
 def _falling_tax_goal_line(tmp_path, targets, sync_at) -> str:
   """The goal line of Async, whose crossings of ``targets`` are 4 and 3 times Sync's
   (``sync_at``), with Sync under 1F1B at batch 8 and Async under PB on 4 uniform stages."""

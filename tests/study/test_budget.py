@@ -98,7 +98,7 @@ def test_crossing_interpolates_linearly_in_log_samples():
 def test_crossing_never_extrapolates():
   assert budget.crossing([(1000, 3.0), (4000, 2.0)], 1.5) == ("not reached", None)
   assert budget.crossing([(1000, 3.0), (4000, 2.0)], 3.5) == ("before", 1000.0)
-  assert budget.crossing([], 3.0) == ("not reached", None)
+  assert budget.crossing([], 3.0) == ("no runs", None)
 
 
 def test_a_curve_that_rises_again_keeps_its_first_crossing():
