@@ -266,7 +266,12 @@ class TimeToTarget:
              + (f" ({sync_best[1][0]} under {sync_best[1][1]}, {sync_best[0] / 1e9:,.1f} × 10⁹ "
                 "FLOP-times)."
                 if sync_best[1] else " (none reaches it inside its budgets yet).")]
-    fastest_sync = min(t for (series, _), t in per_sample.items() if series in synchronous)
+    # The break-even is a tax against the fastest synchronous series' own samples, so the trend
+    # extrapolated to it is that of the taxes against that series, which need not be the one
+    # with the fewest samples to a target (a larger batch costs samples and saves time).
+    fastest_sync, fastest_series = min(
+        (t, series) for (series, _), t in per_sample.items() if series in synchronous)
+    against_fastest = tokens.taxes(records, against=(fastest_series,))
     met = []
     for (series, name), time in times.items():
       if series in synchronous:
@@ -276,12 +281,15 @@ class TimeToTarget:
       tax = (f"tax {longest.tax:.2f}× at {longest.target:g} {tokens.unit}" if longest
              else "no tax measured yet")
       tie = fastest_sync / per_sample[series, name]
-      trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in mine])
+      beside = [r for r in against_fastest if r.series == series]
+      trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in beside])
       at_tie = trend.samples_at(tie) if trend and trend.extrapolable else None
-      if longest and longest.tax > tie and at_tie:
-        tax += (f", falling as samples^{trend.slope:+.2f}: extrapolated, to its break-even "
-                f"{tie:.2f}× at about {budget.about(at_tie)} sequences of the best synchronous "
-                "run")
+      first = min(beside, key=lambda r: r.target) if beside else None
+      if first and first.tax > tie and at_tie:
+        tax += (f"; against {fastest_series}, the fastest synchronous run, {first.tax:.2f}× at "
+                f"{first.target:g} {tokens.unit}, falling as samples^{trend.slope:+.2f}: "
+                f"extrapolated, to its break-even {tie:.2f}× at about {budget.about(at_tie)} "
+                "sequences of that run")
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
               else "no runs yet" if (series, name) in no_runs
               else "does not reach it inside its budgets")

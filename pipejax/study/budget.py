@@ -465,24 +465,32 @@ class TokensToTarget:
     return {label: [crossings(points, t / self.scale) for t in self.targets]
             for label, points in curves.items()}
 
-  def taxes(self, records: Sequence[RunRecord]) -> list[TaxReading]:
+  def taxes(self, records: Sequence[RunRecord],
+            against: Sequence[str] | None = None) -> list[TaxReading]:
     """Every token tax the records measure: each asynchronous series at each target that it and
-    at least one synchronous series reach inside their budgets. A target that another
-    synchronous series already reached at a shorter budget than the best crossing has no reading:
-    the best synchronous series there is not bracketed, and the tax would be understated."""
-    return self._taxes(self.crossings(self.points(records)))
+    at least one synchronous series reach inside their budgets, against the synchronous series
+    that reaches it in the fewest samples (of ``against``, default: all of the section's). A
+    target that another synchronous series already reached at a shorter budget than the best
+    crossing has no reading: the best synchronous series there is not bracketed, and the tax
+    would be understated."""
+    return self._taxes(self.crossings(self.points(records)), against)
 
-  def _taxes(self, found: dict[str, list[Crossing]]) -> list[TaxReading]:
-    synchronous = self.synchronous or (self.baseline,)
+  def _taxes(self, found: dict[str, list[Crossing]],
+             against: Sequence[str] | None = None) -> list[TaxReading]:
+    all_synchronous = self.synchronous or (self.baseline,)
+    synchronous = all_synchronous if against is None else tuple(against)
+    if not set(synchronous) <= set(all_synchronous):
+      raise ValueError(f"Token taxes against {list(synchronous)}: each must be one of the "
+                       f"section's synchronous series, {list(all_synchronous)}.")
     readings = []
     for label in found:
-      if label in synchronous:
+      if label in all_synchronous:
         continue
       for i, target in enumerate(self.targets):
         reached = [(s, found[s][i]) for s in synchronous if found[s][i].kind == "reached"]
         if not reached:
           continue
-        against, best = min(reached, key=lambda pair: pair[1].samples)
+        best_series, best = min(reached, key=lambda pair: pair[1].samples)
         if any(found[s][i].kind == "before" and found[s][i].samples < best.samples
                for s in synchronous):
           continue  # a synchronous series got there sooner than its shortest budget says
@@ -491,7 +499,8 @@ class TokensToTarget:
           mine = found[label][i].per_seed
           per_seed = {seed: (best.per_seed[seed], mine[seed] / best.per_seed[seed])
                       for seed in sorted(set(mine) & set(best.per_seed))}
-          readings.append(TaxReading(label, target, tax, against, best.samples, per_seed))
+          readings.append(
+              TaxReading(label, target, tax, best_series, best.samples, per_seed))
     return readings
 
   def _targets_table(self, curves) -> str:

@@ -210,7 +210,42 @@ def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
   slope = math.log(3 / 4) / math.log(sync_at[1] / sync_at[0])
   tie = 5.125 / 11
   cross = 2000 * (tie / 4) ** (1 / slope)
-  assert f"tax 3.00× at 2.2 , falling as samples^{slope:+.2f}" in line
+  assert (f"tax 3.00× at 2.2 ; against Sync, the fastest synchronous run, 3.00× at 2.2 , "
+          f"falling as samples^{slope:+.2f}") in line
+  assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
+
+
+def test_the_break_even_is_extrapolated_from_the_taxes_against_the_fastest_synchronous_run(
+    tmp_path):
+  # Lean (batch 1 under GPipe, 3 * 4 + 8 = 20 a sequence) reaches each target in fewer samples
+  # than Wide (1F1B at 8, 5.125 a sequence), which is the faster. The table's tax is against
+  # Lean; the break-even (5.125 / 11 of Wide's samples, on these costs) is a tax against Wide,
+  # so the trend extrapolated to it is that of the taxes against Wide: Async at 4 and 3 times
+  # Wide's samples at 2.5 and 2.2, where Wide crosses at 2,000 and 1000 * 4 ** 0.8 and Lean, the
+  # same curve at half the samples, at half of those (taxes 8 and 6).
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Lean", (("method", "lean"),)), ("Wide", (("method", "wide"),)),
+              ("Async", (("method", "async"),))),
+      baseline="Lean", synchronous=("Lean", "Wide"), targets=(2.5, 2.2))
+  section = price.TimeToTarget(
+      tokens, (("Lean", "gpipe", 1), ("Wide", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+      num_devices=4, goal_samples=2000)
+  wide_at = (2000.0, 1000 * 4 ** 0.8)
+  records = [record("wide", 1000, 3.0), record("wide", 4000, 2.0), record("wide", 8000, 1.8),
+             record("lean", 500, 3.0), record("lean", 2000, 2.0), record("lean", 4000, 1.8),
+             record("async", 4000, 3.0), record("async", 4 * wide_at[0], 2.5),
+             record("async", 3 * wide_at[1], 2.2), record("async", 32000, 1.5)]
+  by_target = {r.target: r for r in tokens.taxes(records)}
+  assert by_target[2.2].against == "Lean" and by_target[2.2].tax == pytest.approx(6.0, rel=1e-3)
+  with pytest.raises(ValueError, match="synchronous series"):
+    tokens.taxes(records, against=("Async",))
+  line = section.goal(records, str(tmp_path))[1]
+  slope = math.log(3 / 4) / math.log(wide_at[1] / wide_at[0])
+  tie = 5.125 / 11
+  cross = 2000 * (tie / 4) ** (1 / slope)
+  assert line.startswith(f"* Async (pb): tax 6.00× at 2.2 ; against Wide, the fastest "
+                         f"synchronous run, 3.00× at 2.2 , falling as samples^{slope:+.2f}")
   assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
 
 
