@@ -284,10 +284,11 @@ class TimeToTarget:
       beside = [r for r in against_fastest if r.series == series]
       trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in beside])
       at_tie = trend.samples_at(tie) if trend and trend.extrapolable else None
-      first = min(beside, key=lambda r: r.target) if beside else None
-      if first and first.tax > tie and at_tie:
-        tax += (f"; against {fastest_series}, the fastest synchronous run, {first.tax:.2f}× at "
-                f"{first.target:g} {tokens.unit}, falling as samples^{trend.slope:+.2f}: "
+      longest_beside = min(beside, key=lambda r: r.target) if beside else None
+      if longest_beside and longest_beside.tax > tie and at_tie:
+        tax += (f"; against {fastest_series}, the fastest synchronous run, "
+                f"{longest_beside.tax:.2f}× at {longest_beside.target:g} {tokens.unit}, "
+                f"falling as samples^{trend.slope:+.2f}: "
                 f"extrapolated, to its break-even {tie:.2f}× at about {budget.about(at_tie)} "
                 "sequences of that run")
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
