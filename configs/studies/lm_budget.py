@@ -118,7 +118,9 @@ MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
 WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
 WIDE_BUDGETS = (0.5, 2.0, 4.0)
 # PipeDream + Muon at 32 sequences per update: a pilot at x1 at half and at the whole of batch
-# 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets.
+# 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets; then
+# at x2 at half of batch 32's best (its x1 best or half of it, whichever x1 picks), since its tax
+# fell the fastest of the asynchronous series from x0.5 to x1 and x2 tests that first.
 PIPEDREAM_WIDE = ("pipedream_muon", {
     "method_kwargs.pipedream_muon.micro_batches": (WIDE_BATCH,),
     "reference.batch_size": (WIDE_BATCH,)}, 8e-3)
@@ -216,7 +218,7 @@ def _grids() -> list[dict]:
   grids.append(_cell(m, extra, (best / 2,), (0,), _schedule(2.0)))
   m, extra, best = PIPEDREAM_WIDE
   grids.append(_cell(m, extra, PIPEDREAM_WIDE_RATES_X1, (0,), {}))
-  grids.append(_cell(m, extra, (best,), (0,), _schedule(0.5)))
+  grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in (0.5, 2.0)]
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids

@@ -34,6 +34,8 @@ from pipejax.study import statistics
 SYNCHRONOUS = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2")
 INTERLEAVED = "interleaved"
 UNIT = "10⁹ FLOP-times (XLA's FLOPs at one rate on every device)"
+# Two times to a target whose ratio is below this round to 1.00×: neither is named first.
+LEVEL = 1.005
 
 
 class PriceError(ValueError):
@@ -233,10 +235,13 @@ class TimeToTarget:
         (sync_time, sync_key), (async_time, async_key) = sides
         faster = "asynchronous" if async_time < sync_time else "synchronous"
         first, second = ((best[k][0], best[k][3][i]) for _, k in sorted(sides))
+        ratio = max(sides)[0] / min(sides)[0]
+        # A ratio that rounds to 1.00× names no winner.
+        order = (f"level within {LEVEL - 1:.1%}" if ratio < LEVEL else
+                 f"the {faster} one first, {ratio:.2f}× sooner")
         lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync_key}, "
                      f"{sync_time / 1e9:,.1f}; fastest asynchronous {async_key}, "
-                     f"{async_time / 1e9:,.1f}: the {faster} one first, "
-                     f"{max(sides)[0] / min(sides)[0]:.2f}× sooner"
+                     f"{async_time / 1e9:,.1f}: {order}"
                      f"{_sooner_interval_text(first, second)}.")
     return lines or ["No target is reached inside the budgets by both a synchronous and an "
                      "asynchronous series yet (a target below a series' shortest budget counts "

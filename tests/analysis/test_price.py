@@ -86,6 +86,20 @@ def test_the_section_multiplies_samples_to_target_by_time_per_sample(tmp_path):
   assert (tmp_path / "time_to_target.png").exists()
 
 
+def test_times_within_rounding_of_each_other_name_no_winner(tmp_path):
+  # Sync (1F1B at 8 on 4 devices, F = B = W = 1) costs 33 / 8 a sample and crosses 2.5 at 2,000;
+  # Async (PB at 1) costs 3, so it ties where it crosses at 2,000 * 33 / 24 = 2,750 samples.
+  section = sync_and_async_section(tmp_path, uniform_costs(4))
+  fraction = math.log(2750 / 1000) / math.log(4)
+  records = [record("sync", 1000, 3.0), record("sync", 4000, 2.0),
+             record("async", 1000, 2.9), record("async", 4000, 2.9 - 0.4 / fraction)]
+  text = section(records, str(tmp_path))
+  assert "level within 0.5%" in text
+  assert "one first" not in text
+  records[-1] = record("async", 4000, 2.9 - 0.4 / fraction - 0.05)
+  assert "the asynchronous one first" in section(records, str(tmp_path))
+
+
 @pytest.mark.parametrize("update, async_seed_1, verdict", [
     (3.0e9, 2.95, "p = "), (0.0, 3.1, "not told apart, the interval includes 1×")])
 def test_how_much_sooner_carries_an_interval_over_seeds_on_their_own_runs(
