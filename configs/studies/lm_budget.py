@@ -28,10 +28,13 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
   pipeline at its best batch comes first turns on its token efficiency. Swept at x1 (8e-3,
   1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best, two seeds at each budget, and at half
   of it at x2;
+* synchronous Muon at batch 64, so that the synchronous batch is bracketed from above: under
+  ZB-H2 its time per sequence is 0.88 of batch 32's, and at x4 batch 32 cost no more tokens than
+  batch 8. Swept at x1 at batch 32's best, half and twice it, then at x2 and x4 (seed 0);
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PipeDream + Muon at 32 sequences per update, a pilot at x1 and x0.5 (seed 0; half of batch
   32's x1 best first, since PipeDream at 8 per update came out best at half of batch 8's, then
-  that rate itself): under PipeDream-2BW its time per sequence is 0.81 of ZB-H2's at batch 32 in
+  that rate itself), then at x2 at half of batch 32's best: under PipeDream-2BW its time per sequence is 0.81 of ZB-H2's at batch 32 in
   the cost model, so it comes first wherever its token tax against batch 32 is below 1.24x, and
   its delay in updates is a quarter of that at 8 per update;
 * PB + Muon, the pipeline without stashing.
@@ -117,6 +120,14 @@ MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
                       "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
 WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
 WIDE_BUDGETS = (0.5, 2.0, 4.0)
+# Synchronous Muon at 64 sequences per update, so that the synchronous batch is bracketed from
+# above: under ZB-H2 its time per sequence is 0.88 of batch 32's (the cost model), and at x4
+# batch 32 cost no more tokens than batch 8. Swept at x1 at batch 32's best, half and twice it,
+# then run at x2 and x4 at its x1 best.
+LARGE_BATCH = 64
+MUON_LARGE = ("muon", {"micro_batch_size": (LARGE_BATCH,),
+                       "reference.batch_size": (LARGE_BATCH,)}, 1.6e-2)
+LARGE_BUDGETS = (2.0, 4.0)
 # PipeDream + Muon at 32 sequences per update: a pilot at x1 at half and at the whole of batch
 # 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets; then
 # at x2 at half of batch 32's best (its x1 best or half of it, whichever x1 picks), since its tax
@@ -216,6 +227,9 @@ def _grids() -> list[dict]:
   grids += [_cell(m, extra, (best,), (0, 1), _schedule(multiplier))
             for multiplier in WIDE_BUDGETS]
   grids.append(_cell(m, extra, (best / 2,), (0,), _schedule(2.0)))
+  m, extra, best = MUON_LARGE
+  grids.append(_cell(m, extra, (best, best / 2, best * 2), (0,), {}))
+  grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in LARGE_BUDGETS]
   m, extra, best = PIPEDREAM_WIDE
   grids.append(_cell(m, extra, PIPEDREAM_WIDE_RATES_X1, (0,), {}))
   grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in (0.5, 2.0)]
@@ -234,6 +248,7 @@ def _series() -> tuple:
   return (("Muon, no pipeline, batch 1", where(*MUON[:2])),
           (f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}", where(*MUON_BATCH[:2])),
           (f"Muon, no pipeline, batch {WIDE_BATCH}", where(*MUON_WIDE[:2])),
+          (f"Muon, no pipeline, batch {LARGE_BATCH}", where(*MUON_LARGE[:2])),
           ("PipeDream + Muon, 1 sequence per update", where(*PIPEDREAM[:2])),
           (f"PipeDream + Muon, {SEQUENCES_PER_UPDATE} sequences per update",
            where(*PIPEDREAM_BATCH[:2])),
@@ -246,10 +261,12 @@ def _time_to_target(tokens: study_budget.TokensToTarget) -> price.TimeToTarget:
   sequence per update under PipeDream's schedule, at 8 and 32 under PipeDream-2BW's; PB under
   PB's."""
   labels = [label for label, _ in tokens.series]
-  batch_one, batch_many, batch_wide, pipedream, pipedream_many, pipedream_wide, pb = labels
+  (batch_one, batch_many, batch_wide, batch_large, pipedream, pipedream_many, pipedream_wide,
+   pb) = labels
   runs = ([(batch_one, s, 1) for s in price.SYNCHRONOUS] +
           [(batch_many, s, SEQUENCES_PER_UPDATE) for s in price.SYNCHRONOUS] +
           [(batch_wide, s, WIDE_BATCH) for s in price.SYNCHRONOUS] +
+          [(batch_large, s, LARGE_BATCH) for s in price.SYNCHRONOUS] +
           [(pipedream, "pipedream", 1), (pipedream_many, "2bw", SEQUENCES_PER_UPDATE),
            (pipedream_wide, "2bw", WIDE_BATCH), (pb, "pb", 1)])
   return price.TimeToTarget(tokens, tuple(runs), STAGE_COSTS, NUM_DEVICES,
@@ -280,7 +297,8 @@ def get_study(arg: str | None = None) -> Study:
       series=_series(), baseline="Muon, no pipeline, batch 1",
       synchronous=("Muon, no pipeline, batch 1",
                    f"Muon, no pipeline, batch {SEQUENCES_PER_UPDATE}",
-                   f"Muon, no pipeline, batch {WIDE_BATCH}"),
+                   f"Muon, no pipeline, batch {WIDE_BATCH}",
+                   f"Muon, no pipeline, batch {LARGE_BATCH}"),
       targets=TARGETS_BITS, scale=BITS_PER_NAT, unit="bits per byte")
   return Study(
       name="lm budget", config="configs/char_lm.py", grids=_grids(),

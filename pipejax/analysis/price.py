@@ -273,10 +273,12 @@ class TimeToTarget:
                 if sync_best[1] else " (none reaches it inside its budgets yet).")]
     # The break-even is a tax against the fastest synchronous series' own samples, so the trend
     # extrapolated to it is that of the taxes against that series, which need not be the one
-    # with the fewest samples to a target (a larger batch costs samples and saves time).
+    # with the fewest samples to a target (a larger batch costs samples and saves time). A
+    # series without runs has no samples to tax against.
     fastest_sync, fastest_series = min(
-        (t, series) for (series, _), t in per_sample.items() if series in synchronous)
-    against_fastest = tokens.taxes(records, against=(fastest_series,))
+        ((t, key[0]) for key, t in per_sample.items()
+         if key[0] in synchronous and key not in no_runs), default=(math.inf, None))
+    against_fastest = tokens.taxes(records, against=(fastest_series,)) if fastest_series else []
     met = []
     for (series, name), time in times.items():
       if series in synchronous:

@@ -229,22 +229,27 @@ def test_a_falling_tax_is_extrapolated_to_its_break_even(tmp_path):
   assert f"to its break-even {tie:.2f}× at about {float(f'{cross:.2g}'):,.0f} sequences" in line
 
 
+@pytest.mark.parametrize("unrun_faster", [False, True])
 def test_the_break_even_is_extrapolated_from_the_taxes_against_the_fastest_synchronous_run(
-    tmp_path):
+    tmp_path, unrun_faster):
   # Lean (batch 1 under GPipe, 3 * 4 + 8 = 20 a sequence) reaches each target in fewer samples
   # than Wide (1F1B at 8, 5.125 a sequence), which is the faster. The table's tax is against
   # Lean; the break-even (5.125 / 11 of Wide's samples, on these costs) is a tax against Wide,
   # so the trend extrapolated to it is that of the taxes against Wide: Async at 4 and 3 times
   # Wide's samples at 2.5 and 2.2, where Wide crosses at 2,000 and 1000 * 4 ** 0.8 and Lean, the
-  # same curve at half the samples, at half of those (taxes 8 and 6).
+  # same curve at half the samples, at half of those (taxes 8 and 6). A faster synchronous series
+  # without runs (1F1B at 64) has no samples to tax against, so Wide stays the one.
+  extra = ((("Widest", (("method", "widest"),)),), (("Widest", "1f1b", 64),)) if unrun_faster \
+      else ((), ())
   (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
   tokens = budget.TokensToTarget(
-      series=(("Lean", (("method", "lean"),)), ("Wide", (("method", "wide"),)),
+      series=(("Lean", (("method", "lean"),)), ("Wide", (("method", "wide"),)), *extra[0],
               ("Async", (("method", "async"),))),
-      baseline="Lean", synchronous=("Lean", "Wide"), targets=(2.5, 2.2))
+      baseline="Lean", synchronous=("Lean", "Wide", *(label for label, _ in extra[0])),
+      targets=(2.5, 2.2))
   section = price.TimeToTarget(
-      tokens, (("Lean", "gpipe", 1), ("Wide", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
-      num_devices=4, goal_samples=2000)
+      tokens, (("Lean", "gpipe", 1), ("Wide", "1f1b", 8), *extra[1], ("Async", "pb", 1)),
+      "costs.json", num_devices=4, goal_samples=2000)
   wide_at = (2000.0, 1000 * 4 ** 0.8)
   records = [record("wide", 1000, 3.0), record("wide", 4000, 2.0), record("wide", 8000, 1.8),
              record("lean", 500, 3.0), record("lean", 2000, 2.0), record("lean", 4000, 1.8),
