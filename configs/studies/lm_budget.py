@@ -29,14 +29,16 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
   1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best, two seeds at each budget, and at half
   of it at x2;
 * synchronous Muon at batch 64, so that the synchronous batch is bracketed from above: under
-  ZB-H2 its time per sequence is 0.88 of batch 32's, and at x4 batch 32 cost no more tokens than
+  ZB-H2 its time per sequence is 0.79 of batch 32's (33.4 against 42.0 x 10^6 in the cost
+  model), below PipeDream-2BW's at 32 per update, and at x4 batch 32 cost no more tokens than
   batch 8. Swept at x1 at batch 32's best, half and twice it, then at x2 and x4 (seed 0);
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PipeDream + Muon at 32 sequences per update, a pilot at x1 and x0.5 (seed 0; half of batch
   32's x1 best first, since PipeDream at 8 per update came out best at half of batch 8's, then
-  that rate itself), then at x2 at half of batch 32's best: under PipeDream-2BW its time per sequence is 0.81 of ZB-H2's at batch 32 in
-  the cost model, so it comes first wherever its token tax against batch 32 is below 1.24x, and
-  its delay in updates is a quarter of that at 8 per update;
+  that rate itself), then at x2 at half of batch 32's best: under PipeDream-2BW its time per
+  sequence is 0.81 of ZB-H2's at batch 32 in the cost model, so it comes first wherever its token
+  tax against batch 32 is below 1.24x, and its delay in updates is a quarter of that at 8 per
+  update;
 * PB + Muon, the pipeline without stashing.
 
 The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice and four times
@@ -121,7 +123,7 @@ MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
 WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
 WIDE_BUDGETS = (0.5, 2.0, 4.0)
 # Synchronous Muon at 64 sequences per update, so that the synchronous batch is bracketed from
-# above: under ZB-H2 its time per sequence is 0.88 of batch 32's (the cost model), and at x4
+# above: under ZB-H2 its time per sequence is 0.79 of batch 32's (the cost model), and at x4
 # batch 32 cost no more tokens than batch 8. Swept at x1 at batch 32's best, half and twice it,
 # then run at x2 and x4 at its x1 best.
 LARGE_BATCH = 64

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import re
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from pipejax import schedules
 from pipejax.schedules import LayerCost
@@ -122,11 +122,11 @@ def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
   return f"≤ {value}" if kind == "before" else value
 
 
-def _sooner_interval_text(first: tuple[float, budget.Crossing],
-                          second: tuple[float, budget.Crossing]) -> str:
-  """', [low, high] over n seeds, p = ...' for how many times sooner ``first`` (time per sample,
-  crossing) reaches a target than ``second``, per seed on each seed's own runs; '' under two."""
-  (first_each, first_at), (second_each, second_at) = first, second
+def _sooner_interval_text(first: TimedRun, second: TimedRun, target: int) -> str:
+  """', [low, high] over n seeds, p = ...' for how many times sooner ``first`` reaches the
+  ``target``-th target than ``second``, per seed on each seed's own runs; '' under two."""
+  first_each, first_at = first.per_sample, first.crossings[target]
+  second_each, second_at = second.per_sample, second.crossings[target]
   seeds = sorted(set(first_at.per_seed) & set(second_at.per_seed))
   logs = [math.log(second_at.per_seed[s] * second_each / (first_at.per_seed[s] * first_each))
           for s in seeds]
@@ -136,6 +136,21 @@ def _sooner_interval_text(first: tuple[float, budget.Crossing],
   verdict = "" if result.excludes_zero() else ": not told apart, the interval includes 1×"
   return (f" ([{math.exp(result.low):.2f}, {math.exp(result.high):.2f}] on each seed's own "
           f"runs, n = {result.n}, p = {result.p_value:.2g}{verdict})")
+
+
+class TimedRun(NamedTuple):
+  """One series under one schedule: its time per sample and its time to each target, ``inf``
+  where the series does not reach the target inside its budgets."""
+  series: str
+  schedule: str  # the name the tables show (:func:`schedule_name`)
+  batch: int
+  per_sample: float
+  crossings: list[budget.Crossing]
+  times: list[float]
+
+  @property
+  def key(self) -> str:
+    return f"{self.series} ({self.schedule})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +186,8 @@ class TimeToTarget:
     return read_costs(os.path.join(workdir, self.costs))  # an absolute path stays itself
 
   def timed(self, records: Sequence[dict], costs: StageCosts,
-            targets: Sequence[float] | None = None) -> list[tuple]:
-    """Per run: (series, schedule's name, batch, time per sample, crossings, times to each
-    target), the time ``inf`` where the series does not reach the target inside its budgets.
-    ``targets`` (in the report's unit) default to the section's."""
+            targets: Sequence[float] | None = None) -> list[TimedRun]:
+    """Each run's times to ``targets`` (in the report's unit; the section's by default)."""
     curves = self.tokens.points(records)
     found = []
     for series, schedule, batch in self.runs:
@@ -182,20 +195,13 @@ class TimeToTarget:
       reached = [budget.crossings(curves[series], t / self.tokens.scale)
                  for t in (self.tokens.targets if targets is None else targets)]
       times = [c.samples * per_sample if c.kind == "reached" else math.inf for c in reached]
-      found.append((series, schedule_name(schedule, costs, self.num_devices), batch, per_sample,
-                    reached, times))
+      found.append(TimedRun(series, schedule_name(schedule, costs, self.num_devices), batch,
+                            per_sample, reached, times))
     return found
 
   def fastest(self, records: Sequence[dict], workdir: str) -> list[str]:
     """Per target, which side reaches it first (:meth:`_fastest`)."""
-    return self._fastest(self._best(self.timed(records, self.read_costs(workdir))))
-
-  @staticmethod
-  def _best(timed: list[tuple]) -> dict[str, tuple[float, list, str, list]]:
-    """Per run, keyed 'series (schedule)': (time per sample, times to each target, series,
-    crossings of each target)."""
-    return {f"{series} ({name})": (per_sample, times, series, reached)
-            for series, name, _, per_sample, reached, times in timed}
+    return self._fastest(self.timed(records, self.read_costs(workdir)))
 
   def __call__(self, records: Sequence[dict], workdir: str) -> str:
     costs = self.read_costs(workdir)
@@ -207,11 +213,12 @@ class TimeToTarget:
              f"| series | schedule | batch | time per sequence | {header} |",
              "|---|---|---|---|" + "---|" * len(self.tokens.targets)]
     timed = self.timed(records, costs)
-    for series, name, batch, per_sample, reached, _ in timed:
-      lines.append(f"| {series} | {name} | {batch} | {per_sample / 1e6:,.2f}·10⁶ | " +
-                   " | ".join(_time_text(c.samples, per_sample, c.kind) for c in reached) + " |")
-    best = self._best(timed)
-    lines += ["", *self._fastest(best)]
+    for run in timed:
+      lines.append(f"| {run.series} | {run.schedule} | {run.batch} | "
+                   f"{run.per_sample / 1e6:,.2f}·10⁶ | " +
+                   " | ".join(_time_text(c.samples, run.per_sample, c.kind)
+                              for c in run.crossings) + " |")
+    lines += ["", *self._fastest(timed)]
     if self.goal_samples:
       lines += ["", *self.goal(records, workdir)]
     figure = self._figure(os.path.join(workdir, self.figure), timed) if workdir else None
@@ -219,7 +226,7 @@ class TimeToTarget:
       lines += ["", f"![Time to target]({figure})"]
     return "\n".join(lines)
 
-  def _fastest(self, best: dict[str, tuple[float, list, str, list]]) -> list[str]:
+  def _fastest(self, timed: list[TimedRun]) -> list[str]:
     """Per target, the fastest synchronous and asynchronous runs, where both reached it, and how
     many times sooner the first gets there: on the seeds' mean curves, with the interval over
     seeds of the same ratio on each seed's own runs (paired by seed) where two or more have it."""
@@ -228,21 +235,21 @@ class TimeToTarget:
     for i, target in enumerate(self.tokens.targets):
       sides = []
       for is_sync in (True, False):
-        reached = [(times[i], key) for key, (_, times, series, _) in best.items()
-                   if (series in synchronous) == is_sync and math.isfinite(times[i])]
-        sides.append(min(reached) if reached else None)
+        reached = [run for run in timed if (run.series in synchronous) == is_sync
+                   and math.isfinite(run.times[i])]
+        sides.append(min(reached, key=lambda run: run.times[i]) if reached else None)
       if all(sides):
-        (sync_time, sync_key), (async_time, async_key) = sides
-        faster = "asynchronous" if async_time < sync_time else "synchronous"
-        first, second = ((best[k][0], best[k][3][i]) for _, k in sorted(sides))
-        ratio = max(sides)[0] / min(sides)[0]
+        sync, asynchronous = sides
+        first, second = sorted(sides, key=lambda run: run.times[i])  # a tie: synchronous first
+        faster = "asynchronous" if first is asynchronous else "synchronous"
+        ratio = second.times[i] / first.times[i]
         # A ratio that rounds to 1.00× names no winner.
         order = (f"level within {LEVEL - 1:.1%}" if ratio < LEVEL else
                  f"the {faster} one first, {ratio:.2f}× sooner")
-        lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync_key}, "
-                     f"{sync_time / 1e9:,.1f}; fastest asynchronous {async_key}, "
-                     f"{async_time / 1e9:,.1f}: {order}"
-                     f"{_sooner_interval_text(first, second)}.")
+        lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync.key}, "
+                     f"{sync.times[i] / 1e9:,.1f}; fastest asynchronous {asynchronous.key}, "
+                     f"{asynchronous.times[i] / 1e9:,.1f}: {order}"
+                     f"{_sooner_interval_text(first, second, i)}.")
     return lines or ["No target is reached inside the budgets by both a synchronous and an "
                      "asynchronous series yet (a target below a series' shortest budget counts "
                      "only once a shorter budget brackets it)."]
@@ -258,9 +265,9 @@ class TimeToTarget:
     target = at_goal[0].mean
     synchronous = set(tokens.synchronous or (tokens.baseline,))
     timed = self.timed(records, costs, (target * tokens.scale,))
-    times = {(series, name): to_target for series, name, _, _, _, (to_target,) in timed}
-    no_runs = {(series, name) for series, name, _, _, (c,), _ in timed if c.kind == "no runs"}
-    per_sample = {(series, name): each for series, name, _, each, _, _ in timed}
+    times = {(run.series, run.schedule): run.times[0] for run in timed}
+    no_runs = {(run.series, run.schedule) for run in timed if run.crossings[0].kind == "no runs"}
+    per_sample = {(run.series, run.schedule): run.per_sample for run in timed}
     sync_best = min(((t, key) for key, t in times.items() if key[0] in synchronous),
                     default=(math.inf, None))
     readings = tokens.taxes(records)
@@ -308,20 +315,20 @@ class TimeToTarget:
                  "No asynchronous run meets the goal in the records so far.")
     return lines
 
-  def _figure(self, path: str, timed: list[tuple]) -> str | None:
+  def _figure(self, path: str, timed: list[TimedRun]) -> str | None:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-    styles = line_styles([(series, name) for series, name, *_ in timed])
-    palette = plt.get_cmap("tab10" if len({s for s, *_ in timed}) <= 10 else "tab20")
+    styles = line_styles([(run.series, run.schedule) for run in timed])
+    palette = plt.get_cmap("tab10" if len({run.series for run in timed}) <= 10 else "tab20")
     fig, ax = plt.subplots(figsize=(10, 4.5))
     drawn = False
-    for series, name, _, _, _, times in timed:
-      points = [(t, time / 1e9) for t, time in zip(self.tokens.targets, times)
+    for run in timed:
+      points = [(t, time / 1e9) for t, time in zip(self.tokens.targets, run.times)
                 if math.isfinite(time)]
       if points:
-        colour, marker, dash = styles[series, name]
-        ax.plot(*zip(*points), label=f"{series} ({name})", lw=1, ms=5, mfc="none",
+        colour, marker, dash = styles[run.series, run.schedule]
+        ax.plot(*zip(*points), label=run.key, lw=1, ms=5, mfc="none",
                 color=palette(colour % palette.N), marker=marker, ls=dash)
         drawn = True
     if not drawn:
