@@ -153,6 +153,35 @@ class TimedRun(NamedTuple):
     return f"{self.series} ({self.schedule})"
 
 
+def _break_even_text(beside: Sequence[budget.TaxReading], tie: float, fastest: str,
+                     unit: str) -> str:
+  """'; against <fastest>, ...': an asynchronous series' tax against the fastest synchronous
+  series at the longest budget, where it is above the break-even ``tie``, and how its trend
+  (pooled, and per seed where two or more have one) meets the break-even or does not."""
+  longest = min(beside, key=lambda r: r.target) if beside else None
+  if not longest or longest.tax <= tie:
+    return ""
+  text = (f"; against {fastest}, the fastest synchronous run, {longest.tax:.2f}× at "
+          f"{longest.target:g} {unit}")
+  trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in beside])
+  if not trend or not trend.extrapolable:
+    why = "one target: no trend" if not trend else "too short a span for a trend"
+    return text + f", above its break-even {tie:.2f}× ({why})"
+  seeds = budget.slope_interval(beside)
+  per_seed = (f" (per seed {seeds.mean:+.2f} [{seeds.low:+.2f}, {seeds.high:+.2f}], "
+              f"n = {seeds.n}, p = {seeds.p_value:.2g}: {budget.slope_verdict(seeds)})"
+              if seeds.n >= 2 else "")
+  text += (f", {'falling' if trend.slope < 0 else 'not falling'} as "
+           f"samples^{trend.slope:+.2f}{per_seed}")
+  at_tie = trend.samples_at(tie)
+  if at_tie is None:
+    return text + f": the fit never reaches its break-even {tie:.2f}×"
+  if math.isinf(at_tie):
+    return text + f": it falls too slowly for the fit to reach its break-even {tie:.2f}× at any budget"
+  return text + (f": extrapolated, to its break-even {tie:.2f}× at about {budget.about(at_tie)} "
+                 "sequences of that run")
+
+
 @dataclasses.dataclass(frozen=True)
 class TimeToTarget:
   """A report section: the cost model's time to each target loss on ``num_devices`` devices.
@@ -296,15 +325,7 @@ class TimeToTarget:
              else "no tax measured yet")
       tie = fastest_sync / per_sample[series, name]
       beside = [r for r in against_fastest if r.series == series]
-      trend = budget.fit_tax_trend([(r.baseline_samples, r.tax) for r in beside])
-      at_tie = trend.samples_at(tie) if trend and trend.extrapolable else None
-      longest_beside = min(beside, key=lambda r: r.target) if beside else None
-      if longest_beside and longest_beside.tax > tie and at_tie:
-        tax += (f"; against {fastest_series}, the fastest synchronous run, "
-                f"{longest_beside.tax:.2f}× at {longest_beside.target:g} {tokens.unit}, "
-                f"falling as samples^{trend.slope:+.2f}: "
-                f"extrapolated, to its break-even {tie:.2f}× at about {budget.about(at_tie)} "
-                "sequences of that run")
+      tax += _break_even_text(beside, tie, fastest_series, tokens.unit)
       when = (f"reaches it in {time / 1e9:,.1f}" if math.isfinite(time)
               else "no runs yet" if (series, name) in no_runs
               else "does not reach it inside its budgets")

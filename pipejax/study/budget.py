@@ -237,6 +237,8 @@ def _tax_text(tax: float | None, interval: statistics.Interval) -> str:
 # fit over two neighbouring targets (1.2-fold) can put 1.1x five powers of ten out, on a slope
 # that one more target could halve.
 MIN_SPAN = 1.5
+# The largest natural log of samples that a float holds (e^709 is about 8e307).
+MAX_LOG = 709.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,10 +263,11 @@ class TaxTrend:
 
   def samples_at(self, tax: float) -> float | None:
     """The baseline samples at which the fitted tax equals ``tax``; None where it never
-    falls."""
+    falls, ``inf`` where a nearly flat fall takes it past any float."""
     if self.slope >= 0:
       return None
-    return math.exp(self.mean_log_samples + (math.log(tax) - self.mean_log_tax) / self.slope)
+    log_samples = self.mean_log_samples + (math.log(tax) - self.mean_log_tax) / self.slope
+    return math.exp(log_samples) if log_samples < MAX_LOG else math.inf
 
 
 def fit_tax_trend(taxes: Sequence[tuple[float, float]]) -> TaxTrend | None:
@@ -302,6 +305,8 @@ def tax_trend(taxes: Sequence[tuple[float, float]], goal: float) -> str:
   cross = trend.samples_at(goal)
   if cross is None:
     return text + f"; it does not fall, so the fit never reaches {goal:g}×."
+  if math.isinf(cross):
+    return text + f"; it falls too slowly for the fit to reach {goal:g}× at any budget."
   return text + (f"; extrapolated, it would reach {goal:g}× at about {about(cross)} samples of "
                  f"the baseline, {about(cross / points[-1][0])} times the most of these targets "
                  "needs (an extrapolation of the fit, not a measurement).")
@@ -324,11 +329,15 @@ def slope_interval_text(interval: statistics.Interval) -> str:
   """One sentence on :func:`slope_interval`; empty under two seeds."""
   if interval.n < 2:
     return ""
-  verdict = ("neither a fall nor a rise is shown" if not interval.excludes_zero()
-             else "it falls" if interval.mean < 0 else "it rises")
   return (f" Fitted on each seed's own runs, the slope is {interval.mean:+.2f} "
           f"[{interval.low:+.2f}, {interval.high:+.2f}], n = {interval.n} seeds, "
-          f"p = {interval.p_value:.2g} (t-test of no trend): {verdict}.")
+          f"p = {interval.p_value:.2g} (t-test of no trend): {slope_verdict(interval)}.")
+
+
+def slope_verdict(interval: statistics.Interval) -> str:
+  """What the per-seed slopes show: a fall, a rise, or neither."""
+  return ("neither a fall nor a rise is shown" if not interval.excludes_zero()
+          else "it falls" if interval.mean < 0 else "it rises")
 
 
 _SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")

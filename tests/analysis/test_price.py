@@ -170,8 +170,9 @@ def test_the_goal_needs_both_a_small_tax_and_the_baselines_loss_sooner(tmp_path)
   lines = section.goal(records, str(tmp_path))
   assert "Sync's loss at 4,000 sequences (2.000 )" in lines[0]
   assert f"Sync under 1f1b, {4000 * 5.125 / 1e9:,.1f} × 10⁹" in lines[0]
-  assert lines[1] == (f"* Async (pb): tax 1.05× at 2.5 ; reaches it in {4200 * 11 / 1e9:,.1f}: "
-                      "not met.")
+  assert lines[1] == (f"* Async (pb): tax 1.05× at 2.5 ; against Sync, the fastest synchronous "
+                      f"run, 1.05× at 2.5 , above its break-even {5.125 / 11:.2f}× (one target: "
+                      f"no trend); reaches it in {4200 * 11 / 1e9:,.1f}: not met.")
   assert lines[-1] == "No asynchronous run meets the goal in the records so far."
   # Cheaper asynchronous steps (no update cost) meet it: 3 against (33 + 0) / 8 = 4.125.
   (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 0.0).as_dict()))
@@ -272,7 +273,43 @@ def test_a_falling_tax_over_too_short_a_span_is_not_extrapolated(tmp_path):
   # As above, with targets 2.5 and 2.4, which Sync crosses at 2,000 and 1000 * 4 ** 0.6 samples
   # (1.15-fold): the tax falls from 4x to 3x, and the line states it without a break-even.
   line = _falling_tax_goal_line(tmp_path, (2.5, 2.4), (2000.0, 1000 * 4 ** 0.6))
-  assert "tax 3.00× at 2.4 ;" in line and "break-even" not in line
+  assert "tax 3.00× at 2.4 ;" in line and "extrapolated" not in line
+  assert f"above its break-even {5.125 / 11:.2f}× (too short a span for a trend)" in line
+
+
+@pytest.mark.parametrize("factors", [((4.0, 3.0), (5.0, 3.5)), ((3.0, 4.0), (3.0, 5.0))])
+def test_the_break_even_trend_carries_its_slope_on_each_seed(tmp_path, factors):
+  # Async crosses 2.5 and 2.2 at these multiples of Sync's samples on seeds 0 and 1: its tax
+  # falls on both seeds, or rises on both. The per-seed slopes are log(tax ratio) / log(span),
+  # and the interval is Student's over the two.
+  (tmp_path / "costs.json").write_text(json.dumps(uniform_costs(4, 8.0).as_dict()))
+  tokens = budget.TokensToTarget(
+      series=(("Sync", (("method", "sync"),)), ("Async", (("method", "async"),))),
+      baseline="Sync", targets=(2.5, 2.2))
+  section = price.TimeToTarget(tokens, (("Sync", "1f1b", 8), ("Async", "pb", 1)), "costs.json",
+                               num_devices=4, goal_samples=4000)
+  sync_at = (2000.0, 1000 * 4 ** 0.8)
+  records = []
+  for seed, (first, second) in enumerate(factors):
+    records += [record("sync", 1000, 3.0, seed), record("sync", 4000, 2.0, seed),
+                record("sync", 8000, 1.8, seed), record("async", 1000, 3.5, seed),
+                record("async", first * sync_at[0], 2.5, seed),
+                record("async", second * sync_at[1], 2.2, seed),
+                record("async", 64000, 1.5, seed)]
+  line = section.goal(records, str(tmp_path))[1]
+  span = math.log(sync_at[1] / sync_at[0])
+  slopes = [math.log(second / first) / span for first, second in factors]
+  result = stats.ttest_1samp(slopes, 0.0)
+  low, high = result.confidence_interval(0.95)
+  mean = sum(slopes) / 2
+  verdict = ("neither a fall nor a rise is shown" if low < 0 < high
+             else "it falls" if mean < 0 else "it rises")
+  assert (f" (per seed {mean:+.2f} [{low:+.2f}, {high:+.2f}], n = 2, "
+          f"p = {result.pvalue:.2g}: {verdict})") in line
+  if mean < 0:
+    assert "falling as" in line and "extrapolated, to its break-even" in line
+  else:
+    assert "not falling as" in line and "the fit never reaches its break-even" in line
 
 
 def test_the_time_figure_gives_each_series_a_colour_and_each_schedule_a_line_style():
