@@ -177,7 +177,8 @@ def _break_even_text(beside: Sequence[budget.TaxReading], tie: float, fastest: s
   if at_tie is None:
     return text + f": the fit never reaches its break-even {tie:.2f}×"
   if math.isinf(at_tie):
-    return text + f": it falls too slowly for the fit to reach its break-even {tie:.2f}× at any budget"
+    return text + (f": it falls too slowly for the fit to reach its break-even {tie:.2f}× at "
+                   "any budget")
   return text + (f": extrapolated, to its break-even {tie:.2f}× at about {budget.about(at_tie)} "
                  "sequences of that run")
 
