@@ -35,10 +35,10 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PipeDream + Muon at 32 sequences per update, a pilot at x1 and x0.5 (seed 0; half of batch
   32's x1 best first, since PipeDream at 8 per update came out best at half of batch 8's, then
-  that rate itself), then at x2 at half of batch 32's best: under PipeDream-2BW its time per
-  sequence is 0.81 of ZB-H2's at batch 32 in the cost model, so it comes first wherever its token
-  tax against batch 32 is below 1.24x, and its delay in updates is a quarter of that at 8 per
-  update;
+  that rate itself), then at x2 at its x1 best (1.6e-2) and half of it: under PipeDream-2BW
+  its time per sequence is 0.81 of ZB-H2's at batch 32 in the cost model, so it comes first
+  wherever its token tax against batch 32 is below 1.24x, and its delay in updates is a quarter
+  of that at 8 per update;
 * PB + Muon, the pipeline without stashing.
 
 The baseline at batch 8 also runs at x0.125 and x0.25 (its x1 best rate, twice and four times
@@ -132,12 +132,13 @@ MUON_LARGE = ("muon", {"micro_batch_size": (LARGE_BATCH,),
 LARGE_BUDGETS = (2.0, 4.0)
 # PipeDream + Muon at 32 sequences per update: a pilot at x1 at half and at the whole of batch
 # 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets; then
-# at x2 at half of batch 32's best (its x1 best or half of it, whichever x1 picks), since its tax
-# fell the fastest of the asynchronous series from x0.5 to x1 and x2 tests that first.
+# at x2 at its x1 best (1.6e-2) and half of it, since its tax fell the fastest of the
+# asynchronous series from x0.5 to x1 and x2 tests that first.
 PIPEDREAM_WIDE = ("pipedream_muon", {
     "method_kwargs.pipedream_muon.micro_batches": (WIDE_BATCH,),
-    "reference.batch_size": (WIDE_BATCH,)}, 8e-3)
+    "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
 PIPEDREAM_WIDE_RATES_X1 = (8e-3, 1.6e-2)
+PIPEDREAM_WIDE_RATES = {0.5: (8e-3,), 2.0: (8e-3, 1.6e-2)}  # budget multiplier: rates (seed 0)
 METHODS = (MUON, MUON_BATCH, PIPEDREAM, PIPEDREAM_BATCH, PB_MUON)
 # Seed 1 for the best synchronous baseline (batch 8: the sooner to every target measured), the
 # best asynchronous methods (PipeDream + Muon at 1 sequence per update, the lower tax; at 8, the
@@ -232,9 +233,10 @@ def _grids() -> list[dict]:
   m, extra, best = MUON_LARGE
   grids.append(_cell(m, extra, (best, best / 2, best * 2), (0,), {}))
   grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in LARGE_BUDGETS]
-  m, extra, best = PIPEDREAM_WIDE
+  m, extra, _ = PIPEDREAM_WIDE
   grids.append(_cell(m, extra, PIPEDREAM_WIDE_RATES_X1, (0,), {}))
-  grids += [_cell(m, extra, (best,), (0,), _schedule(multiplier)) for multiplier in (0.5, 2.0)]
+  grids += [_cell(m, extra, rates, (0,), _schedule(multiplier))
+            for multiplier, rates in PIPEDREAM_WIDE_RATES.items()]
   # x1: lm_regime's runs (no schedule keys: the config's own), copied, never trained here.
   grids += [_cell(m, extra, _rates(1.0, best), (0,), {}) for m, extra, best in METHODS]
   return grids
