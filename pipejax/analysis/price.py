@@ -308,13 +308,12 @@ class TimeToTarget:
              + (f" ({sync_best[1][0]} under {sync_best[1][1]}, {sync_best[0] / 1e9:,.1f} × 10⁹ "
                 "FLOP-times)."
                 if sync_best[1] else " (none reaches it inside its budgets yet).")]
-    # The break-even is a tax against the fastest synchronous series' own samples, so the trend
-    # extrapolated to it is that of the taxes against that series, which need not be the one
-    # with the fewest samples to a target (a larger batch costs samples and saves time). A
-    # series without runs has no samples to tax against.
-    fastest_sync, fastest_series = min(
-        ((t, key[0]) for key, t in per_sample.items()
-         if key[0] in synchronous and key not in no_runs), default=(math.inf, None))
+    # The break-even is a tax against the synchronous run that reaches the goal's loss first, on
+    # its own samples, so the trend extrapolated to it is that of the taxes against that series,
+    # which need not be the one with the fewest samples to a target (a larger batch costs
+    # samples and saves time), nor the one cheapest per sample (it may never get there).
+    fastest_series = sync_best[1][0] if sync_best[1] else None
+    fastest_sync = per_sample[sync_best[1]] if sync_best[1] else math.inf
     against_fastest = tokens.taxes(records, against=(fastest_series,)) if fastest_series else []
     met = []
     for (series, name), time in times.items():
@@ -395,9 +394,11 @@ def break_even(section: TimeToTarget, costs: StageCosts) -> str:
   fastest = min(sync, key=lambda t: t[3])
   lines = [f"Time per sequence on {section.num_devices} devices (FLOPs at one rate on every "
            "device, by XLA's cost analysis), and for each "
-           "asynchronous run the token tax at which it would tie with the fastest synchronous "
-           f"run ({fastest[0]} under {fastest[1]}): below it, the asynchronous run reaches a "
-           "target first.", "",
+           "asynchronous run the token tax at which it would tie with the synchronous run "
+           f"cheapest per sequence ({fastest[0]} under {fastest[1]}): below it, the "
+           "asynchronous run reaches a target first. A run cheaper per sequence can still reach "
+           "a target later, by needing more sequences: the goal below sets each asynchronous "
+           "run against the synchronous run that reaches the goal's loss first.", "",
            "| series | schedule | batch | time per sequence | break-even token tax |",
            "|---|---|---|---|---|"]
   for series, schedule, batch, per_sample in timed:
