@@ -122,6 +122,11 @@ def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
   return f"≤ {value}" if kind == "before" else value
 
 
+def _bound_text(time: float, bounded: bool) -> str:
+  """A side's best time to a target; '≤' where a run on that side has only a bound there."""
+  return f"{'≤ ' if bounded else ''}{time / 1e9:,.1f}"
+
+
 def _sooner_interval_text(first: TimedRun, second: TimedRun, target: int) -> str:
   """', [low, high] over n seeds, p = ...' for how many times sooner ``first`` reaches the
   ``target``-th target than ``second``, per seed on each seed's own runs; '' under two."""
@@ -257,32 +262,50 @@ class TimeToTarget:
     return "\n".join(lines)
 
   def _fastest(self, timed: list[TimedRun]) -> list[str]:
-    """Per target, the fastest synchronous and asynchronous runs, where both reached it, and how
-    many times sooner the first gets there: on the seeds' mean curves, with the interval over
-    seeds of the same ratio on each seed's own runs (paired by seed) where two or more have it."""
+    """Per target, the fastest synchronous and asynchronous runs, where both get there, and how
+    many times sooner the first does: on the seeds' mean curves, with the interval over seeds of
+    the same ratio on each seed's own runs (paired by seed) where two or more have it.
+
+    A run that reaches a target before its shortest budget has only an upper bound there (its
+    time at that budget). Where one side has such a bound, the first is named only when that
+    bound beats the other side's exact time; else the target is left undecided."""
     synchronous = set(self.tokens.synchronous or (self.tokens.baseline,))
     lines = []
     for i, target in enumerate(self.tokens.targets):
       sides = []
       for is_sync in (True, False):
-        reached = [run for run in timed if (run.series in synchronous) == is_sync
-                   and math.isfinite(run.times[i])]
-        sides.append(min(reached, key=lambda run: run.times[i]) if reached else None)
-      if all(sides):
-        sync, asynchronous = sides
-        first, second = sorted(sides, key=lambda run: run.times[i])  # a tie: synchronous first
-        faster = "asynchronous" if first is asynchronous else "synchronous"
-        ratio = second.times[i] / first.times[i]
+        mine = [run for run in timed if (run.series in synchronous) == is_sync]
+        exact = [run for run in mine if run.crossings[i].kind == "reached"]
+        bounds = [run for run in mine if run.crossings[i].kind == "before"]
+        bound_times = {id(run): run.crossings[i].samples * run.per_sample for run in bounds}
+        best = min(exact + bounds,
+                   key=lambda run: bound_times.get(id(run), run.times[i]), default=None)
+        sides.append((best, bound_times.get(id(best), best.times[i] if best else None),
+                      bool(bounds)))
+      (sync, sync_time, sync_bounded), (asynchronous, async_time, async_bounded) = sides
+      if not sync or not asynchronous:
+        continue
+      first, second = sorted([(sync_time, 0, sync), (async_time, 1, asynchronous)])
+      faster = "asynchronous" if first[2] is asynchronous else "synchronous"
+      ratio = second[0] / first[0]
+      first_bounded = sync_bounded if first[2] is sync else async_bounded
+      second_bounded = async_bounded if first[2] is sync else sync_bounded
+      if not first_bounded and not second_bounded:
         # A ratio that rounds to 1.00× names no winner.
         order = (f"level within {LEVEL - 1:.1%}" if ratio < LEVEL else
                  f"the {faster} one first, {ratio:.2f}× sooner")
-        lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync.key}, "
-                     f"{sync.times[i] / 1e9:,.1f}; fastest asynchronous {asynchronous.key}, "
-                     f"{asynchronous.times[i] / 1e9:,.1f}: {order}"
-                     f"{_sooner_interval_text(first, second, i)}.")
+        order += _sooner_interval_text(first[2], second[2], i)
+      elif not second_bounded:
+        order = (f"the {faster} one first, at least {ratio:.2f}× sooner (a run on its side "
+                 "reaches the target before its shortest budget, so its time is a bound)")
+      else:
+        order = ("not decided: a run on the slower-looking side reaches the target before its "
+                 "shortest budget, so its time is only a bound; a shorter budget would tell")
+      lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync.key}, "
+                   f"{_bound_text(sync_time, sync_bounded)}; fastest asynchronous "
+                   f"{asynchronous.key}, {_bound_text(async_time, async_bounded)}: {order}.")
     return lines or ["No target is reached inside the budgets by both a synchronous and an "
-                     "asynchronous series yet (a target below a series' shortest budget counts "
-                     "only once a shorter budget brackets it)."]
+                     "asynchronous series yet."]
 
   def goal(self, records: Sequence[dict], workdir: str) -> list[str]:
     """Whether an asynchronous run meets the goal: its token tax at the longest budget (the

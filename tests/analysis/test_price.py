@@ -100,6 +100,21 @@ def test_times_within_rounding_of_each_other_name_no_winner(tmp_path):
   assert "the asynchronous one first" in section(records, str(tmp_path))
 
 
+def test_a_run_that_gets_there_before_its_shortest_budget_bounds_its_side(tmp_path):
+  # Sync (1F1B at 8 on 4 devices, 33 / 8 a sample) is already at 2.4 after 1,000 samples: it
+  # reaches 2.5 within 4,125. Async (PB, 3 a sample) crosses 2.5 at 2,000 (6,000): the bound
+  # beats it, so Sync is first by at least 6,000 / 4,125. Where Async crosses at
+  # 1000 * 4 ** (1 / 6) (3,780), below the bound, which side is first is not known.
+  section = sync_and_async_section(tmp_path, uniform_costs(4))
+  sync = [record("sync", 1000, 2.4), record("sync", 4000, 2.0)]
+  text = section(sync + [record("async", 1000, 2.9), record("async", 4000, 2.1)], str(tmp_path))
+  assert (f"fastest synchronous Sync (1f1b), ≤ {4125 / 1e9:,.1f}; fastest asynchronous Async "
+          f"(pb), {6000 / 1e9:,.1f}: the synchronous one first, at least {6000 / 4125:.2f}× "
+          "sooner") in text
+  text = section(sync + [record("async", 1000, 2.6), record("async", 4000, 2.0)], str(tmp_path))
+  assert "not decided" in text and "one first" not in text
+
+
 @pytest.mark.parametrize("update, async_seed_1, verdict", [
     (3.0e9, 2.95, "p = "), (0.0, 3.1, "not told apart, the interval includes 1×")])
 def test_how_much_sooner_carries_an_interval_over_seeds_on_their_own_runs(
