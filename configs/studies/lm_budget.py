@@ -81,8 +81,10 @@ sequences per update 92 to 95 minutes at x2, so about 3.2 hours a run at x4, lon
 session (each resumes from its checkpoint where the machine is kept); the baseline's four x4
 runs about 65 minutes each: x4 is about 11 trainer-hours. Muon at batch 32 took 8 to 9 minutes a
 run at x1 beside one other trainer and 17 at x2, so its eleven runs are about 2.5 trainer-hours;
-PipeDream + Muon at 32 per update about as long as at 8 (one micro-batch a tick either way), so
-its three pilot runs are about 2 trainer-hours.
+PipeDream + Muon at 32 per update about as long as at 8 (one micro-batch a tick either way): 45
+to 53 minutes a run at x1 and 102 at x2, so its five runs are about 5.5 trainer-hours. Muon at batch
+64 took 8 to 10 minutes a run at x1 and 25 at x2 (beside one to two trainers and the test suite):
+its five runs about 1.2 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
