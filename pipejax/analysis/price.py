@@ -122,6 +122,23 @@ def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
   return f"≤ {value}" if kind == "before" else value
 
 
+def _time_or_bound(run: TimedRun, target: int) -> float:
+  """A run's time to the ``target``-th target, or its bound where it gets there before its
+  shortest budget; ``inf`` where it does not get there."""
+  crossing = run.crossings[target]
+  return crossing.samples * run.per_sample if crossing.kind in ("reached", "before") else math.inf
+
+
+def _fastest_of(runs: Sequence[TimedRun], target: int) -> tuple[TimedRun | None, float, bool]:
+  """The run of ``runs`` first to the ``target``-th target, its time (or bound), and whether any
+  of them has only a bound there, which makes that time itself a bound."""
+  best = min(runs, key=lambda run: _time_or_bound(run, target), default=None)
+  if best is None or not math.isfinite(_time_or_bound(best, target)):
+    return None, math.inf, False
+  bounded = any(run.crossings[target].kind == "before" for run in runs)
+  return best, _time_or_bound(best, target), bounded
+
+
 def _bound_text(time: float, bounded: bool) -> str:
   """A side's best time to a target; '≤' where a run on that side has only a bound there."""
   return f"{'≤ ' if bounded else ''}{time / 1e9:,.1f}"
@@ -272,35 +289,27 @@ class TimeToTarget:
     synchronous = set(self.tokens.synchronous or (self.tokens.baseline,))
     lines = []
     for i, target in enumerate(self.tokens.targets):
-      sides = []
-      for is_sync in (True, False):
-        mine = [run for run in timed if (run.series in synchronous) == is_sync]
-        exact = [run for run in mine if run.crossings[i].kind == "reached"]
-        bounds = [run for run in mine if run.crossings[i].kind == "before"]
-        bound_times = {id(run): run.crossings[i].samples * run.per_sample for run in bounds}
-        best = min(exact + bounds,
-                   key=lambda run: bound_times.get(id(run), run.times[i]), default=None)
-        sides.append((best, bound_times.get(id(best), best.times[i] if best else None),
-                      bool(bounds)))
-      (sync, sync_time, sync_bounded), (asynchronous, async_time, async_bounded) = sides
-      if not sync or not asynchronous:
+      sides = [_fastest_of([run for run in timed if (run.series in synchronous) == is_sync], i)
+               for is_sync in (True, False)]
+      if not all(run for run, _, _ in sides):
         continue
-      first, second = sorted([(sync_time, 0, sync), (async_time, 1, asynchronous)])
-      faster = "asynchronous" if first[2] is asynchronous else "synchronous"
-      ratio = second[0] / first[0]
-      first_bounded = sync_bounded if first[2] is sync else async_bounded
-      second_bounded = async_bounded if first[2] is sync else sync_bounded
+      sync_first = sides[0][1] <= sides[1][1]  # a tie: synchronous first
+      (first, first_time, first_bounded), (second, second_time, second_bounded) = (
+          sides if sync_first else sides[::-1])
+      faster = "synchronous" if sync_first else "asynchronous"
+      ratio = second_time / first_time
       if not first_bounded and not second_bounded:
         # A ratio that rounds to 1.00× names no winner.
         order = (f"level within {LEVEL - 1:.1%}" if ratio < LEVEL else
                  f"the {faster} one first, {ratio:.2f}× sooner")
-        order += _sooner_interval_text(first[2], second[2], i)
+        order += _sooner_interval_text(first, second, i)
       elif not second_bounded:
         order = (f"the {faster} one first, at least {ratio:.2f}× sooner (a run on its side "
                  "reaches the target before its shortest budget, so its time is a bound)")
       else:
         order = ("not decided: a run on the slower-looking side reaches the target before its "
                  "shortest budget, so its time is only a bound; a shorter budget would tell")
+      (sync, sync_time, sync_bounded), (asynchronous, async_time, async_bounded) = sides
       lines.append(f"* {target:g} {self.tokens.unit}: fastest synchronous {sync.key}, "
                    f"{_bound_text(sync_time, sync_bounded)}; fastest asynchronous "
                    f"{asynchronous.key}, {_bound_text(async_time, async_bounded)}: {order}.")
