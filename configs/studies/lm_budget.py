@@ -26,8 +26,8 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 * synchronous Muon at batch 32: under ZB-H1 on 32 devices its time per sequence is 0.44
   of batch 8's in the cost model, level with PipeDream-2BW at 8, so whether the synchronous
   pipeline at its best batch comes first turns on its token efficiency. Swept at x1 (8e-3,
-  1.6e-2, 3.2e-2), then at x0.5, x2 and x4 at the x1 best, two seeds at each budget, and at half
-  of it at x2;
+  1.6e-2, 3.2e-2), then at x0.25, x0.5, x2 and x4 at the x1 best, two seeds at each budget, and
+  at half of it at x2;
 * synchronous Muon at batch 64, so that the synchronous batch is bracketed from above: under
   ZB-H2 its time per sequence is 0.79 of batch 32's (33.4 against 42.0 x 10^6 in the cost
   model), below PipeDream-2BW's at 32 per update, and at x4 batch 32 cost no more tokens than
@@ -124,16 +124,18 @@ WIDE_BATCH = 32
 MUON_WIDE = ("muon", {"micro_batch_size": (WIDE_BATCH,),
                       "reference.batch_size": (WIDE_BATCH,)}, 1.6e-2)
 WIDE_RATES_X1 = (8e-3, 1.6e-2, 3.2e-2)
-WIDE_BUDGETS = (0.5, 2.0, 4.0)
+# x0.25 so that its curve brackets the targets its x0.5 runs already pass (3.0 to 3.2).
+WIDE_BUDGETS = (0.25, 0.5, 2.0, 4.0)
 # Synchronous Muon at 64 sequences per update, so that the synchronous batch is bracketed from
 # above: under ZB-H2 its time per sequence is 0.79 of batch 32's (the cost model), and at x4
 # batch 32 cost no more tokens than batch 8. Swept at x1 at batch 32's best, half and twice it
 # (3.2e-2 and 1.6e-2 level within 0.001 bits per byte, 8e-3 0.15 above), then run at x2 at the
-# two level rates.
+# two level rates and at x0.5, so that its curve brackets the targets its x1 run passes.
 LARGE_BATCH = 64
 MUON_LARGE = ("muon", {"micro_batch_size": (LARGE_BATCH,),
                        "reference.batch_size": (LARGE_BATCH,)}, 1.6e-2)
-LARGE_RATES = {2.0: (1.6e-2, 3.2e-2)}  # budget multiplier: rates (seed 0)
+# budget multiplier: rates (seed 0); x0.5 at the higher, since the best rate rises as runs shorten
+LARGE_RATES = {0.5: (3.2e-2,), 2.0: (1.6e-2, 3.2e-2)}
 # PipeDream + Muon at 32 sequences per update: a pilot at x1 at half and at the whole of batch
 # 32's x1 best, and at x0.5 at half of it, so that its tax against batch 32 has two budgets; then
 # at x2 at its x1 best (1.6e-2) and half of it, since its tax fell the fastest of the
