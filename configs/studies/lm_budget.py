@@ -31,8 +31,8 @@ the x1 best and twice it at x0.5; x4 at the rates best at x2. The methods:
 * synchronous Muon at batch 64, so that the synchronous batch is bracketed from above: under
   ZB-H2 its time per sequence is 0.79 of batch 32's (33.4 against 42.0 x 10^6 in the cost
   model), below PipeDream-2BW's at 32 per update, and at x4 batch 32 cost no more tokens than
-  batch 8. Swept at x1 at batch 32's best, half and twice it, then at x2 at the two best (seed
-  0);
+  batch 8. Swept at x1 at batch 32's best, half and twice it, then at x0.5 and at x2 at the
+  two best (seed 0);
 * PipeDream + Muon at 1 and 8 sequences per update, the best asynchronous method at x1;
 * PipeDream + Muon at 32 sequences per update, a pilot at x1 and x0.5 (seed 0; half of batch
   32's x1 best first, since PipeDream at 8 per update came out best at half of batch 8's, then
@@ -83,8 +83,8 @@ runs about 65 minutes each: x4 is about 11 trainer-hours. Muon at batch 32 took 
 run at x1 beside one other trainer and 17 at x2, so its eleven runs are about 2.5 trainer-hours;
 PipeDream + Muon at 32 per update about as long as at 8 (one micro-batch a tick either way): 45
 to 53 minutes a run at x1 and 102 at x2, so its five runs are about 5.5 trainer-hours. Muon at batch
-64 took 8 to 10 minutes a run at x1 and 25 at x2 (beside one to two trainers and the test suite):
-its five runs about 1.2 trainer-hours.
+64 took 3 minutes at x0.5, 8 to 10 a run at x1 and 25 at x2 (beside one to two trainers and the
+test suite): its six runs about 1.3 trainer-hours.
 
 ``:smoke`` runs the 4-stage smoke network, one seed: Muon without a pipeline at two budgets and
 PB + Muon at the longer, with the tokens-to-target section (CI).
