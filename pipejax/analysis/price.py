@@ -118,8 +118,7 @@ def schedule_name(schedule: str, costs: StageCosts, num_devices: int) -> str:
 def _time_text(samples: float | None, per_sample: float, kind: str) -> str:
   if samples is None:  # 'not reached' or 'no runs'
     return kind
-  value = f"{samples * per_sample / 1e9:,.1f}"
-  return f"≤ {value}" if kind == "before" else value
+  return _bound_text(samples * per_sample, kind == "before")
 
 
 def _time_or_bound(run: TimedRun, target: int) -> float:
